@@ -1,0 +1,336 @@
+//! vLLM prefix-cache block hashing, byte-exact.
+//!
+//! vLLM names a full KV-cache block by a chain hash: block `i` hashes
+//! `(parent, tuple(tokens[i*bs:(i+1)*bs]), extra_keys_i)` where `parent` is
+//! the digest of block `i - 1`, and the parent of block 0 is `NONE_HASH`, the
+//! digest of the seed string (`PYTHONHASHSEED`, or `"vllm-none-hash"`). Only
+//! full blocks are hashed. The tuple is serialized with pickle protocol 5
+//! ([`HashAlgo::Sha256`], vLLM's default) or canonical CBOR (the `*_cbor`
+//! algorithms) and hashed with SHA-256 or XXH3-128. KV events carry the last
+//! 8 bytes of each digest as a big-endian `u64` ([`BlockHash`]).
+//!
+//! This module is responsible for producing exactly the digests a vLLM pod
+//! produces for the same tokens, LoRA adapter and cache salt, for both
+//! extra-key layouts ([`ExtraKeysForm`]); `tests/vllm_vectors.rs` checks it
+//! against vectors taken from vLLM itself.
+//!
+//! Not here: multimodal and prompt-embedding extra keys (requests carrying
+//! them are not hashed by kvroute), the random `NONE_HASH` vLLM uses when
+//! `PYTHONHASHSEED` is unset with xxhash (unmatchable by design), decoding
+//! KV events, and tokenization. The pickle writer does not model Python
+//! object identity; see [`pickle`](self::pickle) for the corner case that
+//! leaves out.
+
+mod cbor;
+mod config;
+mod digest;
+mod pickle;
+mod preimage;
+
+use sha2::{Digest as _, Sha256};
+use xxhash_rust::xxh3::xxh3_128;
+
+pub use config::{DEFAULT_SEED, ExtraKeysForm, HashAlgo, HashConfig};
+pub use digest::BlockDigest;
+
+use cbor::Cbor;
+use pickle::Pickle5;
+use preimage::{BlockKeys, Encoder};
+
+/// A block hash in the form KV events carry: the last 8 bytes of the block's
+/// digest, big-endian (see [`BlockDigest::to_u64`]).
+pub type BlockHash = u64;
+
+/// The longest cache salt vLLM accepts, in characters.
+pub const MAX_CACHE_SALT_CHARS: usize = 128;
+
+/// A LoRA adapter as vLLM's tagged extra keys name it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lora {
+    /// The adapter's served name (`LoRARequest.lora_name`), hashed in both
+    /// extra-key forms.
+    pub name: String,
+    /// The adapter's path on the pod (`LoRARequest.lora_path`), hashed only in
+    /// the tagged form. KV events do not carry it, so the router must be told.
+    pub path: String,
+}
+
+impl Lora {
+    /// An adapter with the given served name and path.
+    pub fn new(name: impl Into<String>, path: impl Into<String>) -> Self {
+        Self { name: name.into(), path: path.into() }
+    }
+}
+
+/// The per-request inputs to a block's extra keys.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BlockExtras<'a> {
+    /// The LoRA adapter serving the request, if any; part of every block's
+    /// extra keys.
+    pub lora: Option<&'a Lora>,
+    /// The request's `cache_salt`, if any; part of block 0's extra keys only
+    /// (and so, through the chain, of every block's hash). Check it with
+    /// [`validate_cache_salt`] where it enters the system.
+    pub cache_salt: Option<&'a str>,
+}
+
+/// Errors from configuring or feeding the block hasher.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HashError {
+    /// `block_size` was 0.
+    #[error("invalid block_size {block_size}: must be at least 1")]
+    InvalidBlockSize {
+        /// The rejected value.
+        block_size: usize,
+    },
+    /// An algorithm name that is not one of [`HashAlgo::ALL`].
+    #[error("unknown hash algorithm '{0}': expected one of sha256, sha256_cbor, xxhash_cbor")]
+    UnknownAlgo(String),
+    /// A cache salt vLLM would reject.
+    #[error("invalid cache_salt {salt:?}: {reason}")]
+    InvalidCacheSalt {
+        /// The rejected salt.
+        salt: String,
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
+}
+
+/// Checks a cache salt the way vLLM's request validation does: non-empty, at
+/// most [`MAX_CACHE_SALT_CHARS`] characters, and free of `@`, `/`, `\` and
+/// NUL.
+pub fn validate_cache_salt(salt: &str) -> Result<(), HashError> {
+    let reason = if salt.is_empty() {
+        "must not be empty"
+    } else if salt.chars().count() > MAX_CACHE_SALT_CHARS {
+        "must be at most 128 characters"
+    } else if salt.contains(['@', '/', '\\', '\0']) {
+        "must not contain '@', '/', '\\' or NUL"
+    } else {
+        return Ok(());
+    };
+    Err(HashError::InvalidCacheSalt { salt: salt.to_owned(), reason })
+}
+
+/// Hashes token sequences into vLLM block digests for one [`HashConfig`].
+///
+/// Cheap to share: it holds the config and the precomputed `NONE_HASH`.
+#[derive(Clone, Debug)]
+pub struct BlockHasher {
+    config: HashConfig,
+    none_hash: BlockDigest,
+}
+
+impl BlockHasher {
+    /// A hasher for `config`; fails if `config.block_size` is 0.
+    pub fn new(config: HashConfig) -> Result<Self, HashError> {
+        if config.block_size == 0 {
+            return Err(HashError::InvalidBlockSize { block_size: config.block_size });
+        }
+        let mut buf = Vec::new();
+        encode_seed(config.algo, &mut buf, config.effective_seed());
+        let none_hash = digest(config.algo, &buf);
+        Ok(Self { config, none_hash })
+    }
+
+    /// The configuration this hasher was built with.
+    pub fn config(&self) -> &HashConfig {
+        &self.config
+    }
+
+    /// `NONE_HASH`: the digest of the seed string, the parent of block 0.
+    pub fn none_hash(&self) -> BlockDigest {
+        self.none_hash
+    }
+
+    /// Number of full blocks in `n_tokens` tokens; a trailing partial block
+    /// is never hashed.
+    pub fn full_blocks(&self, n_tokens: usize) -> usize {
+        n_tokens / self.config.block_size
+    }
+
+    /// The digest of every full block of `tokens`, in order.
+    pub fn digests(&self, tokens: &[u32], extras: BlockExtras<'_>) -> Vec<BlockDigest> {
+        let mut out = Vec::with_capacity(self.full_blocks(tokens.len()));
+        self.for_each_digest(tokens, extras, |digest| out.push(digest));
+        out
+    }
+
+    /// The KV-event form ([`BlockHash`]) of every full block of `tokens`.
+    pub fn hashes(&self, tokens: &[u32], extras: BlockExtras<'_>) -> Vec<BlockHash> {
+        let mut out = Vec::with_capacity(self.full_blocks(tokens.len()));
+        self.for_each_digest(tokens, extras, |digest| out.push(digest.to_u64()));
+        out
+    }
+
+    /// The exact bytes hashed for one block: `tokens` under `parent`, with
+    /// the cache salt applied only if `block_index` is 0. For conformance
+    /// tests and debugging; [`digests`](Self::digests) is the API.
+    #[doc(hidden)]
+    pub fn block_preimage(
+        &self,
+        parent: &BlockDigest,
+        block_index: usize,
+        tokens: &[u32],
+        extras: BlockExtras<'_>,
+    ) -> Vec<u8> {
+        let mut buf = Vec::new();
+        self.encode_block(&mut buf, parent.as_bytes(), tokens, &self.block_keys(block_index, extras));
+        buf
+    }
+
+    /// The exact bytes hashed for `NONE_HASH`.
+    #[doc(hidden)]
+    pub fn seed_preimage(&self) -> Vec<u8> {
+        let mut buf = Vec::new();
+        encode_seed(self.config.algo, &mut buf, self.config.effective_seed());
+        buf
+    }
+
+    fn for_each_digest(
+        &self,
+        tokens: &[u32],
+        extras: BlockExtras<'_>,
+        mut f: impl FnMut(BlockDigest),
+    ) {
+        let block_size = self.config.block_size;
+        // One buffer for every block: the preimage of a block is about
+        // 5 bytes per token plus the parent and the extra keys.
+        let extras_len = extras.lora.map_or(0, |l| l.name.len() + l.path.len())
+            + extras.cache_salt.map_or(0, str::len);
+        let mut buf = Vec::with_capacity(96 + 6 * block_size + extras_len);
+        let mut parent = self.none_hash;
+        for (index, block) in tokens.chunks_exact(block_size).enumerate() {
+            self.encode_block(&mut buf, parent.as_bytes(), block, &self.block_keys(index, extras));
+            parent = digest(self.config.algo, &buf);
+            f(parent);
+        }
+    }
+
+    fn block_keys<'a>(&self, block_index: usize, extras: BlockExtras<'a>) -> BlockKeys<'a> {
+        BlockKeys {
+            form: self.config.extra_keys,
+            lora: extras.lora,
+            cache_salt: if block_index == 0 { extras.cache_salt } else { None },
+        }
+    }
+
+    fn encode_block(&self, buf: &mut Vec<u8>, parent: &[u8], tokens: &[u32], keys: &BlockKeys) {
+        match self.config.algo {
+            HashAlgo::Sha256 => preimage::write_block(&mut Pickle5::new(buf), parent, tokens, keys),
+            HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => {
+                preimage::write_block(&mut Cbor::new(buf), parent, tokens, keys)
+            }
+        }
+    }
+}
+
+fn encode_seed(algo: HashAlgo, buf: &mut Vec<u8>, seed: &str) {
+    fn write<E: Encoder>(mut e: E, seed: &str) {
+        preimage::write_seed(&mut e, seed);
+    }
+    match algo {
+        HashAlgo::Sha256 => write(Pickle5::new(buf), seed),
+        HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => write(Cbor::new(buf), seed),
+    }
+}
+
+fn digest(algo: HashAlgo, preimage: &[u8]) -> BlockDigest {
+    match algo {
+        HashAlgo::Sha256 | HashAlgo::Sha256Cbor => BlockDigest::from_slice(&Sha256::digest(preimage)),
+        // vLLM's xxh3_128_digest: the 128-bit value in big-endian bytes.
+        HashAlgo::XxhashCbor => BlockDigest::from_slice(&xxh3_128(preimage).to_be_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hasher(algo: HashAlgo, block_size: usize) -> BlockHasher {
+        BlockHasher::new(HashConfig { algo, block_size, ..HashConfig::default() }).unwrap()
+    }
+
+    #[test]
+    fn block_size_zero_is_rejected_by_name() {
+        let err = BlockHasher::new(HashConfig { block_size: 0, ..HashConfig::default() })
+            .unwrap_err();
+        assert!(matches!(err, HashError::InvalidBlockSize { block_size: 0 }));
+        assert!(err.to_string().contains("block_size"), "{err}");
+    }
+
+    #[test]
+    fn algo_names_round_trip() {
+        for algo in HashAlgo::ALL {
+            assert_eq!(algo.to_string().parse::<HashAlgo>().unwrap(), algo);
+            let json = serde_json::to_string(&algo).unwrap();
+            assert_eq!(json, format!("\"{algo}\""));
+        }
+        let err = "md5".parse::<HashAlgo>().unwrap_err().to_string();
+        assert!(err.contains("'md5'") && err.contains("sha256, sha256_cbor, xxhash_cbor"), "{err}");
+    }
+
+    #[test]
+    fn config_defaults_and_partial_serde() {
+        let config = HashConfig::default();
+        assert_eq!(config.algo, HashAlgo::Sha256);
+        assert_eq!(config.block_size, 16);
+        assert_eq!(config.effective_seed(), "vllm-none-hash");
+        let parsed: HashConfig =
+            serde_json::from_str(r#"{"algo": "xxhash_cbor", "seed": "0", "extra_keys": "legacy"}"#)
+                .unwrap();
+        assert_eq!(parsed.algo, HashAlgo::XxhashCbor);
+        assert_eq!(parsed.block_size, 16);
+        assert_eq!(parsed.effective_seed(), "0");
+        assert_eq!(parsed.extra_keys, ExtraKeysForm::Legacy);
+    }
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        for algo in HashAlgo::ALL {
+            let h = hasher(algo, 4);
+            let tokens: Vec<u32> = (0..11).collect();
+            assert_eq!(h.full_blocks(11), 2);
+            let digests = h.digests(&tokens, BlockExtras::default());
+            assert_eq!(digests.len(), 2);
+            assert_eq!(digests[0].as_bytes().len(), algo.digest_len());
+            // The partial block changes nothing; a prefix shares its blocks.
+            assert_eq!(h.digests(&tokens[..8], BlockExtras::default()), digests);
+            assert_eq!(h.digests(&tokens[..4], BlockExtras::default()), digests[..1]);
+            assert!(h.digests(&tokens[..3], BlockExtras::default()).is_empty());
+            let hashes = h.hashes(&tokens, BlockExtras::default());
+            assert_eq!(hashes, digests.iter().map(BlockDigest::to_u64).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn blocks_chain_through_their_parent() {
+        let h = hasher(HashAlgo::Sha256Cbor, 2);
+        let digests = h.digests(&[1, 2, 3, 4], BlockExtras::default());
+        let second = h.block_preimage(&digests[0], 1, &[3, 4], BlockExtras::default());
+        assert_eq!(BlockDigest::from_slice(&Sha256::digest(&second)), digests[1]);
+        // Same tokens under a different parent hash differently.
+        assert_ne!(h.digests(&[3, 4], BlockExtras::default())[0], digests[1]);
+    }
+
+    #[test]
+    fn cache_salt_reaches_block_zero_only() {
+        let h = hasher(HashAlgo::Sha256, 2);
+        let salted = BlockExtras { cache_salt: Some("tenant"), ..BlockExtras::default() };
+        let plain = h.block_preimage(&h.none_hash(), 1, &[3, 4], BlockExtras::default());
+        assert_eq!(h.block_preimage(&h.none_hash(), 1, &[3, 4], salted), plain);
+        assert_ne!(h.block_preimage(&h.none_hash(), 0, &[3, 4], salted), plain);
+    }
+
+    #[test]
+    fn cache_salt_rules() {
+        for ok in ["a", "tenant-a-3f9c", &"é".repeat(128)] {
+            validate_cache_salt(ok).unwrap();
+        }
+        for bad in ["", "a@b", "a/b", "a\\b", "a\0b", &"x".repeat(129)] {
+            let err = validate_cache_salt(bad).unwrap_err();
+            assert!(err.to_string().starts_with("invalid cache_salt"), "{err}");
+        }
+    }
+}

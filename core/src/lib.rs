@@ -1,0 +1,19 @@
+//! kvroute's routing core: pure logic with no I/O.
+//!
+//! Everything that decides where a request goes lives here: vLLM-exact block
+//! hashing ([`hash`]), routing keys ([`keys`]), rendezvous ranking
+//! ([`rendezvous`]), the per-pool occupancy index ([`index`]), load accounting
+//! ([`load`]) and the routing policies ([`policy`]). The router, the replay
+//! benchmark and the engine simulator all call this crate, so a decision made
+//! in a benchmark is the decision the router makes.
+//!
+//! Not here: networking, clocks beyond `std::time`, Kubernetes, async runtimes.
+
+pub mod hash;
+pub mod index;
+pub mod keys;
+pub mod load;
+pub mod lru;
+pub mod policy;
+pub mod rendezvous;
+pub mod slot;

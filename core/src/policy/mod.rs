@@ -1,0 +1,252 @@
+//! Routing policies: given a request and the candidate endpoints, a ranked
+//! list (first = the choice, the rest = the retry order) and a reason.
+//!
+//! One policy per file, each with a `Config` whose `Default` is documented.
+//! `kvroute` is the default; the others are the baselines it is measured
+//! against in `kvroute replay`, and they run the same code in the router.
+//!
+//! Policies see only what is passed in: candidates (already filtered to
+//! ready, non-draining, non-ejected endpoints) with their load, the request's
+//! routing key and block-hash chain, and for exact cache-aware routing the
+//! pool's occupancy index. They never do I/O.
+
+mod approx_prefix;
+mod exact_prefix_load;
+mod kvroute;
+mod least_loaded;
+pub mod memory;
+mod modulo;
+mod random;
+mod rendezvous;
+mod rendezvous_bounded;
+mod round_robin;
+
+use serde::{Deserialize, Serialize};
+
+use crate::hash::BlockHash;
+use crate::index::OccupancyIndex;
+use crate::keys::RoutingKey;
+use crate::load::Load;
+use crate::slot::Slot;
+
+pub use approx_prefix::{ApproxPrefix, Config as ApproxPrefixConfig};
+pub use exact_prefix_load::{Config as ExactPrefixLoadConfig, ExactPrefixLoad};
+pub use kvroute::{Config as KvrouteConfig, Kvroute};
+pub use least_loaded::LeastLoaded;
+pub use modulo::Modulo;
+pub use random::{Config as RandomConfig, Random};
+pub use rendezvous::Rendezvous;
+pub use rendezvous_bounded::{Config as RendezvousBoundedConfig, RendezvousBounded};
+pub use round_robin::RoundRobin;
+
+/// A candidate endpoint as a policy sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Endpoint {
+    /// The endpoint's slot in the pool (index and load are by slot).
+    pub slot: Slot,
+    /// Its rendezvous identity ([`crate::rendezvous::endpoint_id`]).
+    pub id: u64,
+    /// Its current load.
+    pub load: Load,
+}
+
+/// What a policy knows about a request.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    /// The routing key.
+    pub key: RoutingKey,
+    /// The prompt's block-hash chain (full blocks only).
+    pub chain: &'a [BlockHash],
+    /// Prompt length in tokens.
+    pub prompt_tokens: u64,
+}
+
+/// Pool-wide facts a policy may use.
+#[derive(Clone, Copy, Debug)]
+pub struct Context<'a> {
+    /// The engines' reported occupancy, when they report it (exact mode).
+    /// `None` in approximate mode.
+    pub index: Option<&'a OccupancyIndex>,
+    /// Tokens per block of `Request::chain`.
+    pub block_tokens: u64,
+}
+
+/// Why the first endpoint was chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reason {
+    /// It holds the longest known cached prefix of the request.
+    Warm,
+    /// No preference from any cache: the policy's plain first choice.
+    Cold,
+    /// The policy's preferred endpoint was over its load bound; this is the
+    /// next one.
+    Spill,
+}
+
+impl Reason {
+    /// The reason as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Warm => "warm",
+            Reason::Cold => "cold",
+            Reason::Spill => "spill",
+        }
+    }
+}
+
+/// A policy's answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// Positions into the candidate slice, best first: a permutation of all
+    /// candidates. Empty only when there were no candidates.
+    pub ranked: Vec<usize>,
+    /// Why `ranked[0]` was chosen.
+    pub reason: Reason,
+    /// Leading blocks of the request the policy believes `ranked[0]` holds.
+    pub cached_blocks: u32,
+}
+
+impl Decision {
+    fn cold(ranked: Vec<usize>) -> Self {
+        Decision {
+            ranked,
+            reason: Reason::Cold,
+            cached_blocks: 0,
+        }
+    }
+}
+
+/// A routing policy. Router, replay and tests drive it the same way: `rank`
+/// for each request, `routed` once the request was actually sent (perhaps to
+/// a retry endpoint), `endpoint_removed` when an endpoint leaves the pool.
+pub trait Policy: Send + std::fmt::Debug {
+    /// The policy's name, as in configuration.
+    fn name(&self) -> &'static str;
+
+    /// Ranks `endpoints` for `request`. Must not panic on any input,
+    /// including no endpoints.
+    fn rank(&mut self, request: &Request<'_>, endpoints: &[Endpoint], cx: &Context<'_>)
+    -> Decision;
+
+    /// The request was sent to `endpoint`. Policies with memory learn here.
+    fn routed(&mut self, _request: &Request<'_>, _endpoint: &Endpoint) {}
+
+    /// `slot` left the pool; forget it.
+    fn endpoint_removed(&mut self, _slot: Slot) {}
+
+    /// A copy of the policy with its state (the replay benchmark forks runs).
+    fn boxed_clone(&self) -> Box<dyn Policy>;
+}
+
+/// A policy by name with its configuration, as written in YAML:
+/// `{name: kvroute, loadBound: 0.25}` or just `{name: round-robin}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "kebab-case")]
+pub enum PolicyConfig {
+    /// Each endpoint in turn.
+    RoundRobin,
+    /// Fewest requests in flight.
+    LeastLoaded,
+    /// Uniformly at random, from a seed.
+    Random(RandomConfig),
+    /// `key mod N` over the candidates in the order given.
+    Modulo,
+    /// Rendezvous hash of the key, ignoring load.
+    Rendezvous,
+    /// Rendezvous hash of the key, skipping endpoints over a bound on
+    /// in-flight requests.
+    RendezvousBounded(RendezvousBoundedConfig),
+    /// Longest prefix from the router's own routing history, SGLang style.
+    ApproxPrefix(ApproxPrefixConfig),
+    /// Longest reported prefix with a load penalty, Dynamo and llm-d style.
+    ExactPrefixLoad(ExactPrefixLoadConfig),
+    /// kvroute's default: warm first, rendezvous for cold keys, bounded
+    /// work.
+    Kvroute(KvrouteConfig),
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::Kvroute(KvrouteConfig::default())
+    }
+}
+
+impl PolicyConfig {
+    /// Every policy name, the default first.
+    pub const NAMES: [&'static str; 9] = [
+        "kvroute",
+        "round-robin",
+        "least-loaded",
+        "random",
+        "modulo",
+        "rendezvous",
+        "rendezvous-bounded",
+        "approx-prefix",
+        "exact-prefix-load",
+    ];
+
+    /// The policy `name` with its default configuration.
+    pub fn by_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "kvroute" => PolicyConfig::Kvroute(Default::default()),
+            "round-robin" => PolicyConfig::RoundRobin,
+            "least-loaded" => PolicyConfig::LeastLoaded,
+            "random" => PolicyConfig::Random(Default::default()),
+            "modulo" => PolicyConfig::Modulo,
+            "rendezvous" => PolicyConfig::Rendezvous,
+            "rendezvous-bounded" => PolicyConfig::RendezvousBounded(Default::default()),
+            "approx-prefix" => PolicyConfig::ApproxPrefix(Default::default()),
+            "exact-prefix-load" => PolicyConfig::ExactPrefixLoad(Default::default()),
+            _ => return None,
+        })
+    }
+
+    /// A fresh policy.
+    pub fn build(&self) -> Box<dyn Policy> {
+        match self {
+            PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
+            PolicyConfig::LeastLoaded => Box::new(LeastLoaded::default()),
+            PolicyConfig::Random(c) => Box::new(Random::new(c.clone())),
+            PolicyConfig::Modulo => Box::new(Modulo),
+            PolicyConfig::Rendezvous => Box::new(Rendezvous::default()),
+            PolicyConfig::RendezvousBounded(c) => Box::new(RendezvousBounded::new(c.clone())),
+            PolicyConfig::ApproxPrefix(c) => Box::new(ApproxPrefix::new(c.clone())),
+            PolicyConfig::ExactPrefixLoad(c) => Box::new(ExactPrefixLoad::new(c.clone())),
+            PolicyConfig::Kvroute(c) => Box::new(Kvroute::new(c.clone())),
+        }
+    }
+}
+
+/// Rendezvous scores of `endpoints` for `key`, by candidate position.
+fn scores(key: RoutingKey, endpoints: &[Endpoint], out: &mut Vec<u64>) {
+    out.clear();
+    out.extend(
+        endpoints
+            .iter()
+            .map(|e| crate::rendezvous::score(key.0, e.id)),
+    );
+}
+
+/// `chain`'s cached leading blocks per candidate, from `by_slot` (indexed by
+/// slot, as the index fills it).
+fn per_candidate(by_slot: &[u32], endpoints: &[Endpoint], out: &mut Vec<u32>) {
+    out.clear();
+    out.extend(
+        endpoints
+            .iter()
+            .map(|e| by_slot.get(e.slot.index()).copied().unwrap_or(0)),
+    );
+}
+
+/// Uncached prompt tokens when `cached_blocks` leading blocks are cached.
+fn uncached_tokens(request: &Request<'_>, cached_blocks: u32, block_tokens: u64) -> u64 {
+    let cached = u64::from(cached_blocks).saturating_mul(block_tokens);
+    request.prompt_tokens.saturating_sub(cached)
+}
+
+#[cfg(test)]
+pub(crate) mod testing;
+
+#[cfg(test)]
+mod tests;

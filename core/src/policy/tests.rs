@@ -1,0 +1,95 @@
+//! Rules every policy keeps.
+
+use super::testing::*;
+use super::*;
+
+fn all() -> Vec<Box<dyn Policy>> {
+    PolicyConfig::NAMES
+        .iter()
+        .map(|n| PolicyConfig::by_name(n).expect("every listed name builds").build())
+        .collect()
+}
+
+#[test]
+fn names_round_trip() {
+    for (name, p) in PolicyConfig::NAMES.iter().zip(all()) {
+        assert_eq!(p.name(), *name);
+    }
+    assert_eq!(PolicyConfig::by_name("nope"), None);
+    assert_eq!(PolicyConfig::default().build().name(), "kvroute");
+}
+
+#[test]
+fn no_endpoints_gives_an_empty_ranking() {
+    let pool = Pool::test();
+    for mut p in all() {
+        for cx in [pool.cx(), Context { index: None, block_tokens: 16 }] {
+            let d = p.rank(&request(1, &[1, 2]), &[], &cx);
+            assert!(d.ranked.is_empty(), "{}", p.name());
+        }
+    }
+}
+
+#[test]
+fn every_ranking_is_a_permutation() {
+    let chain: Vec<u64> = (1..=8).collect();
+    let pool = Pool::test()
+        .replicas(7)
+        .holds(2, &chain[..3])
+        .holds(5, &chain)
+        .prefill(5, 100_000)
+        .in_flight(3, 9);
+    for mut p in all() {
+        for key in 0..30 {
+            let req = request(key, &chain);
+            let d = p.rank(&req, &pool.endpoints, &pool.cx());
+            assert_permutation(&d, 7);
+            p.routed(&req, &pool.endpoints[d.ranked[0]]);
+        }
+    }
+}
+
+#[test]
+fn a_clone_carries_state() {
+    let pool = Pool::test().replicas(3);
+    for mut p in all() {
+        for key in 0..5 {
+            let chain = [key];
+            let req = request(key, &chain);
+            let d = p.rank(&req, &pool.endpoints, &pool.cx());
+            p.routed(&req, &pool.endpoints[d.ranked[0]]);
+        }
+        let mut copy = p.boxed_clone();
+        for key in 0..10 {
+            let chain = [key];
+            let req = request(key, &chain);
+            assert_eq!(
+                p.rank(&req, &pool.endpoints, &pool.cx()),
+                copy.rank(&req, &pool.endpoints, &pool.cx()),
+                "{}",
+                p.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn configs_parse_with_documented_defaults() {
+    let c: PolicyConfig = serde_json::from_str(r#"{"name": "kvroute", "loadBound": 0.3}"#).unwrap();
+    let PolicyConfig::Kvroute(k) = c else {
+        panic!("{c:?}")
+    };
+    assert_eq!(k.load_bound, 0.3);
+    assert_eq!(k.headroom_tokens, KvrouteConfig::default().headroom_tokens);
+    let c: PolicyConfig = serde_json::from_str(r#"{"name": "round-robin"}"#).unwrap();
+    assert_eq!(c, PolicyConfig::RoundRobin);
+    let err = serde_json::from_str::<PolicyConfig>(r#"{"name": "kvroute", "loadBund": 1}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("loadBund"), "{err}");
+    for name in PolicyConfig::NAMES {
+        let c = PolicyConfig::by_name(name).unwrap();
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<PolicyConfig>(&json).unwrap(), c, "{json}");
+    }
+}
