@@ -55,7 +55,9 @@ fn hashing(c: &mut Criterion) {
 fn ranking(c: &mut Criterion) {
     let mut g = c.benchmark_group("rendezvous_rank");
     for n in [16usize, 128] {
-        let ids: Vec<u64> = (0..n).map(|i| endpoint_id(&format!("10.0.{i}.1:8000"))).collect();
+        let ids: Vec<u64> = (0..n)
+            .map(|i| endpoint_id(&format!("10.0.{i}.1:8000")))
+            .collect();
         let (mut scratch, mut out) = (Vec::new(), Vec::new());
         let mut key = 0u64;
         g.bench_function(BenchmarkId::from_parameter(n), |b| {
@@ -77,7 +79,10 @@ fn loaded_index() -> (OccupancyIndex, Vec<u64>) {
     let mut index = OccupancyIndex::new();
     for slot in 0..16u32 {
         let mut blocks = chain.clone();
-        blocks.extend(random_u64s(100 + u64::from(slot), per_endpoint - chain.len()));
+        blocks.extend(random_u64s(
+            100 + u64::from(slot),
+            per_endpoint - chain.len(),
+        ));
         index
             .apply(
                 Slot(slot),

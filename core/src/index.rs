@@ -9,23 +9,25 @@
 //!
 //! ## Layout and memory
 //!
-//! - `blocks`: block hash → bitset of the slots holding it. 8 bytes of key,
-//!   16 bytes of [`Holders`] (a 64-bit word inline; a boxed word slice once a
-//!   pool has more than 64 slots) and a control byte in a SwissTable kept at
-//!   most 7/8 full: 25 to 50 bytes per distinct block, depending on where the
-//!   table is in its doubling.
-//! - per endpoint: block hash → reference count (8 + 4 bytes, padded to 16,
-//!   plus a control byte): 17 to 34 bytes per (block, endpoint) entry.
-//!
-//! So one (block, endpoint) entry costs at most about 84 bytes, and an
-//! endpoint never holds more entries than the capacity (in blocks) it
-//! reported: a delta that would exceed it is refused with
-//! [`IndexError::OverCapacity`], and the caller resyncs that endpoint.
+//! One table, block hash → bitset of the slots holding it: 8 bytes of key,
+//! 16 bytes of bitset (a 64-bit word inline; a boxed word slice once a pool
+//! has more than 64 slots) and a control byte, in a SwissTable kept between
+//! 7/16 and 7/8 full. That is 28 to 55 bytes per distinct block, shared by
+//! all its holders, so a (block, endpoint) entry costs at most about 55
+//! bytes, and less when endpoints share blocks. Applying a stored or removed
+//! block touches that one table once. An endpoint never holds more blocks
+//! than the capacity it reported: a delta that would exceed it is refused
+//! with [`IndexError::OverCapacity`], and the caller resyncs that endpoint.
 //!
 //! Reference counts follow vLLM: two physical blocks can carry the same hash
 //! (the same prefix computed twice concurrently), each stored and removed on
 //! its own. The hash stays held until its last copy is removed, and every
-//! copy counts against the capacity.
+//! copy counts against the capacity. Extra copies are rare and live in a
+//! small side table.
+//!
+//! Forgetting an endpoint (or replacing its contents with a new snapshot)
+//! scans the table once: rare (an engine restart or a lost stream) and a few
+//! milliseconds at a million entries.
 
 use std::collections::HashMap;
 
@@ -94,6 +96,12 @@ impl Holders {
         }
     }
 
+    fn test(&self, slot: usize) -> bool {
+        self.words()
+            .get(slot / 64)
+            .is_some_and(|w| w & (1 << (slot % 64)) != 0)
+    }
+
     fn set(&mut self, slot: usize) {
         let (word, bit) = (slot / 64, 1u64 << (slot % 64));
         match self {
@@ -137,16 +145,18 @@ impl Holders {
 #[derive(Debug)]
 struct EndpointBlocks {
     capacity: usize,
-    /// Block → how many physical copies the endpoint holds.
-    refs: HashMap<BlockHash, u32, RandomState>,
-    /// Sum of `refs`: physical blocks held.
+    /// Physical blocks held, copies included.
     physical: usize,
+    /// Distinct blocks held.
+    distinct: usize,
 }
 
 /// Which endpoints of one pool hold which blocks. See the module docs.
 #[derive(Debug, Default)]
 pub struct OccupancyIndex {
     blocks: HashMap<BlockHash, Holders, RandomState>,
+    /// (block, slot) → copies beyond the first.
+    copies: HashMap<(BlockHash, u32), u32, RandomState>,
     endpoints: Vec<Option<EndpointBlocks>>,
 }
 
@@ -160,8 +170,34 @@ impl OccupancyIndex {
     pub fn apply(&mut self, slot: Slot, event: CacheEvent<'_>) -> Result<(), IndexError> {
         match event {
             CacheEvent::Snapshot { capacity, blocks } => self.snapshot(slot, capacity, blocks),
-            CacheEvent::Stored(blocks) => self.stored(slot, blocks),
-            CacheEvent::Removed(blocks) => self.removed(slot, blocks),
+            CacheEvent::Stored(blocks) => {
+                let ep = self.endpoint(slot)?;
+                let would_hold = ep.physical + blocks.len();
+                if would_hold > ep.capacity {
+                    return Err(IndexError::OverCapacity {
+                        slot: slot.0,
+                        capacity: ep.capacity,
+                        would_hold,
+                    });
+                }
+                self.store(slot, blocks);
+                Ok(())
+            }
+            CacheEvent::Removed(blocks) => {
+                self.endpoint(slot)?;
+                for (i, &block) in blocks.iter().enumerate() {
+                    if !self.remove(slot, block) {
+                        // Put back what this event removed, so a refused
+                        // event changes nothing.
+                        self.store(slot, &blocks[..i]);
+                        return Err(IndexError::NotHeld {
+                            slot: slot.0,
+                            block,
+                        });
+                    }
+                }
+                Ok(())
+            }
             CacheEvent::Cleared => {
                 let capacity = self.endpoint(slot)?.capacity;
                 self.snapshot(slot, capacity, &[])
@@ -174,6 +210,12 @@ impl OccupancyIndex {
             .get(slot.index())
             .and_then(Option::as_ref)
             .ok_or(IndexError::NoSnapshot(slot.0))
+    }
+
+    fn endpoint_mut(&mut self, slot: Slot) -> &mut EndpointBlocks {
+        self.endpoints[slot.index()]
+            .as_mut()
+            .expect("callers check the endpoint first")
     }
 
     fn snapshot(
@@ -195,68 +237,56 @@ impl OccupancyIndex {
         }
         self.endpoints[slot.index()] = Some(EndpointBlocks {
             capacity,
-            refs: HashMap::with_capacity_and_hasher(blocks.len(), RandomState::default()),
             physical: 0,
+            distinct: 0,
         });
-        self.stored(slot, blocks)
-    }
-
-    fn stored(&mut self, slot: Slot, blocks: &[BlockHash]) -> Result<(), IndexError> {
-        let ep = self
-            .endpoints
-            .get_mut(slot.index())
-            .and_then(Option::as_mut)
-            .ok_or(IndexError::NoSnapshot(slot.0))?;
-        let would_hold = ep.physical + blocks.len();
-        if would_hold > ep.capacity {
-            return Err(IndexError::OverCapacity {
-                slot: slot.0,
-                capacity: ep.capacity,
-                would_hold,
-            });
-        }
-        ep.physical = would_hold;
-        for &block in blocks {
-            let refs = ep.refs.entry(block).or_insert(0);
-            *refs += 1;
-            if *refs == 1 {
-                self.blocks
-                    .entry(block)
-                    .or_insert(Holders::Small(0))
-                    .set(slot.index());
-            }
-        }
+        self.blocks.reserve(blocks.len());
+        self.store(slot, blocks);
         Ok(())
     }
 
-    fn removed(&mut self, slot: Slot, blocks: &[BlockHash]) -> Result<(), IndexError> {
-        let ep = self
-            .endpoints
-            .get_mut(slot.index())
-            .and_then(Option::as_mut)
-            .ok_or(IndexError::NoSnapshot(slot.0))?;
-        // Check the whole batch first, so a refused event changes nothing.
-        let mut pending: HashMap<BlockHash, u32, RandomState> = HashMap::default();
+    /// Adds one copy of each block to `slot` (capacity already checked).
+    fn store(&mut self, slot: Slot, blocks: &[BlockHash]) {
+        let mut new = 0;
         for &block in blocks {
-            let removing = pending.entry(block).or_insert(0);
-            *removing += 1;
-            if ep.refs.get(&block).copied().unwrap_or(0) < *removing {
-                return Err(IndexError::NotHeld {
-                    slot: slot.0,
-                    block,
-                });
+            let holders = self.blocks.entry(block).or_insert(Holders::Small(0));
+            if holders.test(slot.index()) {
+                *self.copies.entry((block, slot.0)).or_insert(0) += 1;
+            } else {
+                holders.set(slot.index());
+                new += 1;
             }
         }
-        ep.physical -= blocks.len();
-        for (block, n) in pending {
-            let refs = ep.refs.get_mut(&block).expect("checked above");
-            *refs -= n;
-            if *refs == 0 {
-                ep.refs.remove(&block);
-                unset(&mut self.blocks, block, slot);
-            }
+        let ep = self.endpoint_mut(slot);
+        ep.physical += blocks.len();
+        ep.distinct += new;
+    }
+
+    /// Removes one copy of `block` from `slot`; false if it holds none.
+    fn remove(&mut self, slot: Slot, block: BlockHash) -> bool {
+        let Some(holders) = self.blocks.get_mut(&block) else {
+            return false;
+        };
+        if !holders.test(slot.index()) {
+            return false;
         }
-        Ok(())
+        let mut last_copy = true;
+        if !self.copies.is_empty()
+            && let Some(extra) = self.copies.get_mut(&(block, slot.0))
+        {
+            *extra -= 1;
+            if *extra == 0 {
+                self.copies.remove(&(block, slot.0));
+            }
+            last_copy = false;
+        }
+        if last_copy && holders.clear(slot.index()) {
+            self.blocks.remove(&block);
+        }
+        let ep = self.endpoint_mut(slot);
+        ep.physical -= 1;
+        ep.distinct -= usize::from(last_copy);
+        true
     }
 
     /// Forgets everything `slot` holds, and the slot itself (its next event
@@ -265,8 +295,12 @@ impl OccupancyIndex {
         let Some(ep) = self.endpoints.get_mut(slot.index()).and_then(Option::take) else {
             return;
         };
-        for block in ep.refs.into_keys() {
-            unset(&mut self.blocks, block, slot);
+        if ep.distinct > 0 {
+            self.blocks
+                .retain(|_, holders| !holders.clear(slot.index()));
+        }
+        if ep.physical > ep.distinct {
+            self.copies.retain(|&(_, s), _| s != slot.0);
         }
     }
 
@@ -301,41 +335,36 @@ impl OccupancyIndex {
 
     /// Whether `slot` holds `block`.
     pub fn holds(&self, slot: Slot, block: BlockHash) -> bool {
-        self.endpoint(slot)
-            .is_ok_and(|ep| ep.refs.contains_key(&block))
+        self.blocks
+            .get(&block)
+            .is_some_and(|h| h.test(slot.index()))
     }
 
-    /// The distinct blocks `slot` holds (empty without a snapshot).
+    /// The distinct blocks `slot` holds (a scan of the whole index: for
+    /// tests and debugging, not the request path).
     pub fn blocks_of(&self, slot: Slot) -> impl Iterator<Item = BlockHash> + '_ {
-        self.endpoint(slot)
-            .ok()
-            .into_iter()
-            .flat_map(|ep| ep.refs.keys().copied())
+        self.blocks
+            .iter()
+            .filter(move |(_, h)| h.test(slot.index()))
+            .map(|(&b, _)| b)
     }
 
     /// Physical blocks `slot` holds, and its capacity; `None` without a
     /// snapshot.
     pub fn usage(&self, slot: Slot) -> Option<(usize, usize)> {
-        self.endpoint(slot).ok().map(|ep| (ep.physical, ep.capacity))
+        self.endpoint(slot)
+            .ok()
+            .map(|ep| (ep.physical, ep.capacity))
     }
 
     /// (block, endpoint) entries in the index.
     pub fn entries(&self) -> usize {
-        self.endpoints.iter().flatten().map(|ep| ep.refs.len()).sum()
+        self.endpoints.iter().flatten().map(|ep| ep.distinct).sum()
     }
 
     /// Distinct blocks held by any endpoint.
     pub fn distinct_blocks(&self) -> usize {
         self.blocks.len()
-    }
-}
-
-/// Clears `slot` from `block`'s holders, dropping the block when none is left.
-fn unset(blocks: &mut HashMap<BlockHash, Holders, RandomState>, block: BlockHash, slot: Slot) {
-    if let Some(holders) = blocks.get_mut(&block)
-        && holders.clear(slot.index())
-    {
-        blocks.remove(&block);
     }
 }
 

@@ -215,7 +215,10 @@ mod tests {
             RoutingKey::prefix_tokens(None, &[]),
             RoutingKey::prefix_ids(None, &[])
         );
-        assert_ne!(RoutingKey::tenant("a"), RoutingKey::conversation(Some("a"), ""));
+        assert_ne!(
+            RoutingKey::tenant("a"),
+            RoutingKey::conversation(Some("a"), "")
+        );
     }
 
     #[test]

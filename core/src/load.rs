@@ -271,7 +271,10 @@ mod tests {
         );
         let engine = t.load(Slot(0)).engine.unwrap();
         assert_eq!(engine.waiting, 3);
-        assert_eq!(engine.age(at + Duration::from_secs(2)), Duration::from_secs(2));
+        assert_eq!(
+            engine.age(at + Duration::from_secs(2)),
+            Duration::from_secs(2)
+        );
         assert_eq!(engine.age(at - Duration::from_secs(1)), Duration::ZERO);
     }
 

@@ -60,7 +60,9 @@ mod tests {
     use super::*;
 
     fn ids(n: usize) -> Vec<u64> {
-        (0..n).map(|i| endpoint_id(&format!("10.0.0.{i}:8000"))).collect()
+        (0..n)
+            .map(|i| endpoint_id(&format!("10.0.0.{i}:8000")))
+            .collect()
     }
 
     #[test]

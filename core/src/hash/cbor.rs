@@ -128,7 +128,10 @@ mod tests {
         assert!(long.starts_with("590100"), "{}", &long[..6]);
         assert_eq!(cbor(|c| c.str("lora")), "646c6f7261");
         assert_eq!(cbor(|c| c.str("é")), "62c3a9");
-        assert_eq!(cbor(|c| c.str("vllm-none-hash")), "6e766c6c6d2d6e6f6e652d68617368");
+        assert_eq!(
+            cbor(|c| c.str("vllm-none-hash")),
+            "6e766c6c6d2d6e6f6e652d68617368"
+        );
         assert_eq!(cbor(|c| c.none()), "f6");
     }
 }

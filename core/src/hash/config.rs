@@ -110,7 +110,12 @@ pub struct HashConfig {
 
 impl Default for HashConfig {
     fn default() -> Self {
-        Self { algo: HashAlgo::Sha256, block_size: 16, seed: None, extra_keys: ExtraKeysForm::Tagged }
+        Self {
+            algo: HashAlgo::Sha256,
+            block_size: 16,
+            seed: None,
+            extra_keys: ExtraKeysForm::Tagged,
+        }
     }
 }
 

@@ -24,11 +24,18 @@ impl BlockDigest {
     /// # Panics
     /// If `digest` is longer than `MAX_LEN`; hash functions here never are.
     pub(crate) fn from_slice(digest: &[u8]) -> Self {
-        assert!(digest.len() <= Self::MAX_LEN, "digest of {} bytes", digest.len());
+        assert!(
+            digest.len() <= Self::MAX_LEN,
+            "digest of {} bytes",
+            digest.len()
+        );
         let mut bytes = [0; Self::MAX_LEN];
         bytes[..digest.len()].copy_from_slice(digest);
         // Cannot truncate: checked against MAX_LEN (32) above.
-        Self { bytes, len: digest.len() as u8 }
+        Self {
+            bytes,
+            len: digest.len() as u8,
+        }
     }
 
     /// The digest bytes, exactly as vLLM holds them (`BlockHash` bytes).

@@ -14,12 +14,14 @@
 //! extra-key layouts ([`ExtraKeysForm`]); `tests/vllm_vectors.rs` checks it
 //! against vectors taken from vLLM itself.
 //!
-//! Not here: multimodal and prompt-embedding extra keys (requests carrying
-//! them are not hashed by kvroute), the random `NONE_HASH` vLLM uses when
-//! `PYTHONHASHSEED` is unset with xxhash (unmatchable by design), decoding
-//! KV events, and tokenization. The pickle writer does not model Python
-//! object identity; see [`pickle`](self::pickle) for the corner case that
-//! leaves out.
+//! Not here: multimodal and prompt-embedding extra keys (a request with
+//! images or prompt embeddings hashes differently on the pod than here), the
+//! random `NONE_HASH` vLLM uses when `PYTHONHASHSEED` is unset with xxhash
+//! (unmatchable by design), decoding KV events, and tokenization. The pickle
+//! writer does not model Python object identity: if two strings of one
+//! preimage are the same Python object (say a one-character LoRA name equal
+//! to a one-character cache salt), CPython pickles the second as a memo
+//! reference and the `sha256` digest differs from this one.
 
 mod cbor;
 mod config;
@@ -58,7 +60,10 @@ pub struct Lora {
 impl Lora {
     /// An adapter with the given served name and path.
     pub fn new(name: impl Into<String>, path: impl Into<String>) -> Self {
-        Self { name: name.into(), path: path.into() }
+        Self {
+            name: name.into(),
+            path: path.into(),
+        }
     }
 }
 
@@ -110,7 +115,10 @@ pub fn validate_cache_salt(salt: &str) -> Result<(), HashError> {
     } else {
         return Ok(());
     };
-    Err(HashError::InvalidCacheSalt { salt: salt.to_owned(), reason })
+    Err(HashError::InvalidCacheSalt {
+        salt: salt.to_owned(),
+        reason,
+    })
 }
 
 /// Hashes token sequences into vLLM block digests for one [`HashConfig`].
@@ -126,7 +134,9 @@ impl BlockHasher {
     /// A hasher for `config`; fails if `config.block_size` is 0.
     pub fn new(config: HashConfig) -> Result<Self, HashError> {
         if config.block_size == 0 {
-            return Err(HashError::InvalidBlockSize { block_size: config.block_size });
+            return Err(HashError::InvalidBlockSize {
+                block_size: config.block_size,
+            });
         }
         let mut buf = Vec::new();
         encode_seed(config.algo, &mut buf, config.effective_seed());
@@ -176,7 +186,12 @@ impl BlockHasher {
         extras: BlockExtras<'_>,
     ) -> Vec<u8> {
         let mut buf = Vec::new();
-        self.encode_block(&mut buf, parent.as_bytes(), tokens, &self.block_keys(block_index, extras));
+        self.encode_block(
+            &mut buf,
+            parent.as_bytes(),
+            tokens,
+            &self.block_keys(block_index, extras),
+        );
         buf
     }
 
@@ -195,14 +210,22 @@ impl BlockHasher {
         mut f: impl FnMut(BlockDigest),
     ) {
         let block_size = self.config.block_size;
-        // One buffer for every block: the preimage of a block is about
-        // 5 bytes per token plus the parent and the extra keys.
+        if tokens.len() < block_size {
+            return;
+        }
+        // One buffer for every block: a preimage is at most 7 bytes per token
+        // plus the parent, the extra keys and some framing.
         let extras_len = extras.lora.map_or(0, |l| l.name.len() + l.path.len())
             + extras.cache_salt.map_or(0, str::len);
-        let mut buf = Vec::with_capacity(96 + 6 * block_size + extras_len);
+        let mut buf = Vec::with_capacity(96 + 7 * block_size + extras_len);
         let mut parent = self.none_hash;
         for (index, block) in tokens.chunks_exact(block_size).enumerate() {
-            self.encode_block(&mut buf, parent.as_bytes(), block, &self.block_keys(index, extras));
+            self.encode_block(
+                &mut buf,
+                parent.as_bytes(),
+                block,
+                &self.block_keys(index, extras),
+            );
             parent = digest(self.config.algo, &buf);
             f(parent);
         }
@@ -212,7 +235,11 @@ impl BlockHasher {
         BlockKeys {
             form: self.config.extra_keys,
             lora: extras.lora,
-            cache_salt: if block_index == 0 { extras.cache_salt } else { None },
+            cache_salt: if block_index == 0 {
+                extras.cache_salt
+            } else {
+                None
+            },
         }
     }
 
@@ -238,7 +265,9 @@ fn encode_seed(algo: HashAlgo, buf: &mut Vec<u8>, seed: &str) {
 
 fn digest(algo: HashAlgo, preimage: &[u8]) -> BlockDigest {
     match algo {
-        HashAlgo::Sha256 | HashAlgo::Sha256Cbor => BlockDigest::from_slice(&Sha256::digest(preimage)),
+        HashAlgo::Sha256 | HashAlgo::Sha256Cbor => {
+            BlockDigest::from_slice(&Sha256::digest(preimage))
+        }
         // vLLM's xxh3_128_digest: the 128-bit value in big-endian bytes.
         HashAlgo::XxhashCbor => BlockDigest::from_slice(&xxh3_128(preimage).to_be_bytes()),
     }
@@ -249,13 +278,21 @@ mod tests {
     use super::*;
 
     fn hasher(algo: HashAlgo, block_size: usize) -> BlockHasher {
-        BlockHasher::new(HashConfig { algo, block_size, ..HashConfig::default() }).unwrap()
+        BlockHasher::new(HashConfig {
+            algo,
+            block_size,
+            ..HashConfig::default()
+        })
+        .unwrap()
     }
 
     #[test]
     fn block_size_zero_is_rejected_by_name() {
-        let err = BlockHasher::new(HashConfig { block_size: 0, ..HashConfig::default() })
-            .unwrap_err();
+        let err = BlockHasher::new(HashConfig {
+            block_size: 0,
+            ..HashConfig::default()
+        })
+        .unwrap_err();
         assert!(matches!(err, HashError::InvalidBlockSize { block_size: 0 }));
         assert!(err.to_string().contains("block_size"), "{err}");
     }
@@ -268,7 +305,10 @@ mod tests {
             assert_eq!(json, format!("\"{algo}\""));
         }
         let err = "md5".parse::<HashAlgo>().unwrap_err().to_string();
-        assert!(err.contains("'md5'") && err.contains("sha256, sha256_cbor, xxhash_cbor"), "{err}");
+        assert!(
+            err.contains("'md5'") && err.contains("sha256, sha256_cbor, xxhash_cbor"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -297,10 +337,18 @@ mod tests {
             assert_eq!(digests[0].as_bytes().len(), algo.digest_len());
             // The partial block changes nothing; a prefix shares its blocks.
             assert_eq!(h.digests(&tokens[..8], BlockExtras::default()), digests);
-            assert_eq!(h.digests(&tokens[..4], BlockExtras::default()), digests[..1]);
+            assert_eq!(
+                h.digests(&tokens[..4], BlockExtras::default()),
+                digests[..1]
+            );
             assert!(h.digests(&tokens[..3], BlockExtras::default()).is_empty());
+            let huge = hasher(algo, usize::MAX);
+            assert!(huge.digests(&tokens, BlockExtras::default()).is_empty());
             let hashes = h.hashes(&tokens, BlockExtras::default());
-            assert_eq!(hashes, digests.iter().map(BlockDigest::to_u64).collect::<Vec<_>>());
+            assert_eq!(
+                hashes,
+                digests.iter().map(BlockDigest::to_u64).collect::<Vec<_>>()
+            );
         }
     }
 
@@ -309,7 +357,10 @@ mod tests {
         let h = hasher(HashAlgo::Sha256Cbor, 2);
         let digests = h.digests(&[1, 2, 3, 4], BlockExtras::default());
         let second = h.block_preimage(&digests[0], 1, &[3, 4], BlockExtras::default());
-        assert_eq!(BlockDigest::from_slice(&Sha256::digest(&second)), digests[1]);
+        assert_eq!(
+            BlockDigest::from_slice(&Sha256::digest(&second)),
+            digests[1]
+        );
         // Same tokens under a different parent hash differently.
         assert_ne!(h.digests(&[3, 4], BlockExtras::default())[0], digests[1]);
     }
@@ -317,7 +368,10 @@ mod tests {
     #[test]
     fn cache_salt_reaches_block_zero_only() {
         let h = hasher(HashAlgo::Sha256, 2);
-        let salted = BlockExtras { cache_salt: Some("tenant"), ..BlockExtras::default() };
+        let salted = BlockExtras {
+            cache_salt: Some("tenant"),
+            ..BlockExtras::default()
+        };
         let plain = h.block_preimage(&h.none_hash(), 1, &[3, 4], BlockExtras::default());
         assert_eq!(h.block_preimage(&h.none_hash(), 1, &[3, 4], salted), plain);
         assert_ne!(h.block_preimage(&h.none_hash(), 0, &[3, 4], salted), plain);

@@ -61,7 +61,11 @@ pub(crate) struct Pickle5<'a> {
 impl<'a> Pickle5<'a> {
     pub(crate) fn new(out: &'a mut Vec<u8>) -> Self {
         out.clear();
-        Self { out, framing: false, frame_start: None }
+        Self {
+            out,
+            framing: false,
+            frame_start: None,
+        }
     }
 
     fn write(&mut self, data: &[u8]) {
@@ -73,7 +77,9 @@ impl<'a> Pickle5<'a> {
     }
 
     fn commit_frame(&mut self) {
-        let Some(start) = self.frame_start.take() else { return };
+        let Some(start) = self.frame_start.take() else {
+            return;
+        };
         let frame_len = self.out.len() - start - FRAME_HEADER_SIZE;
         if frame_len >= FRAME_SIZE_MIN {
             self.out[start] = FRAME;
@@ -165,7 +171,10 @@ impl Encoder for Pickle5<'_> {
     }
 
     fn str(&mut self, value: &str) {
-        self.sized([SHORT_BINUNICODE, BINUNICODE, BINUNICODE8], value.as_bytes());
+        self.sized(
+            [SHORT_BINUNICODE, BINUNICODE, BINUNICODE8],
+            value.as_bytes(),
+        );
     }
 
     fn uint(&mut self, value: u32) {
@@ -253,9 +262,15 @@ mod tests {
     #[test]
     fn none_bytes_and_strings() {
         assert_eq!(hex(&pickle(|p| p.none())), "80054e2e");
-        assert_eq!(hex(&pickle(|p| p.bytes(b"ab"))), "800595060000000000000043026162942e");
+        assert_eq!(
+            hex(&pickle(|p| p.bytes(b"ab"))),
+            "800595060000000000000043026162942e"
+        );
         // str lengths count UTF-8 bytes: 'é' is 2.
-        assert_eq!(hex(&pickle(|p| p.str("é"))), "80059506000000000000008c02c3a9942e");
+        assert_eq!(
+            hex(&pickle(|p| p.str("é"))),
+            "80059506000000000000008c02c3a9942e"
+        );
         assert_eq!(
             hex(&pickle(|p| p.str("vllm-none-hash"))),
             "80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e"
@@ -273,13 +288,20 @@ mod tests {
     fn seed_preimage_is_a_pickled_str() {
         let mut out = Vec::new();
         write_seed(&mut Pickle5::new(&mut out), "vllm-none-hash");
-        assert_eq!(hex(&out), "80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e");
+        assert_eq!(
+            hex(&out),
+            "80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e"
+        );
     }
 
     /// `pickle.dumps((bytes(32), (0,) * n, None), protocol=5)` for a block
     /// size far beyond 64 KiB of opcodes.
     fn zero_block(n: usize) -> Vec<u8> {
-        let keys = BlockKeys { form: ExtraKeysForm::Tagged, lora: None, cache_salt: None };
+        let keys = BlockKeys {
+            form: ExtraKeysForm::Tagged,
+            lora: None,
+            cache_salt: None,
+        };
         let mut out = Vec::new();
         write_block(&mut Pickle5::new(&mut out), &[0; 32], &vec![0; n], &keys);
         out

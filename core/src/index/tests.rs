@@ -40,7 +40,11 @@ fn deltas_add_remove_and_clear() {
     index.apply(Slot(0), CacheEvent::Cleared).unwrap();
     assert_eq!(index.entries(), 0);
     assert_eq!(index.distinct_blocks(), 0);
-    assert_eq!(index.usage(Slot(0)), Some((0, 4)), "capacity survives a clear");
+    assert_eq!(
+        index.usage(Slot(0)),
+        Some((0, 4)),
+        "capacity survives a clear"
+    );
 }
 
 #[test]

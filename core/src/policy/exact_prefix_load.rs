@@ -54,7 +54,12 @@ impl Policy for ExactPrefixLoad {
         "exact-prefix-load"
     }
 
-    fn rank(&mut self, request: &Request<'_>, endpoints: &[Endpoint], cx: &Context<'_>) -> Decision {
+    fn rank(
+        &mut self,
+        request: &Request<'_>,
+        endpoints: &[Endpoint],
+        cx: &Context<'_>,
+    ) -> Decision {
         match cx.index {
             Some(index) => index.longest_prefix(request.chain, &mut self.by_slot),
             None => self.by_slot.clear(),
@@ -106,7 +111,10 @@ mod tests {
         // Endpoint 2 holds 48 blocks (768 tokens) and is idle: it wins.
         let pool = Pool::test().replicas(3).holds(2, &chain[..48]);
         let d = p.rank(&request(1, &chain), &pool.endpoints, &pool.cx());
-        assert_eq!((d.ranked[0], d.reason, d.cached_blocks), (2, Reason::Warm, 48));
+        assert_eq!(
+            (d.ranked[0], d.reason, d.cached_blocks),
+            (2, Reason::Warm, 48)
+        );
 
         // With 1000 tokens queued there, recomputing 768 tokens elsewhere is
         // cheaper: cost 2 = 261 + 200 + 1000 + 200 > cost 0 = 1029 + 200.

@@ -91,7 +91,12 @@ impl Policy for Kvroute {
         "kvroute"
     }
 
-    fn rank(&mut self, request: &Request<'_>, endpoints: &[Endpoint], cx: &Context<'_>) -> Decision {
+    fn rank(
+        &mut self,
+        request: &Request<'_>,
+        endpoints: &[Endpoint],
+        cx: &Context<'_>,
+    ) -> Decision {
         let n = endpoints.len();
         if n == 0 {
             return Decision::cold(Vec::new());
@@ -111,8 +116,8 @@ impl Policy for Kvroute {
         let mean_work = self.work.iter().sum::<u64>() as f64 / n as f64;
         let work_bound = (1.0 + c.load_bound) * mean_work + c.headroom_tokens as f64;
         let in_flight: u64 = endpoints.iter().map(|e| u64::from(e.load.in_flight)).sum();
-        let request_bound = (1.0 + c.request_bound) * in_flight as f64 / n as f64
-            + f64::from(c.headroom_requests);
+        let request_bound =
+            (1.0 + c.request_bound) * in_flight as f64 / n as f64 + f64::from(c.headroom_requests);
         let over: Vec<bool> = (0..n)
             .map(|i| {
                 self.work[i] as f64 > work_bound

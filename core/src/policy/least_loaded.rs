@@ -21,7 +21,11 @@ impl Policy for LeastLoaded {
         let mut ranked: Vec<usize> = (0..n).collect();
         ranked.sort_by_key(|&i| {
             let load = &endpoints[i].load;
-            (load.in_flight, load.prefill_tokens, (i + n - start) % n.max(1))
+            (
+                load.in_flight,
+                load.prefill_tokens,
+                (i + n - start) % n.max(1),
+            )
         });
         Decision::cold(ranked)
     }

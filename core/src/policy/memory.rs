@@ -57,7 +57,9 @@ impl PrefixMemory {
                 capacity: usize::MAX,
                 blocks: &[],
             };
-            self.index.apply(slot, empty).expect("an empty snapshot fits");
+            self.index
+                .apply(slot, empty)
+                .expect("an empty snapshot fits");
         }
         if !self.lrus[slot.index()].touch(block) {
             self.index

@@ -6,7 +6,11 @@ use super::*;
 fn all() -> Vec<Box<dyn Policy>> {
     PolicyConfig::NAMES
         .iter()
-        .map(|n| PolicyConfig::by_name(n).expect("every listed name builds").build())
+        .map(|n| {
+            PolicyConfig::by_name(n)
+                .expect("every listed name builds")
+                .build()
+        })
         .collect()
 }
 
@@ -23,7 +27,13 @@ fn names_round_trip() {
 fn no_endpoints_gives_an_empty_ranking() {
     let pool = Pool::test();
     for mut p in all() {
-        for cx in [pool.cx(), Context { index: None, block_tokens: 16 }] {
+        for cx in [
+            pool.cx(),
+            Context {
+                index: None,
+                block_tokens: 16,
+            },
+        ] {
             let d = p.rank(&request(1, &[1, 2]), &[], &cx);
             assert!(d.ranked.is_empty(), "{}", p.name());
         }
@@ -90,6 +100,10 @@ fn configs_parse_with_documented_defaults() {
     for name in PolicyConfig::NAMES {
         let c = PolicyConfig::by_name(name).unwrap();
         let json = serde_json::to_string(&c).unwrap();
-        assert_eq!(serde_json::from_str::<PolicyConfig>(&json).unwrap(), c, "{json}");
+        assert_eq!(
+            serde_json::from_str::<PolicyConfig>(&json).unwrap(),
+            c,
+            "{json}"
+        );
     }
 }

@@ -27,7 +27,10 @@ fn the_longest_cached_prefix_wins() {
         .holds(1, &chain[..7])
         .holds(3, &chain[3..]); // no leading block: holds no prefix
     let d = rank(&pool, 9, &chain);
-    assert_eq!((d.ranked[0], d.reason, d.cached_blocks), (1, Reason::Warm, 7));
+    assert_eq!(
+        (d.ranked[0], d.reason, d.cached_blocks),
+        (1, Reason::Warm, 7)
+    );
     assert_eq!(d.ranked[1], 0, "the next longest prefix is the first retry");
 }
 
@@ -46,7 +49,11 @@ fn a_warm_prefix_stays_on_its_holder_until_the_bound() {
             .holds(holder, &chain)
             .prefill(holder, queued.saturating_sub(200));
         let d = rank(&pool, key, &chain);
-        assert_eq!((d.ranked[0], d.reason), (holder, Reason::Warm), "queued {queued}");
+        assert_eq!(
+            (d.ranked[0], d.reason),
+            (holder, Reason::Warm),
+            "queued {queued}"
+        );
     }
     for queued in [6700u64, 20_000] {
         let pool = Pool::test()
@@ -98,7 +105,10 @@ fn approximate_mode_learns_from_its_own_routing() {
     let target = (first.ranked[0] + 1) % 4;
     p.routed(&request(1, &chain), &pool.endpoints[target]);
     let again = p.rank(&request(2, &[11, 12, 99]), &pool.endpoints, &cx);
-    assert_eq!((again.ranked[0], again.reason, again.cached_blocks), (target, Reason::Warm, 2));
+    assert_eq!(
+        (again.ranked[0], again.reason, again.cached_blocks),
+        (target, Reason::Warm, 2)
+    );
     p.endpoint_removed(pool.endpoints[target].slot);
     let after = p.rank(&request(2, &[11, 12, 99]), &pool.endpoints, &cx);
     assert_eq!(after.reason, Reason::Cold);
