@@ -13,7 +13,7 @@ use kvroute_core::hash::{BlockExtras, BlockHasher, HashAlgo, HashConfig};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::load::Load;
-use kvroute_core::policy::{Context, Endpoint, KvrouteConfig, Policy, PolicyConfig, Request};
+use kvroute_core::policy::{Context, Endpoint, KvrouteConfig, PolicyConfig, Request};
 use kvroute_core::rendezvous::{endpoint_id, rank_into};
 use kvroute_core::slot::Slot;
 

@@ -4,17 +4,11 @@
 use super::*;
 
 /// Configuration of [`Random`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// Seed of the generator. Default: 0.
     pub seed: u64,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config { seed: 0 }
-    }
 }
 
 /// A random permutation per request (SplitMix64 generator).
