@@ -11,6 +11,7 @@ use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Parser, Subcommand};
 
 mod hash;
+mod replay;
 
 /// kvroute: a cache-aware router for vLLM.
 #[derive(Debug, Parser)]
@@ -24,6 +25,8 @@ struct Cli {
 enum Command {
     /// Print vLLM's prefix-cache block hashes for a token sequence.
     Hash(hash::HashArgs),
+    /// Replay a Mooncake-format trace under every routing policy.
+    Replay(replay::ReplayArgs),
 }
 
 /// Exit code for usage errors, as clap and most Unix tools use.
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Hash(args) => hash::run(&args, &mut std::io::stdout().lock()),
+        Command::Replay(args) => replay::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -117,7 +121,7 @@ fn one_line(err: &clap::Error) -> String {
             )
         }
         ErrorKind::MissingSubcommand | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            "missing subcommand (available: hash; see kvroute --help)".to_owned()
+            "missing subcommand (available: hash, replay; see kvroute --help)".to_owned()
         }
         _ => {
             // Clap's first line is "error: <message>"; keep the message.

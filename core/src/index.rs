@@ -142,7 +142,7 @@ impl Holders {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct EndpointBlocks {
     capacity: usize,
     /// Physical blocks held, copies included.
@@ -152,7 +152,7 @@ struct EndpointBlocks {
 }
 
 /// Which endpoints of one pool hold which blocks. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct OccupancyIndex {
     blocks: HashMap<BlockHash, Holders, RandomState>,
     /// (block, slot) → copies beyond the first.

@@ -13,28 +13,11 @@ use crate::lru::Lru;
 use crate::slot::Slot;
 
 /// Remembered prefix blocks per endpoint, LRU-bounded.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct PrefixMemory {
     capacity: usize,
     index: OccupancyIndex,
     lrus: Vec<Lru>,
-}
-
-impl Clone for PrefixMemory {
-    fn clone(&self) -> Self {
-        let mut copy = PrefixMemory::new(self.capacity);
-        for (slot, lru) in self.lrus.iter().enumerate() {
-            if lru.is_empty() {
-                continue;
-            }
-            // Oldest first, so the copy's recency order is the same.
-            let keys: Vec<BlockHash> = lru.iter().collect();
-            for &k in keys.iter().rev() {
-                copy.remember(Slot(slot as u32), k);
-            }
-        }
-        copy
-    }
 }
 
 impl PrefixMemory {

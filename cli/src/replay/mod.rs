@@ -1,0 +1,240 @@
+//! `kvroute replay`: replays a Mooncake-format trace against N simulated
+//! replicas under every routing policy, with the router's own policy code,
+//! and prints a table per N (plus JSON for tools).
+//!
+//! The model is in [`sim`]; one run and its figures in [`run`].
+
+mod run;
+mod sim;
+mod trace;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use kvroute_core::policy::{ApproxPrefixConfig, KvrouteConfig, PolicyConfig, RandomConfig};
+use serde::Serialize;
+
+use run::{KeySource, PolicyResult, Setup};
+use trace::Trace;
+
+/// Flags of `kvroute replay`.
+#[derive(Debug, clap::Args)]
+pub struct ReplayArgs {
+    /// The trace: Mooncake JSON lines, plain or .gz.
+    #[arg(long, value_name = "PATH")]
+    trace: PathBuf,
+
+    /// Replica counts to simulate, comma-separated.
+    #[arg(long, value_name = "N,…", value_delimiter = ',', default_value = "4,8,16", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    replicas: Vec<u32>,
+
+    /// Share of the trace's distinct blocks the whole pool can cache.
+    #[arg(long, value_name = "F", default_value_t = 0.3, value_parser = parse_fraction)]
+    cache_frac: f64,
+
+    /// Tokens per trace block id.
+    #[arg(long, value_name = "T", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    block_tokens: u64,
+
+    /// Routing key: pK (hash of the first K block ids) or session.
+    #[arg(long, value_name = "KEY", default_value = "p2")]
+    key: KeySource,
+
+    /// Policies to run: all, or a comma-separated list of names.
+    #[arg(long, value_name = "LIST", default_value = "all")]
+    policies: String,
+
+    /// Seed of the random policy.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "OUT")]
+    json: Option<PathBuf>,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        _ => Err("expected a number in (0, 1]".to_owned()),
+    }
+}
+
+/// Trace statistics and capacities, the `meta` of the JSON output.
+#[derive(Debug, Serialize)]
+struct Meta {
+    trace: String,
+    requests: usize,
+    distinct_blocks: usize,
+    input_tokens: u64,
+    duration_s: f64,
+    block_tokens: u64,
+    cache_frac: f64,
+    key: String,
+    /// Hit rate of one cache that never evicts.
+    infinite_hit: f64,
+    /// Hit rate of one LRU cache of floor(cache_frac × D) blocks.
+    pooled_hit: f64,
+    /// Blocks per replica, by replica count.
+    capacities: Vec<Capacity>,
+}
+
+#[derive(Debug, Serialize)]
+struct Capacity {
+    replicas: usize,
+    blocks_per_replica: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct Output {
+    meta: Meta,
+    results: Vec<PolicyResult>,
+}
+
+/// The policies to run, configured for the replay: memories of cache
+/// contents are sized like the replicas' caches, as an operator would.
+fn policies(list: &str, seed: u64, capacity: usize) -> anyhow::Result<Vec<PolicyConfig>> {
+    let names: Vec<&str> = if list == "all" {
+        PolicyConfig::NAMES.to_vec()
+    } else {
+        list.split(',').map(str::trim).collect()
+    };
+    names
+        .into_iter()
+        .map(|name| {
+            let config = PolicyConfig::by_name(name).with_context(|| {
+                format!(
+                    "unknown policy {name:?} in --policies (expected all or some of: {})",
+                    PolicyConfig::NAMES.join(", ")
+                )
+            })?;
+            Ok(match config {
+                PolicyConfig::Random(_) => PolicyConfig::Random(RandomConfig { seed }),
+                PolicyConfig::ApproxPrefix(c) => PolicyConfig::ApproxPrefix(ApproxPrefixConfig {
+                    capacity_blocks: capacity,
+                    ..c
+                }),
+                PolicyConfig::Kvroute(c) => PolicyConfig::Kvroute(KvrouteConfig {
+                    memory_blocks: capacity,
+                    ..c
+                }),
+                other => other,
+            })
+        })
+        .collect()
+}
+
+/// Runs the replay and prints the tables to `out`.
+pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
+    let trace = Trace::load(&args.trace)?;
+    let distinct = trace.distinct_blocks();
+    let pooled = (args.cache_frac * distinct as f64).floor() as usize;
+    policies(&args.policies, args.seed, 1)?; // fail on a bad list before any work
+    let first = trace.requests.first().map_or(0.0, |r| r.arrival_s);
+    let last = trace.requests.last().map_or(0.0, |r| r.arrival_s);
+    let meta = Meta {
+        trace: args.trace.display().to_string(),
+        requests: trace.requests.len(),
+        distinct_blocks: distinct,
+        input_tokens: trace.requests.iter().map(|r| r.input_length).sum(),
+        duration_s: last - first,
+        block_tokens: args.block_tokens,
+        cache_frac: args.cache_frac,
+        key: match args.key {
+            KeySource::Prefix(k) => format!("p{k}"),
+            KeySource::Session => "session".to_owned(),
+        },
+        infinite_hit: run::single_cache_hit(&trace, None, args.block_tokens),
+        pooled_hit: run::single_cache_hit(&trace, Some(pooled), args.block_tokens),
+        capacities: args
+            .replicas
+            .iter()
+            .map(|&n| Capacity {
+                replicas: n as usize,
+                blocks_per_replica: pooled / n as usize,
+            })
+            .collect(),
+    };
+    writeln!(
+        out,
+        "trace {}: {} requests over {:.0} s, {} distinct blocks of {} tokens; key {}",
+        meta.trace, meta.requests, meta.duration_s, distinct, args.block_tokens, meta.key
+    )?;
+    writeln!(
+        out,
+        "one cache: infinite hit {:.4}, pooled LRU of {} blocks (cache_frac {}) hit {:.4}",
+        meta.infinite_hit, pooled, args.cache_frac, meta.pooled_hit
+    )?;
+
+    let progress = std::io::stderr().is_terminal();
+    let mut results = Vec::new();
+    for cap in &meta.capacities {
+        let setup = Setup {
+            block_tokens: args.block_tokens,
+            key: args.key,
+            capacity: cap.blocks_per_replica,
+        };
+        let configs = policies(&args.policies, args.seed, cap.blocks_per_replica)?;
+        let mut rows = Vec::new();
+        for (i, config) in configs.iter().enumerate() {
+            if progress {
+                eprint!(
+                    "\r\x1b[Kreplay: N={} policy {}/{}",
+                    cap.replicas,
+                    i + 1,
+                    configs.len()
+                );
+            }
+            rows.push(run::run(&trace, config, cap.replicas, &setup));
+        }
+        if progress {
+            eprint!("\r\x1b[K");
+        }
+        print_table(out, cap, &rows)?;
+        results.extend(rows);
+    }
+
+    if let Some(path) = &args.json {
+        let output = Output { meta, results };
+        let json = serde_json::to_string_pretty(&output)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+        writeln!(out, "\nwrote {}", path.display())?;
+    }
+    Ok(())
+}
+
+fn print_table(out: &mut impl Write, cap: &Capacity, rows: &[PolicyResult]) -> anyhow::Result<()> {
+    writeln!(
+        out,
+        "\nN = {} replicas, {} blocks each",
+        cap.replicas, cap.blocks_per_replica
+    )?;
+    writeln!(
+        out,
+        "{:<20} {:>7} {:>9} {:>9} {:>10} {:>10} {:>7} {:>7} {:>8}",
+        "policy", "hit", "req max/", "prefill", "TTFT mean", "TTFT p99", "spill", "keys", "hit dip"
+    )?;
+    writeln!(
+        out,
+        "{:<20} {:>7} {:>9} {:>9} {:>10} {:>10} {:>7} {:>7} {:>8}",
+        "", "", "mean", "max/mean", "s", "s", "", "moved", ""
+    )?;
+    for r in rows {
+        let spill = r.spill.map_or("-".to_owned(), |s| format!("{s:.3}"));
+        writeln!(
+            out,
+            "{:<20} {:>7.4} {:>9.3} {:>9.3} {:>10.3} {:>10.3} {:>7} {:>7.3} {:>8.4}",
+            r.policy,
+            r.token_hit_rate,
+            r.req_max_over_mean,
+            r.prefill_max_over_mean,
+            r.ttft_mean_s,
+            r.ttft_p99_s,
+            spill,
+            r.keys_moved,
+            r.hit_dip
+        )?;
+    }
+    Ok(())
+}

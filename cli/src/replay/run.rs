@@ -1,0 +1,231 @@
+//! One replay run: a policy over a trace at N replicas, with the scale-out
+//! fork, reduced to the figures `kvroute replay` reports.
+
+use std::collections::HashMap;
+
+use kvroute_core::keys::RoutingKey;
+use kvroute_core::lru::Lru;
+use kvroute_core::policy::{PolicyConfig, Reason};
+use serde::Serialize;
+
+use super::sim::{Sim, admit, leading_hits};
+use super::trace::{Trace, TraceRequest};
+
+/// How requests get their routing key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    /// The first K block ids.
+    Prefix(usize),
+    /// The session id (the prefix of 2 blocks when a request has none).
+    Session,
+}
+
+impl std::str::FromStr for KeySource {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "session" {
+            return Ok(KeySource::Session);
+        }
+        s.strip_prefix('p')
+            .and_then(|k| k.parse::<usize>().ok())
+            .filter(|&k| k > 0)
+            .map(KeySource::Prefix)
+            .ok_or_else(|| {
+                format!("expected pK (K ≥ 1 leading block ids, e.g. p2) or session, got {s:?}")
+            })
+    }
+}
+
+impl KeySource {
+    /// The routing key of `request`.
+    pub fn key(self, request: &TraceRequest) -> RoutingKey {
+        let prefix = |k: usize| {
+            RoutingKey::prefix_ids(None, &request.hash_ids[..k.min(request.hash_ids.len())])
+        };
+        match (self, &request.session_id) {
+            (KeySource::Session, Some(session)) => RoutingKey::conversation(None, session),
+            (KeySource::Session, None) => prefix(2),
+            (KeySource::Prefix(k), _) => prefix(k),
+        }
+    }
+}
+
+/// Policies whose first choice is never skipped for load: `spill` is null.
+const NO_SPILL: [&str; 4] = ["round-robin", "least-loaded", "random", "modulo"];
+
+/// One row of results; the JSON keys are an interface.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PolicyResult {
+    pub policy: String,
+    pub replicas: usize,
+    pub token_hit_rate: f64,
+    pub req_max_over_mean: f64,
+    pub prefill_max_over_mean: f64,
+    pub ttft_mean_s: f64,
+    pub ttft_p99_s: f64,
+    pub spill: Option<f64>,
+    pub keys_moved: f64,
+    pub hit_dip: f64,
+}
+
+/// Hit rate of one cache of `capacity` blocks (None: never evicts) serving
+/// the whole trace.
+pub fn single_cache_hit(trace: &Trace, capacity: Option<usize>, block_tokens: u64) -> f64 {
+    let mut cache = Lru::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for r in &trace.requests {
+        let m = leading_hits(&cache, &r.hash_ids) as u64;
+        hit += (m * block_tokens).min(r.input_length);
+        total += r.input_length;
+        admit(
+            &mut cache,
+            &r.hash_ids,
+            capacity.unwrap_or(usize::MAX),
+            |_| {},
+            |_| {},
+        );
+    }
+    ratio(hit, total)
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}
+
+fn max_over_mean(values: &[u64]) -> f64 {
+    let mean = values.iter().sum::<u64>() as f64 / values.len().max(1) as f64;
+    let max = values.iter().copied().max().unwrap_or(0) as f64;
+    if mean == 0.0 { 1.0 } else { max / mean }
+}
+
+/// The nearest-rank percentile `p` (0..=100) of `values`.
+fn percentile(values: &mut [f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
+/// The replay parameters shared by every run.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub block_tokens: u64,
+    pub key: KeySource,
+    /// Blocks per replica at each replica count.
+    pub capacity: usize,
+}
+
+/// Runs `policy` over `trace` at `replicas` replicas. The scale-out fork
+/// happens at the middle request: one branch keeps N replicas, the other
+/// adds an empty one, and both serve the next 10 % of requests.
+pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup) -> PolicyResult {
+    let policy = config.build();
+    let name = policy.name().to_owned();
+    let mut sim = Sim::new(policy, replicas, setup.capacity, setup.block_tokens);
+    let n = trace.requests.len();
+    let fork_at = n / 2;
+    let window = fork_at..(fork_at + n.div_ceil(10)).min(n);
+
+    let mut requests = vec![0u64; replicas];
+    let mut prefill = vec![0u64; replicas];
+    let (mut hit, mut total, mut spills) = (0u64, 0u64, 0u64);
+    let mut ttfts = Vec::with_capacity(n);
+    let mut grown: Option<Sim> = None;
+    let (mut kept_hit, mut grown_hit, mut window_tokens) = (0u64, 0u64, 0u64);
+    // Routing key → (replica kept, replica grown), first request in the window.
+    let mut first_choices: HashMap<RoutingKey, (usize, usize)> = HashMap::new();
+
+    for (i, request) in trace.requests.iter().enumerate() {
+        if i == fork_at {
+            let mut fork = sim.clone();
+            fork.add_replica();
+            grown = Some(fork);
+        }
+        let key = setup.key.key(request);
+        let kept = sim.step(request, key);
+        requests[kept.replica] += 1;
+        prefill[kept.replica] += kept.uncached_tokens;
+        hit += kept.cached_tokens;
+        total += request.input_length;
+        spills += u64::from(kept.reason == Reason::Spill);
+        ttfts.push(kept.ttft_s);
+
+        if window.contains(&i) {
+            let fork = grown.as_mut().expect("forked at the window's start");
+            let other = fork.step(request, key);
+            kept_hit += kept.cached_tokens;
+            grown_hit += other.cached_tokens;
+            window_tokens += request.input_length;
+            first_choices
+                .entry(key)
+                .or_insert((kept.replica, other.replica));
+        }
+    }
+
+    let moved = first_choices.values().filter(|(a, b)| a != b).count();
+    let ttft_mean_s = ttfts.iter().sum::<f64>() / n as f64;
+    PolicyResult {
+        spill: (!NO_SPILL.contains(&name.as_str())).then(|| spills as f64 / n as f64),
+        policy: name,
+        replicas,
+        token_hit_rate: ratio(hit, total),
+        req_max_over_mean: max_over_mean(&requests),
+        prefill_max_over_mean: max_over_mean(&prefill),
+        ttft_mean_s,
+        ttft_p99_s: percentile(&mut ttfts, 99.0),
+        keys_moved: moved as f64 / first_choices.len().max(1) as f64,
+        hit_dip: ratio(kept_hit, window_tokens) - ratio(grown_hit, window_tokens),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_sources() {
+        assert_eq!("p2".parse(), Ok(KeySource::Prefix(2)));
+        assert_eq!("session".parse(), Ok(KeySource::Session));
+        assert!("p0".parse::<KeySource>().is_err());
+        assert!("x".parse::<KeySource>().is_err());
+        let r = |ids: Vec<u64>, session: Option<&str>| TraceRequest {
+            arrival_s: 0.0,
+            input_length: 1,
+            output_length: 1,
+            hash_ids: ids,
+            session_id: session.map(str::to_owned),
+        };
+        let p2 = KeySource::Prefix(2);
+        assert_eq!(
+            p2.key(&r(vec![1, 2, 3], None)),
+            p2.key(&r(vec![1, 2, 4], None))
+        );
+        assert_ne!(
+            p2.key(&r(vec![1, 2, 3], None)),
+            p2.key(&r(vec![1, 3], None))
+        );
+        assert_eq!(
+            p2.key(&r(vec![1], None)),
+            KeySource::Prefix(1).key(&r(vec![1, 9], None))
+        );
+        let s = KeySource::Session;
+        assert_eq!(s.key(&r(vec![1], Some("a"))), s.key(&r(vec![2], Some("a"))));
+        assert_eq!(
+            s.key(&r(vec![1, 2, 3], None)),
+            p2.key(&r(vec![1, 2, 9], None))
+        );
+    }
+
+    #[test]
+    fn percentiles_and_spread() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 99.0), 99.0);
+        assert_eq!(percentile(&mut v, 100.0), 100.0);
+        assert_eq!(percentile(&mut [], 99.0), 0.0);
+        assert_eq!(max_over_mean(&[1, 1, 4]), 2.0);
+        assert_eq!(max_over_mean(&[0, 0]), 1.0);
+    }
+}

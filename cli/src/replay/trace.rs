@@ -1,0 +1,149 @@
+//! Mooncake-format traces: JSON lines of `timestamp` (ms), `input_length`,
+//! `output_length`, `hash_ids` (one id per block of the prompt, equal ids =
+//! equal prefix blocks) and an optional `session_id`. Plain or gzip.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+use anyhow::{Context as _, bail};
+use flate2::read::MultiGzDecoder;
+use serde::Deserialize;
+
+/// One request of a trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceRequest {
+    /// Arrival, in seconds from the trace's start.
+    pub arrival_s: f64,
+    /// Prompt tokens.
+    pub input_length: u64,
+    /// Generated tokens.
+    pub output_length: u64,
+    /// Block ids of the prompt, in order.
+    pub hash_ids: Vec<u64>,
+    /// The conversation, if the trace names one.
+    pub session_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Line {
+    timestamp: f64,
+    input_length: u64,
+    output_length: u64,
+    hash_ids: Vec<u64>,
+    #[serde(default)]
+    session_id: Option<serde_json::Value>,
+}
+
+/// A parsed trace, in arrival order.
+#[derive(Clone, Debug)]
+pub struct Trace {
+    /// Requests by arrival (stable for equal timestamps).
+    pub requests: Vec<TraceRequest>,
+}
+
+impl Trace {
+    /// Reads a trace file; `.gz` files are decompressed.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let file = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+        let reader: Box<dyn Read> = if path.extension().is_some_and(|e| e == "gz") {
+            Box::new(MultiGzDecoder::new(file))
+        } else {
+            Box::new(file)
+        };
+        Self::parse(BufReader::new(reader))
+            .with_context(|| format!("reading trace {}", path.display()))
+    }
+
+    /// Parses JSON lines; blank lines are skipped.
+    pub fn parse(reader: impl BufRead) -> anyhow::Result<Self> {
+        let mut requests = Vec::new();
+        for (n, line) in reader.lines().enumerate() {
+            let line = line.with_context(|| format!("line {}", n + 1))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let l: Line = serde_json::from_str(&line).with_context(|| format!("line {}", n + 1))?;
+            if !l.timestamp.is_finite() || l.timestamp < 0.0 {
+                bail!("line {}: timestamp {} is not a time", n + 1, l.timestamp);
+            }
+            let session_id = match l.session_id {
+                None | Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(s)) => Some(s),
+                Some(other) => Some(other.to_string()),
+            };
+            requests.push(TraceRequest {
+                arrival_s: l.timestamp / 1000.0,
+                input_length: l.input_length,
+                output_length: l.output_length,
+                hash_ids: l.hash_ids,
+                session_id,
+            });
+        }
+        if requests.is_empty() {
+            bail!("the trace has no requests");
+        }
+        requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
+        Ok(Trace { requests })
+    }
+
+    /// Distinct block ids (D).
+    pub fn distinct_blocks(&self) -> usize {
+        self.requests
+            .iter()
+            .flat_map(|r| r.hash_ids.iter())
+            .collect::<HashSet<_>>()
+            .len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sorts_stably_and_reads_sessions() {
+        let text = r#"{"timestamp": 20, "input_length": 5, "output_length": 1, "hash_ids": [1]}
+
+{"timestamp": 10, "input_length": 7, "output_length": 2, "hash_ids": [1, 2], "session_id": 42}
+{"timestamp": 10, "input_length": 9, "output_length": 3, "hash_ids": [3], "session_id": "s"}
+"#;
+        let t = Trace::parse(text.as_bytes()).unwrap();
+        let order: Vec<u64> = t.requests.iter().map(|r| r.input_length).collect();
+        assert_eq!(order, vec![7, 9, 5]);
+        assert_eq!(t.requests[0].arrival_s, 0.010);
+        assert_eq!(t.requests[0].session_id.as_deref(), Some("42"));
+        assert_eq!(t.requests[1].session_id.as_deref(), Some("s"));
+        assert_eq!(t.distinct_blocks(), 3);
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        let text = "{\"timestamp\": 1, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": []}\n{\"timestamp\": 1}\n";
+        let err = format!("{:#}", Trace::parse(text.as_bytes()).unwrap_err());
+        assert!(err.starts_with("line 2"), "{err}");
+        assert!(Trace::parse("".as_bytes()).is_err());
+    }
+
+    #[test]
+    fn reads_gzip() {
+        use std::io::Write;
+        let dir = std::env::temp_dir().join(format!("kvroute-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.jsonl.gz");
+        let mut gz = flate2::write::GzEncoder::new(
+            File::create(&path).unwrap(),
+            flate2::Compression::fast(),
+        );
+        writeln!(
+            gz,
+            r#"{{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [5]}}"#
+        )
+        .unwrap();
+        gz.finish().unwrap();
+        let t = Trace::load(&path).unwrap();
+        assert_eq!(t.requests[0].hash_ids, vec![5]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,143 @@
+//! `kvroute replay` end to end: a tiny trace whose figures are worked out by
+//! hand, the JSON interface, and usage errors.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-replay-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn kvroute(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Four requests, block ids of 10 tokens: D = 3 distinct blocks.
+const TRACE: &str = r#"{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}
+{"timestamp": 1000, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}
+{"timestamp": 2000, "input_length": 30, "output_length": 1, "hash_ids": [1, 2, 3]}
+{"timestamp": 3000, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}
+"#;
+
+#[test]
+fn figures_of_a_hand_worked_trace() {
+    let dir = temp_dir("hand");
+    let trace = dir.join("trace.jsonl");
+    let json = dir.join("out.json");
+    std::fs::write(&trace, TRACE).unwrap();
+    let out = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--replicas",
+        "2",
+        "--cache-frac",
+        "1",
+        "--block-tokens",
+        "10",
+        "--policies",
+        "round-robin,kvroute",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("N = 2 replicas, 1 blocks each"), "{stdout}");
+
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let meta = &v["meta"];
+    assert_eq!(meta["requests"], 4);
+    assert_eq!(meta["distinct_blocks"], 3);
+    // One cache: the 2nd, 3rd and 4th requests hit 20 tokens each, of 90.
+    assert!((meta["infinite_hit"].as_f64().unwrap() - 60.0 / 90.0).abs() < 1e-9);
+    assert!((meta["pooled_hit"].as_f64().unwrap() - 60.0 / 90.0).abs() < 1e-9);
+    assert_eq!(meta["capacities"][0]["blocks_per_replica"], 1);
+
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    let keys: Vec<&str> = results[0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let mut sorted = keys.clone();
+    sorted.sort_unstable();
+    let mut expected = vec![
+        "policy",
+        "replicas",
+        "token_hit_rate",
+        "req_max_over_mean",
+        "prefill_max_over_mean",
+        "ttft_mean_s",
+        "ttft_p99_s",
+        "spill",
+        "keys_moved",
+        "hit_dip",
+    ];
+    expected.sort_unstable();
+    assert_eq!(sorted, expected);
+
+    // Round robin, one block per replica: A gets requests 1 and 3, B 2 and
+    // 4. Each replica keeps only block 1 (admission touches the last id
+    // first, so the head survives): requests 3 and 4 hit 10 tokens each.
+    let rr = &results[0];
+    assert_eq!(rr["policy"], "round-robin");
+    assert!((rr["token_hit_rate"].as_f64().unwrap() - 20.0 / 90.0).abs() < 1e-9);
+    assert_eq!(rr["req_max_over_mean"], 1.0);
+    assert!(rr["spill"].is_null());
+    // TTFTs: 0.022, 0.022, 0.022 (20 uncached), 0.021 (10 uncached).
+    assert!((rr["ttft_mean_s"].as_f64().unwrap() - 0.02175).abs() < 1e-9);
+    assert!((rr["ttft_p99_s"].as_f64().unwrap() - 0.022).abs() < 1e-9);
+    assert!(results[1]["spill"].is_number(), "kvroute reports spill");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let dir = temp_dir("bad");
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(&trace, "{\"timestamp\": 0}\n").unwrap();
+    let out = kvroute(&["replay", "--trace", trace.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("line 1") && stderr.contains("input_length"),
+        "{stderr}"
+    );
+
+    std::fs::write(&trace, TRACE).unwrap();
+    let out = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--policies",
+        "kvroute,nope",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8(out.stderr)
+            .unwrap()
+            .contains("unknown policy \"nope\"")
+    );
+
+    let out = kvroute(&["replay", "--trace", trace.to_str().unwrap(), "--key", "q3"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("--key"), "{stderr}");
+
+    let out = kvroute(&["replay", "--trace", dir.join("missing").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    std::fs::remove_dir_all(dir).unwrap();
+}
