@@ -1,0 +1,1 @@
+//! kvroute-engine-sim (being written).

@@ -1,0 +1,1 @@
+//! kvroute gRPC protocols (being written).
