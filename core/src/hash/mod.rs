@@ -174,6 +174,22 @@ impl BlockHasher {
         out
     }
 
+    /// The digest of one full block, `tokens`, under `parent` (the previous
+    /// block's digest, or [`none_hash`](Self::none_hash) for block 0): for
+    /// extending a chain one block at a time as a sequence grows.
+    pub fn block_digest(
+        &self,
+        parent: &BlockDigest,
+        block_index: usize,
+        tokens: &[u32],
+        extras: BlockExtras<'_>,
+    ) -> BlockDigest {
+        digest(
+            self.config.algo,
+            &self.block_preimage(parent, block_index, tokens, extras),
+        )
+    }
+
     /// The exact bytes hashed for one block: `tokens` under `parent`, with
     /// the cache salt applied only if `block_index` is 0. For conformance
     /// tests and debugging; [`digests`](Self::digests) is the API.
@@ -284,6 +300,24 @@ mod tests {
             ..HashConfig::default()
         })
         .unwrap()
+    }
+
+    #[test]
+    fn block_digest_extends_a_chain_like_digests() {
+        let lora = Lora::new("a", "/a");
+        let extras = BlockExtras {
+            lora: Some(&lora),
+            cache_salt: Some("s"),
+        };
+        let tokens: Vec<u32> = (0..40).collect();
+        for algo in HashAlgo::ALL {
+            let h = hasher(algo, 8);
+            let mut parent = h.none_hash();
+            for (i, want) in h.digests(&tokens, extras).into_iter().enumerate() {
+                parent = h.block_digest(&parent, i, &tokens[i * 8..(i + 1) * 8], extras);
+                assert_eq!(parent, want, "{algo} block {i}");
+            }
+        }
     }
 
     #[test]
