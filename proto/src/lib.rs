@@ -1,1 +1,44 @@
-//! kvroute gRPC protocols (being written).
+//! kvroute's gRPC protocols, package `kvroute.v1`, and the small pieces of
+//! logic both ends of them share.
+//!
+//! - [`v1`]: the messages and the tonic clients and servers of
+//!   `CacheReporter.WatchCache` (engine → router) and
+//!   `EndpointDiscovery.WatchPool` (operator → router), generated from
+//!   `proto/kvroute/v1/*.proto`. Those files are the contract; their comments
+//!   are the documentation.
+//! - Conversions between the wire's [`v1::HashAlgorithm`] and the core's
+//!   [`HashAlgo`](kvroute_core::hash::HashAlgo).
+//! - [`SequenceCheck`], the incarnation and sequence rules a `WatchCache`
+//!   subscriber applies to every update.
+//!
+//! Not here: serving or consuming the streams (the engine simulator, the
+//! operator and the router own their tasks); applying updates to an index.
+//!
+//! The generated code is checked in (`src/gen/`), so building this crate needs
+//! no protobuf compiler; `tests/bootstrap.rs` regenerates it and fails when the
+//! checked-in copy is stale.
+
+#![warn(missing_docs)]
+
+mod hash_algorithm;
+mod sequence;
+
+pub use hash_algorithm::hash_algo_from_i32;
+pub use sequence::{ResyncReason, SequenceCheck, Verdict};
+
+/// Generated messages, clients and servers of package `kvroute.v1`.
+pub mod v1 {
+    include!("gen/kvroute.v1.rs");
+}
+
+/// An error converting a protocol value into a core type.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// A `HashAlgorithm` field was `HASH_ALGORITHM_UNSPECIFIED` (or not set).
+    #[error("hash algorithm is unspecified")]
+    UnspecifiedHashAlgorithm,
+    /// A `HashAlgorithm` field held a value this build does not know (a newer
+    /// peer's algorithm).
+    #[error("unknown hash algorithm {0}")]
+    UnknownHashAlgorithm(i32),
+}
