@@ -17,3 +17,4 @@ pub mod lru;
 pub mod policy;
 pub mod rendezvous;
 pub mod slot;
+pub mod tokenize;

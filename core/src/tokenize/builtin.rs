@@ -1,0 +1,143 @@
+//! The built-in tokenizer: a vocabulary-free, deterministic stand-in for a
+//! real tokenizer, about four characters per token. The exact rules are in
+//! the [module docs](super); this file is their only implementation.
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Ids below this are reserved (for special tokens a test or simulator may
+/// want) and never produced by [`token_id`].
+pub const FIRST_ID: u32 = 256;
+
+/// One past the largest id [`token_id`] produces.
+pub const END_ID: u32 = 100_000;
+
+/// The most ASCII alphanumerics one word piece carries.
+const WORD_CHUNK: usize = 4;
+
+/// Splits `text` into pieces, left to right: a word (an optional leading
+/// ASCII space and a run of ASCII alphanumerics) cut into chunks of at most
+/// [`WORD_CHUNK`] alphanumerics, the space staying on the first chunk; any
+/// other character is a piece of its own.
+pub fn pieces(text: &str) -> Vec<&str> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(text.len() / WORD_CHUNK + 1);
+    let mut i = 0;
+    while i < bytes.len() {
+        let run_start =
+            if bytes[i] == b' ' && bytes.get(i + 1).is_some_and(u8::is_ascii_alphanumeric) {
+                i + 1
+            } else {
+                i
+            };
+        if bytes[run_start].is_ascii_alphanumeric() {
+            let run_end = run_start
+                + bytes[run_start..]
+                    .iter()
+                    .take_while(|b| b.is_ascii_alphanumeric())
+                    .count();
+            // All boundaries below sit on ASCII bytes, so slicing is safe.
+            let mut start = i;
+            let mut end = (run_start + WORD_CHUNK).min(run_end);
+            loop {
+                out.push(&text[start..end]);
+                if end == run_end {
+                    break;
+                }
+                start = end;
+                end = (start + WORD_CHUNK).min(run_end);
+            }
+            i = run_end;
+        } else {
+            let len = text[i..].chars().next().map_or(1, char::len_utf8);
+            out.push(&text[i..i + len]);
+            i += len;
+        }
+    }
+    out
+}
+
+/// The id of one piece: `256 + xxh3_64(piece) % 99_744`.
+pub fn token_id(piece: &str) -> u32 {
+    let span = u64::from(END_ID - FIRST_ID);
+    // The remainder is below 99_744, so it fits in a u32.
+    FIRST_ID + (xxh3_64(piece.as_bytes()) % span) as u32
+}
+
+/// Encodes `text` with the built-in rules.
+pub fn encode(text: &str) -> Vec<u32> {
+    pieces(text).into_iter().map(token_id).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_words_into_chunks_of_four_alphanumerics() {
+        assert_eq!(pieces("Hello, world"), ["Hell", "o", ",", " worl", "d"]);
+        assert_eq!(pieces("abcdefghij"), ["abcd", "efgh", "ij"]);
+        assert_eq!(pieces(" abcd"), [" abcd"]);
+        assert_eq!(pieces("a1b2c3"), ["a1b2", "c3"]);
+    }
+
+    #[test]
+    fn spaces_attach_only_to_a_following_alphanumeric() {
+        assert_eq!(pieces("a  b"), ["a", " ", " b"]);
+        assert_eq!(pieces("x ,"), ["x", " ", ","]);
+        assert_eq!(pieces(" "), [" "]);
+        assert_eq!(pieces("end "), ["end", " "]);
+        assert_eq!(pieces("\tab\ncd"), ["\t", "ab", "\n", "cd"]);
+        assert_eq!(pieces("a_b-c"), ["a", "_", "b", "-", "c"]);
+        assert_eq!(
+            pieces("<|im_start|>"),
+            ["<", "|", "im", "_", "star", "t", "|", ">"]
+        );
+    }
+
+    #[test]
+    fn non_ascii_characters_are_single_pieces() {
+        assert_eq!(pieces("café"), ["caf", "é"]);
+        assert_eq!(pieces(" über"), [" ", "ü", "ber"]);
+        assert_eq!(pieces("日本語"), ["日", "本", "語"]);
+        assert_eq!(pieces("a🦀b"), ["a", "🦀", "b"]);
+    }
+
+    #[test]
+    fn pieces_concatenate_back_to_the_text() {
+        let text = "  The year 2024: naïve   café-owners\r\nsaid \"hi\"!  ";
+        assert_eq!(pieces(text).concat(), text);
+        assert!(pieces("").is_empty());
+    }
+
+    #[test]
+    fn ids_are_pinned() {
+        // Computed once from the rules (and cross-checked with Python's
+        // `xxhash.xxh3_64_intdigest`); a change here silently invalidates
+        // every block an engine simulator has cached.
+        assert_eq!(encode("Hello, world"), [79479, 15371, 60414, 6590, 66410]);
+        assert_eq!(encode(" über\n日"), [77199, 56366, 30904, 97500, 56836]);
+    }
+
+    #[test]
+    fn ids_stay_in_range() {
+        let text = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. \
+                    0123456789 !@#$%^&*() ñ 日本 🦀";
+        for id in encode(text) {
+            assert!((FIRST_ID..END_ID).contains(&id), "id {id} out of range");
+        }
+        assert_eq!(token_id(""), FIRST_ID + (xxh3_64(b"") % 99_744) as u32);
+    }
+
+    #[test]
+    fn about_four_characters_per_token_on_english() {
+        let text = "The router must compute exactly the token ids an engine \
+                    will see for a request, so that it can hash the same KV \
+                    cache blocks. Both the engine simulator and the router \
+                    call this module, so they agree by construction. A \
+                    paragraph of ordinary English prose, with punctuation and \
+                    a few longer words such as deterministic, should come out \
+                    at roughly four characters per token.";
+        let ratio = text.chars().count() as f64 / encode(text).len() as f64;
+        assert!((3.0..=5.0).contains(&ratio), "{ratio} characters per token");
+    }
+}

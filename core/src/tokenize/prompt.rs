@@ -1,0 +1,35 @@
+//! Prompt tokens of OpenAI chat and completions requests, as vLLM computes
+//! them.
+
+use super::{ChatMessage, ChatTemplate, TokenizeError, Tokenizer};
+
+/// The prompt tokens of a chat completions request: the messages rendered
+/// with `add_generation_prompt = true`, then encoded without adding special
+/// tokens.
+///
+/// vLLM's `ChatCompletionRequest` defaults `add_special_tokens` to `False`
+/// ("For most models, the chat template takes care of adding the special
+/// tokens", `vllm/entrypoints/openai/chat_completion/protocol.py`) and
+/// `add_generation_prompt` to `True`. A request that overrides either is not
+/// modelled here.
+pub fn chat_prompt_tokens(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+) -> Result<Vec<u32>, TokenizeError> {
+    let prompt = template.render(messages, true)?;
+    tokenizer.encode(&prompt, false)
+}
+
+/// The prompt tokens of a completions request with a text prompt: the
+/// prompt encoded with special tokens, so a Hugging Face tokenizer's
+/// post-processor may prepend a BOS (the built-in tokenizer adds none).
+///
+/// vLLM's `CompletionRequest` defaults `add_special_tokens` to `True`
+/// (`vllm/entrypoints/openai/completion/protocol.py`).
+pub fn completion_prompt_tokens(
+    tokenizer: &Tokenizer,
+    prompt: &str,
+) -> Result<Vec<u32>, TokenizeError> {
+    tokenizer.encode(prompt, true)
+}
