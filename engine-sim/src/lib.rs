@@ -1,1 +1,177 @@
-//! kvroute-engine-sim (being written).
+//! `kvroute-engine-sim`: an engine that behaves like vLLM where routing is
+//! concerned. A real prefix block cache with vLLM's hashing and eviction
+//! order ([`pool`]), FIFO admission and simulated prefill and decode timing
+//! ([`engine`]), vLLM's OpenAI-compatible API, metrics and errors
+//! ([`http`]), and a live WatchCache occupancy stream ([`grpc`]).
+//!
+//! Run it as a binary, or in-process from tests with [`start`]:
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvroute_engine_sim::StartError> {
+//! let sim = kvroute_engine_sim::start(kvroute_engine_sim::Config::test()).await?;
+//! println!("HTTP on {}, WatchCache on {}", sim.http_addr, sim.cache_addr);
+//! sim.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+pub mod config;
+pub mod engine;
+pub mod grpc;
+pub mod http;
+pub mod metrics;
+pub mod pool;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+use kvroute_proto::v1::cache_reporter_server::CacheReporterServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use config::Config;
+pub use engine::Engine;
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A flag has a bad value.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tokenizer or chat template is invalid.
+    #[error("{0}")]
+    Tokenize(#[from] kvroute_core::tokenize::TokenizeError),
+    /// The hashing configuration is invalid.
+    #[error("{0}")]
+    Hash(#[from] kvroute_core::hash::HashError),
+    /// An address could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A running simulator.
+#[derive(Debug)]
+pub struct Sim {
+    /// Where the HTTP API listens.
+    pub http_addr: SocketAddr,
+    /// Where WatchCache listens.
+    pub cache_addr: SocketAddr,
+    /// The engine, for tests that look inside or inject faults.
+    pub engine: Arc<Engine>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Sim {
+    /// Stops serving and waits for the servers to end (in-flight streams
+    /// are cut).
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+fn read(path: &std::path::Path) -> Result<Vec<u8>, StartError> {
+    std::fs::read(path).map_err(|source| StartError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+/// Starts an engine with its HTTP and WatchCache servers.
+pub async fn start(config: Config) -> Result<Sim, StartError> {
+    config.validate().map_err(StartError::Config)?;
+    let tokenizer = match &config.tokenizer {
+        Some(path) => Tokenizer::from_tokenizer_json(&read(path)?)?,
+        None => Tokenizer::builtin(),
+    };
+    let template = match &config.tokenizer_config {
+        Some(path) => ChatTemplate::from_tokenizer_config(&read(path)?)?,
+        None => ChatTemplate::builtin(),
+    };
+    let http = bind(config.listen).await?;
+    let cache = bind(config.cache_listen).await?;
+    let http_addr = http.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let cache_addr = cache.local_addr().map_err(|source| StartError::Bind {
+        addr: config.cache_listen,
+        source,
+    })?;
+    let load_interval = Duration::from_millis(config.load_interval_ms);
+    let engine = Engine::new(config)?;
+    let (stop, stopped) = watch::channel(false);
+
+    let app = http::App::new(engine.clone(), tokenizer, template);
+    let mut until_stop = stopped.clone();
+    let http_task = tokio::spawn(async move {
+        let server = axum::serve(http, http::router(app)).with_graceful_shutdown(async move {
+            let _ = until_stop.wait_for(|s| *s).await;
+        });
+        if let Err(e) = server.await {
+            tracing::error!(error = %e, "HTTP server failed");
+        }
+    });
+
+    let reporter = CacheReporterServer::new(grpc::Reporter::new(engine.clone()))
+        .max_encoding_message_size(usize::MAX);
+    let mut until_stop = stopped.clone();
+    let grpc_task = tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(cache);
+        let server = tonic::transport::Server::builder()
+            .add_service(reporter)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = until_stop.wait_for(|s| *s).await;
+            });
+        if let Err(e) = server.await {
+            tracing::error!(error = %e, "WatchCache server failed");
+        }
+    });
+
+    let reporting = engine.clone();
+    let mut until_stop = stopped;
+    let load_task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(load_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => reporting.report_load(),
+                _ = until_stop.wait_for(|s| *s) => break,
+            }
+        }
+    });
+
+    Ok(Sim {
+        http_addr,
+        cache_addr,
+        engine,
+        stop,
+        tasks: vec![http_task, grpc_task, load_task],
+    })
+}

@@ -233,6 +233,17 @@ impl BlockPool {
         true
     }
 
+    /// Forgets every cached hash, pinned blocks' included, without an event:
+    /// the cache restarted, and subscribers start over from a snapshot of a
+    /// new incarnation. Blocks in use stay in use.
+    pub fn forget(&mut self) {
+        for block in &mut self.blocks {
+            block.hash = None;
+        }
+        self.cached.clear();
+        self.events.clear();
+    }
+
     /// The events since the last call, in order.
     pub fn take_events(&mut self) -> Vec<PoolEvent> {
         std::mem::take(&mut self.events)
@@ -360,7 +371,7 @@ mod tests {
 
     #[test]
     fn events_follow_the_cache_in_order() {
-        let mut pool = BlockPool::new(4, 4);
+        let mut pool = BlockPool::new(6, 4);
         let a = prefill(&mut pool, &[1, 2]);
         assert_eq!(
             pool.take_events(),

@@ -1,0 +1,157 @@
+//! The simulator's configuration: flags with environment fallbacks, each
+//! with a documented default (`kvroute-engine-sim --help` prints them).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use kvroute_core::hash::HashAlgo;
+
+/// How one simulated engine behaves.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Config {
+    /// HTTP address of the OpenAI-compatible API, /health and /metrics
+    /// (port 0 picks a free port).
+    #[arg(long, env = "SIM_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+
+    /// gRPC address of the WatchCache stream (port 0 picks a free port).
+    #[arg(long, env = "SIM_CACHE_LISTEN", default_value = "127.0.0.1:50051")]
+    pub cache_listen: SocketAddr,
+
+    /// Model name served by /v1/models and accepted in requests.
+    #[arg(long, env = "SIM_MODEL", default_value = "kvroute-sim")]
+    pub model: String,
+
+    /// Tokens per KV block (vLLM --block-size).
+    #[arg(long, env = "SIM_BLOCK_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub block_size: u32,
+
+    /// Prefix-cache hash algorithm (vLLM --prefix-caching-hash-algo).
+    #[arg(long, env = "SIM_HASH_ALGO", default_value = "sha256")]
+    pub hash_algo: HashAlgo,
+
+    /// The hash seed (vLLM's PYTHONHASHSEED); unset means "vllm-none-hash".
+    #[arg(long, env = "SIM_HASH_SEED")]
+    pub hash_seed: Option<String>,
+
+    /// KV cache capacity in blocks (vLLM num_gpu_blocks).
+    #[arg(long, env = "SIM_NUM_GPU_BLOCKS", default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..=(1 << 26)))]
+    pub num_gpu_blocks: u64,
+
+    /// Longest prompt plus output, in tokens (vLLM --max-model-len).
+    #[arg(long, env = "SIM_MAX_MODEL_LEN", default_value_t = 32768)]
+    pub max_model_len: u64,
+
+    /// Prefill throughput over uncached prompt tokens, tokens per second;
+    /// 0 makes prefill instant.
+    #[arg(long, env = "SIM_PREFILL_TOKENS_PER_S", default_value_t = 10_000.0)]
+    pub prefill_tokens_per_s: f64,
+
+    /// Fixed cost of each prefill, milliseconds.
+    #[arg(long, env = "SIM_PREFILL_OVERHEAD_MS", default_value_t = 20.0)]
+    pub prefill_overhead_ms: f64,
+
+    /// Time per generated token after the first (inter-token latency),
+    /// milliseconds; 0 generates instantly.
+    #[arg(long, env = "SIM_ITL_MS", default_value_t = 30.0)]
+    pub itl_ms: f64,
+
+    /// Requests running at once; the rest wait in a FIFO queue (vLLM
+    /// --max-num-seqs).
+    #[arg(long, env = "SIM_MAX_NUM_SEQS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_num_seqs: u32,
+
+    /// Output tokens when a request sets no max_tokens.
+    #[arg(long, env = "SIM_DEFAULT_MAX_TOKENS", default_value_t = 16)]
+    pub default_max_tokens: u64,
+
+    /// Runs this many times faster than real time (2 halves every delay).
+    #[arg(long, env = "SIM_TIME_SCALE", default_value_t = 1.0)]
+    pub time_scale: f64,
+
+    /// Interval of the load reports on WatchCache streams, milliseconds.
+    #[arg(long, env = "SIM_LOAD_INTERVAL_MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    pub load_interval_ms: u64,
+
+    /// Messages buffered per WatchCache subscriber; a subscriber that falls
+    /// this far behind has its stream ended (it resubscribes for a snapshot).
+    #[arg(long, env = "SIM_SUBSCRIBER_BUFFER", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    pub subscriber_buffer: u64,
+
+    /// A Hugging Face tokenizer.json; default: the built-in tokenizer.
+    #[arg(long, env = "SIM_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// A tokenizer_config.json whose chat_template renders chat requests;
+    /// default: the built-in ChatML template.
+    #[arg(long, env = "SIM_TOKENIZER_CONFIG")]
+    pub tokenizer_config: Option<PathBuf>,
+
+    /// Fault: share of requests (0 to 1) answered with a 500, at random.
+    #[arg(long, env = "SIM_FAIL_RATE", default_value_t = 0.0)]
+    pub fail_rate: f64,
+
+    /// Fault: after this many requests, stop answering (requests hang).
+    #[arg(long, env = "SIM_STOP_AFTER")]
+    pub stop_after: Option<u64>,
+
+    /// Fault: extra delay before every response's first byte, milliseconds.
+    #[arg(long, env = "SIM_EXTRA_LATENCY_MS", default_value_t = 0)]
+    pub extra_latency_ms: u64,
+}
+
+impl Config {
+    /// Checks values clap cannot; the error names the flag and the value.
+    pub fn validate(&self) -> Result<(), String> {
+        let non_negative = [
+            ("--prefill-tokens-per-s", self.prefill_tokens_per_s),
+            ("--prefill-overhead-ms", self.prefill_overhead_ms),
+            ("--itl-ms", self.itl_ms),
+        ];
+        for (flag, v) in non_negative {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("{flag} must be a number ≥ 0, got {v}"));
+            }
+        }
+        if !self.time_scale.is_finite() || self.time_scale <= 0.0 {
+            return Err(format!("--time-scale must be > 0, got {}", self.time_scale));
+        }
+        if !(0.0..=1.0).contains(&self.fail_rate) {
+            return Err(format!(
+                "--fail-rate must be within 0..=1, got {}",
+                self.fail_rate
+            ));
+        }
+        if self.max_model_len == 0 {
+            return Err("--max-model-len must be ≥ 1, got 0".to_owned());
+        }
+        Ok(())
+    }
+
+    /// A configuration for tests: loopback on free ports, instant timing.
+    pub fn test() -> Self {
+        Config {
+            listen: "127.0.0.1:0".parse().expect("valid"),
+            cache_listen: "127.0.0.1:0".parse().expect("valid"),
+            model: "kvroute-sim".to_owned(),
+            block_size: 16,
+            hash_algo: HashAlgo::Sha256,
+            hash_seed: None,
+            num_gpu_blocks: 1024,
+            max_model_len: 32768,
+            prefill_tokens_per_s: 0.0,
+            prefill_overhead_ms: 0.0,
+            itl_ms: 0.0,
+            max_num_seqs: 256,
+            default_max_tokens: 16,
+            time_scale: 1.0,
+            load_interval_ms: 100,
+            subscriber_buffer: 4096,
+            tokenizer: None,
+            tokenizer_config: None,
+            fail_rate: 0.0,
+            stop_after: None,
+            extra_latency_ms: 0,
+        }
+    }
+}

@@ -1,0 +1,337 @@
+use std::collections::BTreeSet;
+
+use kvroute_core::hash::{BlockExtras, HashAlgo};
+use kvroute_core::index::{CacheEvent, OccupancyIndex};
+use kvroute_core::slot::Slot;
+use proptest::prelude::*;
+
+use super::*;
+
+fn engine(configure: impl FnOnce(&mut Config)) -> Arc<Engine> {
+    let mut config = Config::test();
+    configure(&mut config);
+    Engine::new(config).unwrap()
+}
+
+async fn run(
+    engine: &Arc<Engine>,
+    prompt: Vec<u32>,
+    max_tokens: u64,
+    salt: Option<&str>,
+) -> (u64, Vec<Token>) {
+    let mut g = engine
+        .generate(Job {
+            prompt,
+            max_tokens,
+            cache_salt: salt.map(str::to_owned),
+        })
+        .await
+        .unwrap();
+    let mut tokens = Vec::new();
+    while let Some(t) = g.tokens.recv().await {
+        tokens.push(t);
+    }
+    (g.cached_tokens, tokens)
+}
+
+#[tokio::test]
+async fn block_hashes_equal_vllm_vectors() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../core/tests/fixtures/vllm_vectors.json"
+    ))
+    .unwrap();
+    let vectors: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut checked = 0;
+    for case in vectors["cases_vllm_0_33_0_tagged"].as_array().unwrap() {
+        if case["lora"] != serde_json::Value::Null {
+            continue; // the simulator serves no LoRA adapters
+        }
+        let tokens: Vec<u32> = vectors["tokens"][case["tokens"].as_str().unwrap()]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let e = engine(|c| {
+            c.hash_algo = case["algo"].as_str().unwrap().parse::<HashAlgo>().unwrap();
+            c.block_size = case["block_size"].as_u64().unwrap() as u32;
+            c.hash_seed = case["pythonhashseed"].as_str().map(str::to_owned);
+        });
+        // One more token, so every full block of the vector is cached.
+        let mut prompt = tokens.clone();
+        prompt.push(1);
+        run(&e, prompt, 1, case["cache_salt"].as_str()).await;
+        let resident: BTreeSet<u64> = e.resident().into_iter().collect();
+        for h in case["event_block_hashes_u64"].as_array().unwrap() {
+            assert!(resident.contains(&h.as_u64().unwrap()), "{case}");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 60);
+}
+
+#[tokio::test]
+async fn a_repeated_prompt_hits_its_full_blocks_and_a_salt_isolates() {
+    let e = engine(|_| {});
+    let prompt: Vec<u32> = (1000..1100).collect(); // 100 tokens = 6 full blocks
+    let (first, _) = run(&e, prompt.clone(), 4, None).await;
+    assert_eq!(first, 0);
+    let (second, _) = run(&e, prompt.clone(), 4, None).await;
+    assert_eq!(second, 96);
+    let mut extended = prompt[..70].to_vec();
+    extended.extend(5000..5050);
+    let (shared, _) = run(&e, extended, 4, None).await;
+    assert_eq!(shared, 64, "the 4 full blocks of the 70 shared tokens");
+    let (salted, _) = run(&e, prompt.clone(), 4, Some("tenant-a")).await;
+    assert_eq!(salted, 0);
+    let (salted_again, _) = run(&e, prompt, 4, Some("tenant-a")).await;
+    assert_eq!(salted_again, 96);
+}
+
+#[tokio::test]
+async fn output_is_deterministic_per_prompt() {
+    let e = engine(|_| {});
+    let (_, a) = run(&e, vec![1, 2, 3], 8, None).await;
+    let (_, b) = run(&e, vec![1, 2, 3], 8, None).await;
+    let (_, c) = run(&e, vec![1, 2, 4], 8, None).await;
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_eq!(a.len(), 8);
+    assert!(a[7].last && !a[6].last);
+}
+
+#[tokio::test]
+async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests() {
+    // 8 blocks of 4 tokens.
+    let e = engine(|c| {
+        c.block_size = 4;
+        c.num_gpu_blocks = 8;
+    });
+    let a: Vec<u32> = (100..113).collect(); // 3 full blocks + 1 token
+    run(&e, a.clone(), 1, None).await;
+    let a_hashes = e.hasher().hashes(&a, BlockExtras::default());
+    // Hold A's first block in a running request that never finishes
+    // reading its tokens.
+    let mut held = e
+        .generate(Job {
+            prompt: a[..5].to_vec(),
+            max_tokens: 2,
+            cache_salt: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(held.cached_tokens, 4);
+    held.tokens.recv().await.unwrap();
+    // A 5-block request forces evictions: A's tail (block 3), then block 2.
+    let b: Vec<u32> = (200..220).collect();
+    run(&e, b, 1, None).await;
+    let resident: BTreeSet<u64> = e.resident().into_iter().collect();
+    assert!(
+        resident.contains(&a_hashes[0]),
+        "pinned by the running request"
+    );
+    assert!(!resident.contains(&a_hashes[2]), "the tail went first");
+    drop(held);
+}
+
+#[tokio::test]
+async fn rejects_what_can_never_run() {
+    let e = engine(|c| {
+        c.max_model_len = 100;
+        c.num_gpu_blocks = 4;
+    });
+    let err = e
+        .generate(Job {
+            prompt: vec![1; 90],
+            max_tokens: 20,
+            cache_salt: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EngineError::TooLong { requested: 110, .. }));
+    let err = e
+        .generate(Job {
+            prompt: vec![1; 70],
+            max_tokens: 10,
+            cache_salt: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        EngineError::TooLarge {
+            needed: 5,
+            capacity: 4
+        }
+    );
+    assert_eq!(
+        e.generate(Job {
+            prompt: vec![],
+            max_tokens: 1,
+            cache_salt: None
+        })
+        .await
+        .unwrap_err(),
+        EngineError::EmptyPrompt
+    );
+}
+
+/// A WatchCache subscriber in miniature: applies messages to an index,
+/// checking incarnation and sequence, resubscribing when the stream ends.
+struct Mirror {
+    index: OccupancyIndex,
+    rx: mpsc::Receiver<CacheMessage>,
+    position: Option<(Arc<str>, u64)>,
+    resyncs: u32,
+}
+
+impl Mirror {
+    fn new(engine: &Engine) -> Self {
+        Mirror {
+            index: OccupancyIndex::new(),
+            rx: engine.subscribe(),
+            position: None,
+            resyncs: 0,
+        }
+    }
+
+    fn apply(&mut self, m: CacheMessage, capacity: usize) {
+        let slot = Slot(0);
+        if let CacheBody::Snapshot { hashes, .. } = &m.body {
+            self.index
+                .apply(
+                    slot,
+                    CacheEvent::Snapshot {
+                        capacity,
+                        blocks: hashes,
+                    },
+                )
+                .unwrap();
+            self.position = Some((m.incarnation, m.sequence));
+            return;
+        }
+        let (incarnation, last) = self.position.clone().expect("a snapshot comes first");
+        assert_eq!(incarnation, m.incarnation);
+        let event = match &m.body {
+            CacheBody::Load(_) => {
+                assert_eq!(m.sequence, last, "a load report does not advance");
+                return;
+            }
+            CacheBody::Stored { hashes, .. } => CacheEvent::Stored(hashes),
+            CacheBody::Removed(hashes) => CacheEvent::Removed(hashes),
+            CacheBody::Cleared => CacheEvent::Cleared,
+            CacheBody::Snapshot { .. } => unreachable!(),
+        };
+        assert_eq!(m.sequence, last + 1, "no gap");
+        self.index.apply(slot, event).unwrap();
+        self.position = Some((incarnation, m.sequence));
+    }
+
+    /// Applies whatever is queued; resubscribes if the stream ended.
+    fn drain(&mut self, engine: &Engine) {
+        let capacity = engine.config().num_gpu_blocks as usize;
+        loop {
+            match self.rx.try_recv() {
+                Ok(m) => self.apply(m, capacity),
+                Err(mpsc::error::TryRecvError::Empty) => return,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.index.remove_endpoint(Slot(0));
+                    self.rx = engine.subscribe();
+                    self.position = None;
+                    self.resyncs += 1;
+                }
+            }
+        }
+    }
+
+    fn resident(&self) -> BTreeSet<u64> {
+        self.index.blocks_of(Slot(0)).collect()
+    }
+}
+
+/// SplitMix64, for reproducible workloads.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+async fn workload(seed: u64) {
+    let e = engine(|c| {
+        c.block_size = 4;
+        c.num_gpu_blocks = 96;
+        c.subscriber_buffer = 64; // small, so the slow subscriber overflows
+        c.max_num_seqs = 8;
+    });
+    let mut mirror = Mirror::new(&e);
+    let mut rng = seed;
+    let prefixes: Vec<Vec<u32>> = (0..12)
+        .map(|p| {
+            (0..(4 + next(&mut rng) % 30))
+                .map(|t| (p * 1000 + t) as u32)
+                .collect()
+        })
+        .collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..2500u64 {
+        let mut prompt = prefixes[(next(&mut rng) % 12) as usize].clone();
+        let extra = next(&mut rng) % 12;
+        prompt.extend((0..extra).map(|t| (50_000 + next(&mut rng) % 7 + t) as u32));
+        let max_tokens = 1 + next(&mut rng) % 9;
+        let salt = next(&mut rng).is_multiple_of(5).then(|| "s".to_owned());
+        let e2 = e.clone();
+        tasks.spawn(async move {
+            let mut g = e2
+                .generate(Job {
+                    prompt,
+                    max_tokens,
+                    cache_salt: salt,
+                })
+                .await
+                .unwrap();
+            while g.tokens.recv().await.is_some() {}
+        });
+        if tasks.len() >= 16 {
+            tasks.join_next().await;
+        }
+        // The subscriber keeps up most of the time, and sometimes not.
+        if !next(&mut rng).is_multiple_of(50) {
+            mirror.drain(&e);
+        }
+        if i == 1200 {
+            e.restart_cache();
+        }
+        if i.is_multiple_of(400) {
+            e.report_load();
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    mirror.drain(&e);
+    e.report_load();
+    mirror.drain(&e);
+    let engine_resident: BTreeSet<u64> = e.resident().into_iter().collect();
+    assert_eq!(mirror.resident(), engine_resident, "seed {seed}");
+    assert!(
+        mirror.resyncs >= 2,
+        "the restart and at least one overflow force resyncs"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4, ..ProptestConfig::default() })]
+    /// After thousands of random requests, with a cache restart and slow
+    /// moments that overflow the subscriber's buffer, a subscriber that
+    /// applies the stream to the core index holds exactly the engine's
+    /// resident set.
+    #[test]
+    fn a_subscriber_mirrors_the_cache(seed in any::<u64>()) {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(workload(seed));
+    }
+}

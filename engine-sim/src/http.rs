@@ -1,0 +1,444 @@
+//! vLLM's OpenAI-compatible HTTP surface: completions and chat completions
+//! (streaming and not), models, health and metrics, with vLLM's error
+//! bodies. Requests are tokenized here (the same way the router computes
+//! tokens) and handed to the [`Engine`].
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::stream;
+use kvroute_core::hash::validate_cache_salt;
+use kvroute_core::tokenize::{
+    ChatMessage, ChatTemplate, Tokenizer, chat_prompt_tokens, completion_prompt_tokens,
+    content_text,
+};
+use serde_json::{Value, json};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::engine::{Engine, EngineError, Generation, Job};
+
+/// What the HTTP handlers share.
+#[derive(Debug)]
+pub struct App {
+    /// The engine.
+    pub engine: Arc<Engine>,
+    /// Prompt tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Chat template.
+    pub template: ChatTemplate,
+    requests: AtomicU64,
+}
+
+impl App {
+    /// Handlers over `engine`.
+    pub fn new(engine: Arc<Engine>, tokenizer: Tokenizer, template: ChatTemplate) -> Arc<Self> {
+        Arc::new(App {
+            engine,
+            tokenizer,
+            template,
+            requests: AtomicU64::new(0),
+        })
+    }
+}
+
+/// The HTTP routes.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/sim/restart-cache", post(restart_cache))
+        .fallback(|| async {
+            error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                "Not Found".to_owned(),
+            )
+        })
+        .with_state(app)
+}
+
+/// A vLLM error response: `{"error": {"message", "type", "param", "code"}}`.
+fn error(status: StatusCode, kind: &str, message: String) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, "BadRequestError", message.into())
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    let c = app.engine.config();
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": c.model, "object": "model", "created": now_secs(), "owned_by": "vllm",
+            "root": c.model, "parent": null, "max_model_len": c.max_model_len, "permission": [],
+        }],
+    }))
+    .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.engine.metrics_text(),
+    )
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(app): State<Arc<App>>) -> Response {
+    if app.engine.reset_prefix_cache() {
+        StatusCode::OK.into_response()
+    } else {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            "Failed to reset prefix cache: requests are running".to_owned(),
+        )
+    }
+}
+
+async fn restart_cache(State(app): State<Arc<App>>) -> StatusCode {
+    app.engine.restart_cache();
+    StatusCode::OK
+}
+
+/// Fields both endpoints share.
+struct Common {
+    max_tokens: u64,
+    stream: bool,
+    include_usage: bool,
+    cache_salt: Option<String>,
+}
+
+/// Parses the body as a JSON object, checks the model and the shared
+/// fields, and applies the fault knobs.
+async fn prologue(
+    app: &App,
+    body: &Bytes,
+) -> Result<(serde_json::Map<String, Value>, Common), Response> {
+    let config = app.engine.config();
+    let n = app.requests.fetch_add(1, Ordering::Relaxed) + 1;
+    if config.stop_after.is_some_and(|limit| n > limit) {
+        std::future::pending::<()>().await;
+    }
+    if config.extra_latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(config.extra_latency_ms)).await;
+    }
+    if config.fail_rate > 0.0 {
+        let draw = xxh3_64(&n.to_le_bytes()) as f64 / u64::MAX as f64;
+        if draw < config.fail_rate {
+            return Err(error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                "simulated engine failure (--fail-rate)".to_owned(),
+            ));
+        }
+    }
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(bad_request("the request body must be a JSON object"));
+    };
+    match obj.get("model") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(m)) if *m == config.model => {}
+        Some(Value::String(m)) => {
+            return Err(error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                format!("The model `{m}` does not exist."),
+            ));
+        }
+        Some(_) => return Err(bad_request("'model' must be a string")),
+    }
+    let max_tokens = match obj
+        .get("max_completion_tokens")
+        .or_else(|| obj.get("max_tokens"))
+    {
+        None | Some(Value::Null) => config.default_max_tokens,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => n,
+            _ => {
+                return Err(bad_request(format!(
+                    "max_tokens must be at least 1, got {v}."
+                )));
+            }
+        },
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad_request("'stream' must be a boolean")),
+    };
+    let include_usage = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => {
+            validate_cache_salt(s).map_err(|e| bad_request(e.to_string()))?;
+            Some(s.clone())
+        }
+        Some(_) => {
+            return Err(bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ));
+        }
+    };
+    Ok((
+        obj,
+        Common {
+            max_tokens,
+            stream,
+            include_usage,
+            cache_salt,
+        },
+    ))
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let (obj, common) = match prologue(&app, &body).await {
+        Ok(parsed) => parsed,
+        Err(response) => return response,
+    };
+    let prompt = match obj.get("prompt") {
+        Some(Value::String(p)) => completion_prompt_tokens(&app.tokenizer, p),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            completion_prompt_tokens(&app.tokenizer, items[0].as_str().unwrap_or_default())
+        }
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_u64) => {
+            Ok(items
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|t| t.min(u64::from(u32::MAX)) as u32)
+                .collect())
+        }
+        Some(Value::Array(_)) => {
+            return bad_request(
+                "'prompt' must be a string, one string, or a list of token ids; batches are not supported",
+            );
+        }
+        _ => {
+            return bad_request("'prompt' is required and must be a string or a list of token ids");
+        }
+    };
+    let prompt = match prompt {
+        Ok(p) => p,
+        Err(e) => return bad_request(e.to_string()),
+    };
+    respond(&app, prompt, common, Kind::Completion).await
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    let (obj, common) = match prologue(&app, &body).await {
+        Ok(parsed) => parsed,
+        Err(response) => return response,
+    };
+    let Some(Value::Array(raw)) = obj.get("messages") else {
+        return bad_request("'messages' is required and must be a list");
+    };
+    if raw.is_empty() {
+        return bad_request("'messages' must not be empty");
+    }
+    let mut messages = Vec::with_capacity(raw.len());
+    for (i, m) in raw.iter().enumerate() {
+        let Some(role) = m.get("role").and_then(Value::as_str) else {
+            return bad_request(format!(
+                "messages[{i}].role is required and must be a string"
+            ));
+        };
+        let content = match content_text(m.get("content").unwrap_or(&Value::Null)) {
+            Ok(c) => c,
+            Err(e) => return bad_request(format!("messages[{i}].content: {e}")),
+        };
+        messages.push(ChatMessage {
+            role: role.to_owned(),
+            content,
+        });
+    }
+    match chat_prompt_tokens(&app.tokenizer, &app.template, &messages) {
+        Ok(prompt) => respond(&app, prompt, common, Kind::Chat).await,
+        Err(e) => bad_request(e.to_string()),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+fn usage(g: &Generation, completion_tokens: u64) -> Value {
+    json!({
+        "prompt_tokens": g.prompt_tokens,
+        "total_tokens": g.prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+    })
+}
+
+async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Response {
+    let job = Job {
+        prompt,
+        max_tokens: common.max_tokens,
+        cache_salt: common.cache_salt,
+    };
+    let generation = match app.engine.generate(job).await {
+        Ok(g) => g,
+        Err(e @ EngineError::Stopped) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailableError",
+                e.to_string(),
+            );
+        }
+        Err(e) => return bad_request(e.to_string()),
+    };
+    let model = app.engine.config().model.clone();
+    let created = now_secs();
+    let id = format!(
+        "{}-{:016x}{:016x}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        xxh3_64(&created.to_le_bytes()),
+        xxh3_64(&app.requests.load(Ordering::Relaxed).to_le_bytes())
+    );
+    if common.stream {
+        return stream_response(generation, kind, id, model, created, common.include_usage);
+    }
+    let mut generation = generation;
+    let mut text = String::new();
+    let mut n = 0u64;
+    while let Some(token) = generation.tokens.recv().await {
+        text.push_str(token.text);
+        n += 1;
+    }
+    let usage = usage(&generation, n);
+    let body = match kind {
+        Kind::Completion => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null}],
+            "usage": usage,
+        }),
+        Kind::Chat => json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                         "logprobs": null, "finish_reason": "length", "stop_reason": null}],
+            "usage": usage,
+        }),
+    };
+    axum::Json(body).into_response()
+}
+
+fn usage_chunk(
+    chunk: &impl Fn(Value) -> Value,
+    g: &Generation,
+    n: u64,
+) -> Result<Bytes, Infallible> {
+    let mut v = chunk(json!([]));
+    v["usage"] = usage(g, n);
+    sse(&v)
+}
+
+fn sse(value: &Value) -> Result<Bytes, Infallible> {
+    Ok(Bytes::from(format!("data: {value}\n\n")))
+}
+
+/// Server-sent events, one chunk per token as it is generated.
+fn stream_response(
+    generation: Generation,
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+) -> Response {
+    let chunk = move |choices: Value| -> Value {
+        let object = match kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        };
+        json!({"id": id, "object": object, "created": created, "model": model, "choices": choices})
+    };
+    enum Phase {
+        Start,
+        Tokens,
+        Done,
+        End,
+    }
+    let body = stream::unfold(
+        (generation, Phase::Start, 0u64),
+        move |(mut g, phase, n)| {
+            let chunk = chunk.clone();
+            async move {
+                let (bytes, next) = match phase {
+                    Phase::Start if kind == Kind::Chat => {
+                        let delta = json!({"role": "assistant", "content": ""});
+                        let choices = json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]);
+                        (sse(&chunk(choices)), Phase::Tokens)
+                    }
+                    Phase::Start | Phase::Tokens => match g.tokens.recv().await {
+                        Some(token) => {
+                            let finish = if token.last {
+                                json!("length")
+                            } else {
+                                Value::Null
+                            };
+                            let choices = match kind {
+                                Kind::Completion => {
+                                    json!([{"index": 0, "text": token.text, "logprobs": null, "finish_reason": finish, "stop_reason": null}])
+                                }
+                                Kind::Chat => {
+                                    json!([{"index": 0, "delta": {"content": token.text}, "logprobs": null, "finish_reason": finish, "stop_reason": null}])
+                                }
+                            };
+                            let bytes = sse(&chunk(choices));
+                            return Some((bytes, (g, Phase::Tokens, n + 1)));
+                        }
+                        None if include_usage => {
+                            return Some((usage_chunk(&chunk, &g, n), (g, Phase::Done, n)));
+                        }
+                        None => (Ok(Bytes::from_static(b"data: [DONE]\n\n")), Phase::End),
+                    },
+                    Phase::Done => (Ok(Bytes::from_static(b"data: [DONE]\n\n")), Phase::End),
+                    Phase::End => return None,
+                };
+                Some((bytes, (g, next, n)))
+            }
+        },
+    );
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
