@@ -519,6 +519,11 @@ impl Engine {
         send_all(&mut state, &message);
     }
 
+    /// Ends every WatchCache stream (on shutdown).
+    pub fn end_streams(&self) {
+        self.lock().subscribers.clear();
+    }
+
     /// Subscribers connected.
     pub fn subscribers(&self) -> usize {
         self.lock().subscribers.len()

@@ -80,12 +80,19 @@ pub struct Sim {
 }
 
 impl Sim {
-    /// Stops serving and waits for the servers to end (in-flight streams
-    /// are cut).
+    /// Stops serving. WatchCache streams end at once; HTTP requests in
+    /// flight get up to 5 seconds to finish, then the servers are dropped
+    /// (a subscriber that stopped reading cannot hold the shutdown).
     pub async fn shutdown(self) {
+        self.engine.end_streams();
         let _ = self.stop.send(true);
-        for task in self.tasks {
-            let _ = task.await;
+        for mut task in self.tasks {
+            if tokio::time::timeout(Duration::from_secs(5), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+            }
         }
     }
 }
