@@ -566,6 +566,7 @@ impl Engine {
             &self.config,
             &Self::load(&state),
             (state.pool.queries, state.pool.hits),
+            state.pool.cached_blocks(),
         )
     }
 }

@@ -39,7 +39,13 @@ impl Metrics {
     }
 
     /// The exposition text; `prefix` is (queries, hits) in tokens.
-    pub fn render(&self, config: &Config, load: &LoadReport, prefix: (u64, u64)) -> String {
+    pub fn render(
+        &self,
+        config: &Config,
+        load: &LoadReport,
+        prefix: (u64, u64),
+        cached_blocks: usize,
+    ) -> String {
         let model = escape(&config.model);
         let l = format!("model_name=\"{model}\"");
         let mut out = String::new();
@@ -122,6 +128,12 @@ impl Metrics {
             histogram,
         );
         metric(
+            "kvroute_sim_cached_blocks",
+            "gauge",
+            "Blocks in the prefix cache (the simulator's own metric).",
+            format!("kvroute_sim_cached_blocks{{{l}}} {cached_blocks}"),
+        );
+        metric(
             "vllm:cache_config_info",
             "gauge",
             "Information of the LLMEngine CacheConfig",
@@ -155,7 +167,7 @@ mod tests {
             kv_usage: 0.25,
             used_blocks: 10,
         };
-        let text = m.render(&Config::test(), &load, (100, 48));
+        let text = m.render(&Config::test(), &load, (100, 48), 7);
         for line in [
             "vllm:num_requests_running{model_name=\"kvroute-sim\"} 5",
             "vllm:num_requests_waiting{model_name=\"kvroute-sim\"} 2",
@@ -166,6 +178,7 @@ mod tests {
             "vllm:time_to_first_token_seconds_bucket{model_name=\"kvroute-sim\",le=\"5\"} 2",
             "vllm:time_to_first_token_seconds_count{model_name=\"kvroute-sim\"} 2",
             "# TYPE vllm:time_to_first_token_seconds histogram",
+            "kvroute_sim_cached_blocks{model_name=\"kvroute-sim\"} 7",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
