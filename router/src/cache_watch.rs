@@ -1,0 +1,1 @@
+//! WatchCache subscriptions (being written).

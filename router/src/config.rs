@@ -1,0 +1,424 @@
+//! The router's configuration: one YAML file, every field documented with
+//! its default; flags and environment variables override the few fields
+//! people change per deployment. Parsed and validated once at start.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use kvroute_core::hash::HashAlgo;
+use kvroute_core::keys::KeyConfig;
+use kvroute_core::policy::PolicyConfig;
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Config {
+    /// Address of the OpenAI-compatible API. Default: `0.0.0.0:8080`.
+    pub listen: SocketAddr,
+    /// Address of `/metrics` and the debug endpoints. Default:
+    /// `0.0.0.0:9090`.
+    pub admin_listen: SocketAddr,
+    /// Where endpoints come from. Default: a static file `endpoints.yaml`.
+    pub discovery: Discovery,
+    /// How requests are placed.
+    pub routing: Routing,
+    /// Tenant isolation.
+    pub tenancy: Tenancy,
+    /// Limits and timeouts.
+    pub limits: Limits,
+    /// Retries and outlier ejection.
+    pub resilience: Resilience,
+    /// Logs, traces and headers.
+    pub telemetry: Telemetry,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "0.0.0.0:8080".parse().expect("valid"),
+            admin_listen: "0.0.0.0:9090".parse().expect("valid"),
+            discovery: Discovery::default(),
+            routing: Routing::default(),
+            tenancy: Tenancy::default(),
+            limits: Limits::default(),
+            resilience: Resilience::default(),
+            telemetry: Telemetry::default(),
+        }
+    }
+}
+
+/// Where the endpoint set comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum Discovery {
+    /// A YAML file listing endpoints, re-read when it changes.
+    Static {
+        /// The file (see [`crate::discovery::StaticFile`] for its format).
+        file: PathBuf,
+        /// How often the file is checked for changes, milliseconds.
+        /// Default: 2000.
+        #[serde(default = "default_reload_ms")]
+        reload_ms: u64,
+    },
+    /// The kvroute operator's `EndpointDiscovery.WatchPool` stream.
+    Operator {
+        /// The operator's gRPC URL, e.g. `http://kvroute-operator.kvroute:9443`.
+        url: String,
+        /// The InferencePool's namespace.
+        namespace: String,
+        /// The InferencePool's name.
+        pool: String,
+    },
+}
+
+fn default_reload_ms() -> u64 {
+    2000
+}
+
+impl Default for Discovery {
+    fn default() -> Self {
+        Discovery::Static {
+            file: "endpoints.yaml".into(),
+            reload_ms: default_reload_ms(),
+        }
+    }
+}
+
+/// Routing settings. With the operator, its policy replaces these.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Routing {
+    /// The policy and its parameters. Default: `{name: kvroute}`.
+    pub policy: PolicyConfig,
+    /// How routing keys are made. Default: conversation, K = 256.
+    pub key: KeyConfig,
+    /// Header carrying a conversation key, besides the body's
+    /// `prompt_cache_key`. Default: `x-conversation-id`.
+    pub conversation_header: String,
+    /// The engines' KV block size, tokens. Default: 16 (vLLM's).
+    pub block_size: usize,
+    /// The engines' `--prefix-caching-hash-algo`. Default: sha256.
+    pub hash_algo: HashAlgo,
+    /// The engines' `PYTHONHASHSEED`; unset by default.
+    pub hash_seed: Option<String>,
+    /// The model's Hugging Face `tokenizer.json` for exact mode; default:
+    /// the built-in tokenizer (what kvroute-engine-sim uses).
+    pub tokenizer: Option<PathBuf>,
+    /// The model's `tokenizer_config.json` (its chat template); default:
+    /// the built-in ChatML template.
+    pub tokenizer_config: Option<PathBuf>,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Routing {
+            policy: PolicyConfig::default(),
+            key: KeyConfig::default(),
+            conversation_header: "x-conversation-id".into(),
+            block_size: 16,
+            hash_algo: HashAlgo::Sha256,
+            hash_seed: None,
+            tokenizer: None,
+            tokenizer_config: None,
+        }
+    }
+}
+
+/// Whether tenants share the engines' caches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenancyMode {
+    /// One cache for all (the default).
+    #[default]
+    Shared,
+    /// Each tenant's blocks are salted apart: no sharing, no timing side
+    /// channel.
+    Salted,
+}
+
+/// What to do with a client's own `cache_salt` in salted mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientSalt {
+    /// Refuse the request with 400 (the default).
+    #[default]
+    Reject,
+    /// Replace it with the tenant's salt.
+    Overwrite,
+}
+
+/// Tenant identity and isolation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Tenancy {
+    /// `shared` or `salted`. Default: shared.
+    pub mode: TenancyMode,
+    /// A header an authenticating gateway sets to the tenant. Trusted as
+    /// is: only set it when clients cannot reach the router directly.
+    pub tenant_header: Option<String>,
+    /// A YAML map of API key → tenant (a mounted Secret); the key comes
+    /// from `Authorization: Bearer <key>`.
+    pub api_keys_file: Option<PathBuf>,
+    /// The HMAC-SHA256 key salting tenants' caches (a mounted Secret).
+    /// Required in salted mode.
+    pub secret_file: Option<PathBuf>,
+    /// A client-supplied `cache_salt` in salted mode: `reject` or
+    /// `overwrite`. Default: reject.
+    pub client_salt: ClientSalt,
+}
+
+/// Sizes, concurrency and timeouts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Limits {
+    /// Largest request body, bytes. Default: 32 MiB.
+    pub max_body_bytes: usize,
+    /// Requests in flight per endpoint before it counts as full. Default:
+    /// 256.
+    pub endpoint_concurrency: u32,
+    /// Requests that may wait when every candidate is full; more get 429.
+    /// Default: 1024.
+    pub queue_size: usize,
+    /// How long a request waits for a free endpoint before 429,
+    /// milliseconds. Default: 5000.
+    pub queue_timeout_ms: u64,
+    /// Connecting to an engine, milliseconds. Default: 2000.
+    pub connect_timeout_ms: u64,
+    /// From sending a request to the engine's response headers,
+    /// milliseconds. Default: 300000 (long prefills of long prompts).
+    pub first_byte_timeout_ms: u64,
+    /// Retry-After on 429 and 503, seconds. Default: 1.
+    pub retry_after_s: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_body_bytes: 32 << 20,
+            endpoint_concurrency: 256,
+            queue_size: 1024,
+            queue_timeout_ms: 5000,
+            connect_timeout_ms: 2000,
+            first_byte_timeout_ms: 300_000,
+            retry_after_s: 1,
+        }
+    }
+}
+
+/// Retries and ejection of failing endpoints.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Resilience {
+    /// Attempts per request, the first included; only before the first
+    /// response byte. Default: 3.
+    pub attempts: u32,
+    /// Consecutive failures that eject an endpoint. Default: 3.
+    pub eject_after_failures: u32,
+    /// First ejection, milliseconds; each repeat doubles it. Default: 5000.
+    pub ejection_base_ms: u64,
+    /// Longest ejection, milliseconds. Default: 300000.
+    pub ejection_max_ms: u64,
+}
+
+impl Default for Resilience {
+    fn default() -> Self {
+        Resilience {
+            attempts: 3,
+            eject_after_failures: 3,
+            ejection_base_ms: 5000,
+            ejection_max_ms: 300_000,
+        }
+    }
+}
+
+/// Log format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Observability settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Telemetry {
+    /// `text` or `json`. Default: text.
+    pub log_format: LogFormat,
+    /// Response header naming the endpoint that served the request; empty
+    /// turns it off. Default: `x-kvroute-endpoint`.
+    pub endpoint_header: String,
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Telemetry {
+            log_format: LogFormat::Text,
+            endpoint_header: "x-kvroute-endpoint".into(),
+        }
+    }
+}
+
+/// A configuration error, naming the field and the value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The YAML is malformed or has an unknown field.
+    #[error("{path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: serde_yaml::Error,
+    },
+    /// A value is out of range.
+    #[error("{field}: {reason} (got {value})")]
+    Invalid {
+        /// The field, as written in YAML.
+        field: &'static str,
+        /// The value.
+        value: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+}
+
+impl Config {
+    /// Reads and validates a YAML file.
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let config: Config = serde_yaml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what types cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field, value: &dyn std::fmt::Display, reason| ConfigError::Invalid {
+            field,
+            value: value.to_string(),
+            reason,
+        };
+        if self.routing.block_size == 0 {
+            return Err(invalid("routing.blockSize", &0, "must be at least 1"));
+        }
+        if self.limits.max_body_bytes == 0 {
+            return Err(invalid("limits.maxBodyBytes", &0, "must be at least 1"));
+        }
+        if self.limits.endpoint_concurrency == 0 {
+            return Err(invalid("limits.endpointConcurrency", &0, "must be at least 1"));
+        }
+        if self.resilience.attempts == 0 {
+            return Err(invalid("resilience.attempts", &0, "must be at least 1"));
+        }
+        if self.resilience.eject_after_failures == 0 {
+            return Err(invalid("resilience.ejectAfterFailures", &0, "must be at least 1"));
+        }
+        if self.tenancy.mode == TenancyMode::Salted && self.tenancy.secret_file.is_none() {
+            return Err(invalid("tenancy.secretFile", &"none", "is required when tenancy.mode is salted"));
+        }
+        if self.tenancy.mode == TenancyMode::Salted
+            && self.tenancy.tenant_header.is_none()
+            && self.tenancy.api_keys_file.is_none()
+        {
+            return Err(invalid(
+                "tenancy.tenantHeader",
+                &"none",
+                "salted tenancy needs a tenant source: tenantHeader or apiKeysFile",
+            ));
+        }
+        if let Some(h) = &self.tenancy.tenant_header
+            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
+        {
+            return Err(invalid("tenancy.tenantHeader", h, "is not a valid header name"));
+        }
+        let header = &self.telemetry.endpoint_header;
+        if !header.is_empty() && axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+            return Err(invalid("telemetry.endpointHeader", header, "is not a valid header name"));
+        }
+        if axum::http::HeaderName::from_bytes(self.routing.conversation_header.as_bytes()).is_err() {
+            return Err(invalid(
+                "routing.conversationHeader",
+                &self.routing.conversation_header,
+                "is not a valid header name",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_file_is_the_defaults() {
+        let c: Config = serde_yaml::from_str("{}").unwrap();
+        assert_eq!(c, Config::default());
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn a_full_file_parses() {
+        let yaml = r#"
+listen: 127.0.0.1:8080
+adminListen: 127.0.0.1:9090
+discovery:
+  operator: {url: "http://op:9443", namespace: ml, pool: llama}
+routing:
+  policy: {name: kvroute, loadBound: 0.3}
+  key: {mode: prefix, prefixTokens: 128}
+  blockSize: 32
+  hashAlgo: sha256_cbor
+  hashSeed: "0"
+tenancy:
+  mode: salted
+  tenantHeader: x-tenant
+  secretFile: /secrets/salt
+  clientSalt: overwrite
+limits: {maxBodyBytes: 1024}
+resilience: {attempts: 2}
+telemetry: {logFormat: json, endpointHeader: ""}
+"#;
+        let c: Config = serde_yaml::from_str(yaml).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.routing.block_size, 32);
+        assert_eq!(c.tenancy.client_salt, ClientSalt::Overwrite);
+        assert!(matches!(c.discovery, Discovery::Operator { .. }));
+    }
+
+    #[test]
+    fn errors_name_the_field_and_value() {
+        let err = serde_yaml::from_str::<Config>("routing: {blockSzie: 16}")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("blockSzie"), "{err}");
+        let c: Config = serde_yaml::from_str("routing: {blockSize: 0}").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert_eq!(err, "routing.blockSize: must be at least 1 (got 0)");
+        let c: Config = serde_yaml::from_str("tenancy: {mode: salted, tenantHeader: x-t}").unwrap();
+        assert!(c.validate().unwrap_err().to_string().starts_with("tenancy.secretFile"));
+        let c: Config = serde_yaml::from_str("telemetry: {endpointHeader: 'bad header'}").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert_eq!(err, "telemetry.endpointHeader: is not a valid header name (got bad header)");
+    }
+}

@@ -1,0 +1,1 @@
+//! Endpoint discovery (being written).

@@ -1,0 +1,135 @@
+//! Every way a request can fail, each mapped in one place to its HTTP
+//! status and an OpenAI-style body:
+//! `{"error": {"message": "...", "type": "...", "code": "..."}}`.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// A request the router refuses or cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed JSON or a missing or mistyped field.
+    #[error("{0}")]
+    BadRequest(String),
+    /// Salted tenancy and no authenticated tenant.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// No such model or path.
+    #[error("{0}")]
+    NotFound(String),
+    /// The body exceeds the configured limit.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// Every candidate endpoint is at its limit and the queue is full or
+    /// timed out.
+    #[error("all endpoints are busy; retry later")]
+    Overloaded {
+        /// Seconds to wait.
+        retry_after: u64,
+    },
+    /// No endpoint is ready.
+    #[error("no ready endpoint for this pool")]
+    Unavailable {
+        /// Seconds to wait.
+        retry_after: u64,
+    },
+    /// Every attempt failed before a response.
+    #[error("upstream failed: {0}")]
+    Upstream(String),
+    /// The engine took too long to answer.
+    #[error("upstream timed out: {0}")]
+    Timeout(String),
+}
+
+impl ApiError {
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The OpenAI error `type` and `code`.
+    fn kind(&self) -> (&'static str, &'static str) {
+        match self {
+            ApiError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
+            ApiError::Unauthenticated(_) => ("authentication_error", "unauthenticated"),
+            ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
+            ApiError::TooLarge { .. } => ("invalid_request_error", "request_too_large"),
+            ApiError::Overloaded { .. } => ("rate_limit_error", "overloaded"),
+            ApiError::Unavailable { .. } => ("server_error", "no_ready_endpoint"),
+            ApiError::Upstream(_) => ("server_error", "upstream_error"),
+            ApiError::Timeout(_) => ("server_error", "upstream_timeout"),
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        let (kind, code) = self.kind();
+        json!({"error": {"message": self.to_string(), "type": kind, "code": code}})
+    }
+
+    /// The metric label of the error.
+    pub fn code(&self) -> &'static str {
+        self.kind().1
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let retry_after = match self {
+            ApiError::Overloaded { retry_after } | ApiError::Unavailable { retry_after } => {
+                Some(retry_after)
+            }
+            _ => None,
+        };
+        let mut response = (self.status(), axum::Json(self.body())).into_response();
+        if let Some(s) = retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_bodies_and_retry_after() {
+        let cases = [
+            (ApiError::BadRequest("x".into()), 400),
+            (ApiError::Unauthenticated("x".into()), 401),
+            (ApiError::NotFound("x".into()), 404),
+            (ApiError::TooLarge { limit: 1 }, 413),
+            (ApiError::Overloaded { retry_after: 2 }, 429),
+            (ApiError::Unavailable { retry_after: 3 }, 503),
+            (ApiError::Upstream("x".into()), 502),
+            (ApiError::Timeout("x".into()), 504),
+        ];
+        for (err, status) in cases {
+            assert_eq!(err.status().as_u16(), status);
+            let body = err.body();
+            assert!(body["error"]["message"].is_string());
+            assert!(body["error"]["type"].is_string());
+            assert!(body["error"]["code"].is_string());
+        }
+        let r = ApiError::Overloaded { retry_after: 2 }.into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        let r = ApiError::BadRequest("x".into()).into_response();
+        assert!(r.headers().get(header::RETRY_AFTER).is_none());
+    }
+}

@@ -1,0 +1,47 @@
+//! The routing settings a request needs, swappable at run time (the
+//! operator's policy can change the key mode or the engines' hashing).
+
+use std::sync::{Arc, RwLock};
+
+use axum::http::HeaderName;
+use kvroute_core::hash::BlockHasher;
+use kvroute_core::keys::KeyConfig;
+use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+
+/// What the request path uses to turn a request into tokens, a block
+/// chain and a routing key.
+#[derive(Debug)]
+pub struct Settings {
+    /// How keys are made.
+    pub key: KeyConfig,
+    /// The engines' block hashing.
+    pub hasher: BlockHasher,
+    /// The model's tokenizer (or the built-in one).
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's chat template (or the built-in one).
+    pub template: Arc<ChatTemplate>,
+    /// Header carrying a conversation key.
+    pub conversation_header: HeaderName,
+}
+
+/// Settings shared by every request, replaced as a whole.
+#[derive(Debug)]
+pub struct SharedSettings(RwLock<Arc<Settings>>);
+
+impl SharedSettings {
+    /// Wraps `settings`.
+    pub fn new(settings: Settings) -> Self {
+        SharedSettings(RwLock::new(Arc::new(settings)))
+    }
+
+    /// The current settings.
+    pub fn get(&self) -> Arc<Settings> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the settings with `f(current)`.
+    pub fn update(&self, f: impl FnOnce(&Settings) -> Settings) {
+        let mut guard = self.0.write().unwrap_or_else(|e| e.into_inner());
+        *guard = Arc::new(f(&guard));
+    }
+}
