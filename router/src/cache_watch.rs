@@ -1,1 +1,330 @@
-//! WatchCache subscriptions (being written).
+//! WatchCache subscriptions: one task per engine that reports its cache,
+//! mirroring the engine's resident blocks and load into the [`Pool`].
+//!
+//! The task subscribes to `CacheReporter.WatchCache`, checks every update
+//! with [`SequenceCheck`] and applies it to the pool under its
+//! `(name, generation)`, so a replaced endpoint's old watcher cannot touch
+//! the new one's entries. Whenever the stream breaks (connect failure,
+//! stream error or end, a sequence gap, a new incarnation, an update the
+//! index refuses) the endpoint's entries are dropped at once and the task
+//! resubscribes after a jittered exponential [`Backoff`] for a fresh
+//! snapshot.
+//!
+//! Not here: deciding which engines to watch (the pool spawns and aborts
+//! these tasks as discovery changes the endpoint set), and checking the
+//! engine's cache configuration against the router's hashing settings
+//! (it is only logged).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use kvroute_core::index::{CacheEvent, IndexError};
+use kvroute_core::load::EngineLoad;
+use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
+use kvroute_proto::v1::{CacheUpdate, LoadReport, WatchCacheRequest, cache_update::Update};
+use kvroute_proto::{ResyncReason, SequenceCheck, Verdict};
+use tokio::task::JoinHandle;
+
+use crate::pool::{Pool, StreamState};
+
+/// How the router names itself to engines.
+const SUBSCRIBER: &str = "kvroute-router";
+/// Connecting to an engine's WatchCache server.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest message accepted: a snapshot costs 8 bytes per block, so this
+/// covers caches of up to about 32 million blocks.
+const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// HTTP/2 pings, so an engine that vanished without closing its
+/// connection is noticed.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Ceiling of the first reconnect delay.
+pub const BACKOFF_BASE: Duration = Duration::from_millis(100);
+/// Largest reconnect delay.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// A stream that stayed up this long resets the backoff.
+pub const BACKOFF_RESET_AFTER: Duration = Duration::from_secs(30);
+
+/// The delay before reconnect attempt `attempt` (0 for the first): "full
+/// jitter", uniform in `[0, min(BACKOFF_MAX, BACKOFF_BASE × 2^attempt)]`,
+/// with `random` a uniformly random `u64`. Pure, for tests.
+pub fn backoff(attempt: u32, random: u64) -> Duration {
+    let base = BACKOFF_BASE.as_nanos() as u64;
+    let max = BACKOFF_MAX.as_nanos() as u64;
+    let ceiling = base.saturating_mul(1u64 << attempt.min(32)).min(max);
+    // Multiply-high maps `random` onto [0, ceiling] without modulo bias
+    // worth speaking of.
+    let nanos = ((u128::from(random) * (u128::from(ceiling) + 1)) >> 64) as u64;
+    Duration::from_nanos(nanos)
+}
+
+/// Reconnect delays for one stream: [`backoff`] driven by a small
+/// SplitMix64 generator, seeded per stream so that many routers (or
+/// watchers) losing the same server do not retry in lockstep.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    attempt: u32,
+    state: u64,
+}
+
+impl Backoff {
+    /// A backoff seeded from `seed` (the endpoint name or URL) and the
+    /// clock.
+    pub fn new(seed: &str) -> Self {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Backoff {
+            attempt: 0,
+            state: xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) ^ now,
+        }
+    }
+
+    /// The delay before the next attempt; each call doubles the ceiling.
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = backoff(self.attempt, self.next_random());
+        self.attempt = self.attempt.saturating_add(1);
+        delay
+    }
+
+    /// Starts over from [`BACKOFF_BASE`] (the connection had been healthy).
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+
+    fn next_random(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// Starts watching the WatchCache server at `addr` for the pool member
+/// `(name, generation)`. The task runs until it is aborted (the pool does
+/// so when the endpoint leaves or changes) or the pool is dropped. Matches
+/// [`crate::pool::WatcherSpawner`].
+pub fn spawn(pool: Arc<Pool>, name: String, generation: u64, addr: SocketAddr) -> JoinHandle<()> {
+    // A weak reference: the pool owns this task's handle, so a strong one
+    // would keep a dropped pool alive forever.
+    let pool = Arc::downgrade(&pool);
+    tokio::spawn(async move { run(pool, name, generation, addr).await })
+}
+
+/// Why a stream ended.
+#[derive(Debug, thiserror::Error)]
+enum Broken {
+    #[error("connecting: {0}")]
+    Connect(String),
+    #[error("WatchCache failed: {0}")]
+    Status(#[source] tonic::Status),
+    #[error("the engine ended the stream")]
+    Ended,
+    #[error("resync: {0}")]
+    Resync(ResyncReason),
+    #[error("snapshot without a cache config")]
+    NoConfig,
+    #[error("the index refused an update: {0}")]
+    Index(#[source] IndexError),
+    #[error("the pool is gone")]
+    PoolGone,
+}
+
+async fn run(pool: Weak<Pool>, name: String, generation: u64, addr: SocketAddr) {
+    let mut backoff = Backoff::new(&name);
+    loop {
+        let mut live_since = None;
+        let broken = match pool.upgrade() {
+            Some(p) => {
+                p.set_stream(&name, generation, StreamState::Connecting);
+                drop(p);
+                let w = Watcher {
+                    pool: &pool,
+                    name: &name,
+                    generation,
+                };
+                w.watch(addr, &mut live_since).await
+            }
+            None => Broken::PoolGone,
+        };
+        let Some(p) = pool.upgrade() else { return };
+        p.set_stream(&name, generation, StreamState::Connecting);
+        drop(p);
+        if live_since.is_some_and(|t: Instant| t.elapsed() >= BACKOFF_RESET_AFTER) {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        tracing::warn!(
+            endpoint = %name, %addr, reason = %broken, retry_in = ?delay,
+            "WatchCache stream lost; the endpoint's cache entries are dropped until it resyncs"
+        );
+        tokio::time::sleep(delay).await;
+    }
+}
+
+/// One subscription of one pool member.
+struct Watcher<'a> {
+    pool: &'a Weak<Pool>,
+    name: &'a str,
+    generation: u64,
+}
+
+impl Watcher<'_> {
+    /// Subscribes and applies updates until the stream breaks; sets
+    /// `live_since` when the first snapshot is applied.
+    async fn watch(&self, addr: SocketAddr, live_since: &mut Option<Instant>) -> Broken {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("a socket address makes a valid URI")
+            .connect_timeout(CONNECT_TIMEOUT)
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT);
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => return Broken::Connect(error_chain(&e)),
+        };
+        let mut client =
+            CacheReporterClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let request = WatchCacheRequest {
+            subscriber: SUBSCRIBER.into(),
+        };
+        let mut stream = match client.watch_cache(request).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => return Broken::Status(s),
+        };
+        let mut check = SequenceCheck::new();
+        loop {
+            let update = match stream.message().await {
+                Ok(Some(u)) => u,
+                Ok(None) => return Broken::Ended,
+                Err(s) => return Broken::Status(s),
+            };
+            if let Verdict::Resync(reason) = check.observe(&update) {
+                return Broken::Resync(reason);
+            }
+            if let Err(b) = self.apply(update, live_since) {
+                return b;
+            }
+        }
+    }
+
+    /// Applies one checked update.
+    fn apply(&self, update: CacheUpdate, live_since: &mut Option<Instant>) -> Result<(), Broken> {
+        let pool = self.pool.upgrade().ok_or(Broken::PoolGone)?;
+        let (name, generation) = (self.name, self.generation);
+        let event = match &update.update {
+            Some(Update::Snapshot(s)) => {
+                let config = s.config.as_ref().ok_or(Broken::NoConfig)?;
+                tracing::debug!(
+                    endpoint = %name,
+                    incarnation = %update.incarnation,
+                    sequence = update.sequence,
+                    blocks = s.block_hashes.len(),
+                    ?config,
+                    "WatchCache snapshot"
+                );
+                let event = CacheEvent::Snapshot {
+                    capacity: config.capacity_blocks as usize,
+                    blocks: &s.block_hashes,
+                };
+                pool.apply_cache(name, generation, event)
+                    .map_err(Broken::Index)?;
+                if let Some(load) = &s.load {
+                    pool.report_load(name, generation, engine_load(load));
+                }
+                pool.set_stream(name, generation, StreamState::Live);
+                live_since.get_or_insert_with(Instant::now);
+                return Ok(());
+            }
+            Some(Update::Stored(s)) => CacheEvent::Stored(&s.block_hashes),
+            Some(Update::Removed(r)) => CacheEvent::Removed(&r.block_hashes),
+            Some(Update::Cleared(_)) => CacheEvent::Cleared,
+            Some(Update::Load(load)) => {
+                pool.report_load(name, generation, engine_load(load));
+                return Ok(());
+            }
+            // SequenceCheck turns an empty update into a resync.
+            None => return Err(Broken::Resync(ResyncReason::EmptyUpdate)),
+        };
+        pool.apply_cache(name, generation, event)
+            .map_err(Broken::Index)
+    }
+}
+
+/// `e` and its sources, as tonic's transport errors hide the useful part
+/// (connection refused, timed out) in their source.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+fn engine_load(load: &LoadReport) -> EngineLoad {
+    EngineLoad {
+        waiting: load.waiting,
+        running: load.running,
+        kv_usage: load.kv_usage,
+        reported_at: Instant::now(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_ceiling_doubles_from_base_to_max() {
+        assert_eq!(backoff(0, u64::MAX), Duration::from_millis(100));
+        assert_eq!(backoff(1, u64::MAX), Duration::from_millis(200));
+        assert_eq!(backoff(3, u64::MAX), Duration::from_millis(800));
+        assert_eq!(backoff(7, u64::MAX), BACKOFF_MAX);
+        assert_eq!(backoff(1000, u64::MAX), BACKOFF_MAX);
+    }
+
+    #[test]
+    fn backoff_is_full_jitter() {
+        assert_eq!(backoff(5, 0), Duration::ZERO);
+        let half = backoff(0, u64::MAX / 2);
+        assert!(
+            half > Duration::from_millis(49) && half < Duration::from_millis(51),
+            "{half:?}"
+        );
+    }
+
+    #[test]
+    fn backoff_delays_spread_and_stay_under_the_ceiling() {
+        let mut b = Backoff::new("sim-0");
+        let delays: Vec<Duration> = (0..200).map(|_| b.next_delay()).collect();
+        assert!(delays[0] <= BACKOFF_BASE);
+        assert!(delays.iter().all(|d| *d <= BACKOFF_MAX));
+        // Late attempts are spread over [0, 10 s], not all equal.
+        let late = &delays[20..];
+        assert!(late.iter().any(|d| *d < Duration::from_secs(5)));
+        assert!(late.iter().any(|d| *d > Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn backoff_reset_starts_over() {
+        let mut b = Backoff::new("sim-0");
+        for _ in 0..10 {
+            b.next_delay();
+        }
+        b.reset();
+        assert!(b.next_delay() <= BACKOFF_BASE);
+    }
+
+    #[test]
+    fn backoffs_of_different_streams_differ() {
+        let (mut a, mut b) = (Backoff::new("sim-0"), Backoff::new("sim-1"));
+        let a: Vec<Duration> = (0..8).map(|_| a.next_delay()).collect();
+        let b: Vec<Duration> = (0..8).map(|_| b.next_delay()).collect();
+        assert_ne!(a, b);
+    }
+}

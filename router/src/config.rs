@@ -48,41 +48,57 @@ impl Default for Config {
     }
 }
 
-/// Where the endpoint set comes from.
+/// Where the endpoint set comes from: exactly one of `static` and
+/// `operator`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub enum Discovery {
+pub struct Discovery {
     /// A YAML file listing endpoints, re-read when it changes.
-    Static {
-        /// The file (see [`crate::discovery::StaticFile`] for its format).
-        file: PathBuf,
-        /// How often the file is checked for changes, milliseconds.
-        /// Default: 2000.
-        #[serde(default = "default_reload_ms")]
-        reload_ms: u64,
-    },
+    #[serde(rename = "static", skip_serializing_if = "Option::is_none")]
+    pub static_file: Option<StaticDiscovery>,
     /// The kvroute operator's `EndpointDiscovery.WatchPool` stream.
-    Operator {
-        /// The operator's gRPC URL, e.g. `http://kvroute-operator.kvroute:9443`.
-        url: String,
-        /// The InferencePool's namespace.
-        namespace: String,
-        /// The InferencePool's name.
-        pool: String,
-    },
-}
-
-fn default_reload_ms() -> u64 {
-    2000
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub operator: Option<OperatorDiscovery>,
 }
 
 impl Default for Discovery {
     fn default() -> Self {
-        Discovery::Static {
-            file: "endpoints.yaml".into(),
-            reload_ms: default_reload_ms(),
+        Discovery {
+            static_file: Some(StaticDiscovery {
+                file: "endpoints.yaml".into(),
+                reload_ms: default_reload_ms(),
+            }),
+            operator: None,
         }
     }
+}
+
+/// Endpoints from a file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StaticDiscovery {
+    /// The file (see [`crate::discovery::StaticFile`] for its format).
+    pub file: PathBuf,
+    /// How often the file is checked for changes, milliseconds. Default:
+    /// 2000.
+    #[serde(default = "default_reload_ms")]
+    pub reload_ms: u64,
+}
+
+/// Endpoints and policy from the operator.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OperatorDiscovery {
+    /// The operator's gRPC URL, e.g. `http://kvroute-operator.kvroute:9443`.
+    pub url: String,
+    /// The InferencePool's namespace.
+    pub namespace: String,
+    /// The InferencePool's name.
+    pub pool: String,
+}
+
+fn default_reload_ms() -> u64 {
+    2000
 }
 
 /// Routing settings. With the operator, its policy replaces these.
@@ -318,6 +334,17 @@ impl Config {
             value: value.to_string(),
             reason,
         };
+        match (&self.discovery.static_file, &self.discovery.operator) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "discovery",
+                    &"static and operator",
+                    "set only one source",
+                ));
+            }
+            (None, None) => return Err(invalid("discovery", &"none", "set static or operator")),
+            _ => {}
+        }
         if self.routing.block_size == 0 {
             return Err(invalid("routing.blockSize", &0, "must be at least 1"));
         }
@@ -325,16 +352,28 @@ impl Config {
             return Err(invalid("limits.maxBodyBytes", &0, "must be at least 1"));
         }
         if self.limits.endpoint_concurrency == 0 {
-            return Err(invalid("limits.endpointConcurrency", &0, "must be at least 1"));
+            return Err(invalid(
+                "limits.endpointConcurrency",
+                &0,
+                "must be at least 1",
+            ));
         }
         if self.resilience.attempts == 0 {
             return Err(invalid("resilience.attempts", &0, "must be at least 1"));
         }
         if self.resilience.eject_after_failures == 0 {
-            return Err(invalid("resilience.ejectAfterFailures", &0, "must be at least 1"));
+            return Err(invalid(
+                "resilience.ejectAfterFailures",
+                &0,
+                "must be at least 1",
+            ));
         }
         if self.tenancy.mode == TenancyMode::Salted && self.tenancy.secret_file.is_none() {
-            return Err(invalid("tenancy.secretFile", &"none", "is required when tenancy.mode is salted"));
+            return Err(invalid(
+                "tenancy.secretFile",
+                &"none",
+                "is required when tenancy.mode is salted",
+            ));
         }
         if self.tenancy.mode == TenancyMode::Salted
             && self.tenancy.tenant_header.is_none()
@@ -349,13 +388,22 @@ impl Config {
         if let Some(h) = &self.tenancy.tenant_header
             && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
         {
-            return Err(invalid("tenancy.tenantHeader", h, "is not a valid header name"));
+            return Err(invalid(
+                "tenancy.tenantHeader",
+                h,
+                "is not a valid header name",
+            ));
         }
         let header = &self.telemetry.endpoint_header;
         if !header.is_empty() && axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
-            return Err(invalid("telemetry.endpointHeader", header, "is not a valid header name"));
+            return Err(invalid(
+                "telemetry.endpointHeader",
+                header,
+                "is not a valid header name",
+            ));
         }
-        if axum::http::HeaderName::from_bytes(self.routing.conversation_header.as_bytes()).is_err() {
+        if axum::http::HeaderName::from_bytes(self.routing.conversation_header.as_bytes()).is_err()
+        {
             return Err(invalid(
                 "routing.conversationHeader",
                 &self.routing.conversation_header,
@@ -403,7 +451,7 @@ telemetry: {logFormat: json, endpointHeader: ""}
         c.validate().unwrap();
         assert_eq!(c.routing.block_size, 32);
         assert_eq!(c.tenancy.client_salt, ClientSalt::Overwrite);
-        assert!(matches!(c.discovery, Discovery::Operator { .. }));
+        assert!(c.discovery.operator.is_some());
     }
 
     #[test]
@@ -416,9 +464,17 @@ telemetry: {logFormat: json, endpointHeader: ""}
         let err = c.validate().unwrap_err().to_string();
         assert_eq!(err, "routing.blockSize: must be at least 1 (got 0)");
         let c: Config = serde_yaml::from_str("tenancy: {mode: salted, tenantHeader: x-t}").unwrap();
-        assert!(c.validate().unwrap_err().to_string().starts_with("tenancy.secretFile"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("tenancy.secretFile")
+        );
         let c: Config = serde_yaml::from_str("telemetry: {endpointHeader: 'bad header'}").unwrap();
         let err = c.validate().unwrap_err().to_string();
-        assert_eq!(err, "telemetry.endpointHeader: is not a valid header name (got bad header)");
+        assert_eq!(
+            err,
+            "telemetry.endpointHeader: is not a valid header name (got bad header)"
+        );
     }
 }

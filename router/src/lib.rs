@@ -1,8 +1,24 @@
-//! `kvroute-router`: kvroute's data plane (being written).
+//! `kvroute-router`: kvroute's data plane. An OpenAI-compatible HTTP proxy
+//! that sends each request to the engine holding its longest cached prefix
+//! (from the engines' WatchCache streams, or its own routing history), keeps
+//! load bounded, and streams responses through as the engine sends them.
+//!
+//! The request path is [`proxy`]; routing state is [`pool`]; endpoints come
+//! from [`discovery`]; engines' caches from [`cache_watch`]. Every routing
+//! decision is made by `kvroute-core`.
 
 pub mod cache_watch;
 pub mod config;
 pub mod discovery;
 pub mod errors;
+pub mod features;
+pub mod metrics;
 pub mod pool;
+pub mod proxy;
+pub mod server;
 pub mod settings;
+pub mod tenancy;
+
+pub use config::Config;
+
+pub use server::{Running, StartError, start};

@@ -1,1 +1,95 @@
-fn main() {}
+//! `kvroute-router`: the data-plane proxy. `--help` lists the flags; the
+//! configuration file is documented in the README.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use kvroute_router::config::{Config, LogFormat};
+
+/// kvroute's cache-aware router for vLLM-style engines.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-router", version, about)]
+struct Cli {
+    /// The YAML configuration file; without one, the defaults.
+    #[arg(long, short, env = "KVROUTE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Overrides `listen`.
+    #[arg(long, env = "KVROUTE_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Overrides `adminListen`.
+    #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
+    admin_listen: Option<SocketAddr>,
+    /// Overrides the static discovery file (`discovery.static.file`).
+    #[arg(long, env = "KVROUTE_ENDPOINTS")]
+    endpoints: Option<PathBuf>,
+    /// Overrides `telemetry.logFormat` (text or json).
+    #[arg(long, env = "KVROUTE_LOG_FORMAT")]
+    log_format: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let mut config = match &cli.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(listen) = cli.listen {
+        config.listen = listen;
+    }
+    if let Some(admin) = cli.admin_listen {
+        config.admin_listen = admin;
+    }
+    if let Some(file) = cli.endpoints {
+        config.discovery = kvroute_router::config::Discovery {
+            static_file: Some(kvroute_router::config::StaticDiscovery {
+                file,
+                reload_ms: 2000,
+            }),
+            operator: None,
+        };
+    }
+    if let Some(format) = &cli.log_format {
+        config.telemetry.log_format = match format.as_str() {
+            "json" => LogFormat::Json,
+            "text" => LogFormat::Text,
+            other => anyhow::bail!("--log-format: expected text or json, got {other:?}"),
+        };
+    }
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.telemetry.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs.init(),
+    }
+    let running = kvroute_router::start(config).await?;
+    println!(
+        "kvroute-router: API on http://{}, admin on http://{}",
+        running.addr, running.admin_addr
+    );
+    shutdown_signal().await;
+    tracing::info!("shutting down; in-flight requests finish first");
+    running.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

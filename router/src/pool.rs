@@ -16,7 +16,7 @@ use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
 use kvroute_core::policy::{Context, Endpoint, Policy, PolicyConfig, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::{Slot, Slots};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -136,6 +136,9 @@ pub struct Pool {
     block_tokens: u64,
     spawner: Option<WatcherSpawner>,
     ready: watch::Sender<usize>,
+    /// Signalled whenever a request ends, for requests queued on full
+    /// endpoints.
+    released: Notify,
 }
 
 impl std::fmt::Debug for Pool {
@@ -193,6 +196,7 @@ impl Pool {
             block_tokens,
             spawner,
             ready: watch::channel(0).0,
+            released: Notify::new(),
         })
     }
 
@@ -210,7 +214,11 @@ impl Pool {
     pub fn routable(&self) -> usize {
         let inner = self.lock();
         let now = Instant::now();
-        inner.members.values().filter(|m| Self::is_routable(m, now)).count()
+        inner
+            .members
+            .values()
+            .filter(|m| Self::is_routable(m, now))
+            .count()
     }
 
     /// Replaces the policy (the operator changed it); its learned state is
@@ -297,8 +305,13 @@ impl Pool {
 
     fn publish_ready(&self, inner: &Inner) {
         let now = Instant::now();
-        let n = inner.members.values().filter(|m| Self::is_routable(m, now)).count();
-        self.ready.send_if_modified(|r| std::mem::replace(r, n) != n);
+        let n = inner
+            .members
+            .values()
+            .filter(|m| Self::is_routable(m, now))
+            .count();
+        self.ready
+            .send_if_modified(|r| std::mem::replace(r, n) != n);
     }
 
     /// Ranks the routable endpoints for `request`. Endpoints at their
@@ -373,6 +386,12 @@ impl Pool {
     /// The request ended.
     pub fn finish(&self, ticket: Ticket) {
         self.lock().load.finish(ticket);
+        self.released.notify_waiters();
+    }
+
+    /// Resolves at the next [`finish`](Self::finish) after it is enabled.
+    pub fn released(&self) -> tokio::sync::futures::Notified<'_> {
+        self.released.notified()
     }
 
     /// The endpoint answered well: its failure count resets.
@@ -380,7 +399,9 @@ impl Pool {
         let mut inner = self.lock();
         if let Some(m) = inner.members.get_mut(name) {
             m.health.consecutive_failures = 0;
-            if m.health.ejected_until.is_none() {
+            // A good answer after re-admission ends the probation.
+            if m.health.ejected_until.is_none_or(|t| t <= Instant::now()) {
+                m.health.ejected_until = None;
                 m.health.ejections = 0;
             }
         }
@@ -409,12 +430,24 @@ impl Pool {
         if eject {
             m.health.ejections += 1;
             let factor = 1u64 << (m.health.ejections - 1).min(20);
-            let ms = r.ejection_base_ms.saturating_mul(factor).min(r.ejection_max_ms);
+            let ms = r
+                .ejection_base_ms
+                .saturating_mul(factor)
+                .min(r.ejection_max_ms);
             m.health.ejected_until = Some(now + Duration::from_millis(ms));
             m.health.consecutive_failures = 0;
         }
         self.publish_ready(&inner);
         eject
+    }
+
+    /// The endpoint broke mid-response: it is ejected at once.
+    pub fn broke(&self, name: &str) {
+        for _ in 0..self.resilience.eject_after_failures {
+            if self.failed(name) {
+                return;
+            }
+        }
     }
 
     /// Applies one WatchCache event for the watcher `(name, generation)`.

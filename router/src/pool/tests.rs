@@ -1,1 +1,150 @@
+use kvroute_core::keys::RoutingKey;
 
+use super::*;
+
+fn spec(name: &str, port: u16) -> EndpointSpec {
+    EndpointSpec {
+        name: name.into(),
+        http: SocketAddr::from(([127, 0, 0, 1], port)),
+        cache: None,
+        ready: true,
+        draining: false,
+    }
+}
+
+fn pool(concurrency: u32) -> Arc<Pool> {
+    Pool::new(
+        PolicyConfig::by_name("round-robin").unwrap(),
+        Resilience {
+            attempts: 3,
+            eject_after_failures: 2,
+            ejection_base_ms: 1000,
+            ejection_max_ms: 3000,
+        },
+        concurrency,
+        16,
+        None,
+    )
+}
+
+fn request() -> Request<'static> {
+    Request {
+        key: RoutingKey(1),
+        chain: &[],
+        prompt_tokens: 10,
+    }
+}
+
+fn names(plan: &Plan) -> Vec<&str> {
+    let mut n: Vec<&str> = plan.targets.iter().map(|t| t.name.as_str()).collect();
+    n.sort_unstable();
+    n
+}
+
+#[tokio::test]
+async fn only_ready_non_draining_endpoints_are_routed() {
+    let p = pool(8);
+    let mut draining = spec("b", 2);
+    draining.draining = true;
+    let mut unready = spec("c", 3);
+    unready.ready = false;
+    p.set_endpoints(vec![spec("a", 1), draining, unready]);
+    assert_eq!(names(&p.plan(&request())), vec!["a"]);
+    assert_eq!(p.routable(), 1);
+    assert_eq!(*p.ready().borrow(), 1);
+}
+
+#[tokio::test]
+async fn endpoint_changes_keep_slots_and_forget_the_removed() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    let a = p
+        .plan(&request())
+        .targets
+        .into_iter()
+        .find(|t| t.name == "a")
+        .unwrap();
+    let ticket = p.start(&request(), &a, 10);
+    p.set_endpoints(vec![spec("a", 1), spec("c", 3)]);
+    let status = p.status();
+    let names: Vec<&str> = status.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, vec!["a", "c"]);
+    assert_eq!(status[0].in_flight, 1, "a kept its slot and its load");
+    p.finish(ticket);
+    assert_eq!(p.status()[0].in_flight, 0);
+}
+
+#[tokio::test]
+async fn full_endpoints_are_left_out_of_the_plan() {
+    let p = pool(1);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    let first = p.plan(&request());
+    let t = p.start(&request(), &first.targets[0], 10);
+    let second = p.plan(&request());
+    assert_eq!(second.targets.len(), 1);
+    assert_eq!(second.full, 1);
+    assert_ne!(second.targets[0].name, first.targets[0].name);
+    p.finish(t);
+    assert_eq!(p.plan(&request()).targets.len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn ejection_backs_off_exponentially_and_readmits() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    assert!(!p.failed("a"));
+    p.succeeded("a"); // a success resets the count
+    assert!(!p.failed("a"));
+    assert!(p.failed("a"), "two in a row eject");
+    assert_eq!(names(&p.plan(&request())), vec!["b"]);
+    tokio::time::advance(Duration::from_millis(1001)).await;
+    assert_eq!(
+        names(&p.plan(&request())),
+        vec!["a", "b"],
+        "re-admitted after 1 s"
+    );
+    // On probation: one failure ejects it again, for twice as long.
+    assert!(p.failed("a"));
+    tokio::time::advance(Duration::from_millis(1500)).await;
+    assert_eq!(names(&p.plan(&request())), vec!["b"]);
+    tokio::time::advance(Duration::from_millis(600)).await;
+    assert_eq!(names(&p.plan(&request())), vec!["a", "b"]);
+    // Capped at 3 s.
+    assert!(p.failed("a"));
+    tokio::time::advance(Duration::from_millis(3001)).await;
+    assert_eq!(p.routable(), 2);
+    // A good answer after re-admission clears the history.
+    p.succeeded("a");
+    assert!(!p.failed("a"));
+}
+
+#[tokio::test]
+async fn a_broken_stream_ejects_at_once() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    p.broke("a");
+    assert_eq!(names(&p.plan(&request())), vec!["b"]);
+}
+
+#[tokio::test]
+async fn cache_updates_from_a_stale_watcher_are_ignored() {
+    let p = pool(8);
+    let mut a = spec("a", 1);
+    a.cache = Some(SocketAddr::from(([127, 0, 0, 1], 9)));
+    p.set_endpoints(vec![a.clone()]);
+    // Generation 1 is a's watcher. A snapshot from another generation is
+    // ignored; its own applies.
+    let snap = CacheEvent::Snapshot {
+        capacity: 8,
+        blocks: &[1, 2],
+    };
+    p.apply_cache("a", 99, snap).unwrap();
+    assert_eq!(p.index_entries(), 0);
+    p.apply_cache("a", 1, snap).unwrap();
+    p.set_stream("a", 1, StreamState::Live);
+    assert_eq!(p.index_entries(), 2);
+    assert_eq!(p.status()[0].stream, "live");
+    // Losing the stream drops the entries until the next snapshot.
+    p.set_stream("a", 1, StreamState::Connecting);
+    assert_eq!(p.index_entries(), 0);
+}

@@ -1,0 +1,309 @@
+//! The operator source: subscribes to the kvroute operator's
+//! `EndpointDiscovery.WatchPool` for one InferencePool and applies each
+//! newer `PoolState` to the router: the endpoint set to the [`Pool`], the
+//! policy to the pool, and the key mode, prefix length and block hashing to
+//! the [`SharedSettings`].
+//!
+//! States are full, not deltas, and versioned: one whose version is not
+//! higher than the last applied (a lagging operator replica) is ignored.
+//! When the stream breaks the router keeps routing on the last applied
+//! state and resubscribes with a jittered backoff ([`Backoff`]).
+//!
+//! Not here: tenancy from the policy (`tenancy`, `tenant_header`: the
+//! router's own configuration decides those), and the pool's block size for
+//! load accounting (fixed when the pool is built).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::hash::{BlockHasher, HashConfig};
+use kvroute_core::keys::{KeyConfig, KeyMode};
+use kvroute_core::policy::PolicyConfig;
+use kvroute_proto::hash_algo_from_i32;
+use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
+use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
+
+use crate::cache_watch::{BACKOFF_RESET_AFTER, Backoff, error_chain};
+use crate::pool::{EndpointSpec, Pool};
+use crate::settings::{Settings, SharedSettings};
+
+/// How the router names itself to the operator.
+const SUBSCRIBER: &str = "kvroute-router";
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest PoolState accepted; thousands of endpoints take well under 1 MiB.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Watches pool `namespace/pool_name` at the operator `url` (e.g.
+/// `http://kvroute-operator.kvroute:9443`) and applies its states to `pool`
+/// and `settings`. Runs until aborted; never gives up on the operator.
+pub async fn run(
+    pool: Arc<Pool>,
+    settings: Arc<SharedSettings>,
+    url: String,
+    namespace: String,
+    pool_name: String,
+) {
+    let mut backoff = Backoff::new(&url);
+    let mut watcher = Watcher {
+        pool,
+        settings,
+        url,
+        namespace,
+        pool_name,
+        version: None,
+        policy: None,
+    };
+    loop {
+        let mut connected_at = None;
+        let broken = watcher.watch(&mut connected_at).await;
+        if connected_at.is_some_and(|t: Instant| t.elapsed() >= BACKOFF_RESET_AFTER) {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        let w = &watcher;
+        tracing::warn!(
+            url = %w.url, namespace = %w.namespace, pool = %w.pool_name, reason = %broken,
+            retry_in = ?delay, last_version = ?w.version,
+            "operator stream lost; routing continues on the last pool state"
+        );
+        tokio::time::sleep(delay).await;
+    }
+}
+
+/// Why a WatchPool stream ended.
+#[derive(Debug, thiserror::Error)]
+enum Broken {
+    #[error("invalid operator URL: {0}")]
+    Url(String),
+    #[error("connecting: {0}")]
+    Connect(String),
+    #[error("WatchPool failed: {0}")]
+    Status(#[source] tonic::Status),
+    #[error("the operator ended the stream")]
+    Ended,
+}
+
+/// One pool's subscription, and what its last applied state set.
+struct Watcher {
+    pool: Arc<Pool>,
+    settings: Arc<SharedSettings>,
+    url: String,
+    namespace: String,
+    pool_name: String,
+    version: Option<u64>,
+    policy: Option<PolicyConfig>,
+}
+
+impl Watcher {
+    /// Subscribes and applies newer states until the stream breaks; sets
+    /// `connected_at` once subscribed.
+    async fn watch(&mut self, connected_at: &mut Option<Instant>) -> Broken {
+        let endpoint = match tonic::transport::Endpoint::from_shared(self.url.clone()) {
+            Ok(e) => e
+                .connect_timeout(CONNECT_TIMEOUT)
+                .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                .keep_alive_timeout(KEEPALIVE_TIMEOUT),
+            Err(e) => return Broken::Url(error_chain(&e)),
+        };
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => return Broken::Connect(error_chain(&e)),
+        };
+        let mut client =
+            EndpointDiscoveryClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let request = WatchPoolRequest {
+            namespace: self.namespace.clone(),
+            pool: self.pool_name.clone(),
+            subscriber: SUBSCRIBER.to_owned(),
+        };
+        let mut stream = match client.watch_pool(request).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => return Broken::Status(s),
+        };
+        *connected_at = Some(Instant::now());
+        tracing::info!(url = %self.url, namespace = %self.namespace, pool = %self.pool_name,
+            "watching the operator's pool state");
+        loop {
+            let state = match stream.message().await {
+                Ok(Some(s)) => s,
+                Ok(None) => return Broken::Ended,
+                Err(s) => return Broken::Status(s),
+            };
+            if state.namespace != self.namespace || state.pool != self.pool_name {
+                tracing::warn!(namespace = %state.namespace, pool = %state.pool,
+                    "ignoring the state of a pool this router did not ask for");
+                continue;
+            }
+            if self.version.is_some_and(|v| state.version <= v) {
+                tracing::debug!(version = state.version, applied = ?self.version,
+                    "ignoring a pool state not newer than the applied one");
+                continue;
+            }
+            self.apply(&state);
+        }
+    }
+
+    /// Applies one newer state.
+    fn apply(&mut self, state: &PoolState) {
+        self.version = Some(state.version);
+        if !state.pool_exists {
+            tracing::warn!(
+                version = state.version,
+                "the InferencePool does not exist; no endpoints"
+            );
+            self.pool.set_endpoints(Vec::new());
+            return;
+        }
+        let policy = state.policy.clone().unwrap_or_else(|| {
+            tracing::warn!(
+                version = state.version,
+                "pool state without a policy; keeping the current one"
+            );
+            RoutingPolicy::default()
+        });
+        let specs = endpoints(state, &policy);
+        tracing::info!(
+            version = state.version,
+            endpoints = specs.len(),
+            ready = specs.iter().filter(|s| s.ready && !s.draining).count(),
+            "applying the operator's pool state"
+        );
+        self.pool.set_endpoints(specs);
+        if state.policy.is_none() {
+            return;
+        }
+        match policy_config(&policy) {
+            Some(config) => {
+                if self.policy.as_ref() != Some(&config) {
+                    tracing::info!(?config, "routing policy");
+                    self.pool.set_policy(config.clone());
+                    self.policy = Some(config);
+                }
+            }
+            None => tracing::warn!(policy = %policy.policy,
+                "unknown routing policy from the operator; keeping the current one"),
+        }
+        update_settings(&self.settings, &policy);
+    }
+}
+
+/// The pool's endpoints, skipping (and logging) any the router cannot
+/// address.
+fn endpoints(state: &PoolState, policy: &RoutingPolicy) -> Vec<EndpointSpec> {
+    state
+        .endpoints
+        .iter()
+        .filter_map(|e| match endpoint(e, policy.cache_port) {
+            Ok(spec) => Some(spec),
+            Err(reason) => {
+                tracing::warn!(endpoint = %e.name, address = %e.address, reason,
+                    "skipping an endpoint the router cannot address");
+                None
+            }
+        })
+        .collect()
+}
+
+fn endpoint(e: &v1::Endpoint, default_cache_port: u32) -> Result<EndpointSpec, &'static str> {
+    let ip: IpAddr = e
+        .address
+        .parse()
+        .map_err(|_| "the address is not an IP address")?;
+    let port = |p: u32| u16::try_from(p).ok().filter(|&p| p != 0);
+    let http = port(e.http_port).ok_or("the HTTP port is not 1 to 65535")?;
+    let cache = match (e.cache_port, default_cache_port) {
+        (0, 0) => None,
+        (0, p) | (p, _) => Some(port(p).ok_or("the cache port is not 1 to 65535")?),
+    };
+    if e.name.is_empty() {
+        return Err("the name is empty");
+    }
+    Ok(EndpointSpec {
+        name: e.name.clone(),
+        http: SocketAddr::new(ip, http),
+        cache: cache.map(|p| SocketAddr::new(ip, p)),
+        ready: e.ready,
+        draining: e.draining,
+    })
+}
+
+/// The policy by name, with the operator's load bound for `kvroute`;
+/// `None` for a name this build does not know.
+fn policy_config(policy: &RoutingPolicy) -> Option<PolicyConfig> {
+    let mut config = PolicyConfig::by_name(&policy.policy)?;
+    if let PolicyConfig::Kvroute(c) = &mut config
+        && policy.load_bound > 0.0
+    {
+        c.load_bound = policy.load_bound;
+    }
+    Some(config)
+}
+
+/// The key config `policy` asks for, starting from `current`.
+fn key_config(policy: &RoutingPolicy, current: &KeyConfig) -> KeyConfig {
+    let mut key = current.clone();
+    match v1::KeyMode::try_from(policy.key_mode) {
+        Ok(v1::KeyMode::Conversation) => key.mode = KeyMode::Conversation,
+        Ok(v1::KeyMode::Prefix) => key.mode = KeyMode::Prefix,
+        Ok(v1::KeyMode::Tenant) => key.mode = KeyMode::Tenant,
+        Ok(v1::KeyMode::Unspecified) | Err(_) => tracing::warn!(
+            key_mode = policy.key_mode,
+            "unknown key mode from the operator; keeping the current one"
+        ),
+    }
+    if policy.prefix_tokens > 0 {
+        key.prefix_tokens = policy.prefix_tokens as usize;
+    }
+    key
+}
+
+/// A hasher for the hashing `policy` asks for, when it differs from
+/// `current`; `Err` when the combination is invalid.
+fn hasher(policy: &RoutingPolicy, current: &HashConfig) -> Result<Option<BlockHasher>, String> {
+    let algo = hash_algo_from_i32(policy.hash_algorithm).map_err(|e| e.to_string())?;
+    let config = HashConfig {
+        algo,
+        block_size: policy.block_size as usize,
+        seed: policy.hash_seed.clone(),
+        extra_keys: current.extra_keys,
+    };
+    if &config == current {
+        return Ok(None);
+    }
+    BlockHasher::new(config)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// Replaces the settings when the policy changes the key or the hashing.
+fn update_settings(settings: &SharedSettings, policy: &RoutingPolicy) {
+    let current = settings.get();
+    let key = key_config(policy, &current.key);
+    let hasher = match hasher(policy, current.hasher.config()) {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(error = %e, block_size = policy.block_size,
+                hash_algorithm = policy.hash_algorithm,
+                "invalid block hashing from the operator; keeping the current hashing");
+            None
+        }
+    };
+    if key == current.key && hasher.is_none() {
+        return;
+    }
+    tracing::info!(key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
+        "routing settings from the operator");
+    settings.update(|cur| Settings {
+        key,
+        hasher: hasher.unwrap_or_else(|| cur.hasher.clone()),
+        tokenizer: cur.tokenizer.clone(),
+        template: cur.template.clone(),
+        conversation_header: cur.conversation_header.clone(),
+    });
+}
+
+#[cfg(test)]
+mod tests;

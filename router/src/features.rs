@@ -1,0 +1,238 @@
+//! What routing needs from a request body, and nothing more: the model,
+//! `stream`, the conversation key, the client's `cache_salt`, and the
+//! prompt as the engine will tokenize it. The body itself is forwarded
+//! unchanged (except where tenancy rewrites `cache_salt`).
+
+use kvroute_core::tokenize::{
+    ChatMessage, TokenizeError, chat_prompt_tokens, completion_prompt_tokens, content_text,
+};
+use serde_json::{Map, Value};
+
+use crate::errors::ApiError;
+use crate::settings::Settings;
+
+/// Which API a path is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+    /// Any other `/v1/*` POST (embeddings, responses, …).
+    Other,
+}
+
+impl Api {
+    /// The API of a request path.
+    pub fn of(path: &str) -> Self {
+        match path {
+            "/v1/chat/completions" => Api::Chat,
+            "/v1/completions" => Api::Completion,
+            _ => Api::Other,
+        }
+    }
+}
+
+/// The routing-relevant fields of a body.
+#[derive(Clone, Debug, Default)]
+pub struct Features {
+    /// `model`.
+    pub model: Option<String>,
+    /// `stream`.
+    pub stream: bool,
+    /// `prompt_cache_key`.
+    pub prompt_cache_key: Option<String>,
+    /// `cache_salt` as the client sent it.
+    pub cache_salt: Option<String>,
+}
+
+/// Parses `body` as a JSON object. Chat and completions bodies must be one;
+/// other APIs may carry anything (`Ok(None)` when it is not JSON).
+pub fn parse(api: Api, body: &[u8]) -> Result<Option<Map<String, Value>>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(obj)) => Ok(Some(obj)),
+        Ok(_) if api != Api::Other => Err(ApiError::BadRequest(
+            "the request body must be a JSON object".into(),
+        )),
+        Err(e) if api != Api::Other => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
+        _ => Ok(None),
+    }
+}
+
+fn string_field(obj: &Map<String, Value>, field: &str) -> Result<Option<String>, ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::BadRequest(format!("'{field}' must be a string"))),
+    }
+}
+
+/// The routing fields of a parsed body.
+pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::BadRequest("'stream' must be a boolean".into())),
+    };
+    Ok(Features {
+        model: string_field(obj, "model")?,
+        stream,
+        prompt_cache_key: string_field(obj, "prompt_cache_key")?,
+        cache_salt: string_field(obj, "cache_salt")?,
+    })
+}
+
+/// The prompt's token ids as the engine computes them, when the router can
+/// know them. `Ok(None)` when the request has content the router cannot
+/// tokenize (images, say): it is then routed by its key alone. Missing or
+/// mistyped fields are a 400.
+pub fn prompt_tokens(
+    api: Api,
+    obj: &Map<String, Value>,
+    settings: &Settings,
+) -> Result<Option<Vec<u32>>, ApiError> {
+    let tokens = match api {
+        Api::Chat => {
+            let Some(Value::Array(raw)) = obj.get("messages") else {
+                return Err(ApiError::BadRequest(
+                    "'messages' is required and must be a list".into(),
+                ));
+            };
+            if raw.is_empty() {
+                return Err(ApiError::BadRequest("'messages' must not be empty".into()));
+            }
+            let mut messages = Vec::with_capacity(raw.len());
+            for (i, m) in raw.iter().enumerate() {
+                let Some(role) = m.get("role").and_then(Value::as_str) else {
+                    return Err(ApiError::BadRequest(format!(
+                        "messages[{i}].role is required and must be a string"
+                    )));
+                };
+                match content_text(m.get("content").unwrap_or(&Value::Null)) {
+                    Ok(content) => messages.push(ChatMessage::new(role, content)),
+                    Err(TokenizeError::Unsupported(_)) => return Ok(None),
+                    Err(e) => {
+                        return Err(ApiError::BadRequest(format!("messages[{i}].content: {e}")));
+                    }
+                }
+            }
+            chat_prompt_tokens(&settings.tokenizer, &settings.template, &messages)
+        }
+        Api::Completion => match obj.get("prompt") {
+            Some(Value::String(p)) => completion_prompt_tokens(&settings.tokenizer, p),
+            Some(Value::Array(items)) => return Ok(array_tokens(items, settings)),
+            _ => {
+                return Err(ApiError::BadRequest(
+                    "'prompt' is required and must be a string or a list".into(),
+                ));
+            }
+        },
+        Api::Other => {
+            return Ok(match obj.get("input").or_else(|| obj.get("prompt")) {
+                Some(Value::String(p)) => completion_prompt_tokens(&settings.tokenizer, p).ok(),
+                Some(Value::Array(items)) => array_tokens(items, settings),
+                _ => None,
+            });
+        }
+    };
+    // A template or tokenizer failure is the router's limit, not the
+    // client's error: route without a chain.
+    Ok(tokens.ok())
+}
+
+/// A prompt given as a list: one string, or token ids. Batches of several
+/// prompts have no single chain.
+fn array_tokens(items: &[Value], settings: &Settings) -> Option<Vec<u32>> {
+    match items {
+        [Value::String(p)] => completion_prompt_tokens(&settings.tokenizer, p).ok(),
+        _ if !items.is_empty() && items.iter().all(Value::is_u64) => items
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect(),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::http::HeaderName;
+    use kvroute_core::hash::{BlockHasher, HashConfig};
+    use kvroute_core::keys::KeyConfig;
+    use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+    use serde_json::json;
+
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings {
+            key: KeyConfig::default(),
+            hasher: BlockHasher::new(HashConfig::default()).unwrap(),
+            tokenizer: Arc::new(Tokenizer::builtin()),
+            template: Arc::new(ChatTemplate::builtin()),
+            conversation_header: HeaderName::from_static("x-conversation-id"),
+        }
+    }
+
+    fn obj(v: Value) -> Map<String, Value> {
+        let Value::Object(o) = v else { panic!() };
+        o
+    }
+
+    #[test]
+    fn chat_tokens_match_the_engine_sim() {
+        let s = settings();
+        let body = obj(json!({"messages": [{"role": "user", "content": "Hello there"}]}));
+        let tokens = prompt_tokens(Api::Chat, &body, &s).unwrap().unwrap();
+        let expected = chat_prompt_tokens(
+            &Tokenizer::builtin(),
+            &ChatTemplate::builtin(),
+            &[ChatMessage::new("user", "Hello there")],
+        )
+        .unwrap();
+        assert_eq!(tokens, expected);
+    }
+
+    #[test]
+    fn bad_bodies_are_400_and_unknown_content_routes_without_a_chain() {
+        let s = settings();
+        assert!(matches!(
+            parse(Api::Chat, b"{oops"),
+            Err(ApiError::BadRequest(_))
+        ));
+        assert!(matches!(
+            parse(Api::Completion, b"[1]"),
+            Err(ApiError::BadRequest(_))
+        ));
+        assert!(parse(Api::Other, b"not json").unwrap().is_none());
+        let no_messages = obj(json!({"model": "m"}));
+        assert!(prompt_tokens(Api::Chat, &no_messages, &s).is_err());
+        let image = obj(
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        );
+        assert_eq!(prompt_tokens(Api::Chat, &image, &s).unwrap(), None);
+        let ids = obj(json!({"prompt": [1, 2, 3]}));
+        assert_eq!(
+            prompt_tokens(Api::Completion, &ids, &s).unwrap(),
+            Some(vec![1, 2, 3])
+        );
+        let batch = obj(json!({"prompt": ["a", "b"]}));
+        assert_eq!(prompt_tokens(Api::Completion, &batch, &s).unwrap(), None);
+        let embed = obj(json!({"input": "hello"}));
+        assert!(prompt_tokens(Api::Other, &embed, &s).unwrap().is_some());
+    }
+
+    #[test]
+    fn features_are_typed() {
+        let f = features(&obj(
+            json!({"model": "m", "stream": true, "prompt_cache_key": "c", "cache_salt": "s"}),
+        ))
+        .unwrap();
+        assert_eq!(f.model.as_deref(), Some("m"));
+        assert!(f.stream);
+        assert_eq!(f.prompt_cache_key.as_deref(), Some("c"));
+        assert!(features(&obj(json!({"stream": "yes"}))).is_err());
+        assert!(features(&obj(json!({"model": 3}))).is_err());
+    }
+}

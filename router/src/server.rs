@@ -1,0 +1,258 @@
+//! Starting the router: settings, tenancy, the pool and its discovery, the
+//! API listener and the admin listener, and a graceful shutdown that lets
+//! in-flight streams finish.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvroute_core::hash::{BlockHasher, HashConfig};
+use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::{Config, ConfigError, TenancyMode};
+use crate::errors::ApiError;
+use crate::metrics::Metrics;
+use crate::pool::Pool;
+use crate::proxy::Proxy;
+use crate::settings::{Settings, SharedSettings};
+use crate::tenancy::Tenancy;
+use crate::{cache_watch, discovery};
+
+/// Why the router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The tokenizer or chat template files are invalid.
+    #[error("routing.tokenizer / routing.tokenizerConfig: {0}")]
+    Tokenize(#[from] kvroute_core::tokenize::TokenizeError),
+    /// The hashing settings are invalid.
+    #[error("routing: {0}")]
+    Hash(#[from] kvroute_core::hash::HashError),
+    /// The static endpoints file is invalid.
+    #[error("discovery: {0}")]
+    Discovery(#[from] discovery::DiscoveryError),
+    /// A listener could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A running router.
+#[derive(Debug)]
+pub struct Running {
+    /// Where the API listens.
+    pub addr: SocketAddr,
+    /// Where `/metrics` and the debug endpoints listen.
+    pub admin_addr: SocketAddr,
+    /// The pool, for tests and the demo.
+    pub pool: Arc<Pool>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    discovery: JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops accepting requests and waits for in-flight ones (streams
+    /// included) to finish.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        self.discovery.abort();
+        // Dropping the pool's members stops their cache watchers.
+        self.pool.set_endpoints(Vec::new());
+    }
+}
+
+fn read(path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+/// Starts the router.
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    config.validate()?;
+    let r = &config.routing;
+    let tokenizer = match &r.tokenizer {
+        Some(path) => Tokenizer::from_tokenizer_json(&read(path)?)?,
+        None => Tokenizer::builtin(),
+    };
+    let template = match &r.tokenizer_config {
+        Some(path) => ChatTemplate::from_tokenizer_config(&read(path)?)?,
+        None => ChatTemplate::builtin(),
+    };
+    let hasher = BlockHasher::new(HashConfig {
+        algo: r.hash_algo,
+        block_size: r.block_size,
+        seed: r.hash_seed.clone(),
+        ..HashConfig::default()
+    })?;
+    let mut key = r.key.clone();
+    if config.tenancy.mode == TenancyMode::Salted {
+        key.scope_by_tenant = true;
+    }
+    let settings = Arc::new(SharedSettings::new(Settings {
+        key,
+        hasher,
+        tokenizer: Arc::new(tokenizer),
+        template: Arc::new(template),
+        conversation_header: axum::http::HeaderName::from_bytes(r.conversation_header.as_bytes())
+            .expect("validated"),
+    }));
+    let tenancy = Tenancy::load(&config.tenancy)?;
+    let pool = Pool::new(
+        r.policy.clone(),
+        config.resilience.clone(),
+        config.limits.endpoint_concurrency,
+        r.block_size as u64,
+        Some(Arc::new(cache_watch::spawn)),
+    );
+    let discovery = match (&config.discovery.static_file, &config.discovery.operator) {
+        (Some(s), _) => {
+            pool.set_endpoints(discovery::static_file::load(&s.file)?);
+            tokio::spawn(discovery::static_file::run(
+                pool.clone(),
+                s.file.clone(),
+                Duration::from_millis(s.reload_ms),
+            ))
+        }
+        (None, Some(o)) => tokio::spawn(discovery::operator::run(
+            pool.clone(),
+            settings.clone(),
+            o.url.clone(),
+            o.namespace.clone(),
+            o.pool.clone(),
+        )),
+        (None, None) => unreachable!("validated: one discovery source"),
+    };
+
+    let metrics = Arc::new(Metrics::default());
+    let proxy = Arc::new(Proxy::new(
+        pool.clone(),
+        settings,
+        metrics,
+        tenancy,
+        config.limits.clone(),
+        config.resilience.attempts,
+        &config.telemetry.endpoint_header,
+    ));
+    let api = bind(config.listen).await?;
+    let admin = bind(config.admin_listen).await?;
+    let addr = api.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: config.admin_listen,
+        source,
+    })?;
+    let (stop, stopped) = watch::channel(false);
+    let serve = |listener: TcpListener, app: Router, mut stopped: watch::Receiver<bool>| {
+        tokio::spawn(async move {
+            let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            });
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "server failed");
+            }
+        })
+    };
+    let tasks = vec![
+        serve(api, api_routes(proxy.clone()), stopped.clone()),
+        serve(admin, admin_routes(proxy), stopped),
+    ];
+    tracing::info!(%addr, %admin_addr, "kvroute-router listening");
+    Ok(Running {
+        addr,
+        admin_addr,
+        pool,
+        stop,
+        tasks,
+        discovery,
+    })
+}
+
+fn api_routes(proxy: Arc<Proxy>) -> Router {
+    Router::new()
+        .route("/v1/models", get(models))
+        .route(
+            "/v1/{*rest}",
+            post(|State(p): State<Arc<Proxy>>, req: Request| async move { p.serve(req).await }),
+        )
+        .route("/healthz", get(|| async { StatusCode::OK }))
+        .route("/readyz", get(readyz))
+        .fallback(|| async {
+            ApiError::NotFound("no such path; kvroute serves POST /v1/* and GET /v1/models".into())
+        })
+        .with_state(proxy)
+}
+
+fn admin_routes(proxy: Arc<Proxy>) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(|State(p): State<Arc<Proxy>>| async move {
+                (
+                    [(
+                        header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    )],
+                    p.metrics.render(&p.pool),
+                )
+            }),
+        )
+        .route(
+            "/debug/pool",
+            get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.pool.status()) }),
+        )
+        .route("/healthz", get(|| async { StatusCode::OK }))
+        .with_state(proxy)
+}
+
+async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
+    let n = p.pool.routable();
+    if n > 0 {
+        (StatusCode::OK, format!("ready: {n} endpoints\n")).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: no routable endpoint\n",
+        )
+            .into_response()
+    }
+}
+
+async fn models(State(p): State<Arc<Proxy>>) -> Response {
+    let data: Vec<_> = p
+        .models()
+        .await
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "owned_by": "kvroute"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}

@@ -1,0 +1,157 @@
+//! WatchCache watchers against real engine simulators: the pool mirrors
+//! each engine's cache, resyncs after a restart, and drops an engine's
+//! entries when its stream is lost.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::policy::PolicyConfig;
+use kvroute_engine_sim::{Config, Sim, start};
+use kvroute_router::config::Resilience;
+use kvroute_router::pool::{EndpointSpec, EndpointStatus, Pool};
+use serde_json::json;
+
+fn pool() -> Arc<Pool> {
+    Pool::new(
+        PolicyConfig::default(),
+        Resilience::default(),
+        256,
+        16,
+        Some(Arc::new(kvroute_router::cache_watch::spawn)),
+    )
+}
+
+fn spec(name: &str, sim: &Sim) -> EndpointSpec {
+    EndpointSpec {
+        name: name.into(),
+        http: sim.http_addr,
+        cache: Some(sim.cache_addr),
+        ready: true,
+        draining: false,
+    }
+}
+
+async fn complete(http: SocketAddr, prompt: &str) {
+    let r = reqwest::Client::new()
+        .post(format!("http://{http}/v1/completions"))
+        .json(&json!({"prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// Fills `sim`'s cache with a few long prompts.
+async fn warm(sim: &Sim, topic: &str) {
+    for i in 0..3 {
+        let prompt = format!("Prompt {i} about {topic}. ").repeat(40);
+        complete(sim.http_addr, &prompt).await;
+    }
+}
+
+fn status(pool: &Pool, name: &str) -> EndpointStatus {
+    pool.status()
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("{name} is not in the pool"))
+}
+
+/// Polls until `done` holds, failing after 10 s.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Whether `name`'s stream is live and the pool holds exactly as many
+/// blocks for it as the engine does.
+fn mirrors(pool: &Pool, name: &str, sim: &Sim) -> bool {
+    let s = status(pool, name);
+    s.stream == "live" && s.cached_blocks == sim.engine.resident().len()
+}
+
+#[tokio::test]
+async fn watchers_mirror_engines_through_restarts_and_shutdowns() {
+    let (a, b) = (
+        start(Config::test()).await.unwrap(),
+        start(Config::test()).await.unwrap(),
+    );
+    let pool = pool();
+    pool.set_endpoints(vec![spec("a", &a), spec("b", &b)]);
+    warm(&a, "rivers").await;
+    warm(&b, "mountains").await;
+    assert!(!a.engine.resident().is_empty() && !b.engine.resident().is_empty());
+    eventually("both streams are live and mirror their engines", || {
+        mirrors(&pool, "a", &a) && mirrors(&pool, "b", &b)
+    })
+    .await;
+
+    // A new incarnation: the old entries go, the new (empty) contents come
+    // from a fresh snapshot, and later deltas refill them.
+    a.engine.restart_cache();
+    assert!(a.engine.resident().is_empty());
+    eventually("a resynced to its empty new incarnation", || {
+        mirrors(&pool, "a", &a)
+    })
+    .await;
+    warm(&a, "deserts").await;
+    assert!(!a.engine.resident().is_empty());
+    eventually("a's new contents are mirrored", || mirrors(&pool, "a", &a)).await;
+
+    // An engine that goes away loses its entries; the other keeps its own.
+    let b_blocks = b.engine.resident().len();
+    b.shutdown().await;
+    eventually("b's stream is lost and its entries dropped", || {
+        let s = status(&pool, "b");
+        s.stream != "live" && s.cached_blocks == 0
+    })
+    .await;
+    assert_eq!(status(&pool, "b").stream, "connecting");
+    assert!(mirrors(&pool, "a", &a));
+    let mut a_blocks = a.engine.resident();
+    a_blocks.sort_unstable();
+    a_blocks.dedup();
+    assert_eq!(
+        pool.index_entries(),
+        a_blocks.len(),
+        "only a's blocks are indexed"
+    );
+    assert!(b_blocks > 0);
+    a.shutdown().await;
+}
+
+#[tokio::test]
+async fn removing_an_endpoint_stops_its_watcher() {
+    let sim = start(Config::test()).await.unwrap();
+    let pool = pool();
+    pool.set_endpoints(vec![spec("a", &sim)]);
+    eventually("the stream is live", || status(&pool, "a").stream == "live").await;
+    assert_eq!(sim.engine.subscribers(), 1);
+    pool.set_endpoints(Vec::new());
+    // The engine notices a gone subscriber at its next load report.
+    eventually("the engine has no subscriber", || {
+        sim.engine.subscribers() == 0
+    })
+    .await;
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn dropping_the_pool_stops_its_watchers() {
+    let sim = start(Config::test()).await.unwrap();
+    let pool = pool();
+    pool.set_endpoints(vec![spec("a", &sim)]);
+    eventually("the stream is live", || status(&pool, "a").stream == "live").await;
+    drop(pool);
+    eventually("the engine has no subscriber", || {
+        sim.engine.subscribers() == 0
+    })
+    .await;
+    sim.shutdown().await;
+}

@@ -1,0 +1,500 @@
+//! Endpoint discovery: the static file (load errors, live edits) and the
+//! operator's WatchPool stream, served here by an in-process tonic server.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::HeaderName;
+use futures_util::{Stream, StreamExt};
+use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
+use kvroute_core::keys::{KeyConfig, KeyMode, RoutingKey};
+use kvroute_core::policy::{PolicyConfig, Request};
+use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
+use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
+use kvroute_router::config::Resilience;
+use kvroute_router::discovery::{DiscoveryError, operator, static_file};
+use kvroute_router::pool::Pool;
+use kvroute_router::settings::{Settings, SharedSettings};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::WatchStream;
+use tonic::{Response, Status};
+
+fn pool() -> Arc<Pool> {
+    Pool::new(
+        PolicyConfig::default(),
+        Resilience::default(),
+        256,
+        16,
+        None,
+    )
+}
+
+/// (name, ready, draining) of every endpoint, by name.
+fn endpoints(pool: &Pool) -> Vec<(String, bool, bool)> {
+    pool.status()
+        .into_iter()
+        .map(|s| (s.name, s.ready, s.draining))
+        .collect()
+}
+
+fn names(pool: &Pool) -> Vec<String> {
+    pool.status().into_iter().map(|s| s.name).collect()
+}
+
+/// Polls until `done` holds, failing after 10 s.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The router's log lines, captured for this test's thread (the tests run
+/// on a current-thread runtime, so spawned tasks log here too).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    fn capture() -> (Self, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("kvroute_router=debug")
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    fn count(&self, needle: &str) -> usize {
+        let text = self.0.lock().unwrap();
+        String::from_utf8_lossy(&text).matches(needle).count()
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+// ---- the static file ----
+
+/// A scratch directory for one test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-discovery-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn load_error(dir: &Path, yaml: &str) -> String {
+    let path = dir.join("endpoints.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let e: DiscoveryError = static_file::load(&path).unwrap_err();
+    e.to_string()
+}
+
+#[test]
+fn static_file_errors_name_the_problem() {
+    let dir = scratch("errors");
+    let e = load_error(
+        &dir,
+        "endpoints:\n  - {address: 127.0.0.1:8001, name: sim}\n  - {address: 127.0.0.1:8002, name: sim}\n",
+    );
+    assert!(
+        e.contains(r#"name "sim""#) && e.contains("endpoints[0]") && e.contains("endpoints[1]"),
+        "{e}"
+    );
+
+    let e = load_error(
+        &dir,
+        "endpoints:\n  - address: 127.0.0.1:8001\n  - address: not-an-address\n",
+    );
+    assert!(
+        e.contains("endpoints[1].address") && e.contains("not-an-address"),
+        "{e}"
+    );
+
+    let e = load_error(
+        &dir,
+        "endpoints:\n  - address: 127.0.0.1:8001\n    port: 9\n",
+    );
+    assert!(e.contains("unknown field `port`"), "{e}");
+
+    let e = load_error(&dir, "endpoint: []\n");
+    assert!(e.contains("unknown field `endpoint`"), "{e}");
+
+    let missing = dir.join("missing.yaml");
+    let e = static_file::load(&missing).unwrap_err().to_string();
+    assert!(e.contains("missing.yaml"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn static_file_edits_apply_and_a_broken_edit_keeps_the_last_set() {
+    let (logs, _guard) = Logs::capture();
+    let dir = scratch("reload");
+    let path = dir.join("endpoints.yaml");
+    std::fs::write(
+        &path,
+        "endpoints:\n  - {address: 127.0.0.1:8001, name: a}\n",
+    )
+    .unwrap();
+    let pool = pool();
+    let task = tokio::spawn(static_file::run(
+        pool.clone(),
+        path.clone(),
+        Duration::from_millis(20),
+    ));
+    eventually("the file is applied", || names(&pool) == ["a"]).await;
+
+    std::fs::write(
+        &path,
+        "endpoints:\n  - {address: 127.0.0.1:8001, name: a}\n  - {address: 127.0.0.1:8002, name: b, ready: false}\n  - {address: 127.0.0.1:8003, draining: true}\n",
+    )
+    .unwrap();
+    let edited = vec![
+        ("127.0.0.1:8003".to_owned(), true, true),
+        ("a".to_owned(), true, false),
+        ("b".to_owned(), false, false),
+    ];
+    eventually("the edit is applied", || endpoints(&pool) == edited).await;
+
+    std::fs::write(
+        &path,
+        "endpoints:\n  - {address: 127.0.0.1:8001, name: a, weight: 2}\n",
+    )
+    .unwrap();
+    eventually("the broken edit is logged", || {
+        logs.count("invalid endpoints file") == 1
+    })
+    .await;
+    assert!(
+        logs.text().contains("unknown field `weight`"),
+        "{}",
+        logs.text()
+    );
+    assert_eq!(endpoints(&pool), edited);
+
+    std::fs::remove_file(&path).unwrap();
+    eventually("the missing file is logged", || {
+        logs.count("cannot read the endpoints file") == 1
+    })
+    .await;
+    assert_eq!(endpoints(&pool), edited);
+
+    std::fs::write(&path, "endpoints: []\n").unwrap();
+    eventually("the fixed file is applied", || names(&pool).is_empty()).await;
+    task.abort();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+// ---- the operator ----
+
+/// An in-process `EndpointDiscovery` server: streams the current state on
+/// subscribe and every change, until stopped.
+struct FakeOperator {
+    state: watch::Sender<PoolState>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<()>,
+}
+
+#[derive(Clone)]
+struct Service {
+    state: watch::Receiver<PoolState>,
+    stop: watch::Receiver<bool>,
+}
+
+type States = Pin<Box<dyn Stream<Item = Result<PoolState, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl EndpointDiscovery for Service {
+    type WatchPoolStream = States;
+
+    async fn watch_pool(
+        &self,
+        request: tonic::Request<WatchPoolRequest>,
+    ) -> Result<Response<States>, Status> {
+        let r = request.into_inner();
+        assert_eq!((r.namespace.as_str(), r.pool.as_str()), ("ml", "llama"));
+        let mut stop = self.stop.clone();
+        let states = WatchStream::new(self.state.clone())
+            .map(Ok)
+            .take_until(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            });
+        Ok(Response::new(Box::pin(states)))
+    }
+}
+
+impl FakeOperator {
+    async fn start(addr: SocketAddr, state: PoolState) -> (Self, SocketAddr) {
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (state, state_rx) = watch::channel(state);
+        let (stop, stop_rx) = watch::channel(false);
+        let service = Service {
+            state: state_rx,
+            stop: stop_rx.clone(),
+        };
+        let mut until_stop = stop_rx;
+        let server = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(EndpointDiscoveryServer::new(service))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async move {
+                        let _ = until_stop.wait_for(|s| *s).await;
+                    },
+                )
+                .await
+                .unwrap();
+        });
+        (
+            FakeOperator {
+                state,
+                stop,
+                server,
+            },
+            addr,
+        )
+    }
+
+    fn publish(&self, state: PoolState) {
+        self.state.send_replace(state);
+    }
+
+    async fn stop(self) {
+        self.stop.send_replace(true);
+        self.server.await.unwrap();
+    }
+}
+
+fn policy(name: &str) -> RoutingPolicy {
+    RoutingPolicy {
+        policy: name.into(),
+        key_mode: v1::KeyMode::Conversation.into(),
+        prefix_tokens: 256,
+        load_bound: 0.5,
+        block_size: 16,
+        hash_algorithm: v1::HashAlgorithm::Sha256.into(),
+        hash_seed: None,
+        cache_port: 0,
+        tenancy: v1::TenancyMode::Shared.into(),
+        tenant_header: String::new(),
+    }
+}
+
+fn endpoint(name: &str, ip: &str, draining: bool) -> v1::Endpoint {
+    v1::Endpoint {
+        name: name.into(),
+        address: ip.into(),
+        http_port: 8000,
+        cache_port: 0,
+        ready: true,
+        draining,
+    }
+}
+
+fn state(version: u64, endpoints: Vec<v1::Endpoint>, policy: RoutingPolicy) -> PoolState {
+    PoolState {
+        namespace: "ml".into(),
+        pool: "llama".into(),
+        version,
+        endpoints,
+        policy: Some(policy),
+        pool_exists: true,
+    }
+}
+
+fn settings() -> Arc<SharedSettings> {
+    Arc::new(SharedSettings::new(Settings {
+        key: KeyConfig::default(),
+        hasher: BlockHasher::new(HashConfig::default()).unwrap(),
+        tokenizer: Arc::new(Tokenizer::builtin()),
+        template: Arc::new(ChatTemplate::builtin()),
+        conversation_header: HeaderName::from_static("x-conversation-id"),
+    }))
+}
+
+/// The first choice of two plans for the same request: equal under a
+/// keyed policy, different under round robin.
+fn two_firsts(pool: &Pool) -> (String, String) {
+    let request = Request {
+        key: RoutingKey(7),
+        chain: &[],
+        prompt_tokens: 100,
+    };
+    let first = || pool.plan(&request).targets[0].name.clone();
+    (first(), first())
+}
+
+fn watch_operator(
+    pool: &Arc<Pool>,
+    settings: &Arc<SharedSettings>,
+    addr: SocketAddr,
+) -> JoinHandle<()> {
+    tokio::spawn(operator::run(
+        pool.clone(),
+        settings.clone(),
+        format!("http://{addr}"),
+        "ml".into(),
+        "llama".into(),
+    ))
+}
+
+#[tokio::test]
+async fn operator_states_apply_newest_first_with_policy_and_settings() {
+    let (logs, _guard) = Logs::capture();
+    let ab = || {
+        vec![
+            endpoint("a:8000", "10.0.0.1", false),
+            endpoint("b:8000", "10.0.0.2", false),
+        ]
+    };
+    let (op, addr) = FakeOperator::start(
+        "127.0.0.1:0".parse().unwrap(),
+        state(5, ab(), policy("kvroute")),
+    )
+    .await;
+    let (pool, settings) = (pool(), settings());
+    let task = watch_operator(&pool, &settings, addr);
+    eventually("version 5 is applied", || {
+        names(&pool) == ["a:8000", "b:8000"]
+    })
+    .await;
+    let (x, y) = two_firsts(&pool);
+    assert_eq!(x, y, "kvroute places a key on one endpoint");
+
+    // A lagging replica's older state is ignored.
+    op.publish(state(
+        3,
+        vec![endpoint("c:8000", "10.0.0.3", false)],
+        policy("kvroute"),
+    ));
+    eventually("version 3 is ignored", || {
+        logs.count("not newer than the applied one") == 1
+    })
+    .await;
+    assert_eq!(names(&pool), ["a:8000", "b:8000"]);
+
+    // A newer state changes endpoints, policy, key and hashing.
+    let mut p = policy("round-robin");
+    p.key_mode = v1::KeyMode::Prefix.into();
+    p.prefix_tokens = 64;
+    p.block_size = 32;
+    p.hash_algorithm = v1::HashAlgorithm::XxhashCbor.into();
+    p.hash_seed = Some("0".into());
+    let mut abc = ab();
+    abc.push(endpoint("c:8000", "10.0.0.3", true));
+    op.publish(state(6, abc.clone(), p.clone()));
+    eventually("version 6 is applied", || {
+        settings.get().key.mode == KeyMode::Prefix
+    })
+    .await;
+    assert_eq!(
+        endpoints(&pool),
+        [
+            ("a:8000".to_owned(), true, false),
+            ("b:8000".to_owned(), true, false),
+            ("c:8000".to_owned(), true, true),
+        ]
+    );
+    let s = settings.get();
+    assert_eq!(s.key.prefix_tokens, 64);
+    let hashing = s.hasher.config();
+    assert_eq!(
+        (hashing.algo, hashing.block_size, hashing.seed.as_deref()),
+        (HashAlgo::XxhashCbor, 32, Some("0"))
+    );
+    let (x, y) = two_firsts(&pool);
+    assert_ne!(x, y, "round robin alternates");
+
+    // An unknown policy and an invalid block size keep what is there; the
+    // rest of the state still applies.
+    p.policy = "fastest".into();
+    p.block_size = 0;
+    p.key_mode = v1::KeyMode::Tenant.into();
+    op.publish(state(7, abc, p));
+    eventually("version 7 is applied", || {
+        settings.get().key.mode == KeyMode::Tenant
+    })
+    .await;
+    assert_eq!(logs.count("unknown routing policy"), 1);
+    assert_eq!(logs.count("invalid block hashing"), 1);
+    assert_eq!(settings.get().hasher.config().block_size, 32);
+    let (x, y) = two_firsts(&pool);
+    assert_ne!(x, y, "still round robin");
+
+    task.abort();
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
+    let (logs, _guard) = Logs::capture();
+    let ab = vec![
+        endpoint("a:8000", "10.0.0.1", false),
+        endpoint("b:8000", "10.0.0.2", false),
+    ];
+    let (op, addr) = FakeOperator::start(
+        "127.0.0.1:0".parse().unwrap(),
+        state(5, ab, policy("kvroute")),
+    )
+    .await;
+    let (pool, settings) = (pool(), settings());
+    let task = watch_operator(&pool, &settings, addr);
+    eventually("version 5 is applied", || {
+        names(&pool) == ["a:8000", "b:8000"]
+    })
+    .await;
+
+    op.stop().await;
+    eventually("the router notices", || {
+        logs.count("operator stream lost") >= 1
+    })
+    .await;
+    assert_eq!(names(&pool), ["a:8000", "b:8000"]);
+    assert_eq!(pool.routable(), 2);
+
+    // Another replica comes up where the first was, lagging behind: the
+    // router resubscribes and ignores its older state...
+    let (op, _) = FakeOperator::start(addr, state(4, Vec::new(), policy("kvroute"))).await;
+    eventually("version 4 is ignored", || {
+        logs.count("not newer than the applied one") == 1
+    })
+    .await;
+    assert_eq!(names(&pool), ["a:8000", "b:8000"]);
+
+    // ...until it catches up: the pool was deleted.
+    op.publish(PoolState {
+        namespace: "ml".into(),
+        pool: "llama".into(),
+        version: 8,
+        endpoints: Vec::new(),
+        policy: None,
+        pool_exists: false,
+    });
+    eventually("version 8 is applied", || names(&pool).is_empty()).await;
+    task.abort();
+    op.stop().await;
+}
