@@ -1,0 +1,249 @@
+//! The router end to end over real engine sims: routing, streaming,
+//! retries, errors.
+
+mod support;
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use support::*;
+
+#[tokio::test]
+async fn proxies_chat_and_names_the_endpoint() {
+    let stack = Stack::start("basic", 2, true, |_| {}, |_| {}).await;
+    let r = stack
+        .post("/v1/chat/completions", chat(&long_text(1), "hi", 4))
+        .await;
+    assert_eq!(r.status(), 200);
+    let endpoint = r.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(endpoint.starts_with("sim-"));
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], 4);
+    let models: Value = reqwest::get(stack.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "kvroute-sim");
+    let ready = reqwest::get(stack.url("/readyz")).await.unwrap();
+    assert_eq!(ready.status(), 200);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn exact_mode_follows_the_cache_and_keeps_load_bounded() {
+    let stack = Stack::start("exact", 4, true, |_| {}, |_| {}).await;
+    stack.wait_live().await;
+    let system = long_text(7);
+    let first = stack
+        .post("/v1/chat/completions", chat(&system, "first question", 2))
+        .await;
+    let holder = first.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    // Wait for the holder's blocks to reach the router's index.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stack.router.pool.index_entries() == 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for i in 0..6 {
+        let r = stack
+            .post(
+                "/v1/chat/completions",
+                chat(&system, &format!("question {i}"), 2),
+            )
+            .await;
+        assert_eq!(
+            r.headers()["x-kvroute-endpoint"],
+            holder.as_str(),
+            "request {i}"
+        );
+        let body: Value = r.json().await.unwrap();
+        let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let prompt = body["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(cached * 10 >= prompt * 9, "cached {cached} of {prompt}");
+    }
+    let metrics = stack.metrics().await;
+    assert!(
+        metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 6"),
+        "{metrics}"
+    );
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn salted_tenants_never_share_cached_blocks() {
+    let dir = temp_dir("salted-secret");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "test-secret\n").unwrap();
+    let stack = Stack::start(
+        "salted",
+        1,
+        true,
+        |_| {},
+        |c| {
+            c.tenancy.mode = kvroute_router::config::TenancyMode::Salted;
+            c.tenancy.tenant_header = Some("x-tenant".into());
+            c.tenancy.secret_file = Some(secret.clone());
+        },
+    )
+    .await;
+    let ask = |tenant: Option<&'static str>, body: Value| {
+        let mut r = stack
+            .client
+            .post(stack.url("/v1/chat/completions"))
+            .json(&body);
+        if let Some(t) = tenant {
+            r = r.header("x-tenant", t);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let cached = |v: &Value| {
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let body = chat(&long_text(3), "same question", 2);
+    let (s, a1) = ask(Some("acme"), body.clone()).await;
+    assert_eq!(s, 200);
+    assert_eq!(cached(&a1), 0);
+    let (_, a2) = ask(Some("acme"), body.clone()).await;
+    assert!(cached(&a2) > 0, "within one tenant the prefix is shared");
+    let (_, b1) = ask(Some("globex"), body.clone()).await;
+    assert_eq!(cached(&b1), 0, "across tenants nothing is shared");
+    let (s, e) = ask(None, body.clone()).await;
+    assert_eq!(s, 401);
+    assert_eq!(e["error"]["code"], "unauthenticated");
+    let mut salted = body.clone();
+    salted["cache_salt"] = json!("client-choice");
+    let (s, e) = ask(Some("acme"), salted).await;
+    assert_eq!(s, 400, "{e}");
+    stack.stop().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_hot_prefix_spills_instead_of_piling_up() {
+    let stack = Stack::start("hot", 4, true, |c| c.itl_ms = 100.0, |_| {}).await;
+    stack.wait_live().await;
+    let system = long_text(9);
+    // Warm one endpoint first.
+    stack
+        .post("/v1/chat/completions", chat(&system, "warm", 1))
+        .await;
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let client = stack.client.clone();
+        let url = stack.url("/v1/chat/completions");
+        let body = chat(&system, &format!("concurrent {i}"), 10);
+        tasks.push(tokio::spawn(async move {
+            let r = client.post(url).json(&body).send().await.unwrap();
+            r.headers()["x-kvroute-endpoint"]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        }));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut per_endpoint = std::collections::BTreeMap::<String, u32>::new();
+    for t in tasks {
+        *per_endpoint.entry(t.await.unwrap()).or_default() += 1;
+    }
+    let max = *per_endpoint.values().max().unwrap();
+    assert!(max < 16, "the bound spread the load: {per_endpoint:?}");
+    assert!(per_endpoint.len() >= 2, "{per_endpoint:?}");
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn approximate_mode_follows_its_own_history() {
+    // No WatchCache ports: the router remembers where it sent prefixes.
+    let stack = Stack::start("approx", 4, false, |_| {}, |_| {}).await;
+    let system = long_text(11);
+    let first = stack
+        .post("/v1/chat/completions", chat(&system, "one", 2))
+        .await;
+    let holder = first.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    for i in 0..4 {
+        let r = stack
+            .post("/v1/chat/completions", chat(&system, &format!("q{i}"), 2))
+            .await;
+        assert_eq!(r.headers()["x-kvroute-endpoint"], holder.as_str());
+        let body: Value = r.json().await.unwrap();
+        assert!(
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                > 0
+        );
+    }
+    let metrics = stack.metrics().await;
+    assert!(
+        metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 4"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("kvroute_watch_cache_stream{endpoint=\"sim-0\",state=\"none\"} 1"));
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn exact_mode_with_a_hugging_face_tokenizer_and_chat_template() {
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/fixtures/tokenize");
+    let tokenizer = fixtures.join("wordlevel.tokenizer.json");
+    let template = fixtures.join("qwen2.5-instruct.tokenizer_config.json");
+    let (t1, c1) = (tokenizer.clone(), template.clone());
+    let stack = Stack::start(
+        "hf",
+        3,
+        true,
+        move |c| {
+            c.tokenizer = Some(t1.clone());
+            c.tokenizer_config = Some(c1.clone());
+        },
+        move |c| {
+            c.routing.tokenizer = Some(tokenizer);
+            c.routing.tokenizer_config = Some(template);
+        },
+    )
+    .await;
+    stack.wait_live().await;
+    let system = long_text(5);
+    let first = stack
+        .post("/v1/chat/completions", chat(&system, "hello", 2))
+        .await;
+    let holder = first.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stack.router.pool.index_entries() == 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = stack
+        .post("/v1/chat/completions", chat(&system, "hello again", 2))
+        .await;
+    assert_eq!(r.headers()["x-kvroute-endpoint"], holder.as_str());
+    let metrics = stack.metrics().await;
+    assert!(
+        metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 1"),
+        "the router's chain matched the engine's blocks: {metrics}"
+    );
+    stack.stop().await;
+}

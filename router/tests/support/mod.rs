@@ -1,0 +1,140 @@
+//! Test fixtures: engine sims and a router over them, on loopback.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use kvroute_engine_sim::{Config as SimConfig, Sim};
+use kvroute_router::config::{Config, StaticDiscovery};
+use kvroute_router::{Running, start};
+use serde_json::{Value, json};
+
+/// Engines and a router in front of them.
+pub struct Stack {
+    pub sims: Vec<Sim>,
+    pub router: Running,
+    pub dir: PathBuf,
+    pub client: reqwest::Client,
+}
+
+/// A router config on free ports, reading `endpoints.yaml` in `dir`.
+pub fn router_config(dir: &std::path::Path) -> Config {
+    let mut c = Config::default();
+    c.listen = "127.0.0.1:0".parse().unwrap();
+    c.admin_listen = "127.0.0.1:0".parse().unwrap();
+    c.discovery.static_file = Some(StaticDiscovery {
+        file: dir.join("endpoints.yaml"),
+        reload_ms: 100,
+    });
+    c
+}
+
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-router-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes the endpoints file for `sims` (with their WatchCache ports when
+/// `exact`).
+pub fn write_endpoints(dir: &std::path::Path, sims: &[&Sim], exact: bool) {
+    let mut yaml = String::from("endpoints:\n");
+    for (i, s) in sims.iter().enumerate() {
+        yaml += &format!("  - name: sim-{i}\n    address: {}\n", s.http_addr);
+        if exact {
+            yaml += &format!("    cachePort: {}\n", s.cache_addr.port());
+        }
+    }
+    std::fs::write(dir.join("endpoints.yaml"), yaml).unwrap();
+}
+
+impl Stack {
+    /// `n` sims configured by `sim`, and a router configured by `router`.
+    pub async fn start(
+        name: &str,
+        n: usize,
+        exact: bool,
+        sim: impl Fn(&mut SimConfig),
+        router: impl FnOnce(&mut Config),
+    ) -> Stack {
+        let mut sims = Vec::new();
+        for _ in 0..n {
+            let mut c = SimConfig::test();
+            sim(&mut c);
+            sims.push(kvroute_engine_sim::start(c).await.unwrap());
+        }
+        let dir = temp_dir(name);
+        write_endpoints(&dir, &sims.iter().collect::<Vec<_>>(), exact);
+        let mut config = router_config(&dir);
+        router(&mut config);
+        let router = start(config).await.unwrap();
+        Stack {
+            sims,
+            router,
+            dir,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.router.addr)
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Waits until every WatchCache stream is live.
+    pub async fn wait_live(&self) {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let status = self.router.pool.status();
+            if !status.is_empty() && status.iter().all(|e| e.stream == "live") {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "streams never went live: {status:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn metrics(&self) -> String {
+        reqwest::get(format!("http://{}/metrics", self.router.admin_addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    pub async fn stop(self) {
+        self.router.shutdown().await;
+        for s in self.sims {
+            s.shutdown().await;
+        }
+        let _ = std::fs::remove_dir_all(self.dir);
+    }
+}
+
+/// A chat request body.
+pub fn chat(system: &str, user: &str, max_tokens: u64) -> Value {
+    json!({
+        "model": "kvroute-sim",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+    })
+}
+
+/// A long system prompt, distinct per `seed`.
+pub fn long_text(seed: usize) -> String {
+    (0..120)
+        .map(|i| format!("topic{seed} sentence {i} about caching and routing. "))
+        .collect()
+}
