@@ -268,6 +268,9 @@ pub struct Telemetry {
     /// Response header naming the endpoint that served the request; empty
     /// turns it off. Default: `x-kvroute-endpoint`.
     pub endpoint_header: String,
+    /// OTLP/gRPC collector for traces, e.g. `http://otel-collector:4317`;
+    /// unset: no traces.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for Telemetry {
@@ -275,6 +278,7 @@ impl Default for Telemetry {
         Telemetry {
             log_format: LogFormat::Text,
             endpoint_header: "x-kvroute-endpoint".into(),
+            otlp_endpoint: None,
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod pool;
 pub mod proxy;
 pub mod server;
 pub mod settings;
+pub mod telemetry;
 pub mod tenancy;
 
 pub use config::Config;

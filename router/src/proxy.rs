@@ -27,6 +27,8 @@ use kvroute_core::load::Ticket;
 use kvroute_core::policy::Request as RouteRequest;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::Limits;
 use crate::errors::ApiError;
@@ -102,11 +104,19 @@ impl Proxy {
         }
     }
 
-    /// Serves one proxied request, recording it in the metrics.
+    /// Serves one proxied request, recording it in the metrics, inside a
+    /// span joined to the client's trace context.
     pub async fn serve(self: &Arc<Self>, request: Request<Body>) -> Response<Body> {
         let (parts, body) = request.into_parts();
+        let span = tracing::info_span!("proxy", path = %parts.uri.path());
+        let parent = opentelemetry::global::get_text_map_propagator(|p| {
+            p.extract(&crate::telemetry::HeaderExtractor(&parts.headers))
+        });
+        if let Err(e) = span.set_parent(parent) {
+            tracing::debug!(error = %e, "no trace parent");
+        }
         let mut model = String::new();
-        let response = match self.handle(&parts, body, &mut model).await {
+        let response = match self.handle(&parts, body, &mut model).instrument(span).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(error = %e, path = %parts.uri.path(), "request refused");
@@ -374,6 +384,15 @@ impl Proxy {
             .map_err(|e| ApiError::Upstream(e.to_string()))?;
         copy_headers(&parts.headers, request.headers_mut());
         request.headers_mut().remove(header::HOST);
+        // With tracing on, the engine's parent is this router's span; else
+        // the client's traceparent passes through as copied.
+        let context = tracing::Span::current().context();
+        opentelemetry::global::get_text_map_propagator(|p| {
+            p.inject_context(
+                &context,
+                &mut crate::telemetry::HeaderInjector(request.headers_mut()),
+            )
+        });
         request
             .headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));

@@ -247,3 +247,35 @@ async fn exact_mode_with_a_hugging_face_tokenizer_and_chat_template() {
     );
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn headers_pass_through_and_traceparent_is_untouched_without_tracing() {
+    let (upstream, mut heads) = recording_upstream().await;
+    let dir = temp_dir("passthrough");
+    std::fs::write(
+        dir.join("endpoints.yaml"),
+        format!("endpoints:\n  - address: {upstream}\n"),
+    )
+    .unwrap();
+    let router = kvroute_router::start(router_config(&dir)).await.unwrap();
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let body = r#"{"prompt":  "spaced   exactly", "extra": [1, 2]}"#;
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", router.addr))
+        .header("traceparent", parent)
+        .header("x-custom", "kept")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let head = heads.recv().await.unwrap();
+    assert_eq!(header_of(&head, "traceparent").as_deref(), Some(parent));
+    assert_eq!(header_of(&head, "x-custom").as_deref(), Some("kept"));
+    assert!(
+        head.ends_with(body),
+        "the body is forwarded byte for byte: {head}"
+    );
+    router.shutdown().await;
+}
