@@ -5,7 +5,6 @@ mod support;
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use serde_json::{Value, json};
 use support::*;
 

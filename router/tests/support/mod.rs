@@ -19,9 +19,11 @@ pub struct Stack {
 
 /// A router config on free ports, reading `endpoints.yaml` in `dir`.
 pub fn router_config(dir: &std::path::Path) -> Config {
-    let mut c = Config::default();
-    c.listen = "127.0.0.1:0".parse().unwrap();
-    c.admin_listen = "127.0.0.1:0".parse().unwrap();
+    let mut c = Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        ..Config::default()
+    };
     c.discovery.static_file = Some(StaticDiscovery {
         file: dir.join("endpoints.yaml"),
         reload_ms: 100,
