@@ -39,19 +39,7 @@ async fn exact_mode_follows_the_cache_and_keeps_load_bounded() {
     let stack = Stack::start("exact", 4, true, |_| {}, |_| {}).await;
     stack.wait_live().await;
     let system = long_text(7);
-    let first = stack
-        .post("/v1/chat/completions", chat(&system, "first question", 2))
-        .await;
-    let holder = first.headers()["x-kvroute-endpoint"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    // Wait for the holder's blocks to reach the router's index.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while stack.router.pool.index_entries() == 0 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let holder = stack.warm(&system).await;
     for i in 0..6 {
         let r = stack
             .post(
@@ -223,18 +211,7 @@ async fn exact_mode_with_a_hugging_face_tokenizer_and_chat_template() {
     .await;
     stack.wait_live().await;
     let system = long_text(5);
-    let first = stack
-        .post("/v1/chat/completions", chat(&system, "hello", 2))
-        .await;
-    let holder = first.headers()["x-kvroute-endpoint"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while stack.router.pool.index_entries() == 0 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let holder = stack.warm(&system).await;
     let r = stack
         .post("/v1/chat/completions", chat(&system, "hello again", 2))
         .await;

@@ -107,6 +107,28 @@ impl Stack {
         }
     }
 
+    /// Sends one chat with `system` and waits until the blocks it left on
+    /// its endpoint reach the router's index; returns that endpoint.
+    pub async fn warm(&self, system: &str) -> String {
+        let before = self.router.pool.index_entries();
+        let r = self
+            .post("/v1/chat/completions", chat(system, "first", 2))
+            .await;
+        let holder = r.headers()["x-kvroute-endpoint"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while self.router.pool.index_entries() <= before {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the index never saw the blocks"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        holder
+    }
+
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("http://{}/metrics", self.router.admin_addr))
             .await
