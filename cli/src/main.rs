@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Parser, Subcommand};
 
+mod demo;
 mod hash;
 mod replay;
 
@@ -27,6 +28,9 @@ enum Command {
     Hash(hash::HashArgs),
     /// Replay a Mooncake-format trace under every routing policy.
     Replay(replay::ReplayArgs),
+    /// Run engine sims and the router in this process: compare round robin
+    /// with kvroute on a chat workload, then serve until Ctrl-C.
+    Demo(demo::DemoArgs),
 }
 
 /// Exit code for usage errors, as clap and most Unix tools use.
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => hash::run(&args, &mut std::io::stdout().lock()),
         Command::Replay(args) => replay::run(&args, &mut std::io::stdout().lock()),
+        Command::Demo(args) => demo::run(&args, &mut std::io::stdout()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -121,7 +126,7 @@ fn one_line(err: &clap::Error) -> String {
             )
         }
         ErrorKind::MissingSubcommand | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            "missing subcommand (available: hash, replay; see kvroute --help)".to_owned()
+            "missing subcommand (available: hash, replay, demo; see kvroute --help)".to_owned()
         }
         _ => {
             // Clap's first line is "error: <message>"; keep the message.

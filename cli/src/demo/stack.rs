@@ -1,0 +1,195 @@
+//! The demo's fleet: engine sims with realistic (optionally sped-up)
+//! timing, and a kvroute router in front of them that reads a static
+//! endpoints file naming each sim's WatchCache port, so routing sees the
+//! engines' exact cache contents. All in this process.
+//!
+//! Not here: what is sent to the fleet ([`super::workload`]) or what is made
+//! of the answers ([`super::report`]).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kvroute_core::policy::PolicyConfig;
+use kvroute_engine_sim::engine::CacheBody;
+use kvroute_engine_sim::{Config as SimConfig, Sim};
+use kvroute_router::Running;
+use kvroute_router::config::{
+    Config as RouterConfig, Discovery, Routing, StaticDiscovery, Tenancy,
+};
+
+/// Engines behind the router.
+pub const ENGINES: usize = 4;
+
+/// The header carrying the tenant, as an authenticating gateway would set
+/// it (tenancy stays shared: the router only labels requests with it).
+pub const TENANT_HEADER: &str = "x-tenant";
+
+/// How every engine is configured: vLLM-like figures in real time (10,000
+/// prefill tokens per second plus 20 ms per prefill, 20 ms per output
+/// token), a small KV cache (1,024 blocks of 16 tokens) so that duplicated
+/// prefixes evict each other, and 16 sequences at a time.
+pub fn sim_config() -> SimConfig {
+    let mut c = SimConfig::test();
+    c.num_gpu_blocks = 1024;
+    c.max_num_seqs = 16;
+    c.prefill_tokens_per_s = 10_000.0;
+    c.prefill_overhead_ms = 20.0;
+    c.itl_ms = 20.0;
+    c
+}
+
+/// Sims and a router over them; [`Fleet::stop`] shuts both down.
+#[derive(Debug)]
+pub struct Fleet {
+    sims: Vec<Sim>,
+    router: Running,
+    dir: PathBuf,
+    evicted: Arc<AtomicU64>,
+}
+
+impl Fleet {
+    /// Starts [`ENGINES`] sims on free loopback ports and a router with
+    /// `policy` on `listen` and `admin_listen`, and waits until the router
+    /// follows every engine's cache.
+    pub async fn start(
+        policy: PolicyConfig,
+        listen: SocketAddr,
+        admin_listen: SocketAddr,
+    ) -> anyhow::Result<Fleet> {
+        let mut sims = Vec::with_capacity(ENGINES);
+        let evicted = Arc::new(AtomicU64::new(0));
+        for _ in 0..ENGINES {
+            let sim = kvroute_engine_sim::start(sim_config())
+                .await
+                .context("starting an engine sim")?;
+            count_evictions(&sim, evicted.clone());
+            sims.push(sim);
+        }
+        let dir = temp_dir()?;
+        let file = dir.join("endpoints.yaml");
+        std::fs::write(&file, endpoints_yaml(&sims))
+            .with_context(|| format!("writing {}", file.display()))?;
+        let defaults = RouterConfig::default();
+        let config = RouterConfig {
+            listen,
+            admin_listen,
+            discovery: Discovery {
+                static_file: Some(StaticDiscovery {
+                    file,
+                    reload_ms: 1000,
+                }),
+                operator: None,
+            },
+            routing: Routing {
+                policy,
+                ..defaults.routing
+            },
+            tenancy: Tenancy {
+                tenant_header: Some(TENANT_HEADER.to_owned()),
+                ..defaults.tenancy
+            },
+            ..defaults
+        };
+        let router = match kvroute_router::start(config).await {
+            Ok(router) => router,
+            Err(e) => {
+                for sim in sims {
+                    sim.shutdown().await;
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e.into());
+            }
+        };
+        let fleet = Fleet {
+            sims,
+            router,
+            dir,
+            evicted,
+        };
+        fleet.wait_live().await?;
+        Ok(fleet)
+    }
+
+    /// The router's API address.
+    pub fn addr(&self) -> SocketAddr {
+        self.router.addr
+    }
+
+    /// The router's admin address (`/metrics`, `/debug/pool`).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.router.admin_addr
+    }
+
+    /// Blocks the engines evicted from their prefix caches so far.
+    pub fn evicted_blocks(&self) -> u64 {
+        self.evicted.load(Ordering::Relaxed)
+    }
+
+    /// Waits until every WatchCache stream is live, so the first requests
+    /// are already routed on the engines' reports.
+    async fn wait_live(&self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let status = self.router.pool.status();
+            if status.len() == ENGINES && status.iter().all(|e| e.stream == "live") {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let states: Vec<_> = status.iter().map(|e| (&e.name, e.stream)).collect();
+                anyhow::bail!(
+                    "the router did not follow the engines' caches within 10 s: {states:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the router (letting in-flight streams finish), then the sims.
+    pub async fn stop(self) {
+        self.router.shutdown().await;
+        for sim in self.sims {
+            sim.shutdown().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Adds the blocks `sim` evicts to `counter`, from its own cache event
+/// stream (the one the router follows), until the sim stops.
+fn count_evictions(sim: &Sim, counter: Arc<AtomicU64>) {
+    let mut events = sim.engine.subscribe();
+    tokio::spawn(async move {
+        while let Some(message) = events.recv().await {
+            if let CacheBody::Removed(hashes) = message.body {
+                counter.fetch_add(hashes.len() as u64, Ordering::Relaxed);
+            }
+        }
+    });
+}
+
+/// The static endpoints file: `sim-<i>` at each sim's HTTP address, with
+/// its WatchCache port.
+fn endpoints_yaml(sims: &[Sim]) -> String {
+    let mut yaml = String::from("endpoints:\n");
+    for (i, s) in sims.iter().enumerate() {
+        yaml += &format!(
+            "  - name: sim-{i}\n    address: {}\n    cachePort: {}\n",
+            s.http_addr,
+            s.cache_addr.port()
+        );
+    }
+    yaml
+}
+
+/// A fresh directory for one fleet's endpoints file.
+fn temp_dir() -> anyhow::Result<PathBuf> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("kvroute-demo-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
