@@ -332,10 +332,21 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         xxh3_64(&created.to_le_bytes()),
         xxh3_64(&app.requests.load(Ordering::Relaxed).to_le_bytes())
     );
-    if common.stream {
-        return stream_response(generation, kind, id, model, created, common.include_usage);
-    }
     let mut generation = generation;
+    if common.stream {
+        // Like vLLM, the response (headers and the role chunk) starts with
+        // the first token, after prefill.
+        let first = generation.tokens.recv().await;
+        return stream_response(
+            generation,
+            first,
+            kind,
+            id,
+            model,
+            created,
+            common.include_usage,
+        );
+    }
     let mut text = String::new();
     let mut n = 0u64;
     while let Some(token) = generation.tokens.recv().await {
@@ -359,6 +370,17 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
     axum::Json(body).into_response()
 }
 
+/// The token held back for the first chunk, else the next one generated.
+async fn next_token(
+    first: &mut Option<crate::engine::Token>,
+    g: &mut Generation,
+) -> Option<crate::engine::Token> {
+    match first.take() {
+        Some(token) => Some(token),
+        None => g.tokens.recv().await,
+    }
+}
+
 fn usage_chunk(
     chunk: &impl Fn(Value) -> Value,
     g: &Generation,
@@ -376,6 +398,7 @@ fn sse(value: &Value) -> Result<Bytes, Infallible> {
 /// Server-sent events, one chunk per token as it is generated.
 fn stream_response(
     generation: Generation,
+    first: Option<crate::engine::Token>,
     kind: Kind,
     id: String,
     model: String,
@@ -396,8 +419,8 @@ fn stream_response(
         End,
     }
     let body = stream::unfold(
-        (generation, Phase::Start, 0u64),
-        move |(mut g, phase, n)| {
+        (generation, Phase::Start, 0u64, first),
+        move |(mut g, phase, n, mut first)| {
             let chunk = chunk.clone();
             async move {
                 let (bytes, next) = match phase {
@@ -406,7 +429,7 @@ fn stream_response(
                         let choices = json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}]);
                         (sse(&chunk(choices)), Phase::Tokens)
                     }
-                    Phase::Start | Phase::Tokens => match g.tokens.recv().await {
+                    Phase::Start | Phase::Tokens => match next_token(&mut first, &mut g).await {
                         Some(token) => {
                             let finish = if token.last {
                                 json!("length")
@@ -422,17 +445,17 @@ fn stream_response(
                                 }
                             };
                             let bytes = sse(&chunk(choices));
-                            return Some((bytes, (g, Phase::Tokens, n + 1)));
+                            return Some((bytes, (g, Phase::Tokens, n + 1, None)));
                         }
                         None if include_usage => {
-                            return Some((usage_chunk(&chunk, &g, n), (g, Phase::Done, n)));
+                            return Some((usage_chunk(&chunk, &g, n), (g, Phase::Done, n, None)));
                         }
                         None => (Ok(Bytes::from_static(b"data: [DONE]\n\n")), Phase::End),
                     },
                     Phase::Done => (Ok(Bytes::from_static(b"data: [DONE]\n\n")), Phase::End),
                     Phase::End => return None,
                 };
-                Some((bytes, (g, next, n)))
+                Some((bytes, (g, next, n, first)))
             }
         },
     );

@@ -138,6 +138,10 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     let app = http::App::new(engine.clone(), tokenizer, template);
     let mut until_stop = stopped.clone();
     let http_task = tokio::spawn(async move {
+        // Small SSE chunks must not wait for delayed ACKs.
+        let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let server = axum::serve(http, http::router(app)).with_graceful_shutdown(async move {
             let _ = until_stop.wait_for(|s| *s).await;
         });

@@ -170,8 +170,13 @@ impl Metrics {
                     out.push(format!("{name}_bucket{{{l}{sep}le=\"{bucket}\"}} {count}"));
                 }
                 out.push(format!("{name}_bucket{{{l}{sep}le=\"+Inf\"}} {}", h.count));
-                out.push(format!("{name}_sum{{{l}}} {}", h.sum));
-                out.push(format!("{name}_count{{{l}}} {}", h.count));
+                let l = if l.is_empty() {
+                    String::new()
+                } else {
+                    format!("{{{l}}}")
+                };
+                out.push(format!("{name}_sum{l} {}", h.sum));
+                out.push(format!("{name}_count{l} {}", h.count));
             }
         }
         for e in pool.status() {

@@ -425,6 +425,10 @@ impl Proxy {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let mut headers = HeaderMap::new();
         copy_headers(&parts.headers, &mut headers);
+        // A sized response stays sized (the body passes through whole).
+        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
+            headers.insert(header::CONTENT_LENGTH, length.clone());
+        }
         if let Some(name) = &self.endpoint_header
             && let Ok(v) = HeaderValue::from_str(&target.name)
         {

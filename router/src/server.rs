@@ -125,6 +125,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .expect("validated"),
     }));
     let tenancy = Tenancy::load(&config.tenancy)?;
+    // Bind first: a taken port must fail before any task starts.
+    let api = bind(config.listen).await?;
+    let admin = bind(config.admin_listen).await?;
     let pool = Pool::new(
         r.policy.clone(),
         config.resilience.clone(),
@@ -161,8 +164,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config.resilience.attempts,
         &config.telemetry.endpoint_header,
     ));
-    let api = bind(config.listen).await?;
-    let admin = bind(config.admin_listen).await?;
     let addr = api.local_addr().map_err(|source| StartError::Bind {
         addr: config.listen,
         source,
@@ -174,6 +175,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let (stop, stopped) = watch::channel(false);
     let serve = |listener: TcpListener, app: Router, mut stopped: watch::Receiver<bool>| {
         tokio::spawn(async move {
+            // Small SSE chunks must not wait for delayed ACKs.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let server = axum::serve(listener, app).with_graceful_shutdown(async move {
                 let _ = stopped.wait_for(|s| *s).await;
             });
