@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
-use kvroute_core::policy::{Context, Endpoint, Policy, PolicyConfig, Reason, Request};
+use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, PolicyConfig, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::{Slot, Slots};
 use tokio::sync::{Notify, watch};
@@ -123,6 +123,8 @@ struct Inner {
     load: LoadTracker,
     policy: Box<dyn Policy>,
     policy_config: PolicyConfig,
+    /// For requests without a readable prompt.
+    least_loaded: LeastLoaded,
     generations: u64,
     /// Whether any endpoint reports its cache: routing is then exact.
     exact: bool,
@@ -188,6 +190,7 @@ impl Pool {
                 load: LoadTracker::new(),
                 policy: policy.build(),
                 policy_config: policy,
+                least_loaded: LeastLoaded::default(),
                 generations: 0,
                 exact: false,
             }),
@@ -317,7 +320,9 @@ impl Pool {
     /// Ranks the routable endpoints for `request`. Endpoints at their
     /// concurrency limit are left out of the targets (and counted in
     /// `full`).
-    pub fn plan(&self, request: &Request<'_>) -> Plan {
+    /// `readable` is false when the router could not read a prompt from the
+    /// request: it then goes to the least loaded endpoint instead.
+    pub fn plan(&self, request: &Request<'_>, readable: bool) -> Plan {
         let mut inner = self.lock();
         let now = Instant::now();
         let candidates: Vec<(Endpoint, Target)> = inner
@@ -345,7 +350,11 @@ impl Pool {
             index: inner.exact.then_some(&inner.index),
             block_tokens: self.block_tokens,
         };
-        let decision = inner.policy.rank(request, &endpoints, &cx);
+        let decision = if readable {
+            inner.policy.rank(request, &endpoints, &cx)
+        } else {
+            inner.least_loaded.rank(request, &endpoints, &cx)
+        };
         let mut full = 0;
         let targets = decision
             .ranked

@@ -231,7 +231,7 @@ impl Proxy {
             chain: &chain,
             prompt_tokens,
         };
-        let plan = self.plan(&request).await?;
+        let plan = self.plan(&request, !tokens.is_empty()).await?;
         self.metrics.observe(
             "kvroute_decision_seconds",
             &[],
@@ -244,14 +244,14 @@ impl Proxy {
 
     /// A plan with at least one target, waiting in the bounded queue while
     /// every routable endpoint is at its concurrency limit.
-    async fn plan(&self, request: &RouteRequest<'_>) -> Result<Plan, ApiError> {
+    async fn plan(&self, request: &RouteRequest<'_>, readable: bool) -> Result<Plan, ApiError> {
         let deadline = Instant::now() + Duration::from_millis(self.limits.queue_timeout_ms);
         let retry_after = self.limits.retry_after_s;
         loop {
             let released = self.pool.released();
             tokio::pin!(released);
             released.as_mut().enable();
-            let plan = self.pool.plan(request);
+            let plan = self.pool.plan(request, readable);
             if !plan.targets.is_empty() {
                 return Ok(plan);
             }

@@ -306,3 +306,32 @@ async fn error_paths_have_openai_bodies() {
     assert_eq!(ready.status(), 503);
     router.shutdown().await;
 }
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_streams_finish() {
+    let stack = Stack::start("shutdown", 1, false, |c| c.itl_ms = 100.0, |_| {}).await;
+    let r = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 8, "stream": true}),
+        )
+        .await;
+    let mut body = r.bytes_stream();
+    let mut text = String::from_utf8(body.next().await.unwrap().unwrap().to_vec()).unwrap();
+    let Stack {
+        sims, router, dir, ..
+    } = stack;
+    let stopping = tokio::spawn(router.shutdown());
+    while let Some(chunk) = body.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    assert!(
+        text.ends_with("data: [DONE]\n\n"),
+        "the stream finished: {text}"
+    );
+    stopping.await.unwrap();
+    for s in sims {
+        s.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

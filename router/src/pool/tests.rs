@@ -49,7 +49,7 @@ async fn only_ready_non_draining_endpoints_are_routed() {
     let mut unready = spec("c", 3);
     unready.ready = false;
     p.set_endpoints(vec![spec("a", 1), draining, unready]);
-    assert_eq!(names(&p.plan(&request())), vec!["a"]);
+    assert_eq!(names(&p.plan(&request(), true)), vec!["a"]);
     assert_eq!(p.routable(), 1);
     assert_eq!(*p.ready().borrow(), 1);
 }
@@ -59,7 +59,7 @@ async fn endpoint_changes_keep_slots_and_forget_the_removed() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
     let a = p
-        .plan(&request())
+        .plan(&request(), true)
         .targets
         .into_iter()
         .find(|t| t.name == "a")
@@ -78,14 +78,14 @@ async fn endpoint_changes_keep_slots_and_forget_the_removed() {
 async fn full_endpoints_are_left_out_of_the_plan() {
     let p = pool(1);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
-    let first = p.plan(&request());
+    let first = p.plan(&request(), true);
     let t = p.start(&request(), &first.targets[0], 10);
-    let second = p.plan(&request());
+    let second = p.plan(&request(), true);
     assert_eq!(second.targets.len(), 1);
     assert_eq!(second.full, 1);
     assert_ne!(second.targets[0].name, first.targets[0].name);
     p.finish(t);
-    assert_eq!(p.plan(&request()).targets.len(), 2);
+    assert_eq!(p.plan(&request(), true).targets.len(), 2);
 }
 
 #[tokio::test(start_paused = true)]
@@ -96,19 +96,19 @@ async fn ejection_backs_off_exponentially_and_readmits() {
     p.succeeded("a"); // a success resets the count
     assert!(!p.failed("a"));
     assert!(p.failed("a"), "two in a row eject");
-    assert_eq!(names(&p.plan(&request())), vec!["b"]);
+    assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
     tokio::time::advance(Duration::from_millis(1001)).await;
     assert_eq!(
-        names(&p.plan(&request())),
+        names(&p.plan(&request(), true)),
         vec!["a", "b"],
         "re-admitted after 1 s"
     );
     // On probation: one failure ejects it again, for twice as long.
     assert!(p.failed("a"));
     tokio::time::advance(Duration::from_millis(1500)).await;
-    assert_eq!(names(&p.plan(&request())), vec!["b"]);
+    assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
     tokio::time::advance(Duration::from_millis(600)).await;
-    assert_eq!(names(&p.plan(&request())), vec!["a", "b"]);
+    assert_eq!(names(&p.plan(&request(), true)), vec!["a", "b"]);
     // Capped at 3 s.
     assert!(p.failed("a"));
     tokio::time::advance(Duration::from_millis(3001)).await;
@@ -123,7 +123,7 @@ async fn a_broken_stream_ejects_at_once() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
     p.broke("a");
-    assert_eq!(names(&p.plan(&request())), vec!["b"]);
+    assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
 }
 
 #[tokio::test]
@@ -147,4 +147,21 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
     // Losing the stream drops the entries until the next snapshot.
     p.set_stream("a", 1, StreamState::Connecting);
     assert_eq!(p.index_entries(), 0);
+}
+
+#[tokio::test]
+async fn unreadable_requests_go_to_the_least_loaded() {
+    let p = Pool::new(PolicyConfig::default(), Resilience::default(), 8, 16, None);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    let busy = p
+        .plan(&request(), true)
+        .targets
+        .into_iter()
+        .find(|t| t.name == "a")
+        .unwrap();
+    let t1 = p.start(&request(), &busy, 10);
+    for _ in 0..3 {
+        assert_eq!(p.plan(&request(), false).targets[0].name, "b");
+    }
+    p.finish(t1);
 }
