@@ -344,7 +344,7 @@ fn two_firsts(pool: &Pool) -> (String, String) {
         chain: &[],
         prompt_tokens: 100,
     };
-    let first = || pool.plan(&request).targets[0].name.clone();
+    let first = || pool.plan(&request, true).targets[0].name.clone();
     (first(), first())
 }
 
