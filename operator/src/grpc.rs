@@ -1,0 +1,1 @@
+//! WatchPool server (being written).

@@ -1,0 +1,1 @@
+//! The index (being written).
