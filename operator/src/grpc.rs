@@ -1,1 +1,176 @@
-//! WatchPool server (being written).
+//! The `EndpointDiscovery.WatchPool` server: each subscriber gets its pool's
+//! current [`PoolState`] at once, then every newer state the [`Index`]
+//! publishes.
+//!
+//! States come from the pool's `tokio::sync::watch` channel, so a slow
+//! subscriber skips intermediate states and always gets the latest (each
+//! state is full, never a delta). A subscriber may ask for a pool that does
+//! not exist yet: it gets `pool_exists = false`, then the pool when it
+//! appears.
+//!
+//! Not here: computing states (the index), deciding when to start serving
+//! (after the index's initial lists; see [`crate::index`]), TLS, metrics
+//! beyond the subscriber gauge ([`Discovery::subscribers`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures_util::{Stream, StreamExt};
+use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
+use kvroute_proto::v1::{PoolState, WatchPoolRequest};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::{TcpListenerStream, WatchStream};
+use tonic::{Request, Response, Status};
+
+use crate::index::Index;
+
+/// The stream of states one `WatchPool` call returns.
+pub type PoolStates = Pin<Box<dyn Stream<Item = Result<PoolState, Status>> + Send>>;
+
+/// Serving the WatchPool server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The gRPC transport failed (accepting or serving connections).
+    #[error("the WatchPool server failed")]
+    Transport(#[source] tonic::transport::Error),
+}
+
+/// The `EndpointDiscovery` service over a shared [`Index`]. Cheap to clone:
+/// clones share the index, the subscriber gauge and the shutdown signal.
+#[derive(Debug, Clone)]
+pub struct Discovery {
+    index: Arc<Mutex<Index>>,
+    subscribers: Arc<AtomicUsize>,
+    /// Set to true to end every open stream, so a graceful shutdown does
+    /// not wait forever on subscribers.
+    stop: Arc<watch::Sender<bool>>,
+}
+
+impl Discovery {
+    /// A service streaming the states of `index`.
+    pub fn new(index: Arc<Mutex<Index>>) -> Self {
+        Discovery {
+            index,
+            subscribers: Arc::default(),
+            stop: Arc::new(watch::Sender::new(false)),
+        }
+    }
+
+    /// How many `WatchPool` streams are open.
+    pub fn subscribers(&self) -> usize {
+        self.subscribers.load(Ordering::Relaxed)
+    }
+
+    /// Ends every open stream and every stream opened from now on.
+    pub fn stop_streams(&self) {
+        self.stop.send_replace(true);
+    }
+
+    /// Serves `EndpointDiscovery` on `listener` until `shutdown` completes,
+    /// then ends every stream and waits for connections to close.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        let stopper = self.clone();
+        tonic::transport::Server::builder()
+            .add_service(EndpointDiscoveryServer::new(self))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                shutdown.await;
+                stopper.stop_streams();
+            })
+            .await
+            .map_err(ServeError::Transport)
+    }
+}
+
+/// Serves `EndpointDiscovery` for `index` on `listener` until `shutdown`
+/// completes. Use [`Discovery::serve`] to keep a handle on the subscriber
+/// gauge.
+pub async fn serve(
+    index: Arc<Mutex<Index>>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    Discovery::new(index).serve(listener, shutdown).await
+}
+
+#[tonic::async_trait]
+impl EndpointDiscovery for Discovery {
+    type WatchPoolStream = PoolStates;
+
+    async fn watch_pool(
+        &self,
+        request: Request<WatchPoolRequest>,
+    ) -> Result<Response<PoolStates>, Status> {
+        let WatchPoolRequest {
+            namespace,
+            pool,
+            subscriber,
+        } = request.into_inner();
+        if namespace.is_empty() || pool.is_empty() {
+            return Err(Status::invalid_argument(
+                "WatchPool needs a namespace and a pool name",
+            ));
+        }
+        // The index stays consistent across a panic elsewhere (each call
+        // publishes whole states), so a poisoned lock is still usable.
+        let states = self
+            .index
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .watch_pool(&namespace, &pool);
+        let guard = Subscription::start(self.subscribers.clone(), namespace, pool, subscriber);
+        let mut stop = self.stop.subscribe();
+        // `WatchStream::new` yields the current state first, then each change.
+        let stream = WatchStream::new(states)
+            .map(move |state| {
+                // The stream owns the guard: dropping the stream (the client
+                // went away, or the server stopped) ends the subscription.
+                let _ = &guard;
+                Ok(state)
+            })
+            .take_until(async move {
+                let _ = stop.wait_for(|stopped| *stopped).await;
+            });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// One open stream: counted in the gauge and logged while it lives.
+struct Subscription {
+    subscribers: Arc<AtomicUsize>,
+    namespace: String,
+    pool: String,
+    subscriber: String,
+}
+
+impl Subscription {
+    fn start(
+        subscribers: Arc<AtomicUsize>,
+        namespace: String,
+        pool: String,
+        subscriber: String,
+    ) -> Self {
+        let open = subscribers.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::info!(%namespace, %pool, %subscriber, open, "WatchPool subscriber joined");
+        Subscription {
+            subscribers,
+            namespace,
+            pool,
+            subscriber,
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let open = self.subscribers.fetch_sub(1, Ordering::Relaxed) - 1;
+        tracing::info!(namespace = %self.namespace, pool = %self.pool,
+            subscriber = %self.subscriber, open, "WatchPool subscriber left");
+    }
+}

@@ -1,1 +1,28 @@
-//! API types (being written).
+//! The Kubernetes API kvroute reads and writes, in one place: the
+//! `InferencePool` of the Gateway API Inference Extension
+//! (`inference.networking.k8s.io/v1`, upstream's schema) and kvroute's own
+//! `CacheRoutingPolicy` (`kvroute.dev/v1alpha1`), their CRDs, and the
+//! Rust-side checks of the rules their schemas express.
+//!
+//! The checked-in `crds/*.yaml` are generated from these types
+//! ([`write_crds`]); `tests/crds.rs` fails when they drift.
+//!
+//! Not here: watching the API, turning objects into the index's inputs, or
+//! writing status.
+
+mod crdgen;
+pub mod inference_pool;
+pub mod policy;
+mod schema;
+mod validation;
+
+pub use self::crdgen::{CrdFile, crd_files, crds, render, write_crds};
+pub use self::inference_pool::{
+    AppProtocol, EndpointPickerRef, FailureMode, InferencePool, InferencePoolSpec,
+    InferencePoolStatus, LabelSelector, ParentReference, ParentStatus, Port,
+};
+pub use self::policy::{
+    CacheRoutingPolicy, CacheRoutingPolicySpec, CacheRoutingPolicyStatus, Engine, HashAlgorithm,
+    KeyMode, PolicyName, PolicyTargetReference, RoutingKey, Tenancy, TenancyMode,
+};
+pub use self::validation::ValidationError;

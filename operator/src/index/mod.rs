@@ -1,1 +1,253 @@
-//! The index (being written).
+//! The index: a synchronous, in-memory model of the pools, pods and
+//! policies the operator watches, and the per-pool states it publishes.
+//!
+//! Watch events become calls: `apply_*` for an added or changed object,
+//! `delete_*` for a removed one, `reset_*` for a relist (the watch
+//! restarted: everything not in the list is gone). After each call the index
+//! recomputes the pools the change can affect and publishes each pool whose
+//! state ([`PoolState`]: endpoints and effective policy) actually changed,
+//! with a higher version, on that pool's [`watch`] channel
+//! ([`Index::watch_pool`]). Status for the status writer is computed on
+//! demand ([`Index::pool_status`], [`Index::policy_status`]).
+//!
+//! Inputs are plain structs ([`PoolSpec`], [`PodInfo`], [`PolicySpec`]), so
+//! the index and its tests need no Kubernetes API.
+//!
+//! Not here: watching the API and converting objects (the watchers), writing
+//! status, serving routers ([`crate::grpc`]), locking (callers share it as
+//! `Arc<Mutex<Index>>`).
+//!
+//! Readiness: until the first `reset_*` of each kind, the index knows only
+//! part of the cluster (every pool looks absent or empty), so the operator
+//! should serve routers only once all three initial lists are in.
+
+mod pods;
+mod policy;
+mod pool;
+mod state;
+mod status;
+mod store;
+#[cfg(test)]
+mod tests;
+
+use kvroute_proto::v1::PoolState;
+use tokio::sync::watch;
+
+pub use self::pods::PodInfo;
+pub use self::policy::{
+    DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGORITHM, DEFAULT_KEY_MODE, DEFAULT_LOAD_BOUND,
+    DEFAULT_POLICY, DEFAULT_PREFIX_TOKENS, PolicySpec, TenancyMode, default_policy,
+};
+pub use self::pool::PoolSpec;
+pub use self::state::{Clock, wall_clock_micros};
+pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
+
+use self::state::Content;
+use self::store::Namespaced;
+
+/// Pools, pods and policies, and the state published for each pool.
+#[derive(Debug)]
+pub struct Index {
+    pools: Namespaced<PoolSpec>,
+    pods: Namespaced<PodInfo>,
+    policies: Namespaced<PolicySpec>,
+    /// One channel per existing or watched pool.
+    states: Namespaced<watch::Sender<PoolState>>,
+    clock: Clock,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Index::new()
+    }
+}
+
+impl Index {
+    /// An empty index whose versions are floored by the wall clock
+    /// ([`wall_clock_micros`]), so they stay higher than those of an
+    /// earlier run.
+    pub fn new() -> Self {
+        Index::with_clock(wall_clock_micros)
+    }
+
+    /// An empty index whose versions are floored by `clock`; with `|| 0`
+    /// every change adds exactly 1.
+    pub fn with_clock(clock: Clock) -> Self {
+        Index {
+            pools: Namespaced::default(),
+            pods: Namespaced::default(),
+            policies: Namespaced::default(),
+            states: Namespaced::default(),
+            clock,
+        }
+    }
+
+    /// A receiver of pool `namespace/name`'s state. For a pool that does
+    /// not exist (yet) it holds `pool_exists = false`, version 0, and sees
+    /// the pool appear when it is applied.
+    pub fn watch_pool(&mut self, namespace: &str, name: &str) -> watch::Receiver<PoolState> {
+        self.prune();
+        if let Some(tx) = self.states.get(namespace, name) {
+            return tx.subscribe();
+        }
+        let tx = state::channel(namespace, name);
+        let rx = tx.subscribe();
+        self.states.insert(namespace, name, tx);
+        rx
+    }
+
+    /// Adds or replaces a pool.
+    pub fn apply_pool(&mut self, pool: PoolSpec) {
+        let (ns, name) = (pool.namespace.clone(), pool.name.clone());
+        self.pools.insert(&ns, &name, pool);
+        self.refresh(&ns, &name);
+    }
+
+    /// Removes a pool: its state becomes `pool_exists = false`.
+    pub fn delete_pool(&mut self, namespace: &str, name: &str) {
+        if self.pools.remove(namespace, name).is_some() {
+            self.refresh(namespace, name);
+        }
+    }
+
+    /// Replaces every pool with `pools` (a relist).
+    pub fn reset_pools(&mut self, pools: Vec<PoolSpec>) {
+        self.pools = pools
+            .into_iter()
+            .map(|p| (p.namespace.clone(), p.name.clone(), p))
+            .collect();
+        self.refresh_all();
+    }
+
+    /// Adds or replaces a pod.
+    pub fn apply_pod(&mut self, pod: PodInfo) {
+        let (ns, name) = (pod.namespace.clone(), pod.name.clone());
+        let old = self.pods.insert(&ns, &name, pod);
+        let new = self.pods.get(&ns, &name);
+        if old.as_ref() == new {
+            return;
+        }
+        let affected = self.pools_selecting(&ns, [old.as_ref(), new]);
+        self.refresh_each(&ns, affected);
+    }
+
+    /// Removes a pod.
+    pub fn delete_pod(&mut self, namespace: &str, name: &str) {
+        if let Some(old) = self.pods.remove(namespace, name) {
+            let affected = self.pools_selecting(namespace, [Some(&old), None]);
+            self.refresh_each(namespace, affected);
+        }
+    }
+
+    /// Replaces every pod with `pods` (a relist).
+    pub fn reset_pods(&mut self, pods: Vec<PodInfo>) {
+        self.pods = pods
+            .into_iter()
+            .map(|p| (p.namespace.clone(), p.name.clone(), p))
+            .collect();
+        self.refresh_all();
+    }
+
+    /// Adds or replaces a policy.
+    pub fn apply_policy(&mut self, policy: PolicySpec) {
+        let (ns, name) = (policy.namespace.clone(), policy.name.clone());
+        let target = policy.target_pool.clone();
+        let old = self.policies.insert(&ns, &name, policy);
+        if let Some(old) = old.filter(|o| o.target_pool != target) {
+            self.refresh(&ns, &old.target_pool);
+        }
+        self.refresh(&ns, &target);
+    }
+
+    /// Removes a policy.
+    pub fn delete_policy(&mut self, namespace: &str, name: &str) {
+        if let Some(old) = self.policies.remove(namespace, name) {
+            self.refresh(namespace, &old.target_pool);
+        }
+    }
+
+    /// Replaces every policy with `policies` (a relist).
+    pub fn reset_policies(&mut self, policies: Vec<PolicySpec>) {
+        self.policies = policies
+            .into_iter()
+            .map(|p| (p.namespace.clone(), p.name.clone(), p))
+            .collect();
+        self.refresh_all();
+    }
+
+    /// The pools of `namespace` that select any of `pods`.
+    fn pools_selecting(&self, namespace: &str, pods: [Option<&PodInfo>; 2]) -> Vec<String> {
+        self.pools
+            .in_namespace(namespace)
+            .filter(|(_, pool)| pods.iter().flatten().any(|pod| pool.selects(pod)))
+            .map(|(name, _)| name.to_owned())
+            .collect()
+    }
+
+    /// Recomputes the pools `names` of `namespace`.
+    fn refresh_each(&mut self, namespace: &str, names: Vec<String>) {
+        for name in names {
+            self.refresh(namespace, &name);
+        }
+    }
+
+    /// Recomputes every existing or watched pool.
+    fn refresh_all(&mut self) {
+        let mut keys = self.pools.keys();
+        keys.extend(self.states.keys());
+        keys.sort_unstable();
+        keys.dedup();
+        for (ns, name) in keys {
+            self.refresh(&ns, &name);
+        }
+    }
+
+    /// Recomputes pool `namespace/name` and publishes its state if it
+    /// changed. A pool that is gone and unwatched loses its channel.
+    fn refresh(&mut self, namespace: &str, name: &str) {
+        let content = self.content(namespace, name);
+        match self.states.get(namespace, name) {
+            Some(tx) if !content.exists && tx.receiver_count() == 0 => {
+                self.states.remove(namespace, name);
+            }
+            Some(tx) => {
+                state::publish(tx, content, self.clock);
+            }
+            None if content.exists => {
+                let tx = state::channel(namespace, name);
+                state::publish(&tx, content, self.clock);
+                self.states.insert(namespace, name, tx);
+            }
+            None => {}
+        }
+    }
+
+    /// What pool `namespace/name`'s state should say now.
+    fn content(&self, namespace: &str, name: &str) -> Content {
+        let Some(pool) = self.pools.get(namespace, name) else {
+            return Content::default();
+        };
+        let policy = self
+            .attached_policy(namespace, name)
+            .map_or_else(default_policy, PolicySpec::routing_policy);
+        let pods = self.pods.in_namespace(namespace).map(|(_, p)| p);
+        Content {
+            exists: true,
+            endpoints: pods::endpoints(pool, pods, policy.cache_port),
+            policy: Some(policy),
+        }
+    }
+
+    /// The policy in effect for pool `namespace/name`, if any.
+    fn attached_policy(&self, namespace: &str, name: &str) -> Option<&PolicySpec> {
+        policy::attached(self.policies.in_namespace(namespace).map(|(_, p)| p), name)
+    }
+
+    /// Drops the channels of pools that do not exist and nobody watches, so
+    /// subscriptions to made-up names do not accumulate.
+    fn prune(&mut self) {
+        let pools = &self.pools;
+        self.states
+            .retain(|ns, name, tx| tx.receiver_count() > 0 || pools.get(ns, name).is_some());
+    }
+}

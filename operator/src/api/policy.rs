@@ -1,0 +1,528 @@
+//! `CacheRoutingPolicy` (`kvroute.dev/v1alpha1`, short name `crp`): how
+//! kvroute routes one `InferencePool`, attached Gateway API style through
+//! `spec.targetRef`.
+//!
+//! Every field but the target has a default, written into the schema so the
+//! API server fills it in and `kubectl get -o yaml` shows the effective value;
+//! the same defaults apply when deserializing in Rust. They equal the
+//! operator's defaults for a pool with no policy.
+//!
+//! Not here: which policy wins when several target one pool, whether the
+//! target exists (the index decides both and reports them as the
+//! `TargetFound` and `Conflicted` conditions).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::validation::{
+    HEADER_NAME_PATTERN, ValidationError, check_range, check_string, is_header_name,
+};
+
+/// API group a policy's target must be in.
+pub const TARGET_GROUP: &str = "inference.networking.k8s.io";
+/// Kind a policy's target must be.
+pub const TARGET_KIND: &str = "InferencePool";
+/// Default prefix length of a routing key, in tokens.
+pub const DEFAULT_PREFIX_TOKENS: i32 = 256;
+/// Most tokens a prefix key may cover.
+pub const MAX_PREFIX_TOKENS: i32 = 65536;
+/// Default ε of the kvroute policy's work bound.
+pub const DEFAULT_LOAD_BOUND: f64 = 0.5;
+/// Largest ε of the kvroute policy's work bound.
+pub const MAX_LOAD_BOUND: f64 = 10.0;
+/// Default engine block size in tokens (vLLM's default).
+pub const DEFAULT_BLOCK_SIZE: i32 = 16;
+/// Largest engine block size in tokens.
+pub const MAX_BLOCK_SIZE: i32 = 4096;
+
+/// Condition types of `status.conditions`.
+pub mod conditions {
+    /// The policy is valid and in effect for its target.
+    pub const ACCEPTED: &str = "Accepted";
+    /// The targeted `InferencePool` exists.
+    pub const TARGET_FOUND: &str = "TargetFound";
+    /// Another policy targets the same pool and takes precedence (the older
+    /// one wins).
+    pub const CONFLICTED: &str = "Conflicted";
+}
+
+/// Desired routing of one `InferencePool`.
+// Clippy reads the printer columns' repeated `type_ = "string"` as duplicated
+// attributes; they are arguments of different columns.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "kvroute.dev",
+    version = "v1alpha1",
+    kind = "CacheRoutingPolicy",
+    namespaced,
+    status = "CacheRoutingPolicyStatus",
+    shortname = "crp",
+    derive = "PartialEq",
+    doc = "CacheRoutingPolicy configures how kvroute routes the requests of one InferencePool: routing keys, the routing policy, its load bound, the engines' cache layout and tenancy.",
+    printcolumn(
+        name = "Target",
+        type_ = "string",
+        description = "The InferencePool this policy configures.",
+        json_path = ".spec.targetRef.name"
+    ),
+    printcolumn(
+        name = "Policy",
+        type_ = "string",
+        description = "The routing policy.",
+        json_path = ".spec.policy"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        description = "Endpoints of the target that can serve.",
+        json_path = ".status.readyEndpoints"
+    ),
+    printcolumn(
+        name = "Accepted",
+        type_ = "string",
+        description = "Whether the policy is in effect.",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct CacheRoutingPolicySpec {
+    /// The InferencePool, in the policy's namespace, that this policy
+    /// configures.
+    pub target_ref: PolicyTargetReference,
+
+    /// What routing keys are derived from.
+    #[serde(default)]
+    pub routing_key: RoutingKey,
+
+    /// The routing policy: kvroute (the default: warm prefix first,
+    /// rendezvous hashing for cold keys, bounded work) or a baseline.
+    #[serde(default)]
+    pub policy: PolicyName,
+
+    /// ε of the kvroute policy's work bound: an endpoint whose queued work
+    /// exceeds (1 + ε) times the pool's mean, plus a fixed headroom, is
+    /// skipped for the next in rank. A ratio, 0 to 10; default 0.5.
+    #[serde(default = "default_load_bound")]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub load_bound: f64,
+
+    /// How the engines lay out and hash their prefix cache; must match the
+    /// engines' own configuration.
+    #[serde(default)]
+    pub engine: Engine,
+
+    /// Whether tenants share cached prefixes.
+    #[serde(default)]
+    pub tenancy: Tenancy,
+}
+
+fn default_load_bound() -> f64 {
+    DEFAULT_LOAD_BOUND
+}
+
+/// A reference to the `InferencePool` a policy attaches to (Gateway API
+/// policy attachment, local to the policy's namespace).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyTargetReference {
+    /// API group of the target: inference.networking.k8s.io (the default).
+    #[serde(default = "default_target_group")]
+    #[schemars(extend("enum" = [TARGET_GROUP]))]
+    pub group: String,
+
+    /// Kind of the target: InferencePool (the default).
+    #[serde(default = "default_target_kind")]
+    #[schemars(extend("enum" = [TARGET_KIND]))]
+    pub kind: String,
+
+    /// Name of the target InferencePool.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+fn default_target_group() -> String {
+    TARGET_GROUP.to_owned()
+}
+
+fn default_target_kind() -> String {
+    TARGET_KIND.to_owned()
+}
+
+/// How routing keys are derived from requests.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RoutingKey {
+    /// What a key is: Conversation (the default: the conversation key when
+    /// the request has one, else the prompt prefix), Prefix (always the
+    /// prompt prefix) or Tenant (the tenant when known, else the prompt
+    /// prefix).
+    #[serde(default)]
+    pub mode: KeyMode,
+
+    /// How many leading prompt tokens a prefix key covers, 1 to 65536;
+    /// default 256.
+    #[serde(default = "default_prefix_tokens")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub prefix_tokens: i32,
+}
+
+impl Default for RoutingKey {
+    fn default() -> Self {
+        Self {
+            mode: KeyMode::default(),
+            prefix_tokens: DEFAULT_PREFIX_TOKENS,
+        }
+    }
+}
+
+fn default_prefix_tokens() -> i32 {
+    DEFAULT_PREFIX_TOKENS
+}
+
+/// What routing keys are derived from.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KeyMode {
+    /// The conversation key when the request has one, else the prompt prefix
+    /// (the default).
+    #[default]
+    Conversation,
+    /// Always the prompt prefix.
+    Prefix,
+    /// The authenticated tenant when known, else the prompt prefix.
+    Tenant,
+}
+
+impl From<KeyMode> for kvroute_core::keys::KeyMode {
+    fn from(mode: KeyMode) -> Self {
+        match mode {
+            KeyMode::Conversation => Self::Conversation,
+            KeyMode::Prefix => Self::Prefix,
+            KeyMode::Tenant => Self::Tenant,
+        }
+    }
+}
+
+/// A routing policy, by the name kvroute's policies go by.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyName {
+    /// `kvroute`: warm prefix first, rendezvous for cold keys, bounded work
+    /// (the default).
+    #[default]
+    Kvroute,
+    /// `round-robin`: each endpoint in turn.
+    RoundRobin,
+    /// `least-loaded`: the endpoint with the least work.
+    LeastLoaded,
+    /// `random`: uniformly at random.
+    Random,
+    /// `modulo`: key modulo the endpoint count.
+    Modulo,
+    /// `rendezvous`: rendezvous hash of the key, ignoring load.
+    Rendezvous,
+    /// `rendezvous-bounded`: rendezvous hash, skipping endpoints over a
+    /// bound on in-flight requests.
+    RendezvousBounded,
+    /// `approx-prefix`: longest prefix from the router's own history.
+    ApproxPrefix,
+    /// `exact-prefix-load`: longest reported prefix with a load penalty.
+    ExactPrefixLoad,
+}
+
+impl PolicyName {
+    /// Every policy, the default first.
+    pub const ALL: [PolicyName; 9] = [
+        PolicyName::Kvroute,
+        PolicyName::RoundRobin,
+        PolicyName::LeastLoaded,
+        PolicyName::Random,
+        PolicyName::Modulo,
+        PolicyName::Rendezvous,
+        PolicyName::RendezvousBounded,
+        PolicyName::ApproxPrefix,
+        PolicyName::ExactPrefixLoad,
+    ];
+
+    /// The name as written in manifests and understood by
+    /// `kvroute_core::policy::PolicyConfig::by_name`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::Kvroute => "kvroute",
+            PolicyName::RoundRobin => "round-robin",
+            PolicyName::LeastLoaded => "least-loaded",
+            PolicyName::Random => "random",
+            PolicyName::Modulo => "modulo",
+            PolicyName::Rendezvous => "rendezvous",
+            PolicyName::RendezvousBounded => "rendezvous-bounded",
+            PolicyName::ApproxPrefix => "approx-prefix",
+            PolicyName::ExactPrefixLoad => "exact-prefix-load",
+        }
+    }
+}
+
+/// The engines' prefix-cache layout, which routers must reproduce to compute
+/// the same block hashes.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Engine {
+    /// Tokens per cache block, 1 to 4096; default 16 (vLLM's default). Must
+    /// equal the engines' block size.
+    #[serde(default = "default_block_size")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub block_size: i32,
+
+    /// The engines' block hash: sha256 (the default, vLLM's), sha256_cbor or
+    /// xxhash_cbor.
+    #[serde(default)]
+    pub hash_algorithm: HashAlgorithm,
+
+    /// The engines' PYTHONHASHSEED, as given to them; absent when they run
+    /// without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash_seed: Option<String>,
+
+    /// The port of the WatchCache gRPC service on the engine pods, 1 to
+    /// 65535. Absent: the engines report no cache and routers estimate its
+    /// contents (approximate routing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub cache_port: Option<i32>,
+}
+
+impl Default for Engine {
+    fn default() -> Self {
+        Self {
+            block_size: DEFAULT_BLOCK_SIZE,
+            hash_algorithm: HashAlgorithm::default(),
+            hash_seed: None,
+            cache_port: None,
+        }
+    }
+}
+
+fn default_block_size() -> i32 {
+    DEFAULT_BLOCK_SIZE
+}
+
+/// A block hash algorithm of vLLM's prefix cache.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum HashAlgorithm {
+    /// `sha256`: SHA-256 over pickled block tuples (vLLM's default).
+    #[default]
+    Sha256,
+    /// `sha256_cbor`: SHA-256 over canonical CBOR.
+    Sha256Cbor,
+    /// `xxhash_cbor`: XXH3-128 over canonical CBOR.
+    XxhashCbor,
+}
+
+impl From<HashAlgorithm> for kvroute_core::hash::HashAlgo {
+    fn from(algorithm: HashAlgorithm) -> Self {
+        match algorithm {
+            HashAlgorithm::Sha256 => Self::Sha256,
+            HashAlgorithm::Sha256Cbor => Self::Sha256Cbor,
+            HashAlgorithm::XxhashCbor => Self::XxhashCbor,
+        }
+    }
+}
+
+/// Whether and how tenants share cached prefixes.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Tenancy {
+    /// Shared (the default: all tenants share cached prefixes) or Salted
+    /// (routers salt each request's cache with its tenant, so tenants never
+    /// share blocks or routing keys).
+    #[serde(default)]
+    pub mode: TenancyMode,
+
+    /// The request header carrying the authenticated tenant, set by a
+    /// trusted gateway; absent: no tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256), pattern(HEADER_NAME_PATTERN))]
+    pub tenant_header: Option<String>,
+}
+
+/// Whether tenants share cached prefixes.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TenancyMode {
+    /// All tenants share cached prefixes (the default).
+    #[default]
+    Shared,
+    /// Each tenant's requests are salted with the tenant: no sharing.
+    Salted,
+}
+
+/// Observed state of a `CacheRoutingPolicy`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CacheRoutingPolicyStatus {
+    /// The metadata.generation this status was computed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub observed_generation: Option<i64>,
+
+    /// Conditions, one per type: Accepted, TargetFound, Conflicted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "super::schema::conditions")]
+    pub conditions: Vec<Condition>,
+
+    /// Endpoints (pod and target port) of the target that can serve now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ready_endpoints: Option<i32>,
+}
+
+impl CacheRoutingPolicy {
+    /// Checks the spec against the rules of the CRD schema; see
+    /// [`CacheRoutingPolicySpec::validate`].
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        self.spec.validate()
+    }
+}
+
+impl CacheRoutingPolicySpec {
+    /// Checks the rules the CRD schema expresses: the target is an
+    /// InferencePool by a non-empty name, and every number is within its
+    /// bounds. The error names the first offending field (as a path from the
+    /// object's root) and its value.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        let target = &self.target_ref;
+        if target.group != TARGET_GROUP {
+            return Err(ValidationError::new(
+                "spec.targetRef.group",
+                format!("{:?}", target.group),
+                format!("must be {TARGET_GROUP:?}"),
+            ));
+        }
+        if target.kind != TARGET_KIND {
+            return Err(ValidationError::new(
+                "spec.targetRef.kind",
+                format!("{:?}", target.kind),
+                format!("must be {TARGET_KIND:?}"),
+            ));
+        }
+        check_string(
+            "spec.targetRef.name",
+            &target.name,
+            1,
+            253,
+            super::validation::any,
+            "",
+        )?;
+        check_range(
+            "spec.routingKey.prefixTokens",
+            self.routing_key.prefix_tokens,
+            1,
+            MAX_PREFIX_TOKENS,
+        )?;
+        // NaN fails both comparisons in `check_range`; reject it explicitly.
+        if self.load_bound.is_nan() {
+            return Err(ValidationError::new(
+                "spec.loadBound",
+                self.load_bound,
+                format!("must be 0 to {MAX_LOAD_BOUND}"),
+            ));
+        }
+        check_range("spec.loadBound", self.load_bound, 0.0, MAX_LOAD_BOUND)?;
+        check_range(
+            "spec.engine.blockSize",
+            self.engine.block_size,
+            1,
+            MAX_BLOCK_SIZE,
+        )?;
+        if let Some(port) = self.engine.cache_port {
+            check_range("spec.engine.cachePort", port, 1, 65535)?;
+        }
+        if let Some(header) = &self.tenancy.tenant_header {
+            check_string(
+                "spec.tenancy.tenantHeader",
+                header,
+                1,
+                256,
+                is_header_name,
+                "an HTTP header name (RFC 7230 token characters)",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_are_the_core_crates() {
+        let names: Vec<&str> = PolicyName::ALL.iter().map(|p| p.as_str()).collect();
+        assert_eq!(names, kvroute_core::policy::PolicyConfig::NAMES);
+        for policy in PolicyName::ALL {
+            assert_eq!(
+                serde_json::to_value(policy).unwrap(),
+                serde_json::json!(policy.as_str())
+            );
+        }
+    }
+
+    #[test]
+    fn hash_algorithm_names_are_the_core_crates() {
+        for algorithm in [
+            HashAlgorithm::Sha256,
+            HashAlgorithm::Sha256Cbor,
+            HashAlgorithm::XxhashCbor,
+        ] {
+            let core: kvroute_core::hash::HashAlgo = algorithm.into();
+            assert_eq!(
+                serde_json::to_value(algorithm).unwrap(),
+                serde_json::json!(core.as_str())
+            );
+        }
+    }
+
+    #[test]
+    fn a_target_alone_gets_every_default() {
+        let spec: CacheRoutingPolicySpec =
+            serde_json::from_value(serde_json::json!({"targetRef": {"name": "pool"}})).unwrap();
+        assert_eq!(spec.target_ref.group, TARGET_GROUP);
+        assert_eq!(spec.target_ref.kind, TARGET_KIND);
+        assert_eq!(spec.routing_key, RoutingKey::default());
+        assert_eq!(spec.routing_key.prefix_tokens, 256);
+        assert_eq!(spec.policy, PolicyName::Kvroute);
+        assert_eq!(spec.load_bound, 0.5);
+        assert_eq!(spec.engine, Engine::default());
+        assert_eq!(spec.engine.block_size, 16);
+        assert_eq!(spec.tenancy, Tenancy::default());
+        assert_eq!(spec.validate(), Ok(()));
+    }
+
+    #[test]
+    fn validate_names_the_field_and_value() {
+        let mut spec: CacheRoutingPolicySpec =
+            serde_json::from_value(serde_json::json!({"targetRef": {"name": "pool"}})).unwrap();
+        spec.load_bound = 11.0;
+        let err = spec.validate().unwrap_err();
+        assert_eq!(
+            (err.field.as_str(), err.value.as_str()),
+            ("spec.loadBound", "11")
+        );
+
+        spec.load_bound = 0.5;
+        spec.engine.cache_port = Some(0);
+        let err = spec.validate().unwrap_err();
+        assert_eq!(err.field, "spec.engine.cachePort");
+
+        spec.engine.cache_port = None;
+        spec.target_ref.kind = "Service".into();
+        let err = spec.validate().unwrap_err();
+        assert_eq!(err.field, "spec.targetRef.kind");
+    }
+}

@@ -1,0 +1,226 @@
+//! The status the index implies for each pool and policy, as plain structs
+//! for the status writer: conditions with a reason and a message, the ready
+//! endpoint count, the observed generation.
+//!
+//! Not here: writing status to the API (the status writer), condition
+//! timestamps or Kubernetes condition types.
+
+use super::{Index, PolicySpec, PoolSpec};
+
+/// Why a condition has its status. The names follow Gateway API policy
+/// attachment (GEP-713) and `InferencePool` status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The object is valid and in effect.
+    Accepted,
+    /// The spec is invalid; the message names the field and value.
+    Invalid,
+    /// The policy's target pool exists.
+    TargetFound,
+    /// The policy's target pool does not exist.
+    TargetNotFound,
+    /// An older policy targets the same pool and wins.
+    Conflicted,
+    /// No other policy wins the policy's target.
+    NoConflict,
+    /// Everything the pool refers to is resolved.
+    ResolvedRefs,
+}
+
+impl Reason {
+    /// The reason as a Kubernetes condition reason (`CamelCase`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Accepted => "Accepted",
+            Reason::Invalid => "Invalid",
+            Reason::TargetFound => "TargetFound",
+            Reason::TargetNotFound => "TargetNotFound",
+            Reason::Conflicted => "Conflicted",
+            Reason::NoConflict => "NoConflict",
+            Reason::ResolvedRefs => "ResolvedRefs",
+        }
+    }
+}
+
+/// One condition: whether it holds, why, and a message for humans.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Condition {
+    /// Whether the condition holds (`True`).
+    pub status: bool,
+    /// Why.
+    pub reason: Reason,
+    /// A human-readable explanation.
+    pub message: String,
+}
+
+impl Condition {
+    fn new(status: bool, reason: Reason, message: impl Into<String>) -> Self {
+        Condition {
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// What an `InferencePool`'s status should say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// The pool's namespace.
+    pub namespace: String,
+    /// The pool's name.
+    pub name: String,
+    /// `Accepted`: true unless the spec can select no endpoint (reason
+    /// `Invalid`).
+    pub accepted: Condition,
+    /// `ResolvedRefs`: always true for now (the index does not see
+    /// `endpointPickerRef`); the message names the policy in effect.
+    pub resolved_refs: Condition,
+    /// The name of the `CacheRoutingPolicy` in effect; `None` for the
+    /// defaults.
+    pub policy: Option<String>,
+    /// Endpoints that are ready and not draining.
+    pub ready_endpoints: u32,
+}
+
+/// What a `CacheRoutingPolicy`'s status should say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyStatus {
+    /// The policy's namespace.
+    pub namespace: String,
+    /// The policy's name.
+    pub name: String,
+    /// The generation this status describes.
+    pub observed_generation: i64,
+    /// `Accepted`: true when the policy is in effect. Otherwise the reason
+    /// is the first of `Invalid`, `TargetNotFound`, `Conflicted` that
+    /// applies.
+    pub accepted: Condition,
+    /// Whether the target pool exists.
+    pub target_found: Condition,
+    /// Whether an older valid policy targets the same pool and wins. False
+    /// for an invalid policy, which competes for nothing.
+    pub conflicted: Condition,
+    /// Ready endpoints of the pool the policy is in effect for; 0 when it is
+    /// not in effect.
+    pub ready_endpoints: u32,
+}
+
+impl Index {
+    /// The status of pool `namespace/name`; `None` if it does not exist.
+    pub fn pool_status(&self, namespace: &str, name: &str) -> Option<PoolStatus> {
+        let pool = self.pools.get(namespace, name)?;
+        Some(self.status_of_pool(pool))
+    }
+
+    /// The status of every pool, by namespace and name.
+    pub fn pool_statuses(&self) -> Vec<PoolStatus> {
+        self.pools
+            .iter()
+            .map(|(_, _, pool)| self.status_of_pool(pool))
+            .collect()
+    }
+
+    /// The status of policy `namespace/name`; `None` if it does not exist.
+    pub fn policy_status(&self, namespace: &str, name: &str) -> Option<PolicyStatus> {
+        let policy = self.policies.get(namespace, name)?;
+        Some(self.status_of_policy(policy))
+    }
+
+    /// The status of every policy, by namespace and name.
+    pub fn policy_statuses(&self) -> Vec<PolicyStatus> {
+        self.policies
+            .iter()
+            .map(|(_, _, policy)| self.status_of_policy(policy))
+            .collect()
+    }
+
+    fn status_of_pool(&self, pool: &PoolSpec) -> PoolStatus {
+        let accepted = match pool.validate() {
+            Ok(()) => Condition::new(true, Reason::Accepted, "kvroute serves the pool"),
+            Err(e) => Condition::new(false, Reason::Invalid, e),
+        };
+        let policy = self
+            .attached_policy(&pool.namespace, &pool.name)
+            .map(|p| p.name.clone());
+        let message = match &policy {
+            Some(p) => format!("routing with CacheRoutingPolicy {p}"),
+            None => "no CacheRoutingPolicy targets the pool; routing with the defaults".to_owned(),
+        };
+        PoolStatus {
+            namespace: pool.namespace.clone(),
+            name: pool.name.clone(),
+            accepted,
+            resolved_refs: Condition::new(true, Reason::ResolvedRefs, message),
+            policy,
+            ready_endpoints: self.ready_endpoints(&pool.namespace, &pool.name),
+        }
+    }
+
+    fn status_of_policy(&self, policy: &PolicySpec) -> PolicyStatus {
+        let (ns, target) = (&policy.namespace, &policy.target_pool);
+        let valid = policy.validate();
+        let found = self.pools.get(ns, target).is_some();
+        let target_found = if found {
+            Condition::new(
+                true,
+                Reason::TargetFound,
+                format!("InferencePool {target} exists"),
+            )
+        } else {
+            let message = format!("InferencePool {target} does not exist in namespace {ns}");
+            Condition::new(false, Reason::TargetNotFound, message)
+        };
+        let winner = self
+            .attached_policy(ns, target)
+            .filter(|w| valid.is_ok() && w.name != policy.name);
+        let conflicted = match winner {
+            Some(w) => {
+                let message = format!(
+                    "CacheRoutingPolicy {} is older and applies to {target}",
+                    w.name
+                );
+                Condition::new(true, Reason::Conflicted, message)
+            }
+            None => Condition::new(false, Reason::NoConflict, "no other policy wins the target"),
+        };
+        let accepted = match valid {
+            Err(e) => Condition::new(false, Reason::Invalid, e),
+            Ok(()) if !found => {
+                Condition::new(false, Reason::TargetNotFound, &target_found.message)
+            }
+            Ok(()) if conflicted.status => {
+                Condition::new(false, Reason::Conflicted, &conflicted.message)
+            }
+            Ok(()) => Condition::new(true, Reason::Accepted, format!("applies to {target}")),
+        };
+        let ready_endpoints = if accepted.status {
+            self.ready_endpoints(ns, target)
+        } else {
+            0
+        };
+        PolicyStatus {
+            namespace: ns.clone(),
+            name: policy.name.clone(),
+            observed_generation: policy.generation,
+            accepted,
+            target_found,
+            conflicted,
+            ready_endpoints,
+        }
+    }
+
+    /// Ready, non-draining endpoints in pool `namespace/name`'s published
+    /// state.
+    fn ready_endpoints(&self, namespace: &str, name: &str) -> u32 {
+        self.states.get(namespace, name).map_or(0, |tx| {
+            let count = tx
+                .borrow()
+                .endpoints
+                .iter()
+                .filter(|e| e.ready && !e.draining)
+                .count();
+            u32::try_from(count).unwrap_or(u32::MAX)
+        })
+    }
+}

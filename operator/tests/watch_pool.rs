@@ -1,0 +1,322 @@
+//! `EndpointDiscovery.WatchPool` end to end: a real server on 127.0.0.1:0
+//! over an index, and the generated tonic client a router uses.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_operator::grpc::{Discovery, ServeError};
+use kvroute_operator::index::{Index, PodInfo, PolicySpec, PoolSpec};
+use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
+use kvroute_proto::v1::{PoolState, WatchPoolRequest};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Streaming;
+use tonic::transport::Channel;
+
+const NS: &str = "ml";
+/// How long a state may take to reach a subscriber.
+const PROMPTLY: Duration = Duration::from_secs(1);
+
+/// An operator's WatchPool server over an index the test edits.
+struct Operator {
+    index: Arc<Mutex<Index>>,
+    discovery: Discovery,
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<Result<(), ServeError>>,
+}
+
+impl Operator {
+    async fn start(index: Index) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let index = Arc::new(Mutex::new(index));
+        let discovery = Discovery::new(index.clone());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(discovery.clone().serve(listener, async {
+            let _ = stopped.await;
+        }));
+        Operator {
+            index,
+            discovery,
+            addr,
+            stop,
+            server,
+        }
+    }
+
+    /// Edits the index, as a watcher would.
+    fn edit(&self, edit: impl FnOnce(&mut Index)) {
+        edit(&mut self.index.lock().unwrap());
+    }
+
+    async fn client(&self) -> EndpointDiscoveryClient<Channel> {
+        EndpointDiscoveryClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+    }
+
+    async fn watch(&self, pool: &str) -> Streaming<PoolState> {
+        self.client()
+            .await
+            .watch_pool(request(NS, pool))
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn shut_down(self) {
+        self.stop.send(()).unwrap();
+        let done = tokio::time::timeout(PROMPTLY, self.server).await;
+        done.expect("the server stops promptly").unwrap().unwrap();
+    }
+}
+
+fn request(namespace: &str, pool: &str) -> WatchPoolRequest {
+    WatchPoolRequest {
+        namespace: namespace.into(),
+        pool: pool.into(),
+        subscriber: "test-router".into(),
+    }
+}
+
+/// The next state on `stream`, which must arrive within [`PROMPTLY`].
+async fn next(stream: &mut Streaming<PoolState>) -> PoolState {
+    tokio::time::timeout(PROMPTLY, stream.message())
+        .await
+        .expect("a state within 1 s")
+        .expect("the stream is healthy")
+        .expect("the stream is open")
+}
+
+fn pool(name: &str) -> PoolSpec {
+    PoolSpec {
+        namespace: NS.into(),
+        name: name.into(),
+        selector: [("app".to_owned(), "llama".to_owned())].into(),
+        target_ports: vec![8000],
+    }
+}
+
+fn pod(name: &str, ip: &str, ready: bool) -> PodInfo {
+    PodInfo {
+        namespace: NS.into(),
+        name: name.into(),
+        labels: [("app".to_owned(), "llama".to_owned())].into(),
+        ip: Some(ip.parse().unwrap()),
+        phase_running: true,
+        ready,
+        deleting: false,
+    }
+}
+
+fn policy(name: &str, target: &str, routing: &str) -> PolicySpec {
+    PolicySpec {
+        namespace: NS.into(),
+        name: name.into(),
+        created: 1000,
+        generation: 1,
+        target_pool: target.into(),
+        policy: Some(routing.into()),
+        ..PolicySpec::default()
+    }
+}
+
+/// `(name, ready)` of every endpoint.
+fn endpoints(state: &PoolState) -> Vec<(&str, bool)> {
+    state
+        .endpoints
+        .iter()
+        .map(|e| (e.name.as_str(), e.ready))
+        .collect()
+}
+
+/// An index with pool `llama` and one ready pod, `a`.
+fn llama() -> Index {
+    let mut index = Index::new();
+    index.apply_pool(pool("llama"));
+    index.apply_pod(pod("a", "10.0.0.1", true));
+    index
+}
+
+#[tokio::test]
+async fn an_existing_pool_arrives_at_once() {
+    let operator = Operator::start(llama()).await;
+    let mut states = operator.watch("llama").await;
+    let state = next(&mut states).await;
+    assert_eq!(
+        (state.namespace.as_str(), state.pool.as_str()),
+        (NS, "llama")
+    );
+    assert!(state.pool_exists);
+    assert!(state.version > 0);
+    assert_eq!(endpoints(&state), [("a:8000", true)]);
+    let e = &state.endpoints[0];
+    assert_eq!((e.address.as_str(), e.http_port), ("10.0.0.1", 8000));
+    assert_eq!(state.policy.unwrap().policy, "kvroute");
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_pod_becoming_ready_arrives_as_a_higher_version() {
+    let operator = Operator::start(llama()).await;
+    let mut states = operator.watch("llama").await;
+    let first = next(&mut states).await;
+
+    operator.edit(|i| i.apply_pod(pod("b", "10.0.0.2", false)));
+    let unready = next(&mut states).await;
+    assert_eq!(endpoints(&unready), [("a:8000", true), ("b:8000", false)]);
+    operator.edit(|i| i.apply_pod(pod("b", "10.0.0.2", true)));
+    let ready = next(&mut states).await;
+    assert_eq!(endpoints(&ready), [("a:8000", true), ("b:8000", true)]);
+    assert!(first.version < unready.version && unready.version < ready.version);
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn two_subscribers_both_see_a_change() {
+    let operator = Operator::start(llama()).await;
+    let mut one = operator.watch("llama").await;
+    let mut two = operator.watch("llama").await;
+    let before = next(&mut one).await;
+    assert_eq!(next(&mut two).await, before);
+    assert_eq!(operator.discovery.subscribers(), 2);
+
+    operator.edit(|i| i.apply_pod(pod("b", "10.0.0.2", true)));
+    let seen_by_one = next(&mut one).await;
+    assert_eq!(next(&mut two).await, seen_by_one);
+    assert!(seen_by_one.version > before.version);
+    assert_eq!(seen_by_one.endpoints.len(), 2);
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_subscriber_before_the_pool_exists_sees_it_appear() {
+    let operator = Operator::start(Index::new()).await;
+    let mut states = operator.watch("llama").await;
+    let absent = next(&mut states).await;
+    assert!(!absent.pool_exists);
+    assert!(absent.endpoints.is_empty());
+
+    operator.edit(|i| {
+        i.apply_pod(pod("a", "10.0.0.1", true));
+        i.apply_pool(pool("llama"));
+    });
+    let present = next(&mut states).await;
+    assert!(present.pool_exists);
+    assert!(present.version > absent.version);
+    assert_eq!(endpoints(&present), [("a:8000", true)]);
+    assert!(present.policy.is_some());
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_policy_edit_changes_the_policy_in_the_next_state() {
+    let operator = Operator::start(llama()).await;
+    let mut states = operator.watch("llama").await;
+    next(&mut states).await;
+
+    operator.edit(|i| i.apply_policy(policy("p", "llama", "round-robin")));
+    assert_eq!(
+        next(&mut states).await.policy.unwrap().policy,
+        "round-robin"
+    );
+    operator.edit(|i| i.apply_policy(policy("p", "llama", "least-loaded")));
+    assert_eq!(
+        next(&mut states).await.policy.unwrap().policy,
+        "least-loaded"
+    );
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn an_empty_namespace_or_pool_is_an_invalid_argument() {
+    let operator = Operator::start(llama()).await;
+    let mut client = operator.client().await;
+    for (namespace, pool) in [("", "llama"), (NS, ""), ("", "")] {
+        let status = client
+            .watch_pool(request(namespace, pool))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{namespace:?}/{pool:?}"
+        );
+    }
+    assert_eq!(operator.discovery.subscribers(), 0);
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_reconnecting_router_gets_the_current_state_at_once() {
+    let operator = Operator::start(llama()).await;
+    let mut states = operator.watch("llama").await;
+    next(&mut states).await;
+    drop(states);
+
+    operator.edit(|i| i.apply_pod(pod("b", "10.0.0.2", true)));
+    let mut states = operator.watch("llama").await;
+    let current = next(&mut states).await;
+    assert_eq!(endpoints(&current), [("a:8000", true), ("b:8000", true)]);
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_slow_subscriber_skips_to_the_latest_state() {
+    let operator = Operator::start(llama()).await;
+    let mut states = operator.watch("llama").await;
+    next(&mut states).await;
+
+    // Twenty states published while the server cannot send (the test's
+    // single-threaded runtime runs nothing else during the edit): the
+    // subscriber is owed the last one, not a backlog.
+    operator.edit(|i| {
+        for n in 0..20 {
+            i.apply_pod(pod(&format!("p{n:02}"), &format!("10.0.1.{n}"), true));
+        }
+    });
+    let latest = next(&mut states).await;
+    assert_eq!(latest.endpoints.len(), 21);
+    assert_eq!(latest.endpoints.last().unwrap().name, "p19:8000");
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn the_gauge_counts_open_streams() {
+    let operator = Operator::start(llama()).await;
+    let mut one = operator.watch("llama").await;
+    let mut two = operator.watch("mistral").await;
+    next(&mut one).await;
+    next(&mut two).await;
+    assert_eq!(operator.discovery.subscribers(), 2);
+
+    drop(two);
+    // The server learns of the cancelled stream asynchronously.
+    tokio::time::timeout(PROMPTLY, async {
+        while operator.discovery.subscribers() != 1 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the gauge drops to 1 within 1 s");
+    operator.shut_down().await;
+}
+
+#[tokio::test]
+async fn shutting_down_ends_open_streams() {
+    let operator = Operator::start(llama()).await;
+    let mut states = operator.watch("llama").await;
+    next(&mut states).await;
+    let discovery = operator.discovery.clone();
+
+    operator.shut_down().await;
+    let end = tokio::time::timeout(PROMPTLY, states.message()).await;
+    assert!(
+        matches!(end, Ok(Ok(None) | Err(_))),
+        "the stream ends: {end:?}"
+    );
+    assert_eq!(discovery.subscribers(), 0);
+}
