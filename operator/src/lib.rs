@@ -2,10 +2,13 @@
 //! health into per-pool endpoint sets that routers receive over
 //! `EndpointDiscovery.WatchPool`.
 //!
-//! Being built: the API types ([`api`]), the synchronous index ([`index`])
-//! and the WatchPool server ([`grpc`]) exist; the Kubernetes watchers,
-//! status writer and leader election do not yet.
+//! Being built: the API types ([`api`]), their conversion into index inputs
+//! ([`convert`]), the synchronous index ([`index`]), status patches computed
+//! from it ([`status`]) and the WatchPool server ([`grpc`]) exist; the
+//! Kubernetes watchers, the status writer and leader election do not yet.
 
 pub mod api;
+pub mod convert;
 pub mod grpc;
 pub mod index;
+pub mod status;

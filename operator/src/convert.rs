@@ -1,0 +1,136 @@
+//! Kubernetes objects to the index's inputs: `InferencePool` to
+//! [`PoolSpec`], `Pod` to [`PodInfo`], `CacheRoutingPolicy` to
+//! [`PolicySpec`]. Pure functions, so the watchers stay thin and the mapping
+//! is tested without an API server.
+//!
+//! Nothing is validated here: a value the index's types cannot hold becomes
+//! one the index rejects (a port dropped, a number turned to 0), so the
+//! problem shows up in the object's status rather than disappearing.
+//!
+//! Not here: watching the API, or deciding anything about the objects (the
+//! index does).
+
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ObjectMeta;
+
+use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
+use crate::api::{CacheRoutingPolicy, InferencePool, TenancyMode};
+use crate::index::{self, PodInfo, PolicySpec, PoolSpec};
+
+#[cfg(test)]
+mod tests;
+
+/// The index's view of `pool`; `None` if it has no namespace or name.
+///
+/// A target port outside 1 to 65535 (which the CRD schema rejects, so only a
+/// broken object has one) is dropped; a pool left with no port is reported
+/// invalid by the index (`Accepted` False, reason `Invalid`), not silently
+/// served on a wrapped-around port.
+pub fn pool(pool: &InferencePool) -> Option<PoolSpec> {
+    let (namespace, name) = namespace_name(&pool.metadata)?;
+    Some(PoolSpec {
+        namespace,
+        name,
+        selector: pool.spec.selector.match_labels.clone(),
+        target_ports: pool
+            .spec
+            .target_ports
+            .iter()
+            .filter_map(|p| u16::try_from(p.number).ok().filter(|&n| n != 0))
+            .collect(),
+    })
+}
+
+/// The index's view of `pod`; `None` if it has no namespace or name.
+///
+/// An absent or unparsable `status.podIP` gives no IP (the pod then has no
+/// endpoint); a missing status reads as not running and not ready.
+pub fn pod(pod: &Pod) -> Option<PodInfo> {
+    let (namespace, name) = namespace_name(&pod.metadata)?;
+    let status = pod.status.as_ref();
+    let ip = status
+        .and_then(|s| s.pod_ip.as_deref())
+        .and_then(|ip| ip.parse::<IpAddr>().ok());
+    let phase_running = status.and_then(|s| s.phase.as_deref()) == Some("Running");
+    let ready = status
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    Some(PodInfo {
+        namespace,
+        name,
+        labels: pod.metadata.labels.clone().unwrap_or_default(),
+        ip,
+        phase_running,
+        ready,
+        deleting: pod.metadata.deletion_timestamp.is_some(),
+    })
+}
+
+/// The index's view of `policy`; `None` if it has no namespace or name.
+///
+/// - `created` is `metadata.creationTimestamp` in Unix seconds, 0 when
+///   absent (such a policy then wins ties it should not; only objects not
+///   yet stored by the API server lack it).
+/// - The target is `spec.targetRef.name` only when the reference is to an
+///   `InferencePool` of `inference.networking.k8s.io`. Any other reference
+///   becomes `Kind.group/name`, which contains a `/` no object name can
+///   contain, so the index never finds the target and reports
+///   `TargetNotFound` naming it.
+/// - Every spec field is mapped, as `Some` (the CRD's defaults fill them
+///   in). A number the index's type cannot hold (negative, or a cache port
+///   above 65535) becomes `Some(0)`, which [`PolicySpec::validate`] rejects,
+///   so the policy is reported `Invalid` instead of taking effect with a
+///   different value.
+pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
+    let (namespace, name) = namespace_name(&policy.metadata)?;
+    let spec = &policy.spec;
+    let target = &spec.target_ref;
+    let target_pool = if target.group == TARGET_GROUP && target.kind == TARGET_KIND {
+        target.name.clone()
+    } else {
+        unknown_target(&target.group, &target.kind, &target.name)
+    };
+    Some(PolicySpec {
+        namespace,
+        name,
+        created: policy
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map_or(0, |t| t.0.as_second()),
+        generation: policy.metadata.generation.unwrap_or(0),
+        target_pool,
+        policy: Some(spec.policy.as_str().to_owned()),
+        key_mode: Some(spec.routing_key.mode.into()),
+        prefix_tokens: Some(u32::try_from(spec.routing_key.prefix_tokens).unwrap_or(0)),
+        load_bound: Some(spec.load_bound),
+        block_size: Some(u32::try_from(spec.engine.block_size).unwrap_or(0)),
+        hash_algorithm: Some(spec.engine.hash_algorithm.into()),
+        hash_seed: spec.engine.hash_seed.clone(),
+        cache_port: spec
+            .engine
+            .cache_port
+            .map(|p| u16::try_from(p).unwrap_or(0)),
+        tenancy_mode: Some(match spec.tenancy.mode {
+            TenancyMode::Shared => index::TenancyMode::Shared,
+            TenancyMode::Salted => index::TenancyMode::Salted,
+        }),
+        tenant_header: spec.tenancy.tenant_header.clone(),
+    })
+}
+
+/// The target name of a reference to something other than an
+/// `InferencePool`: `Kind.group/name` (`Kind/name` for the core group).
+fn unknown_target(group: &str, kind: &str, name: &str) -> String {
+    if group.is_empty() {
+        format!("{kind}/{name}")
+    } else {
+        format!("{kind}.{group}/{name}")
+    }
+}
+
+fn namespace_name(meta: &ObjectMeta) -> Option<(String, String)> {
+    Some((meta.namespace.clone()?, meta.name.clone()?))
+}

@@ -1,0 +1,267 @@
+//! Objects written as manifests (JSON), converted, checked field by field.
+
+use k8s_openapi::api::core::v1::Pod;
+use kvroute_core::hash::HashAlgo;
+use kvroute_core::keys::KeyMode;
+use serde_json::json;
+
+use super::*;
+
+fn pool_object(ports: serde_json::Value) -> InferencePool {
+    serde_json::from_value(json!({
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"namespace": "ml", "name": "llama"},
+        "spec": {"selector": {"matchLabels": {"app": "llama"}}, "targetPorts": ports},
+    }))
+    .unwrap()
+}
+
+fn pod_object(metadata: serde_json::Value, status: serde_json::Value) -> Pod {
+    let mut meta = json!({"namespace": "ml", "name": "llama-0", "labels": {"app": "llama"}});
+    meta.as_object_mut()
+        .unwrap()
+        .extend(metadata.as_object().unwrap().clone());
+    serde_json::from_value(json!({"metadata": meta, "status": status})).unwrap()
+}
+
+fn serving_status() -> serde_json::Value {
+    json!({
+        "phase": "Running",
+        "podIP": "10.0.0.7",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": "True"},
+        ],
+    })
+}
+
+fn policy_object(spec: serde_json::Value) -> CacheRoutingPolicy {
+    serde_json::from_value(json!({
+        "apiVersion": "kvroute.dev/v1alpha1",
+        "kind": "CacheRoutingPolicy",
+        "metadata": {
+            "namespace": "ml",
+            "name": "fast",
+            "generation": 3,
+            "creationTimestamp": "2025-01-02T03:04:05Z",
+        },
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+#[test]
+fn a_pool_keeps_its_selector_and_ports() {
+    let spec = pool(&pool_object(json!([{"number": 8000}, {"number": 8001}]))).unwrap();
+    assert_eq!(
+        spec,
+        PoolSpec {
+            namespace: "ml".into(),
+            name: "llama".into(),
+            selector: [("app".to_owned(), "llama".to_owned())].into(),
+            target_ports: vec![8000, 8001],
+        }
+    );
+    assert_eq!(spec.validate(), Ok(()));
+}
+
+#[test]
+fn a_pool_with_only_out_of_range_ports_is_invalid() {
+    let spec = pool(&pool_object(
+        json!([{"number": 0}, {"number": -1}, {"number": 70000}]),
+    ))
+    .unwrap();
+    assert_eq!(spec.target_ports, Vec::<u16>::new());
+    assert!(spec.validate().is_err());
+
+    let spec = pool(&pool_object(json!([{"number": 70000}, {"number": 8000}]))).unwrap();
+    assert_eq!(spec.target_ports, vec![8000]);
+}
+
+#[test]
+fn a_pool_without_namespace_is_skipped() {
+    let mut object = pool_object(json!([{"number": 8000}]));
+    object.metadata.namespace = None;
+    assert_eq!(pool(&object), None);
+}
+
+#[test]
+fn a_running_ready_pod_serves() {
+    let info = pod(&pod_object(json!({}), serving_status())).unwrap();
+    assert_eq!(
+        info,
+        PodInfo {
+            namespace: "ml".into(),
+            name: "llama-0".into(),
+            labels: [("app".to_owned(), "llama".to_owned())].into(),
+            ip: Some("10.0.0.7".parse().unwrap()),
+            phase_running: true,
+            ready: true,
+            deleting: false,
+        }
+    );
+    assert!(info.serves());
+}
+
+#[test]
+fn a_terminating_pod_is_deleting() {
+    let object = pod_object(
+        json!({"deletionTimestamp": "2025-01-02T03:04:05Z"}),
+        serving_status(),
+    );
+    let info = pod(&object).unwrap();
+    assert!(info.deleting);
+    assert!(!info.serves());
+}
+
+#[test]
+fn an_unready_pod_does_not_serve() {
+    let mut status = serving_status();
+    status["conditions"][1]["status"] = json!("False");
+    let info = pod(&pod_object(json!({}), status)).unwrap();
+    assert!(info.phase_running);
+    assert!(!info.ready);
+    assert!(!info.serves());
+
+    let info = pod(&pod_object(json!({}), json!({"phase": "Pending"}))).unwrap();
+    assert!(!info.phase_running);
+    assert!(!info.ready);
+}
+
+#[test]
+fn a_pod_without_a_usable_ip_has_none() {
+    let mut status = serving_status();
+    status.as_object_mut().unwrap().remove("podIP");
+    let info = pod(&pod_object(json!({}), status.clone())).unwrap();
+    assert_eq!(info.ip, None);
+    assert!(!info.serves());
+
+    status["podIP"] = json!("not-an-ip");
+    assert_eq!(pod(&pod_object(json!({}), status)).unwrap().ip, None);
+
+    let v6 = pod(&pod_object(json!({}), json!({"podIP": "fd00::7"}))).unwrap();
+    assert_eq!(v6.ip, Some("fd00::7".parse().unwrap()));
+}
+
+#[test]
+fn a_pod_without_status_or_name_is_handled() {
+    let object: Pod =
+        serde_json::from_value(json!({"metadata": {"namespace": "ml", "name": "p"}})).unwrap();
+    let info = pod(&object).unwrap();
+    assert_eq!(
+        (info.ip, info.phase_running, info.ready),
+        (None, false, false)
+    );
+
+    let object: Pod = serde_json::from_value(json!({"metadata": {"namespace": "ml"}})).unwrap();
+    assert_eq!(pod(&object), None);
+}
+
+#[test]
+fn a_policy_maps_every_field() {
+    let object = policy_object(json!({
+        "targetRef": {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": "llama",
+        },
+        "routingKey": {"mode": "Tenant", "prefixTokens": 512},
+        "policy": "rendezvous-bounded",
+        "loadBound": 1.25,
+        "engine": {
+            "blockSize": 32,
+            "hashAlgorithm": "xxhash_cbor",
+            "hashSeed": "42",
+            "cachePort": 5557,
+        },
+        "tenancy": {"mode": "Salted", "tenantHeader": "x-tenant"},
+    }));
+    let spec = policy(&object).unwrap();
+    assert_eq!(
+        spec,
+        PolicySpec {
+            namespace: "ml".into(),
+            name: "fast".into(),
+            created: 1_735_787_045,
+            generation: 3,
+            target_pool: "llama".into(),
+            policy: Some("rendezvous-bounded".into()),
+            key_mode: Some(KeyMode::Tenant),
+            prefix_tokens: Some(512),
+            load_bound: Some(1.25),
+            block_size: Some(32),
+            hash_algorithm: Some(HashAlgo::XxhashCbor),
+            hash_seed: Some("42".into()),
+            cache_port: Some(5557),
+            tenancy_mode: Some(index::TenancyMode::Salted),
+            tenant_header: Some("x-tenant".into()),
+        }
+    );
+    assert_eq!(spec.validate(), Ok(()));
+}
+
+#[test]
+fn a_policy_of_defaults_gets_the_index_defaults() {
+    let mut object = policy_object(json!({"targetRef": {"name": "llama"}}));
+    object.metadata.creation_timestamp = None;
+    object.metadata.generation = None;
+    let spec = policy(&object).unwrap();
+    assert_eq!((spec.created, spec.generation), (0, 0));
+    assert_eq!(spec.target_pool, "llama");
+    assert_eq!(spec.routing_policy(), index::default_policy());
+}
+
+#[test]
+fn a_policy_targeting_another_kind_never_finds_it() {
+    let object =
+        policy_object(json!({"targetRef": {"group": "", "kind": "Service", "name": "llama"}}));
+    let spec = policy(&object).unwrap();
+    assert_eq!(spec.target_pool, "Service/llama");
+
+    let object = policy_object(json!({
+        "targetRef": {"group": "gateway.networking.k8s.io", "kind": "InferencePool", "name": "llama"},
+    }));
+    let spec = policy(&object).unwrap();
+    assert_eq!(
+        spec.target_pool,
+        "InferencePool.gateway.networking.k8s.io/llama"
+    );
+
+    // The index then reports the target missing, naming the reference.
+    let mut index = index::Index::with_clock(|| 0);
+    index.apply_pool(pool(&pool_object(json!([{"number": 8000}]))).unwrap());
+    index.apply_policy(spec);
+    let status = index.policy_status("ml", "fast").unwrap();
+    assert!(!status.target_found.status);
+    assert_eq!(status.accepted.reason, index::Reason::TargetNotFound);
+}
+
+#[test]
+fn out_of_range_policy_numbers_are_rejected_by_the_index() {
+    let object = policy_object(json!({
+        "targetRef": {"name": "llama"},
+        "routingKey": {"prefixTokens": -1},
+    }));
+    let spec = policy(&object).unwrap();
+    assert_eq!(spec.prefix_tokens, Some(0));
+    assert!(spec.validate().is_err());
+
+    let object = policy_object(json!({
+        "targetRef": {"name": "llama"},
+        "engine": {"blockSize": -16},
+    }));
+    let spec = policy(&object).unwrap();
+    assert_eq!(spec.block_size, Some(0));
+    assert!(spec.validate().is_err());
+
+    for port in [-1, 70000] {
+        let object = policy_object(json!({
+            "targetRef": {"name": "llama"},
+            "engine": {"cachePort": port},
+        }));
+        let spec = policy(&object).unwrap();
+        assert_eq!(spec.cache_port, Some(0));
+        assert!(spec.validate().is_err());
+    }
+}
