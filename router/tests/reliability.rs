@@ -31,7 +31,7 @@ async fn a_failing_endpoint_is_retried_then_ejected_then_readmitted() {
     let mut config = router_config(&dir);
     config.routing.policy = PolicyConfig::by_name("round-robin").unwrap();
     config.resilience.eject_after_failures = 2;
-    config.resilience.ejection_base_ms = 400;
+    config.resilience.ejection_base_ms = 2000;
     let router = kvroute_router::start(config).await.unwrap();
     let client = reqwest::Client::new();
     let url = format!("http://{}/v1/completions", router.addr);
@@ -55,7 +55,7 @@ async fn a_failing_endpoint_is_retried_then_ejected_then_readmitted() {
             .ejected
     };
     assert!(ejected(&router), "two failures in a row eject");
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    tokio::time::sleep(Duration::from_millis(2100)).await;
     assert!(!ejected(&router), "re-admitted once the ejection passes");
     let metrics = reqwest::get(format!("http://{}/metrics", router.admin_addr))
         .await
