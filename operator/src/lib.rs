@@ -4,11 +4,13 @@
 //!
 //! Being built: the API types ([`api`]), their conversion into index inputs
 //! ([`convert`]), the synchronous index ([`index`]), status patches computed
-//! from it ([`status`]) and the WatchPool server ([`grpc`]) exist; the
-//! Kubernetes watchers, the status writer and leader election do not yet.
+//! from it ([`status`]), the WatchPool server ([`grpc`]) and the Kubernetes
+//! watchers feeding the index ([`watch`]) exist; the status writer and
+//! leader election do not yet.
 
 pub mod api;
 pub mod convert;
 pub mod grpc;
 pub mod index;
 pub mod status;
+pub mod watch;

@@ -110,6 +110,18 @@ impl Index {
         }
     }
 
+    /// Replaces the pools of `namespace` with `pools` (a relist of one
+    /// namespace, when the operator watches several); other namespaces keep
+    /// theirs. Items outside `namespace` are ignored.
+    pub fn reset_pools_in(&mut self, namespace: &str, pools: Vec<PoolSpec>) {
+        self.pools.retain(|ns, _, _| ns != namespace);
+        for item in pools.into_iter().filter(|i| i.namespace == namespace) {
+            let name = item.name.clone();
+            self.pools.insert(namespace, &name, item);
+        }
+        self.refresh_all();
+    }
+
     /// Replaces every pool with `pools` (a relist).
     pub fn reset_pools(&mut self, pools: Vec<PoolSpec>) {
         self.pools = pools
@@ -139,6 +151,18 @@ impl Index {
         }
     }
 
+    /// Replaces the pods of `namespace` with `pods` (a relist of one
+    /// namespace, when the operator watches several); other namespaces keep
+    /// theirs. Items outside `namespace` are ignored.
+    pub fn reset_pods_in(&mut self, namespace: &str, pods: Vec<PodInfo>) {
+        self.pods.retain(|ns, _, _| ns != namespace);
+        for item in pods.into_iter().filter(|i| i.namespace == namespace) {
+            let name = item.name.clone();
+            self.pods.insert(namespace, &name, item);
+        }
+        self.refresh_all();
+    }
+
     /// Replaces every pod with `pods` (a relist).
     pub fn reset_pods(&mut self, pods: Vec<PodInfo>) {
         self.pods = pods
@@ -164,6 +188,18 @@ impl Index {
         if let Some(old) = self.policies.remove(namespace, name) {
             self.refresh(namespace, &old.target_pool);
         }
+    }
+
+    /// Replaces the policies of `namespace` with `policies` (a relist of one
+    /// namespace, when the operator watches several); other namespaces keep
+    /// theirs. Items outside `namespace` are ignored.
+    pub fn reset_policies_in(&mut self, namespace: &str, policies: Vec<PolicySpec>) {
+        self.policies.retain(|ns, _, _| ns != namespace);
+        for item in policies.into_iter().filter(|i| i.namespace == namespace) {
+            let name = item.name.clone();
+            self.policies.insert(namespace, &name, item);
+        }
+        self.refresh_all();
     }
 
     /// Replaces every policy with `policies` (a relist).

@@ -117,6 +117,44 @@ fn resets_drop_what_is_gone() {
 }
 
 #[test]
+fn a_namespace_reset_leaves_other_namespaces_alone() {
+    let mut index = index();
+    let in_ns = |mut pool: PoolSpec, ns: &str| {
+        pool.namespace = ns.into();
+        pool
+    };
+    let pod_in = |mut pod: PodInfo, ns: &str| {
+        pod.namespace = ns.into();
+        pod
+    };
+    index.apply_pool(PoolSpec::test("llama"));
+    index.apply_pool(in_ns(PoolSpec::test("llama"), "other"));
+    let here = index.watch_pool(NS, "llama");
+    let there = index.watch_pool("other", "llama");
+    index.apply_pod(PodInfo::test("a").ip("10.0.0.1").ready());
+    index.apply_pod(pod_in(PodInfo::test("b").ip("10.0.0.2").ready(), "other"));
+    let mut policy = PolicySpec::test("p", "llama").policy("random");
+    policy.namespace = "other".into();
+    index.apply_policy(policy);
+
+    // A relist of `ml` that also carries an `other` object ignores it.
+    let stray = pod_in(PodInfo::test("c").ip("10.0.0.3").ready(), "other");
+    index.reset_pods_in(NS, vec![stray]);
+    assert_eq!(endpoints(&here), []);
+    assert_eq!(endpoints(&there), [ep("b:8000", true, false)]);
+
+    index.reset_policies_in(NS, Vec::new());
+    assert_eq!(policy_name(&there), "random");
+
+    index.reset_pools_in(NS, Vec::new());
+    assert!(!here.borrow().pool_exists);
+    assert!(there.borrow().pool_exists);
+
+    index.reset_pods_in("other", Vec::new());
+    assert_eq!(endpoints(&there), []);
+}
+
+#[test]
 fn unwatched_absent_pools_are_forgotten() {
     let mut index = index();
     for i in 0..10 {
