@@ -96,6 +96,8 @@ pub struct Target {
     pub http: SocketAddr,
     /// Its slot.
     pub slot: Slot,
+    /// Its rendezvous identity.
+    pub id: u64,
 }
 
 /// Where a request should go, in order.
@@ -250,18 +252,15 @@ impl Pool {
             self.forget(&mut inner, &name);
         }
         for (name, spec) in wanted {
-            let restart = match inner.members.get_mut(&name) {
+            // Same addresses: only readiness changed. Else (re)start it.
+            match inner.members.get_mut(&name) {
                 Some(m) if m.spec.cache == spec.cache && m.spec.http == spec.http => {
                     m.spec = spec;
                     continue;
                 }
-                Some(_) => {
-                    self.forget(&mut inner, &name);
-                    true
-                }
-                None => true,
-            };
-            debug_assert!(restart);
+                Some(_) => self.forget(&mut inner, &name),
+                None => {}
+            }
             let slot = inner.slots.assign(&name);
             inner.generations += 1;
             let generation = inner.generations;
@@ -340,6 +339,7 @@ impl Pool {
                         name: m.spec.name.clone(),
                         http: m.spec.http,
                         slot: m.slot,
+                        id: m.id,
                     },
                 )
             })
@@ -380,7 +380,7 @@ impl Pool {
         let load = inner.load.load(target.slot);
         let endpoint = Endpoint {
             slot: target.slot,
-            id: endpoint_id(&target.name),
+            id: target.id,
             load,
         };
         inner.policy.routed(request, &endpoint);

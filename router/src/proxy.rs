@@ -7,7 +7,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -25,7 +25,6 @@ use kvroute_core::hash::BlockExtras;
 use kvroute_core::keys::KeyInput;
 use kvroute_core::load::Ticket;
 use kvroute_core::policy::Request as RouteRequest;
-use tokio::sync::Mutex;
 use tokio::time::Instant;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -68,7 +67,8 @@ pub struct Proxy {
     endpoint_header: Option<HeaderName>,
     client: Client<HttpConnector, Full<Bytes>>,
     queued: AtomicUsize,
-    models: Mutex<Option<(Instant, BTreeSet<String>)>>,
+    models: std::sync::Mutex<Option<(Instant, Arc<BTreeSet<String>>)>>,
+    refreshing_models: AtomicBool,
 }
 
 impl Proxy {
@@ -100,7 +100,8 @@ impl Proxy {
                 .flatten(),
             client,
             queued: AtomicUsize::new(0),
-            models: Mutex::new(None),
+            models: std::sync::Mutex::new(None),
+            refreshing_models: AtomicBool::new(false),
         }
     }
 
@@ -474,15 +475,34 @@ impl Proxy {
         Response::from_parts(parts, Body::new(StreamBody::new(frames)))
     }
 
-    /// The union of the endpoints' served models, refreshed every
-    /// [`MODELS_TTL`]; empty when no endpoint answered.
-    pub async fn models(&self) -> BTreeSet<String> {
-        let mut cache = self.models.lock().await;
-        if let Some((at, models)) = &*cache
-            && at.elapsed() < MODELS_TTL
-        {
-            return models.clone();
+    /// The union of the endpoints' served models. The first call fetches
+    /// it; later calls answer from the cache at once and, once it is older
+    /// than [`MODELS_TTL`], refresh it in the background, so no request
+    /// waits on the endpoints. Empty when no endpoint answered.
+    pub async fn models(self: &Arc<Self>) -> Arc<BTreeSet<String>> {
+        let cached = self
+            .models
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match cached {
+            Some((at, models)) => {
+                if at.elapsed() >= MODELS_TTL
+                    && !self.refreshing_models.swap(true, Ordering::SeqCst)
+                {
+                    let this = self.clone();
+                    tokio::spawn(async move {
+                        this.fetch_models().await;
+                        this.refreshing_models.store(false, Ordering::SeqCst);
+                    });
+                }
+                models
+            }
+            None => self.fetch_models().await,
         }
+    }
+
+    async fn fetch_models(&self) -> Arc<BTreeSet<String>> {
         let mut models = BTreeSet::new();
         let fetches = self.pool.addresses().into_iter().map(|addr| async move {
             let uri: Uri = format!("http://{addr}/v1/models").parse().ok()?;
@@ -509,7 +529,9 @@ impl Proxy {
         {
             models.extend(ids);
         }
-        *cache = Some((Instant::now(), models.clone()));
+        let models = Arc::new(models);
+        *self.models.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Instant::now(), models.clone()));
         models
     }
 }

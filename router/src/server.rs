@@ -256,7 +256,7 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
     let data: Vec<_> = p
         .models()
         .await
-        .into_iter()
+        .iter()
         .map(|id| json!({"id": id, "object": "model", "owned_by": "kvroute"}))
         .collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
