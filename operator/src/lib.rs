@@ -8,9 +8,12 @@
 //! watchers feeding the index ([`watch`]) exist; the status writer and
 //! leader election do not yet.
 
+pub mod admin;
 pub mod api;
 pub mod convert;
 pub mod grpc;
 pub mod index;
+pub mod lease;
+pub mod metrics;
 pub mod status;
 pub mod watch;
