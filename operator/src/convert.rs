@@ -17,7 +17,7 @@ use kube::api::ObjectMeta;
 
 use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
 use crate::api::{CacheRoutingPolicy, InferencePool, TenancyMode};
-use crate::index::{self, PodInfo, PolicySpec, PoolSpec};
+use crate::index::{self, Observed, PodInfo, PolicySpec, PoolSpec};
 
 #[cfg(test)]
 mod tests;
@@ -40,6 +40,8 @@ pub fn pool(pool: &InferencePool) -> Option<PoolSpec> {
             .iter()
             .filter_map(|p| u16::try_from(p.number).ok().filter(|&n| n != 0))
             .collect(),
+        generation: pool.metadata.generation.unwrap_or(0),
+        observed: observed(&pool.metadata, pool.status.as_ref()),
     })
 }
 
@@ -118,6 +120,7 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
             TenancyMode::Salted => index::TenancyMode::Salted,
         }),
         tenant_header: spec.tenancy.tenant_header.clone(),
+        observed: observed(&policy.metadata, policy.status.as_ref()),
     })
 }
 
@@ -128,6 +131,14 @@ fn unknown_target(group: &str, kind: &str, name: &str) -> String {
         format!("{kind}/{name}")
     } else {
         format!("{kind}.{group}/{name}")
+    }
+}
+
+fn observed<S: Clone>(meta: &ObjectMeta, status: Option<&S>) -> Observed<S> {
+    Observed {
+        uid: meta.uid.clone(),
+        resource_version: meta.resource_version.clone(),
+        status: status.cloned(),
     }
 }
 

@@ -8,9 +8,12 @@
 //! not exist yet: it gets `pool_exists = false`, then the pool when it
 //! appears.
 //!
-//! Not here: computing states (the index), deciding when to start serving
-//! (after the index's initial lists; see [`crate::index`]), TLS, metrics
-//! beyond the subscriber gauge ([`Discovery::subscribers`]).
+//! A call made before the operator's initial lists are in waits for them
+//! ([`Discovery::with_ready`]): a partial index would tell routers that pools
+//! are empty.
+//!
+//! Not here: computing states (the index), TLS, metrics beyond the
+//! subscriber gauge ([`Discovery::subscribers`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -47,6 +50,8 @@ pub struct Discovery {
     /// Set to true to end every open stream, so a graceful shutdown does
     /// not wait forever on subscribers.
     stop: Arc<watch::Sender<bool>>,
+    /// True once the index has its initial lists.
+    ready: watch::Receiver<bool>,
 }
 
 impl Discovery {
@@ -56,7 +61,14 @@ impl Discovery {
             index,
             subscribers: Arc::default(),
             stop: Arc::new(watch::Sender::new(false)),
+            ready: watch::channel(true).1,
         }
+    }
+
+    /// Makes calls wait until `ready` is true before their first state.
+    pub fn with_ready(mut self, ready: watch::Receiver<bool>) -> Self {
+        self.ready = ready;
+        self
     }
 
     /// How many `WatchPool` streams are open.
@@ -117,6 +129,16 @@ impl EndpointDiscovery for Discovery {
                 "WatchPool needs a namespace and a pool name",
             ));
         }
+        let mut ready = self.ready.clone();
+        let mut stop = self.stop.subscribe();
+        tokio::select! {
+            listed = ready.wait_for(|r| *r) => if listed.is_err() {
+                return Err(Status::unavailable("the operator is shutting down"));
+            },
+            _ = stop.wait_for(|s| *s) => {
+                return Err(Status::unavailable("the operator is shutting down"));
+            }
+        }
         // The index stays consistent across a panic elsewhere (each call
         // publishes whole states), so a poisoned lock is still usable.
         let states = self
@@ -125,7 +147,6 @@ impl EndpointDiscovery for Discovery {
             .unwrap_or_else(PoisonError::into_inner)
             .watch_pool(&namespace, &pool);
         let guard = Subscription::start(self.subscribers.clone(), namespace, pool, subscriber);
-        let mut stop = self.stop.subscribe();
         // `WatchStream::new` yields the current state first, then each change.
         let stream = WatchStream::new(states)
             .map(move |state| {

@@ -2,11 +2,13 @@
 //! health into per-pool endpoint sets that routers receive over
 //! `EndpointDiscovery.WatchPool`.
 //!
-//! Being built: the API types ([`api`]), their conversion into index inputs
-//! ([`convert`]), the synchronous index ([`index`]), status patches computed
-//! from it ([`status`]), the WatchPool server ([`grpc`]) and the Kubernetes
-//! watchers feeding the index ([`watch`]) exist; the status writer and
-//! leader election do not yet.
+//! The layers, data in and data out: the API types ([`api`]); their
+//! conversion into index inputs ([`convert`]); the synchronous index
+//! ([`index`]); the Kubernetes watchers feeding it ([`watch`]); the
+//! WatchPool server ([`grpc`]); status patches and Events computed from the
+//! index and written by one task while this replica holds the Lease
+//! ([`status`], [`lease`]); `/metrics`, `/healthz` and `/readyz`
+//! ([`metrics`], [`admin`]).
 
 pub mod admin;
 pub mod api;

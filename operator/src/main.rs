@@ -1,16 +1,22 @@
-//! `kvroute-operator`: `crdgen` writes the CRDs; `run` watches the cluster
-//! and serves `EndpointDiscovery.WatchPool` to routers.
-//!
-//! Not yet in `run`: the status writer and leader election.
+//! `kvroute-operator`: `crdgen` writes the CRDs; `run` watches the cluster,
+//! serves `EndpointDiscovery.WatchPool` to routers, writes status and Events
+//! while it holds the leader Lease, and serves `/metrics`, `/healthz` and
+//! `/readyz`.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
+use kvroute_operator::admin::Admin;
 use kvroute_operator::grpc::Discovery;
 use kvroute_operator::index::Index;
+use kvroute_operator::lease::{self, LeaseConfig};
+use kvroute_operator::metrics::{Gauges, Metrics, PoolGauge};
+use kvroute_operator::status::StatusWriter;
 use kvroute_operator::watch::{Scope, run_watchers};
+use kvroute_telemetry::LogFormat;
+use tokio::sync::watch;
 
 /// kvroute's control plane.
 #[derive(Debug, Parser)]
@@ -28,8 +34,8 @@ enum Command {
         #[arg(long, default_value = "crds")]
         out: std::path::PathBuf,
     },
-    /// Watch the cluster (from `KUBECONFIG` or the in-cluster config) and
-    /// serve WatchPool to routers until Ctrl-C or SIGTERM.
+    /// Watch the cluster (from `KUBECONFIG` or the in-cluster config), serve
+    /// WatchPool to routers and write status until Ctrl-C or SIGTERM.
     Run(RunConfig),
 }
 
@@ -41,10 +47,39 @@ struct RunConfig {
     #[arg(long, env = "KVROUTE_GRPC_LISTEN", default_value = "0.0.0.0:9443")]
     grpc_listen: SocketAddr,
 
+    /// Address of the admin HTTP server (`/metrics`, `/healthz`, `/readyz`);
+    /// port 0 picks a free port (printed on stdout).
+    #[arg(long, env = "KVROUTE_ADMIN_LISTEN", default_value = "0.0.0.0:9090")]
+    admin_listen: SocketAddr,
+
     /// A namespace to watch; repeat for several. None watches every
     /// namespace. From the environment: comma-separated.
     #[arg(long = "namespace", env = "KVROUTE_NAMESPACES", value_delimiter = ',')]
     namespaces: Vec<String>,
+
+    /// Namespace of the leader-election Lease: the operator's own (set
+    /// `POD_NAMESPACE` from the downward API).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+
+    /// Name of the leader-election Lease; replicas sharing it elect one
+    /// status writer.
+    #[arg(long, env = "KVROUTE_LEASE_NAME", default_value = "kvroute-operator")]
+    lease_name: String,
+
+    /// This replica's identity in the Lease and in Events; default
+    /// `POD_NAME`, else `<hostname>-<pid>`.
+    #[arg(long, env = "KVROUTE_IDENTITY")]
+    identity: Option<String>,
+
+    /// Log lines as `text` or `json`.
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
+
+    /// OTLP/gRPC endpoint to export traces to (e.g. `http://otel:4317`);
+    /// none exports nothing.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,29 +92,109 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(config: RunConfig) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let _telemetry = kvroute_telemetry::init(
+        "kvroute-operator",
+        config.log_format,
+        config.otlp_endpoint.as_deref(),
+    )
+    .context("set up logs and traces")?;
     let client = kube::Client::try_default()
         .await
         .context("build a Kubernetes client (KUBECONFIG or in-cluster config)")?;
-    let index = Arc::new(Mutex::new(Index::new()));
-    let scope = Scope::from_namespaces(config.namespaces);
-    let watchers = tokio::spawn(run_watchers(client, scope, index.clone()));
+    let identity = config.identity.unwrap_or_else(lease::default_identity);
+    let grpc = bind(config.grpc_listen, "--grpc-listen").await?;
+    let admin_listener = bind(config.admin_listen, "--admin-listen").await?;
+    // Tests read the ports from these lines, so they go to stdout, whole.
+    println!("kvroute-operator: WatchPool on {}", grpc.local_addr()?);
+    println!(
+        "kvroute-operator: admin on {}",
+        admin_listener.local_addr()?
+    );
+    tracing::info!(%identity, "starting");
 
-    let listener = tokio::net::TcpListener::bind(config.grpc_listen)
-        .await
-        .with_context(|| format!("listen on --grpc-listen {}", config.grpc_listen))?;
-    let addr = listener.local_addr().context("the WatchPool address")?;
-    // Tests read the port from this line, so it goes to stdout, whole.
-    println!("kvroute-operator: WatchPool on {addr}");
-    let served = Discovery::new(index).serve(listener, shutdown()).await;
+    let index = Arc::new(Mutex::new(Index::new()));
+    let metrics = Arc::new(Metrics::default());
+    let (ready_tx, ready) = watch::channel(false);
+    let (leader_tx, leader) = watch::channel(false);
+    let (stop_tx, stop) = watch::channel(false);
+    let stopped = move || {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
+    };
+
+    let scope = Scope::from_namespaces(config.namespaces);
+    let watchers = tokio::spawn(run_watchers(
+        client.clone(),
+        scope,
+        index.clone(),
+        metrics.clone(),
+        ready_tx,
+    ));
+    let lease_config =
+        LeaseConfig::new(config.lease_namespace, config.lease_name, identity.clone());
+    let lease = tokio::spawn(lease::run(
+        client.clone(),
+        lease_config,
+        leader_tx,
+        stopped(),
+    ));
+    let writer = StatusWriter::new(client, index.clone(), metrics.clone(), identity);
+    let writer = tokio::spawn(writer.run(leader.clone(), ready.clone()));
+
+    let discovery = Discovery::new(index.clone()).with_ready(ready.clone());
+    let gauges = {
+        let (discovery, ready, leader) = (discovery.clone(), ready.clone(), leader.clone());
+        move || Gauges {
+            pools: index
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pool_statuses()
+                .into_iter()
+                .map(|s| PoolGauge {
+                    namespace: s.namespace,
+                    name: s.name,
+                    ready_endpoints: s.ready_endpoints,
+                })
+                .collect(),
+            subscribers: discovery.subscribers(),
+            leader: *leader.borrow(),
+            ready: *ready.borrow(),
+        }
+    };
+    let admin = Admin {
+        metrics,
+        gauges: Arc::new(gauges),
+        ready,
+    };
+    let admin = tokio::spawn(kvroute_operator::admin::serve(
+        admin_listener,
+        admin,
+        stopped(),
+    ));
+
+    let served = discovery.serve(grpc, shutdown()).await;
+    // Release the lease first, so a standby or restarted replica writes
+    // status at once.
+    stop_tx.send_replace(true);
+    if let Err(error) = lease.await {
+        tracing::error!(%error, "the lease task failed");
+    }
+    writer.abort();
     watchers.abort();
+    match admin.await {
+        Ok(Err(error)) => tracing::error!(%error, "the admin server failed"),
+        Err(error) => tracing::error!(%error, "the admin server task failed"),
+        Ok(Ok(())) => {}
+    }
     served.context("serve WatchPool")
+}
+
+async fn bind(addr: SocketAddr, flag: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("listen on {flag} {addr}"))
 }
 
 /// Completes on Ctrl-C or SIGTERM.

@@ -8,8 +8,10 @@
 //! `lastTransitionTime` moves only when its status flips (True ↔ False);
 //! a new reason or message keeps the old time.
 //!
-//! Not here: computing statuses (the index), sending patches, or deciding
-//! when to (the status writer).
+//! Submodules: [`plan`] decides what one pass writes and which Events it
+//! publishes; [`writer`] is the task that does it while holding the lease.
+//!
+//! Not here: computing statuses (the index).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
@@ -19,8 +21,12 @@ use crate::api::policy::conditions as policy_conditions;
 use crate::api::{CacheRoutingPolicyStatus, InferencePoolStatus, ParentReference, ParentStatus};
 use crate::index;
 
+pub mod plan;
 #[cfg(test)]
 mod tests;
+pub mod writer;
+
+pub use self::writer::StatusWriter;
 
 /// The `controllerName` of kvroute's entry in an `InferencePool`'s
 /// `status.parents`; the entry is found by it.

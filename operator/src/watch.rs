@@ -4,13 +4,19 @@
 //! A thin edge: an added or changed object becomes `apply_*`, a removed one
 //! `delete_*`, and a (re)list is buffered from `Init` to `InitDone` and then
 //! replaces what the index holds for that watch's scope (`reset_*` for all
-//! namespaces, `reset_*_in` for one). Watch errors are logged; the watcher's
-//! own backoff retries them.
+//! namespaces, `reset_*_in` for one). Watch errors are logged and counted;
+//! the watcher's own backoff retries them.
+//!
+//! Readiness: until every watch has its first list in, the index knows only
+//! part of the cluster, so [`run_watchers`] flips its `ready` flag only then;
+//! routers and the status writer wait for it. A later relist keeps the old
+//! objects until the new list is complete, so readiness never goes back.
 //!
 //! Not here: deciding anything about the objects (the index), writing
 //! status, leader election.
 
 use std::fmt::Debug;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use futures_util::future::BoxFuture;
@@ -21,10 +27,12 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
+use tokio::sync::watch as flag;
 
 use crate::api::{CacheRoutingPolicy, InferencePool};
 use crate::convert;
 use crate::index::{Index, PodInfo, PolicySpec, PoolSpec};
+use crate::metrics::Metrics;
 
 /// Which namespaces the operator watches.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,23 +141,74 @@ impl Watched for Pod {
     }
 }
 
-/// Watches pools, policies and pods in `scope`, feeding `index`. Runs until
-/// cancelled: watch errors are retried with backoff, never returned.
-pub async fn run_watchers(client: Client, scope: Scope, index: Arc<Mutex<Index>>) {
+/// Watches pools, policies and pods in `scope`, feeding `index`; sets
+/// `ready` once every watch has its first list in. Runs until cancelled:
+/// watch errors are retried with backoff, never returned.
+pub async fn run_watchers(
+    client: Client,
+    scope: Scope,
+    index: Arc<Mutex<Index>>,
+    metrics: Arc<Metrics>,
+    ready: flag::Sender<bool>,
+) {
+    let namespaces = scope.watches();
+    let lists = InitialLists {
+        pending: Arc::new(AtomicUsize::new(namespaces.len() * 3)),
+        ready: Arc::new(ready),
+    };
     let mut watches: Vec<BoxFuture<'static, ()>> = Vec::new();
-    for namespace in scope.watches() {
-        watches
-            .push(watch::<InferencePool>(client.clone(), namespace.clone(), index.clone()).boxed());
-        watches.push(
-            watch::<CacheRoutingPolicy>(client.clone(), namespace.clone(), index.clone()).boxed(),
-        );
-        watches.push(watch::<Pod>(client.clone(), namespace, index.clone()).boxed());
+    for namespace in namespaces {
+        let feed = Feed {
+            client: client.clone(),
+            namespace,
+            index: index.clone(),
+            metrics: metrics.clone(),
+            lists: lists.clone(),
+        };
+        watches.push(watch::<InferencePool>(feed.clone()).boxed());
+        watches.push(watch::<CacheRoutingPolicy>(feed.clone()).boxed());
+        watches.push(watch::<Pod>(feed).boxed());
     }
     futures_util::future::join_all(watches).await;
 }
 
-/// One watch: objects of kind `T` in `namespace` (all when `None`).
-async fn watch<T: Watched>(client: Client, namespace: Option<String>, index: Arc<Mutex<Index>>) {
+/// Counts the watches whose first list is not in yet.
+#[derive(Clone, Debug)]
+struct InitialLists {
+    pending: Arc<AtomicUsize>,
+    ready: Arc<flag::Sender<bool>>,
+}
+
+impl InitialLists {
+    /// One watch has its first list in.
+    fn done(&self) {
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            tracing::info!("initial lists are in; ready");
+            self.ready.send_replace(true);
+        }
+    }
+}
+
+/// What one watch needs.
+#[derive(Clone)]
+struct Feed {
+    client: Client,
+    /// The namespace watched; `None` for all.
+    namespace: Option<String>,
+    index: Arc<Mutex<Index>>,
+    metrics: Arc<Metrics>,
+    lists: InitialLists,
+}
+
+/// One watch: objects of kind `T` in the feed's namespace.
+async fn watch<T: Watched>(feed: Feed) {
+    let Feed {
+        client,
+        namespace,
+        index,
+        metrics,
+        lists,
+    } = feed;
     let api: Api<T> = match &namespace {
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
@@ -160,6 +219,7 @@ async fn watch<T: Watched>(client: Client, namespace: Option<String>, index: Arc
     let lock = || index.lock().unwrap_or_else(PoisonError::into_inner);
     // The objects of the (re)list in progress, between `Init` and `InitDone`.
     let mut relist = Vec::new();
+    let mut listed_once = false;
     while let Some(event) = events.next().await {
         match event {
             Ok(Event::Apply(o)) => {
@@ -172,14 +232,25 @@ async fn watch<T: Watched>(client: Client, namespace: Option<String>, index: Arc
                     T::delete(&mut lock(), spec);
                 }
             }
-            Ok(Event::Init) => relist.clear(),
+            Ok(Event::Init) => {
+                relist.clear();
+                if listed_once {
+                    metrics.watch_restart(T::KIND);
+                }
+            }
             Ok(Event::InitApply(o)) => relist.extend(o.convert()),
             Ok(Event::InitDone) => {
                 let listed = std::mem::take(&mut relist);
                 tracing::info!(kind = T::KIND, namespace = ?namespace, objects = listed.len(), "listed");
                 T::reset(&mut lock(), namespace.as_deref(), listed);
+                if !listed_once {
+                    listed_once = true;
+                    lists.done();
+                }
             }
             Err(error) => {
+                metrics.error("watch");
+                metrics.watch_restart(T::KIND);
                 tracing::warn!(kind = T::KIND, namespace = ?namespace, %error, "watch failed; retrying");
             }
         }

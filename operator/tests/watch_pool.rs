@@ -97,6 +97,7 @@ fn pool(name: &str) -> PoolSpec {
         name: name.into(),
         selector: [("app".to_owned(), "llama".to_owned())].into(),
         target_ports: vec![8000],
+        ..PoolSpec::default()
     }
 }
 

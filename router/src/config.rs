@@ -248,16 +248,8 @@ impl Default for Resilience {
     }
 }
 
-/// Log format.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Human-readable lines (the default).
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+/// Log format: `text` (the default) or `json`. Shared with the operator.
+pub use kvroute_telemetry::LogFormat;
 
 /// Observability settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -25,7 +25,7 @@ struct Cli {
     endpoints: Option<PathBuf>,
     /// Overrides `telemetry.logFormat` (text or json).
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
-    log_format: Option<String>,
+    log_format: Option<LogFormat>,
 }
 
 #[tokio::main]
@@ -50,22 +50,11 @@ async fn main() -> anyhow::Result<()> {
             operator: None,
         };
     }
-    if let Some(format) = &cli.log_format {
-        config.telemetry.log_format = match format.as_str() {
-            "json" => LogFormat::Json,
-            "text" => LogFormat::Text,
-            other => anyhow::bail!("--log-format: expected text or json, got {other:?}"),
-        };
+    if let Some(format) = cli.log_format {
+        config.telemetry.log_format = format;
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match config.telemetry.log_format {
-        LogFormat::Json => logs.json().init(),
-        LogFormat::Text => logs.init(),
-    }
+    // Held to the end of main: dropping it flushes the last spans.
+    let _telemetry = kvroute_router::telemetry::init(&config.telemetry)?;
     let running = kvroute_router::start(config).await?;
     println!(
         "kvroute-router: API on http://{}, admin on http://{}",

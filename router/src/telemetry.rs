@@ -3,73 +3,25 @@
 //! exported over OTLP/gRPC, joined to the client's W3C `traceparent`, and the
 //! engine receives the router's span as its parent; without it, a client's
 //! `traceparent` is forwarded unchanged.
+//!
+//! Installing the subscriber and exporter is `kvroute-telemetry`'s job; this
+//! module maps the router's config onto it and owns the header adapters the
+//! proxy uses to read and write trace context.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
+pub use kvroute_telemetry::{Error, TelemetryGuard};
 use opentelemetry::propagation::{Extractor, Injector};
-use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::SdkTracerProvider;
-use tracing_subscriber::Layer;
-use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
 
-use crate::config::{LogFormat, Telemetry};
-
-/// Keeps the trace exporter alive; dropping it flushes pending spans.
-#[derive(Debug)]
-pub struct TelemetryGuard(Option<SdkTracerProvider>);
-
-impl Drop for TelemetryGuard {
-    fn drop(&mut self) {
-        if let Some(provider) = self.0.take()
-            && let Err(e) = provider.shutdown()
-        {
-            eprintln!("flushing traces: {e}");
-        }
-    }
-}
+use crate::config::Telemetry;
 
 /// Installs the global log subscriber and, if configured, the OTLP trace
-/// exporter. Call once, from a binary.
-pub fn init(config: &Telemetry) -> Result<TelemetryGuard, opentelemetry_otlp::ExporterBuildError> {
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let fmt = match config.log_format {
-        LogFormat::Json => fmt.json().boxed(),
-        LogFormat::Text => fmt.boxed(),
-    };
-    let (otel, provider) = match &config.otlp_endpoint {
-        Some(endpoint) => {
-            use opentelemetry_otlp::WithExportConfig;
-            let exporter = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(endpoint)
-                .build()?;
-            let provider = SdkTracerProvider::builder()
-                .with_batch_exporter(exporter)
-                .with_resource(
-                    opentelemetry_sdk::Resource::builder()
-                        .with_service_name("kvroute-router")
-                        .build(),
-                )
-                .build();
-            let tracer = provider.tracer("kvroute-router");
-            opentelemetry::global::set_tracer_provider(provider.clone());
-            (
-                Some(tracing_opentelemetry::layer().with_tracer(tracer)),
-                Some(provider),
-            )
-        }
-        None => (None, None),
-    };
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt)
-        .with(otel)
-        .init();
-    Ok(TelemetryGuard(provider))
+/// exporter, as service `kvroute-router`. Call once, from a binary.
+pub fn init(config: &Telemetry) -> Result<TelemetryGuard, Error> {
+    kvroute_telemetry::init(
+        "kvroute-router",
+        config.log_format,
+        config.otlp_endpoint.as_deref(),
+    )
 }
 
 /// Reads W3C trace context from request headers.

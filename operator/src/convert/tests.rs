@@ -61,6 +61,7 @@ fn a_pool_keeps_its_selector_and_ports() {
             name: "llama".into(),
             selector: [("app".to_owned(), "llama".to_owned())].into(),
             target_ports: vec![8000, 8001],
+            ..PoolSpec::default()
         }
     );
     assert_eq!(spec.validate(), Ok(()));
@@ -196,6 +197,7 @@ fn a_policy_maps_every_field() {
             cache_port: Some(5557),
             tenancy_mode: Some(index::TenancyMode::Salted),
             tenant_header: Some("x-tenant".into()),
+            ..PolicySpec::default()
         }
     );
     assert_eq!(spec.validate(), Ok(()));

@@ -21,6 +21,7 @@
 //! part of the cluster (every pool looks absent or empty), so the operator
 //! should serve routers only once all three initial lists are in.
 
+mod observed;
 mod pods;
 mod policy;
 mod pool;
@@ -33,6 +34,7 @@ mod tests;
 use kvroute_proto::v1::PoolState;
 use tokio::sync::watch;
 
+pub use self::observed::Observed;
 pub use self::pods::PodInfo;
 pub use self::policy::{
     DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGORITHM, DEFAULT_KEY_MODE, DEFAULT_LOAD_BOUND,
@@ -53,6 +55,8 @@ pub struct Index {
     policies: Namespaced<PolicySpec>,
     /// One channel per existing or watched pool.
     states: Namespaced<watch::Sender<PoolState>>,
+    /// Bumped on every change that can alter a status.
+    changes: watch::Sender<u64>,
     clock: Clock,
 }
 
@@ -78,6 +82,7 @@ impl Index {
             pods: Namespaced::default(),
             policies: Namespaced::default(),
             states: Namespaced::default(),
+            changes: watch::Sender::new(0),
             clock,
         }
     }
@@ -94,6 +99,22 @@ impl Index {
         let rx = tx.subscribe();
         self.states.insert(namespace, name, tx);
         rx
+    }
+
+    /// A receiver that sees a new value after every change that can alter
+    /// a pool's or a policy's status (the status writer's wake-up).
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Every pool, by namespace and name.
+    pub fn pools(&self) -> impl Iterator<Item = &PoolSpec> {
+        self.pools.iter().map(|(_, _, pool)| pool)
+    }
+
+    /// Every policy, by namespace and name.
+    pub fn policies(&self) -> impl Iterator<Item = &PolicySpec> {
+        self.policies.iter().map(|(_, _, policy)| policy)
     }
 
     /// Adds or replaces a pool.
@@ -241,6 +262,7 @@ impl Index {
     /// Recomputes pool `namespace/name` and publishes its state if it
     /// changed. A pool that is gone and unwatched loses its channel.
     fn refresh(&mut self, namespace: &str, name: &str) {
+        self.changes.send_modify(|n| *n += 1);
         let content = self.content(namespace, name);
         match self.states.get(namespace, name) {
             Some(tx) if !content.exists && tx.receiver_count() == 0 => {

@@ -15,6 +15,9 @@ use kvroute_core::keys::KeyMode;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_proto::v1;
 
+use super::observed::Observed;
+use crate::api::CacheRoutingPolicyStatus;
+
 /// The routing policy of a pool with no `CacheRoutingPolicy`: `kvroute`.
 pub const DEFAULT_POLICY: &str = "kvroute";
 /// Default key mode: the conversation key, so every turn of a chat goes to
@@ -87,6 +90,8 @@ pub struct PolicySpec {
     pub tenancy_mode: Option<TenancyMode>,
     /// The header carrying the authenticated tenant; not empty when set.
     pub tenant_header: Option<String>,
+    /// The object as last watched, for the status writer.
+    pub observed: Observed<CacheRoutingPolicyStatus>,
 }
 
 impl PolicySpec {

@@ -6,10 +6,12 @@
 
 use std::collections::BTreeMap;
 
+use super::observed::Observed;
 use super::pods::PodInfo;
+use crate::api::InferencePoolStatus;
 
 /// What the index needs of an `InferencePool`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PoolSpec {
     /// The pool's namespace; it selects pods of this namespace only.
     pub namespace: String,
@@ -23,6 +25,11 @@ pub struct PoolSpec {
     /// `spec.targetPorts[].number`: every selected pod is one endpoint per
     /// port. Zeros and duplicates are ignored.
     pub target_ports: Vec<u16>,
+    /// `metadata.generation`, reported back as the conditions'
+    /// `observedGeneration`.
+    pub generation: i64,
+    /// The object as last watched, for the status writer.
+    pub observed: Observed<InferencePoolStatus>,
 }
 
 impl PoolSpec {

@@ -68,6 +68,7 @@ impl PoolSpec {
             name: name.into(),
             selector: [("app".to_owned(), "llama".to_owned())].into(),
             target_ports: vec![8000],
+            ..PoolSpec::default()
         }
     }
 

@@ -1,0 +1,124 @@
+//! `kvroute-telemetry`: logs and traces for kvroute's binaries. [`init`]
+//! installs the process-wide log subscriber (stderr, text or JSON lines,
+//! filtered by `RUST_LOG`, `info` by default) and, given an OTLP endpoint, a
+//! span exporter over OTLP/gRPC with the W3C trace-context propagator.
+//!
+//! Not here: reading or writing trace context on requests (each server owns
+//! its header adapters), metrics, and configuration files; callers pass the
+//! three settings they parsed.
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use serde::{Deserialize, Serialize};
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+/// How log lines are written to stderr.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (the default).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Why [`init`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The OTLP exporter could not be built, e.g. the endpoint is not a URI.
+    #[error("OTLP trace exporter: {0}")]
+    Exporter(#[source] opentelemetry_otlp::ExporterBuildError),
+    /// A global log subscriber is already installed.
+    #[error("installing the log subscriber: {0}")]
+    Subscriber(#[source] tracing_subscriber::util::TryInitError),
+}
+
+/// Keeps the trace exporter alive; dropping it flushes pending spans. Hold it
+/// until the process is about to exit.
+#[derive(Debug)]
+#[must_use = "dropping the guard stops trace export"]
+pub struct TelemetryGuard(Option<SdkTracerProvider>);
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Some(provider) = self.0.take()
+            && let Err(e) = provider.shutdown()
+        {
+            // The subscriber may already be gone at exit; stderr is not.
+            eprintln!("flushing traces: {e}");
+        }
+    }
+}
+
+/// Installs the global log subscriber and, with `otlp_endpoint` (e.g.
+/// `http://otel-collector:4317`), exports spans there as `service_name`.
+/// Call once per process, from a binary; with an endpoint, call it inside a
+/// tokio runtime, which the gRPC channel runs on.
+pub fn init(
+    service_name: &'static str,
+    log_format: LogFormat,
+    otlp_endpoint: Option<&str>,
+) -> Result<TelemetryGuard, Error> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = match log_format {
+        LogFormat::Json => fmt.json().boxed(),
+        LogFormat::Text => fmt.boxed(),
+    };
+    let provider = otlp_endpoint
+        .map(|endpoint| tracer_provider(service_name, endpoint))
+        .transpose()?;
+    let otel = provider
+        .as_ref()
+        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer(service_name)));
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .map_err(Error::Subscriber)?;
+    // Only once the subscriber is ours: a failed init leaves globals alone.
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    if let Some(provider) = &provider {
+        opentelemetry::global::set_tracer_provider(provider.clone());
+    }
+    Ok(TelemetryGuard(provider))
+}
+
+fn tracer_provider(service_name: &'static str, endpoint: &str) -> Result<SdkTracerProvider, Error> {
+    use opentelemetry_otlp::WithExportConfig;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint)
+        .build()
+        .map_err(Error::Exporter)?;
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(service_name)
+                .build(),
+        )
+        .build())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::ValueEnum;
+
+    use super::*;
+
+    #[test]
+    fn log_format_reads_lowercase_names_from_config_and_flags() {
+        let json: LogFormat = serde_json::from_str("\"json\"").unwrap();
+        assert_eq!(json, LogFormat::Json);
+        assert!(serde_json::from_str::<LogFormat>("\"Json\"").is_err());
+        assert_eq!(LogFormat::from_str("text", false), Ok(LogFormat::Text));
+        assert_eq!(LogFormat::default(), LogFormat::Text);
+    }
+}
