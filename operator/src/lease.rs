@@ -2,10 +2,11 @@
 //! `leaderelection` package does it, so that of several operator replicas
 //! exactly one writes status at a time.
 //!
-//! [`run`] loops: read the lease, [`decide`](Memory::decide) what to do with
-//! it (create it, renew it, take it over, or follow its holder), do that
-//! with an optimistic-concurrency write, and publish the outcome on a
-//! `watch` channel (`true` while leading). Two safety rules, both from
+//! [`run`] loops: read the lease, decide what to do with it (create it,
+//! renew it, take it over, or follow its holder; a pure function of the
+//! lease, what we saw before and our clock), do that with an
+//! optimistic-concurrency write, and publish the outcome on a `watch`
+//! channel (`true` while leading). Two safety rules, both from
 //! client-go:
 //!
 //! - **Expiry is measured on our own monotonic clock.** Another holder's
@@ -195,13 +196,15 @@ fn identity_from(pod_name: Option<String>, hostname: Option<String>, pid: u32) -
 /// Contends for the lease in `config` until `shutdown` completes, publishing
 /// on `leader` whether this replica leads (sent only when it changes).
 ///
-/// Never returns early and never fails: API errors are logged and retried
-/// after the next period. On shutdown a leader first publishes `false` and
-/// then releases the lease (empty holder, `leaseDurationSeconds: 1`) so a
-/// standby takes over at once rather than after the lease expires; errors
-/// releasing are logged. With an invalid config (see
-/// [`LeaseConfig::validate`]) it logs the error and only waits for
-/// `shutdown`, never leading.
+/// Never fails and never returns before `shutdown`: API errors are logged
+/// and retried after the next period. On shutdown a leader first publishes
+/// `false` and then releases the lease (empty holder,
+/// `leaseDurationSeconds: 1`) so a standby takes over at once rather than
+/// after the lease expires. Errors releasing are logged; the lease then
+/// expires as if we had crashed (this happens when shutdown interrupts a
+/// renewal that reached the server, leaving us a stale `resourceVersion`).
+/// With an invalid config (see [`LeaseConfig::validate`]) it logs the error
+/// and only waits for `shutdown`, never leading.
 pub async fn run(
     client: Client,
     config: LeaseConfig,
@@ -232,7 +235,7 @@ pub async fn run(
         match attempt {
             Ok(Ok(())) => {}
             Ok(Err(error)) => elector.warn("lease request failed; retrying", &error),
-            Err(_) => elector.warn("lease request timed out; retrying", &"deadline"),
+            Err(_) => elector.warn("lease request failed; retrying", &"no answer in time"),
         }
         elector.check_deadline();
         let wake = elector.next_attempt();
@@ -372,7 +375,7 @@ impl Elector {
         let written = match (action, current) {
             (Action::Follow, current) => {
                 let holder = current.as_ref().and_then(holder).unwrap_or_default();
-                self.step_down("another replica holds the lease", holder);
+                self.step_down(format_args!("{holder} holds the lease"));
                 return Ok(());
             }
             (Action::Create, _) => {
@@ -419,7 +422,7 @@ impl Elector {
             }
             // Someone else wrote the lease between our read and our write.
             Err(kube::Error::Api(status)) if status.code == 409 => {
-                self.step_down("lost a race to write the lease", "");
+                self.step_down(format_args!("lost a race to write the lease"));
                 Ok(())
             }
             Err(error) => Err(error),
@@ -453,7 +456,7 @@ impl Elector {
     }
 
     /// We do not lead (any more), because of `reason`.
-    fn step_down(&mut self, reason: &str, holder: &str) {
+    fn step_down(&mut self, reason: std::fmt::Arguments<'_>) {
         self.leadership = None;
         if self
             .leader
@@ -463,8 +466,7 @@ impl Elector {
                 identity = %self.config.identity,
                 namespace = %self.config.namespace,
                 lease = %self.config.name,
-                holder,
-                reason,
+                %reason,
                 "lost leadership"
             );
         }
@@ -476,7 +478,7 @@ impl Elector {
         if let Some(leadership) = &self.leadership
             && Instant::now() >= leadership.renewed_at + self.config.renew_deadline()
         {
-            self.step_down("could not renew the lease in time", "");
+            self.step_down(format_args!("could not renew the lease in time"));
         }
     }
 
@@ -512,7 +514,7 @@ impl Elector {
         else {
             return;
         };
-        self.step_down("shutting down", "");
+        self.step_down(format_args!("shutting down"));
         let spec = lease.spec.get_or_insert_default();
         spec.holder_identity = None;
         spec.lease_duration_seconds = Some(1);
@@ -528,7 +530,7 @@ impl Elector {
                 "released the lease"
             ),
             Ok(Err(error)) => self.warn("releasing the lease failed", &error),
-            Err(_) => self.warn("releasing the lease timed out", &"deadline"),
+            Err(_) => self.warn("releasing the lease failed", &"no answer in time"),
         }
     }
 

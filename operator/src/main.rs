@@ -134,6 +134,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
     ));
     let lease_config =
         LeaseConfig::new(config.lease_namespace, config.lease_name, identity.clone());
+    lease_config.validate().context("leader election")?;
     let lease = tokio::spawn(lease::run(
         client.clone(),
         lease_config,

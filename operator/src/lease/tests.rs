@@ -611,11 +611,14 @@ async fn fake_client(server: &FakeApiServer) -> Client {
 }
 
 /// Watches two leader channels until both senders are gone; true if both
-/// ever said `true` at once.
+/// ever said `true` at once. A replica whose sender is gone (it crashed)
+/// leads no more, whatever it last said.
 async fn ever_both(mut a: watch::Receiver<bool>, mut b: watch::Receiver<bool>) -> bool {
     let (mut a_open, mut b_open) = (true, true);
     while a_open || b_open {
-        if *a.borrow_and_update() && *b.borrow_and_update() {
+        let a_leads = a_open && *a.borrow_and_update();
+        let b_leads = b_open && *b.borrow_and_update();
+        if a_leads && b_leads {
             return true;
         }
         tokio::select! {
@@ -624,6 +627,22 @@ async fn ever_both(mut a: watch::Receiver<bool>, mut b: watch::Receiver<bool>) -
         }
     }
     false
+}
+
+/// Waits for one of two fresh replicas to lead: (leader, follower).
+async fn first_leader(a: Replica, b: Replica) -> (Replica, Replica) {
+    let mut either = (a.leader.clone(), b.leader.clone());
+    tokio::time::timeout(secs(5), async {
+        while !*either.0.borrow_and_update() && !*either.1.borrow_and_update() {
+            tokio::select! {
+                _ = either.0.changed() => {}
+                _ = either.1.changed() => {}
+            }
+        }
+    })
+    .await
+    .expect("a leader within 5 s");
+    if a.leading() { (a, b) } else { (b, a) }
 }
 
 fn stored_lease(server: &FakeApiServer) -> Value {
@@ -645,18 +664,7 @@ async fn two_replicas_elect_one_leader_and_hand_over_on_shutdown() {
     let b = Replica::start(&client, "replica-b");
     let overlap = tokio::spawn(ever_both(a.leader.clone(), b.leader.clone()));
 
-    let mut either = (a.leader.clone(), b.leader.clone());
-    tokio::time::timeout(secs(5), async {
-        while !*either.0.borrow_and_update() && !*either.1.borrow_and_update() {
-            tokio::select! {
-                _ = either.0.changed() => {}
-                _ = either.1.changed() => {}
-            }
-        }
-    })
-    .await
-    .expect("a leader within 5 s");
-    let (leader, mut follower) = if a.leading() { (a, b) } else { (b, a) };
+    let (leader, mut follower) = first_leader(a, b).await;
 
     // Several renewals and retries later, the same one leads, and the lease
     // says so.
@@ -683,5 +691,33 @@ async fn two_replicas_elect_one_leader_and_hand_over_on_shutdown() {
     let lease = stored_lease(&server);
     assert_eq!(lease["spec"].get("holderIdentity"), None);
     assert_eq!(lease["spec"]["leaseDurationSeconds"], 1);
+    assert!(!overlap.await.expect("monitor"), "two leaders at once");
+}
+
+#[tokio::test]
+async fn a_crashed_leaders_lease_is_taken_over_once_it_expires() {
+    let server = FakeApiServer::start().await;
+    let client = fake_client(&server).await;
+    let a = Replica::start(&client, "replica-a");
+    let b = Replica::start(&client, "replica-b");
+    let overlap = tokio::spawn(ever_both(a.leader.clone(), b.leader.clone()));
+    let (leader, mut follower) = first_leader(a, b).await;
+
+    // A crash: no release, the lease just stops being renewed.
+    leader.task.abort();
+    let crashed = std::time::Instant::now();
+    let _ = leader.task.await;
+    tokio::time::timeout(secs(5), follower.leader.wait_for(|l| *l))
+        .await
+        .expect("the follower leads within 5 s")
+        .expect("follower running");
+    // The last renewal was at most a renew period (0.3 s) before the crash,
+    // and the 2 s lease runs from when the follower saw it.
+    assert!(crashed.elapsed() >= Duration::from_millis(1700));
+    let lease = stored_lease(&server);
+    assert_eq!(lease["spec"]["holderIdentity"], follower.identity);
+    assert_eq!(lease["spec"]["leaseTransitions"], 1);
+
+    follower.stop().await;
     assert!(!overlap.await.expect("monitor"), "two leaders at once");
 }

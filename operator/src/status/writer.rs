@@ -119,7 +119,9 @@ impl StatusWriter {
     }
 
     /// One pass: plans under the index lock, then sends. Returns whether
-    /// every request that should be retried succeeded.
+    /// every request that should be retried succeeded. Traced as a span
+    /// (exported when the operator runs with `--otlp-endpoint`).
+    #[tracing::instrument(name = "status_pass", skip(self))]
     pub async fn pass(&mut self) -> bool {
         let now = Time(Timestamp::now());
         let plan = {
