@@ -26,6 +26,7 @@
 
 use std::future::Future;
 use std::pin::pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -35,6 +36,8 @@ use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+use crate::metrics::Metrics;
 
 #[cfg(test)]
 mod tests;
@@ -197,7 +200,8 @@ fn identity_from(pod_name: Option<String>, hostname: Option<String>, pid: u32) -
 /// on `leader` whether this replica leads (sent only when it changes).
 ///
 /// Never fails and never returns before `shutdown`: API errors are logged
-/// and retried after the next period. On shutdown a leader first publishes
+/// (counted as `errors_total{what="lease"}`) and retried after the next
+/// period. On shutdown a leader first publishes
 /// `false` and then releases the lease (empty holder,
 /// `leaseDurationSeconds: 1`) so a standby takes over at once rather than
 /// after the lease expires. Errors releasing are logged; the lease then
@@ -209,6 +213,7 @@ pub async fn run(
     client: Client,
     config: LeaseConfig,
     leader: watch::Sender<bool>,
+    metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()>,
 ) {
     leader.send_if_modified(|leading| std::mem::replace(leading, false));
@@ -221,6 +226,7 @@ pub async fn run(
         api: Api::namespaced(client, &config.namespace),
         config,
         leader,
+        metrics,
         memory: Memory::default(),
         leadership: None,
     };
@@ -351,6 +357,8 @@ struct Elector {
     api: Api<Lease>,
     config: LeaseConfig,
     leader: watch::Sender<bool>,
+    /// Counts failed lease requests (`errors_total{what="lease"}`).
+    metrics: Arc<Metrics>,
     memory: Memory,
     leadership: Option<Leadership>,
 }
@@ -535,6 +543,7 @@ impl Elector {
     }
 
     fn warn(&self, message: &str, error: &dyn std::fmt::Display) {
+        self.metrics.error("lease");
         tracing::warn!(
             identity = %self.config.identity,
             namespace = %self.config.namespace,

@@ -139,6 +139,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         client.clone(),
         lease_config,
         leader_tx,
+        metrics.clone(),
         stopped(),
     ));
     let writer = StatusWriter::new(client, index.clone(), metrics.clone(), identity);

@@ -33,7 +33,7 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         ERRORS,
         "counter",
-        "Failed API calls by what was attempted: status_patch, event, lease, watch.",
+        "Failed API calls by what was attempted (status_patch, event, lease, watch), and watched objects kvroute could not read (decode).",
     ),
     (
         STATUS_PATCHES,
@@ -128,7 +128,8 @@ impl Metrics {
         self.reconciles.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A failed API call; `what` is one of "status_patch", "event", "lease", "watch".
+    /// A failed API call, or an object that could not be read; `what` is
+    /// one of "status_patch", "event", "lease", "watch", "decode".
     pub fn error(&self, what: &'static str) {
         self.inc(ERRORS, "what", what);
     }

@@ -7,6 +7,15 @@
 //! namespaces, `reset_*_in` for one). Watch errors are logged and counted;
 //! the watcher's own backoff retries them.
 //!
+//! Objects are watched untyped (`DynamicObject`) and decoded one by one, so
+//! one object the API server accepted but kvroute's types cannot read (say,
+//! an `InferencePool` from a newer upstream CRD with a value kvroute does not
+//! know) cannot stall the watch of every other object, as it would if the
+//! whole list were decoded at once. Such an object is logged and counted
+//! (`errors_total{what="decode"}`), and the index keeps what it last read of
+//! it: routers keep routing on the last good spec rather than losing a pool
+//! to a typo-level incompatibility.
+//!
 //! Readiness: until every watch has its first list in, the index knows only
 //! part of the cluster, so [`run_watchers`] flips its `ready` flag only then;
 //! routers and the status writer wait for it. A later relist keeps the old
@@ -15,7 +24,6 @@
 //! Not here: deciding anything about the objects (the index), writing
 //! status, leader election.
 
-use std::fmt::Debug;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -23,6 +31,7 @@ use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
 use kube::{Api, Client, Resource};
@@ -63,22 +72,17 @@ impl Scope {
 }
 
 /// How objects of one watched kind reach the index.
-trait Watched:
-    Resource<DynamicType = (), Scope = NamespaceResourceScope>
-    + Clone
-    + DeserializeOwned
-    + Debug
-    + Send
-    + 'static
-{
+trait Watched: Resource<DynamicType = (), Scope = NamespaceResourceScope> + DeserializeOwned {
     /// The index's view of an object.
-    type Spec: Send;
+    type Spec: Clone + Send;
     const KIND: &'static str;
     fn convert(&self) -> Option<Self::Spec>;
     fn apply(index: &mut Index, spec: Self::Spec);
-    fn delete(index: &mut Index, spec: Self::Spec);
+    fn delete(index: &mut Index, namespace: &str, name: &str);
     /// Replaces the objects in `namespace` (all when `None`) with `specs`.
     fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<Self::Spec>);
+    /// What the index holds for `namespace/name`.
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<Self::Spec>;
 }
 
 impl Watched for InferencePool {
@@ -90,14 +94,17 @@ impl Watched for InferencePool {
     fn apply(index: &mut Index, spec: PoolSpec) {
         index.apply_pool(spec);
     }
-    fn delete(index: &mut Index, spec: PoolSpec) {
-        index.delete_pool(&spec.namespace, &spec.name);
+    fn delete(index: &mut Index, namespace: &str, name: &str) {
+        index.delete_pool(namespace, name);
     }
     fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<PoolSpec>) {
         match namespace {
             Some(ns) => index.reset_pools_in(ns, specs),
             None => index.reset_pools(specs),
         }
+    }
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<PoolSpec> {
+        index.pool(namespace, name).cloned()
     }
 }
 
@@ -110,14 +117,17 @@ impl Watched for CacheRoutingPolicy {
     fn apply(index: &mut Index, spec: PolicySpec) {
         index.apply_policy(spec);
     }
-    fn delete(index: &mut Index, spec: PolicySpec) {
-        index.delete_policy(&spec.namespace, &spec.name);
+    fn delete(index: &mut Index, namespace: &str, name: &str) {
+        index.delete_policy(namespace, name);
     }
     fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<PolicySpec>) {
         match namespace {
             Some(ns) => index.reset_policies_in(ns, specs),
             None => index.reset_policies(specs),
         }
+    }
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<PolicySpec> {
+        index.policy(namespace, name).cloned()
     }
 }
 
@@ -130,13 +140,35 @@ impl Watched for Pod {
     fn apply(index: &mut Index, spec: PodInfo) {
         index.apply_pod(spec);
     }
-    fn delete(index: &mut Index, spec: PodInfo) {
-        index.delete_pod(&spec.namespace, &spec.name);
+    fn delete(index: &mut Index, namespace: &str, name: &str) {
+        index.delete_pod(namespace, name);
     }
     fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<PodInfo>) {
         match namespace {
             Some(ns) => index.reset_pods_in(ns, specs),
             None => index.reset_pods(specs),
+        }
+    }
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<PodInfo> {
+        index.pod(namespace, name).cloned()
+    }
+}
+
+/// Decodes a watched object into `T` and then the index's view. `Ok(None)`
+/// for an object without a namespace or name (the API never sends one);
+/// `Err` for one `T` cannot read, after logging and counting it.
+fn decode<T: Watched>(object: DynamicObject, metrics: &Metrics) -> Result<Option<T::Spec>, ()> {
+    let (namespace, name) = (
+        object.metadata.namespace.clone(),
+        object.metadata.name.clone(),
+    );
+    match object.try_parse::<T>() {
+        Ok(typed) => Ok(typed.convert()),
+        Err(error) => {
+            metrics.error("decode");
+            tracing::warn!(kind = T::KIND, namespace = ?namespace, name = ?name, %error,
+                "cannot read the object; keeping what was last read of it");
+            Err(())
         }
     }
 }
@@ -209,40 +241,58 @@ async fn watch<T: Watched>(feed: Feed) {
         metrics,
         lists,
     } = feed;
-    let api: Api<T> = match &namespace {
-        Some(ns) => Api::namespaced(client, ns),
-        None => Api::all(client),
+    let resource = ApiResource::erase::<T>(&());
+    let api: Api<DynamicObject> = match &namespace {
+        Some(ns) => Api::namespaced_with(client, ns, &resource),
+        None => Api::all_with(client, &resource),
     };
     let mut events = watcher(api, watcher::Config::default())
         .default_backoff()
         .boxed();
     let lock = || index.lock().unwrap_or_else(PoisonError::into_inner);
-    // The objects of the (re)list in progress, between `Init` and `InitDone`.
+    // The objects of the (re)list in progress, between `Init` and `InitDone`,
+    // and the keys of those that could not be read.
     let mut relist = Vec::new();
+    let mut unreadable = Vec::new();
     let mut listed_once = false;
     while let Some(event) = events.next().await {
         match event {
             Ok(Event::Apply(o)) => {
-                if let Some(spec) = o.convert() {
+                if let Ok(Some(spec)) = decode::<T>(o, &metrics) {
                     T::apply(&mut lock(), spec);
                 }
             }
             Ok(Event::Delete(o)) => {
-                if let Some(spec) = o.convert() {
-                    T::delete(&mut lock(), spec);
+                if let (Some(ns), Some(name)) = (&o.metadata.namespace, &o.metadata.name) {
+                    T::delete(&mut lock(), ns, name);
                 }
             }
             Ok(Event::Init) => {
                 relist.clear();
+                unreadable.clear();
                 if listed_once {
                     metrics.watch_restart(T::KIND);
                 }
             }
-            Ok(Event::InitApply(o)) => relist.extend(o.convert()),
+            Ok(Event::InitApply(o)) => {
+                let key = (o.metadata.namespace.clone(), o.metadata.name.clone());
+                match decode::<T>(o, &metrics) {
+                    Ok(spec) => relist.extend(spec),
+                    Err(()) => unreadable.extend(key.0.zip(key.1)),
+                }
+            }
             Ok(Event::InitDone) => {
-                let listed = std::mem::take(&mut relist);
+                let mut listed = std::mem::take(&mut relist);
+                let mut index = lock();
+                // Unreadable objects keep their last readable version.
+                listed.extend(
+                    unreadable
+                        .drain(..)
+                        .filter_map(|(ns, name)| T::current(&index, &ns, &name)),
+                );
                 tracing::info!(kind = T::KIND, namespace = ?namespace, objects = listed.len(), "listed");
-                T::reset(&mut lock(), namespace.as_deref(), listed);
+                T::reset(&mut index, namespace.as_deref(), listed);
+                drop(index);
                 if !listed_once {
                     listed_once = true;
                     lists.done();

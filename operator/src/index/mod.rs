@@ -107,6 +107,21 @@ impl Index {
         self.changes.subscribe()
     }
 
+    /// Pool `namespace/name`, if the index has it.
+    pub fn pool(&self, namespace: &str, name: &str) -> Option<&PoolSpec> {
+        self.pools.get(namespace, name)
+    }
+
+    /// Policy `namespace/name`, if the index has it.
+    pub fn policy(&self, namespace: &str, name: &str) -> Option<&PolicySpec> {
+        self.policies.get(namespace, name)
+    }
+
+    /// Pod `namespace/name`, if the index has it.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<&PodInfo> {
+        self.pods.get(namespace, name)
+    }
+
     /// Every pool, by namespace and name.
     pub fn pools(&self) -> impl Iterator<Item = &PoolSpec> {
         self.pools.iter().map(|(_, _, pool)| pool)

@@ -2,6 +2,7 @@
 //! request is asserted (tower-test, on tokio's paused clock); and two
 //! replicas against the stateful fake API server, in real time.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
@@ -281,7 +282,7 @@ impl Scripted {
         let (leader_tx, leader) = watch::channel(false);
         let (stop, stopped) = oneshot::channel::<()>();
         let config = LeaseConfig::new("ns", "kvroute-operator", ME);
-        let task = tokio::spawn(run(client, config, leader_tx, async {
+        let task = tokio::spawn(run(client, config, leader_tx, Arc::default(), async {
             let _ = stopped.await;
         }));
         Scripted {
@@ -581,9 +582,15 @@ impl Replica {
         };
         let (leader_tx, leader) = watch::channel(false);
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(run(client.clone(), config, leader_tx, async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(run(
+            client.clone(),
+            config,
+            leader_tx,
+            Arc::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Replica {
             identity,
             leader,
