@@ -131,13 +131,12 @@ impl EndpointDiscovery for Discovery {
         }
         let mut ready = self.ready.clone();
         let mut stop = self.stop.subscribe();
-        tokio::select! {
-            listed = ready.wait_for(|r| *r) => if listed.is_err() {
-                return Err(Status::unavailable("the operator is shutting down"));
-            },
-            _ = stop.wait_for(|s| *s) => {
-                return Err(Status::unavailable("the operator is shutting down"));
-            }
+        let listed = tokio::select! {
+            listed = ready.wait_for(|r| *r) => listed.is_ok(),
+            _ = stop.wait_for(|s| *s) => false,
+        };
+        if !listed {
+            return Err(Status::unavailable("the operator is shutting down"));
         }
         // The index stays consistent across a panic elsewhere (each call
         // publishes whole states), so a poisoned lock is still usable.

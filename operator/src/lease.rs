@@ -36,6 +36,7 @@ use kube::api::{ObjectMeta, PostParams};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use crate::metrics::Metrics;
 
@@ -210,6 +211,22 @@ fn identity_from(pod_name: Option<String>, hostname: Option<String>, pid: u32) -
 /// With an invalid config (see [`LeaseConfig::validate`]) it logs the error
 /// and only waits for `shutdown`, never leading.
 pub async fn run(
+    client: Client,
+    config: LeaseConfig,
+    leader: watch::Sender<bool>,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()>,
+) {
+    // Every log line of the elector names the lease and the identity.
+    let span = tracing::info_span!("lease", identity = %config.identity,
+        namespace = %config.namespace, lease = %config.name);
+    campaign(client, config, leader, metrics, shutdown)
+        .instrument(span)
+        .await;
+}
+
+/// [`run`], inside its span.
+async fn campaign(
     client: Client,
     config: LeaseConfig,
     leader: watch::Sender<bool>,
@@ -454,12 +471,7 @@ impl Elector {
             .leader
             .send_if_modified(|l| !std::mem::replace(l, true))
         {
-            tracing::info!(
-                identity = %self.config.identity,
-                namespace = %self.config.namespace,
-                lease = %self.config.name,
-                "acquired leadership"
-            );
+            tracing::info!("acquired leadership");
         }
     }
 
@@ -471,9 +483,6 @@ impl Elector {
             .send_if_modified(|l| std::mem::replace(l, false))
         {
             tracing::info!(
-                identity = %self.config.identity,
-                namespace = %self.config.namespace,
-                lease = %self.config.name,
                 %reason,
                 "lost leadership"
             );
@@ -531,12 +540,7 @@ impl Elector {
         // longer for the release only delays shutdown.
         let deadline = renewed_at + self.config.renew_deadline();
         match tokio::time::timeout_at(deadline, self.replace(&lease)).await {
-            Ok(Ok(_)) => tracing::info!(
-                identity = %self.config.identity,
-                namespace = %self.config.namespace,
-                lease = %self.config.name,
-                "released the lease"
-            ),
+            Ok(Ok(_)) => tracing::info!("released the lease"),
             Ok(Err(error)) => self.warn("releasing the lease failed", &error),
             Err(_) => self.warn("releasing the lease failed", &"no answer in time"),
         }
@@ -545,9 +549,6 @@ impl Elector {
     fn warn(&self, message: &str, error: &dyn std::fmt::Display) {
         self.metrics.error("lease");
         tracing::warn!(
-            identity = %self.config.identity,
-            namespace = %self.config.namespace,
-            lease = %self.config.name,
             %error,
             "{message}"
         );

@@ -7,7 +7,7 @@
 
 /// An object's `metadata.uid`, `metadata.resourceVersion` and `status` as
 /// last watched.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Observed<S> {
     /// `metadata.uid`, for the Events that name the object.
     pub uid: Option<String>,
@@ -16,15 +16,4 @@ pub struct Observed<S> {
     pub resource_version: Option<String>,
     /// The object's status, if it has one.
     pub status: Option<S>,
-}
-
-// Not derived: a derive would ask `S: Default`.
-impl<S> Default for Observed<S> {
-    fn default() -> Self {
-        Observed {
-            uid: None,
-            resource_version: None,
-            status: None,
-        }
-    }
 }
