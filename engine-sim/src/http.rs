@@ -66,6 +66,8 @@ pub fn router(app: Arc<App>) -> Router {
                 "Not Found".to_owned(),
             )
         })
+        // vLLM (uvicorn) sets no body limit; neither does the sim.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(app)
 }
 

@@ -27,6 +27,8 @@ pub struct Config {
     pub tenancy: Tenancy,
     /// Limits and timeouts.
     pub limits: Limits,
+    /// What is proxied and which headers pass.
+    pub proxy: Proxy,
     /// Retries and outlier ejection.
     pub resilience: Resilience,
     /// Logs, traces and headers.
@@ -42,6 +44,7 @@ impl Default for Config {
             routing: Routing::default(),
             tenancy: Tenancy::default(),
             limits: Limits::default(),
+            proxy: Proxy::default(),
             resilience: Resilience::default(),
             telemetry: Telemetry::default(),
         }
@@ -170,11 +173,14 @@ pub enum ClientSalt {
 pub struct Tenancy {
     /// `shared` or `salted`. Default: shared.
     pub mode: TenancyMode,
-    /// A header an authenticating gateway sets to the tenant. Trusted as
-    /// is: only set it when clients cannot reach the router directly.
+    /// A header naming the tenant. Without `apiKeysFile` it is the sole
+    /// source and trusted as is (an authenticating gateway sets it; clients
+    /// must not reach the router directly). With `apiKeysFile` it may only
+    /// repeat the key's tenant: another tenant is 403.
     pub tenant_header: Option<String>,
     /// A YAML map of API key → tenant (a mounted Secret); the key comes
-    /// from `Authorization: Bearer <key>`.
+    /// from `Authorization: Bearer <key>`. When set, every request needs a
+    /// valid key (401 without one) and its tenant is the key's.
     pub api_keys_file: Option<PathBuf>,
     /// The HMAC-SHA256 key salting tenants' caches (a mounted Secret).
     /// Required in salted mode.
@@ -190,6 +196,34 @@ pub struct Tenancy {
 pub struct Limits {
     /// Largest request body, bytes. Default: 32 MiB.
     pub max_body_bytes: usize,
+    /// Request bodies held in memory at once, bytes; a request that would
+    /// exceed it gets 503 with `Retry-After`. Default: 512 MiB.
+    pub max_body_bytes_in_flight: usize,
+    /// Prompts waiting for a tokenizer worker; more get 503 with
+    /// `Retry-After`. Default: 1024.
+    pub tokenize_queue: usize,
+    /// Client connections to the API port; more are closed at once (the
+    /// admin port is separate and unaffected). Lowered at start to fit the
+    /// process's file-descriptor limit. Default: 10000.
+    pub max_connections: usize,
+    /// Time to receive a request's headers, milliseconds; on HTTP/1 also
+    /// how long a keep-alive connection may wait for its next request.
+    /// Default: 30000.
+    pub header_read_timeout_ms: u64,
+    /// A connection with no request in progress is closed after this long,
+    /// milliseconds. Default: 60000.
+    pub idle_timeout_ms: u64,
+    /// Time to receive a request's whole body once its headers arrived,
+    /// milliseconds; 408 after it. Default: 60000.
+    pub body_read_timeout_ms: u64,
+    /// Concurrent HTTP/2 streams per connection. Default: 256.
+    pub http2_max_concurrent_streams: u32,
+    /// HTTP/2 streams a client may reset before the server accepts them
+    /// ("rapid reset"); more close the connection. Default: 20.
+    pub http2_max_pending_accept_reset_streams: usize,
+    /// HTTP/2 streams the server may reset because of client errors;
+    /// more close the connection. Default: 1024.
+    pub http2_max_local_error_reset_streams: usize,
     /// Requests in flight per endpoint before it counts as full. Default:
     /// 256.
     pub endpoint_concurrency: u32,
@@ -212,6 +246,15 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_body_bytes: 32 << 20,
+            max_body_bytes_in_flight: 512 << 20,
+            tokenize_queue: 1024,
+            max_connections: 10_000,
+            header_read_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            body_read_timeout_ms: 60_000,
+            http2_max_concurrent_streams: 256,
+            http2_max_pending_accept_reset_streams: 20,
+            http2_max_local_error_reset_streams: 1024,
             endpoint_concurrency: 256,
             queue_size: 1024,
             queue_timeout_ms: 5000,
@@ -235,6 +278,11 @@ pub struct Resilience {
     pub ejection_base_ms: u64,
     /// Longest ejection, milliseconds. Default: 300000.
     pub ejection_max_ms: u64,
+    /// Largest share of endpoints ejected at once, percent; further
+    /// ejections are refused (and counted). Default: 50.
+    pub max_ejected_percent: u32,
+    /// Active health checks; `null` turns them off.
+    pub health_check: Option<HealthCheck>,
 }
 
 impl Default for Resilience {
@@ -244,6 +292,73 @@ impl Default for Resilience {
             eject_after_failures: 3,
             ejection_base_ms: 5000,
             ejection_max_ms: 300_000,
+            max_ejected_percent: 50,
+            health_check: Some(HealthCheck::default()),
+        }
+    }
+}
+
+/// Active health checks: `GET path` on every endpoint every `intervalMs`.
+/// A check fails on a connect error, a non-2xx status or no answer within
+/// `timeoutMs`; `unhealthyThreshold` failures in a row eject the endpoint
+/// until a check passes, and a passing check restores any ejected endpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct HealthCheck {
+    /// The path. Default: `/health` (vLLM's).
+    pub path: String,
+    /// Milliseconds between checks. Default: 5000.
+    pub interval_ms: u64,
+    /// Milliseconds a check may take. Default: 2000.
+    pub timeout_ms: u64,
+    /// Failed checks in a row that eject. Default: 2.
+    pub unhealthy_threshold: u32,
+}
+
+impl Default for HealthCheck {
+    fn default() -> Self {
+        HealthCheck {
+            path: "/health".into(),
+            interval_ms: 5000,
+            timeout_ms: 2000,
+            unhealthy_threshold: 2,
+        }
+    }
+}
+
+/// What the API port proxies, and which client headers reach the engines.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Proxy {
+    /// `POST` paths proxied to the engines; any other is 404. Default: the
+    /// OpenAI inference APIs ([`DEFAULT_ALLOWED_PATHS`]). Engine admin
+    /// APIs such as vLLM's `/v1/load_lora_adapter` only when listed.
+    pub allowed_paths: Vec<String>,
+    /// Forward the client's `Authorization` header (the router's own API
+    /// key when `tenancy.apiKeysFile` is set). Default: false.
+    pub forward_authorization: bool,
+    /// Forward `tenancy.tenantHeader`. Default: false.
+    pub forward_tenant_header: bool,
+}
+
+/// The paths proxied by default: the OpenAI inference APIs vLLM serves.
+pub const DEFAULT_ALLOWED_PATHS: [&str; 8] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/rerank",
+    "/v1/score",
+];
+
+impl Default for Proxy {
+    fn default() -> Self {
+        Proxy {
+            allowed_paths: DEFAULT_ALLOWED_PATHS.map(str::to_owned).to_vec(),
+            forward_authorization: false,
+            forward_tenant_header: false,
         }
     }
 }
@@ -346,6 +461,63 @@ impl Config {
         }
         if self.limits.max_body_bytes == 0 {
             return Err(invalid("limits.maxBodyBytes", &0, "must be at least 1"));
+        }
+        for (field, value) in [
+            ("limits.maxBodyBytesInFlight", self.limits.max_body_bytes_in_flight),
+            ("limits.maxConnections", self.limits.max_connections),
+            ("limits.headerReadTimeoutMs", self.limits.header_read_timeout_ms as usize),
+            ("limits.idleTimeoutMs", self.limits.idle_timeout_ms as usize),
+            ("limits.bodyReadTimeoutMs", self.limits.body_read_timeout_ms as usize),
+            (
+                "limits.http2MaxConcurrentStreams",
+                self.limits.http2_max_concurrent_streams as usize,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, &0, "must be at least 1"));
+            }
+        }
+        if self.limits.max_body_bytes_in_flight < self.limits.max_body_bytes {
+            return Err(invalid(
+                "limits.maxBodyBytesInFlight",
+                &self.limits.max_body_bytes_in_flight,
+                "must be at least limits.maxBodyBytes",
+            ));
+        }
+        if self.resilience.max_ejected_percent > 100 {
+            return Err(invalid(
+                "resilience.maxEjectedPercent",
+                &self.resilience.max_ejected_percent,
+                "must be between 0 and 100",
+            ));
+        }
+        if let Some(h) = &self.resilience.health_check {
+            if !h.path.starts_with('/') {
+                return Err(invalid(
+                    "resilience.healthCheck.path",
+                    &h.path,
+                    "must start with /",
+                ));
+            }
+            if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_threshold == 0 {
+                return Err(invalid(
+                    "resilience.healthCheck",
+                    &format!(
+                        "intervalMs {}, timeoutMs {}, unhealthyThreshold {}",
+                        h.interval_ms, h.timeout_ms, h.unhealthy_threshold
+                    ),
+                    "every value must be at least 1",
+                ));
+            }
+        }
+        for path in &self.proxy.allowed_paths {
+            if !path.starts_with("/v1/") || path.parse::<axum::http::Uri>().is_err() {
+                return Err(invalid(
+                    "proxy.allowedPaths",
+                    path,
+                    "must be a path under /v1/",
+                ));
+            }
         }
         if self.limits.endpoint_concurrency == 0 {
             return Err(invalid(

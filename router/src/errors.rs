@@ -12,9 +12,18 @@ pub enum ApiError {
     /// Malformed JSON or a missing or mistyped field.
     #[error("{0}")]
     BadRequest(String),
-    /// Salted tenancy and no authenticated tenant.
+    /// No valid credentials, or none where a tenant is required.
     #[error("{0}")]
     Unauthenticated(String),
+    /// Valid credentials that do not allow what the request claims.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The client did not send its body in time.
+    #[error("the request body did not arrive within {ms} ms")]
+    BodyTimeout {
+        /// The limit.
+        ms: u64,
+    },
     /// No such model or path.
     #[error("{0}")]
     NotFound(String),
@@ -37,9 +46,16 @@ pub enum ApiError {
         /// Seconds to wait.
         retry_after: u64,
     },
+    /// Request bodies in memory are at `limits.maxBodyBytesInFlight`, or
+    /// the tokenizer queue is full.
+    #[error("the router is at its limit for {0}; retry later")]
+    Saturated(&'static str, u64),
     /// Every attempt failed before a response.
     #[error("upstream failed: {0}")]
     Upstream(String),
+    /// A fault of the router itself.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The engine took too long to answer.
     #[error("upstream timed out: {0}")]
     Timeout(String),
@@ -51,11 +67,15 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Saturated(..) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -65,11 +85,15 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
             ApiError::Unauthenticated(_) => ("authentication_error", "unauthenticated"),
+            ApiError::Forbidden(_) => ("permission_error", "forbidden"),
+            ApiError::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
+            ApiError::Saturated(..) => ("server_error", "router_saturated"),
             ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
             ApiError::TooLarge { .. } => ("invalid_request_error", "request_too_large"),
             ApiError::Overloaded { .. } => ("rate_limit_error", "overloaded"),
             ApiError::Unavailable { .. } => ("server_error", "no_ready_endpoint"),
             ApiError::Upstream(_) => ("server_error", "upstream_error"),
+            ApiError::Internal(_) => ("server_error", "internal_error"),
             ApiError::Timeout(_) => ("server_error", "upstream_timeout"),
         }
     }
@@ -89,9 +113,9 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let retry_after = match self {
-            ApiError::Overloaded { retry_after } | ApiError::Unavailable { retry_after } => {
-                Some(retry_after)
-            }
+            ApiError::Overloaded { retry_after }
+            | ApiError::Unavailable { retry_after }
+            | ApiError::Saturated(_, retry_after) => Some(retry_after),
             _ => None,
         };
         let mut response = (self.status(), axum::Json(self.body())).into_response();
@@ -114,10 +138,14 @@ mod tests {
             (ApiError::BadRequest("x".into()), 400),
             (ApiError::Unauthenticated("x".into()), 401),
             (ApiError::NotFound("x".into()), 404),
+            (ApiError::Forbidden("x".into()), 403),
+            (ApiError::BodyTimeout { ms: 1 }, 408),
+            (ApiError::Saturated("request bodies", 1), 503),
             (ApiError::TooLarge { limit: 1 }, 413),
             (ApiError::Overloaded { retry_after: 2 }, 429),
             (ApiError::Unavailable { retry_after: 3 }, 503),
             (ApiError::Upstream("x".into()), 502),
+            (ApiError::Internal("x".into()), 500),
             (ApiError::Timeout("x".into()), 504),
         ];
         for (err, status) in cases {

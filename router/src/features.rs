@@ -46,15 +46,18 @@ pub struct Features {
     pub cache_salt: Option<String>,
 }
 
-/// Parses `body` as a JSON object. Chat and completions bodies must be one;
-/// other APIs may carry anything (`Ok(None)` when it is not JSON).
-pub fn parse(api: Api, body: &[u8]) -> Result<Option<Map<String, Value>>, ApiError> {
+/// Parses `body` as a JSON object. Chat and completions bodies must be one,
+/// and so must every body when `strict` (salted tenancy: a body the router
+/// cannot read could carry a `cache_salt` the engine reads); other APIs may
+/// carry anything (`Ok(None)` when it is not JSON).
+pub fn parse(api: Api, body: &[u8], strict: bool) -> Result<Option<Map<String, Value>>, ApiError> {
+    let strict = strict || api != Api::Other;
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(obj)) => Ok(Some(obj)),
-        Ok(_) if api != Api::Other => Err(ApiError::BadRequest(
+        Ok(_) if strict => Err(ApiError::BadRequest(
             "the request body must be a JSON object".into(),
         )),
-        Err(e) if api != Api::Other => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
+        Err(e) if strict => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
         _ => Ok(None),
     }
 }
@@ -198,14 +201,18 @@ mod tests {
     fn bad_bodies_are_400_and_unknown_content_routes_without_a_chain() {
         let s = settings();
         assert!(matches!(
-            parse(Api::Chat, b"{oops"),
+            parse(Api::Chat, b"{oops", false),
             Err(ApiError::BadRequest(_))
         ));
         assert!(matches!(
-            parse(Api::Completion, b"[1]"),
+            parse(Api::Completion, b"[1]", false),
             Err(ApiError::BadRequest(_))
         ));
-        assert!(parse(Api::Other, b"not json").unwrap().is_none());
+        assert!(parse(Api::Other, b"not json", false).unwrap().is_none());
+        assert!(
+            matches!(parse(Api::Other, b"{\"x\": NaN}", true), Err(ApiError::BadRequest(_))),
+            "salted: every body must be readable"
+        );
         let no_messages = obj(json!({"model": "m"}));
         assert!(prompt_tokens(Api::Chat, &no_messages, &s).is_err());
         let image = obj(

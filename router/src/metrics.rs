@@ -13,7 +13,27 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "kvroute_requests_total",
         "counter",
-        "Requests answered, by model and HTTP status.",
+        "Requests answered, by model (a served model, else unknown) and status: the HTTP status, stream_error when the engine's stream broke mid-way, 499 when the client left first.",
+    ),
+    (
+        "kvroute_ejections_total",
+        "counter",
+        "Endpoints ejected, by the fault that tipped them: connect, status, timeout, stream, health_check.",
+    ),
+    (
+        "kvroute_ejections_refused_total",
+        "counter",
+        "Ejections not made because resilience.maxEjectedPercent of the endpoints were already ejected, by fault.",
+    ),
+    (
+        "kvroute_restorations_total",
+        "counter",
+        "Ejected endpoints restored, by reason: expired (on probation) or health_check.",
+    ),
+    (
+        "kvroute_connections_refused_total",
+        "counter",
+        "Client connections closed on accept, by listener and reason: max_connections, accept_error.",
     ),
     (
         "kvroute_routing_decisions_total",
@@ -155,8 +175,20 @@ impl Metrics {
     /// The exposition text, with the pool's gauges.
     pub fn render(&self, pool: &Pool) -> String {
         let mut samples: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        let endpoints = pool.status();
         {
-            let r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            // Series of endpoints that left the pool go with them.
+            let present: Vec<String> = endpoints
+                .iter()
+                .map(|e| labels(&[("endpoint", &e.name)]))
+                .collect();
+            r.counters.retain(|(_, l), _| {
+                !l.starts_with("endpoint=")
+                    || present
+                        .iter()
+                        .any(|p| l == p || l.strip_prefix(p.as_str()).is_some_and(|t| t.starts_with(',')))
+            });
             for ((name, l), v) in &r.counters {
                 samples
                     .entry(name)
@@ -179,7 +211,7 @@ impl Metrics {
                 out.push(format!("{name}_count{l} {}", h.count));
             }
         }
-        for e in pool.status() {
+        for e in endpoints {
             let l = labels(&[("endpoint", &e.name)]);
             let mut gauge = |name: &'static str, v: String| {
                 samples
@@ -247,7 +279,14 @@ mod tests {
             1.0,
         );
         m.observe("kvroute_decision_seconds", &[], 0.002);
-        let pool = Pool::new(PolicyConfig::default(), Resilience::default(), 8, 16, None);
+        let pool = Pool::new(
+            PolicyConfig::default(),
+            &Resilience::default(),
+            Default::default(),
+            8,
+            16,
+            None,
+        );
         let text = m.render(&pool);
         assert!(
             text.contains("kvroute_requests_total{model=\"m\\\"x\",status=\"200\"} 2\n"),

@@ -9,8 +9,6 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
-
 use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
 use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, PolicyConfig, Reason, Request};
@@ -18,9 +16,16 @@ use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::{Slot, Slots};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
 use crate::config::Resilience;
+use crate::health::{self, Event, Fault, Outlier};
+use crate::metrics::Metrics;
+
+/// The clock the health state machine is given: tokio's, so tests can
+/// pause it.
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
 
 /// An endpoint as discovery describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,19 +64,11 @@ impl StreamState {
     }
 }
 
-#[derive(Debug, Default)]
-struct Health {
-    consecutive_failures: u32,
-    ejections: u32,
-    ejected_until: Option<Instant>,
-}
-
 #[derive(Debug)]
 struct Member {
     spec: EndpointSpec,
     slot: Slot,
     id: u64,
-    health: Health,
     stream: StreamState,
     /// Distinguishes this member's watcher from an older one of the same
     /// name.
@@ -125,6 +122,7 @@ struct Inner {
     load: LoadTracker,
     policy: Box<dyn Policy>,
     policy_config: PolicyConfig,
+    outlier: Outlier,
     /// For requests without a readable prompt.
     least_loaded: LeastLoaded,
     generations: u64,
@@ -135,7 +133,7 @@ struct Inner {
 /// A pool. See the module docs.
 pub struct Pool {
     inner: Mutex<Inner>,
-    resilience: Resilience,
+    metrics: Arc<Metrics>,
     concurrency: u32,
     block_tokens: u64,
     spawner: Option<WatcherSpawner>,
@@ -179,11 +177,22 @@ impl Pool {
     /// that feed the index by hand).
     pub fn new(
         policy: PolicyConfig,
-        resilience: Resilience,
+        resilience: &Resilience,
+        metrics: Arc<Metrics>,
         concurrency: u32,
         block_tokens: u64,
         spawner: Option<WatcherSpawner>,
     ) -> Arc<Self> {
+        let outlier = Outlier::new(health::Config {
+            eject_after_failures: resilience.eject_after_failures,
+            base: std::time::Duration::from_millis(resilience.ejection_base_ms),
+            max: std::time::Duration::from_millis(resilience.ejection_max_ms),
+            max_ejected_percent: resilience.max_ejected_percent,
+            unhealthy_threshold: resilience
+                .health_check
+                .as_ref()
+                .map_or(u32::MAX, |c| c.unhealthy_threshold),
+        });
         Arc::new(Pool {
             inner: Mutex::new(Inner {
                 members: BTreeMap::new(),
@@ -192,11 +201,12 @@ impl Pool {
                 load: LoadTracker::new(),
                 policy: policy.build(),
                 policy_config: policy,
+                outlier,
                 least_loaded: LeastLoaded::default(),
                 generations: 0,
                 exact: false,
             }),
-            resilience,
+            metrics,
             concurrency,
             block_tokens,
             spawner,
@@ -218,11 +228,11 @@ impl Pool {
     /// Routable endpoints right now (ejections expire on their own).
     pub fn routable(&self) -> usize {
         let inner = self.lock();
-        let now = Instant::now();
+        let now = now();
         inner
             .members
             .values()
-            .filter(|m| Self::is_routable(m, now))
+            .filter(|m| inner.is_routable(m, now))
             .count()
     }
 
@@ -281,7 +291,6 @@ impl Pool {
                     id: endpoint_id(&name),
                     spec,
                     slot,
-                    health: Health::default(),
                     stream,
                     generation,
                     watcher,
@@ -289,6 +298,10 @@ impl Pool {
             );
         }
         inner.exact = inner.members.values().any(|m| m.spec.cache.is_some());
+        let Inner {
+            members, outlier, ..
+        } = &mut *inner;
+        outlier.set_endpoints(members.keys().map(String::as_str));
         self.publish_ready(&inner);
     }
 
@@ -301,16 +314,12 @@ impl Pool {
         }
     }
 
-    fn is_routable(m: &Member, now: Instant) -> bool {
-        m.spec.ready && !m.spec.draining && m.health.ejected_until.is_none_or(|t| t <= now)
-    }
-
     fn publish_ready(&self, inner: &Inner) {
-        let now = Instant::now();
+        let now = now();
         let n = inner
             .members
             .values()
-            .filter(|m| Self::is_routable(m, now))
+            .filter(|m| inner.is_routable(m, now))
             .count();
         self.ready
             .send_if_modified(|r| std::mem::replace(r, n) != n);
@@ -323,11 +332,11 @@ impl Pool {
     /// request: it then goes to the least loaded endpoint instead.
     pub fn plan(&self, request: &Request<'_>, readable: bool) -> Plan {
         let mut inner = self.lock();
-        let now = Instant::now();
+        let now = now();
         let candidates: Vec<(Endpoint, Target)> = inner
             .members
             .values()
-            .filter(|m| Self::is_routable(m, now))
+            .filter(|m| inner.is_routable(m, now))
             .map(|m| {
                 (
                     Endpoint {
@@ -375,7 +384,15 @@ impl Pool {
     }
 
     /// Counts a request sent to `target` and lets the policy learn it.
-    pub fn start(&self, request: &Request<'_>, target: &Target, uncached_tokens: u64) -> Ticket {
+    /// The count ends when the returned guard is dropped, however the
+    /// request ends: completion, error, client disconnect, stream reset or
+    /// timeout.
+    pub fn start(
+        self: &Arc<Self>,
+        request: &Request<'_>,
+        target: &Target,
+        uncached_tokens: u64,
+    ) -> InFlight {
         let mut inner = self.lock();
         let load = inner.load.load(target.slot);
         let endpoint = Endpoint {
@@ -384,79 +401,89 @@ impl Pool {
             load,
         };
         inner.policy.routed(request, &endpoint);
-        inner.load.start(target.slot, uncached_tokens)
+        InFlight {
+            pool: self.clone(),
+            ticket: Some(inner.load.start(target.slot, uncached_tokens)),
+        }
     }
 
-    /// The request's first response byte arrived.
-    pub fn first_token(&self, ticket: &mut Ticket) {
-        self.lock().load.first_token(ticket);
-    }
-
-    /// The request ended.
-    pub fn finish(&self, ticket: Ticket) {
-        self.lock().load.finish(ticket);
-        self.released.notify_waiters();
-    }
-
-    /// Resolves at the next [`finish`](Self::finish) after it is enabled.
+    /// Resolves at the next end of a request after it is enabled.
     pub fn released(&self) -> tokio::sync::futures::Notified<'_> {
         self.released.notified()
     }
 
-    /// The endpoint answered well: its failure count resets.
+    /// The endpoint answered well.
     pub fn succeeded(&self, name: &str) {
-        let mut inner = self.lock();
-        if let Some(m) = inner.members.get_mut(name) {
-            m.health.consecutive_failures = 0;
-            // A good answer after re-admission ends the probation.
-            if m.health.ejected_until.is_none_or(|t| t <= Instant::now()) {
-                m.health.ejected_until = None;
-                m.health.ejections = 0;
-            }
-        }
+        let events = self.lock().outlier.success(name, now());
+        self.record(&events);
     }
 
-    /// The endpoint failed (connect error, 5xx, a broken stream). After
-    /// `eject_after_failures` in a row it is ejected for
-    /// `ejection_base × 2^(ejections − 1)` (capped); when that passes it
-    /// is routable again on probation: one more failure ejects it for
-    /// twice as long. Returns whether it was ejected now.
-    pub fn failed(&self, name: &str) -> bool {
+    /// The endpoint failed by its own fault (see [`health`]). Returns
+    /// whether it was ejected now.
+    pub fn failed(&self, name: &str, fault: Fault) -> bool {
         let mut inner = self.lock();
-        let r = &self.resilience;
-        let Some(m) = inner.members.get_mut(name) else {
-            return false;
-        };
-        let now = Instant::now();
-        if m.health.ejected_until.is_some_and(|t| t <= now) {
-            // Back from ejection: one failure is enough.
-            m.health.ejected_until = None;
-            m.health.consecutive_failures = r.eject_after_failures - 1;
-        }
-        m.health.consecutive_failures += 1;
-        let eject = m.health.consecutive_failures >= r.eject_after_failures
-            && m.health.ejected_until.is_none();
-        if eject {
-            m.health.ejections += 1;
-            let factor = 1u64 << (m.health.ejections - 1).min(20);
-            let ms = r
-                .ejection_base_ms
-                .saturating_mul(factor)
-                .min(r.ejection_max_ms);
-            m.health.ejected_until = Some(now + Duration::from_millis(ms));
-            m.health.consecutive_failures = 0;
-        }
+        let events = inner.outlier.failure(name, fault, now());
         self.publish_ready(&inner);
-        eject
+        drop(inner);
+        self.record(&events)
     }
 
-    /// The endpoint broke mid-response: it is ejected at once.
-    pub fn broke(&self, name: &str) {
-        for _ in 0..self.resilience.eject_after_failures {
-            if self.failed(name) {
-                return;
+    /// An active health check of `name` passed or failed.
+    pub fn checked(&self, name: &str, passed: bool) {
+        let mut inner = self.lock();
+        let events = inner.outlier.check(name, passed, now());
+        self.publish_ready(&inner);
+        drop(inner);
+        self.record(&events);
+    }
+
+    /// Ends the ejections whose time has passed.
+    pub fn tick(&self) {
+        let mut inner = self.lock();
+        let events = inner.outlier.tick(now());
+        self.publish_ready(&inner);
+        drop(inner);
+        self.record(&events);
+    }
+
+    /// Logs and counts health events; returns whether one was an ejection.
+    fn record(&self, events: &[Event]) -> bool {
+        let mut ejected = false;
+        for event in events {
+            match event {
+                Event::Ejected {
+                    endpoint,
+                    fault,
+                    duration,
+                } => {
+                    ejected = true;
+                    let ms = duration.map(|d| d.as_millis() as u64);
+                    tracing::warn!(%endpoint, reason = fault.as_str(), ejected_for_ms = ms, "endpoint ejected");
+                    self.metrics.inc(
+                        "kvroute_ejections_total",
+                        &[("reason", fault.as_str())],
+                        1.0,
+                    );
+                }
+                Event::Refused { endpoint, fault } => {
+                    tracing::warn!(%endpoint, reason = fault.as_str(), "endpoint not ejected: the ejected share is at resilience.maxEjectedPercent");
+                    self.metrics.inc(
+                        "kvroute_ejections_refused_total",
+                        &[("reason", fault.as_str())],
+                        1.0,
+                    );
+                }
+                Event::Restored { endpoint, why } => {
+                    tracing::info!(%endpoint, reason = why.as_str(), "endpoint restored");
+                    self.metrics.inc(
+                        "kvroute_restorations_total",
+                        &[("reason", why.as_str())],
+                        1.0,
+                    );
+                }
             }
         }
+        ejected
     }
 
     /// Applies one WatchCache event for the watcher `(name, generation)`.
@@ -514,7 +541,7 @@ impl Pool {
     /// Every endpoint's status.
     pub fn status(&self) -> Vec<EndpointStatus> {
         let inner = self.lock();
-        let now = Instant::now();
+        let now = now();
         inner
             .members
             .values()
@@ -525,7 +552,7 @@ impl Pool {
                     http: m.spec.http.to_string(),
                     ready: m.spec.ready,
                     draining: m.spec.draining,
-                    ejected: m.health.ejected_until.is_some_and(|t| t > now),
+                    ejected: inner.outlier.is_ejected(&m.spec.name, now),
                     stream: m.stream.as_str(),
                     in_flight: load.in_flight,
                     prefill_tokens: load.prefill_tokens,
@@ -540,9 +567,51 @@ impl Pool {
         self.lock().index.entries()
     }
 
+    /// Every endpoint's name and HTTP address, routable or not.
+    pub fn members(&self) -> Vec<(String, SocketAddr)> {
+        self.lock()
+            .members
+            .values()
+            .map(|m| (m.spec.name.clone(), m.spec.http))
+            .collect()
+    }
+
     /// The HTTP addresses of every endpoint, routable or not.
     pub fn addresses(&self) -> Vec<SocketAddr> {
         self.lock().members.values().map(|m| m.spec.http).collect()
+    }
+}
+
+impl Inner {
+    fn is_routable(&self, m: &Member, now: std::time::Instant) -> bool {
+        m.spec.ready && !m.spec.draining && !self.outlier.is_ejected(&m.spec.name, now)
+    }
+}
+
+/// A request counted against its endpoint's load. Dropping it ends the
+/// count, so no path (an error, a client that goes away mid-request, a
+/// reset stream, a timeout) can leak load.
+#[derive(Debug)]
+pub struct InFlight {
+    pool: Arc<Pool>,
+    ticket: Option<Ticket>,
+}
+
+impl InFlight {
+    /// The request's first response byte arrived: its prefill is done.
+    pub fn first_token(&mut self) {
+        if let Some(t) = self.ticket.as_mut() {
+            self.pool.lock().load.first_token(t);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.pool.lock().load.finish(t);
+            self.pool.released.notify_waiters();
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! the next ones while no response byte has been received. The response
 //! streams back frame by frame as the engine sends it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use axum::http::request::Parts;
 use axum::http::{Request, Response, StatusCode, Uri};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::stream;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -22,25 +22,35 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_core::hash::BlockExtras;
-use kvroute_core::keys::KeyInput;
-use kvroute_core::load::Ticket;
+use kvroute_core::keys::{KeyInput, RoutingKey};
 use kvroute_core::policy::Request as RouteRequest;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::config::Limits;
+use crate::config::{Config, Limits};
 use crate::errors::ApiError;
 use crate::features::{self, Api};
+use crate::health::Fault;
 use crate::metrics::Metrics;
-use crate::pool::{Plan, Pool, Target};
+use crate::pool::{InFlight, Plan, Pool, Target};
 use crate::settings::SharedSettings;
 use crate::tenancy::Tenancy;
 
 /// How long the union of the endpoints' models is reused.
 const MODELS_TTL: Duration = Duration::from_secs(10);
 
-/// Headers that describe one hop, never forwarded.
+/// Bodies up to this size are tokenized on the async worker that read
+/// them (microseconds); larger ones on the bounded tokenizer pool, so a
+/// large prompt never stalls the workers that carry streams.
+const INLINE_BODY_BYTES: usize = 16 << 10;
+
+/// The `model` label of requests whose model the endpoints do not serve:
+/// labels come only from served models, so clients cannot add series.
+const UNKNOWN_MODEL: &str = "unknown";
+
+/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
@@ -65,41 +75,84 @@ pub struct Proxy {
     limits: Limits,
     attempts: u32,
     endpoint_header: Option<HeaderName>,
+    allowed_paths: HashSet<String>,
+    /// Client headers never forwarded: `Authorization` and the tenant
+    /// header unless configured otherwise.
+    private_headers: Vec<HeaderName>,
     client: Client<HttpConnector, Full<Bytes>>,
     queued: AtomicUsize,
+    /// Request bodies in memory, in KiB permits.
+    bodies: Arc<Semaphore>,
+    tokenizers: Workers,
     models: std::sync::Mutex<Option<(Instant, Arc<BTreeSet<String>>)>>,
     refreshing_models: AtomicBool,
 }
 
+/// What routing takes from a request, computed by [`analyze`].
+#[derive(Debug)]
+struct Analysis {
+    /// The body to forward (rewritten when tenancy sets `cache_salt`).
+    bytes: Bytes,
+    model: Option<String>,
+    chain: Vec<u64>,
+    key: RoutingKey,
+    prompt_tokens: u64,
+    /// Whether the router could read a prompt.
+    readable: bool,
+    block_tokens: u64,
+}
+
+/// The labels a request is counted under, filled in as it is learned.
+#[derive(Debug, Default)]
+struct Labels {
+    model: String,
+    /// The engine's response body records the request when it ends.
+    deferred: bool,
+}
+
 impl Proxy {
-    /// A proxy over `pool`.
+    /// A proxy over `pool` configured by `config`.
     pub fn new(
         pool: Arc<Pool>,
         settings: Arc<SharedSettings>,
         metrics: Arc<Metrics>,
         tenancy: Tenancy,
-        limits: Limits,
-        attempts: u32,
-        endpoint_header: &str,
+        config: &Config,
     ) -> Self {
+        let limits = config.limits.clone();
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(limits.connect_timeout_ms)));
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
+        let endpoint_header = &config.telemetry.endpoint_header;
+        let mut private_headers = Vec::new();
+        if !config.proxy.forward_authorization {
+            private_headers.push(header::AUTHORIZATION);
+        }
+        if !config.proxy.forward_tenant_header
+            && let Some(h) = tenancy.header()
+        {
+            private_headers.push(h.clone());
+        }
+        let kib = |bytes: usize| bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS);
         Proxy {
             pool,
             settings,
             metrics,
             tenancy,
-            limits,
-            attempts,
+            attempts: config.resilience.attempts,
             endpoint_header: (!endpoint_header.is_empty())
                 .then(|| HeaderName::from_bytes(endpoint_header.as_bytes()).ok())
                 .flatten(),
+            allowed_paths: config.proxy.allowed_paths.iter().cloned().collect(),
+            private_headers,
             client,
             queued: AtomicUsize::new(0),
+            bodies: Arc::new(Semaphore::new(kib(limits.max_body_bytes_in_flight))),
+            tokenizers: Workers::new(limits.tokenize_queue),
+            limits,
             models: std::sync::Mutex::new(None),
             refreshing_models: AtomicBool::new(false),
         }
@@ -116,24 +169,60 @@ impl Proxy {
         if let Err(e) = span.set_parent(parent) {
             tracing::debug!(error = %e, "no trace parent");
         }
-        let mut model = String::new();
-        let response = match self.handle(&parts, body, &mut model).instrument(span).await {
+        let mut labels = Labels::default();
+        let response = match self.handle(&parts, body, &mut labels).instrument(span).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(error = %e, path = %parts.uri.path(), "request refused");
                 axum::response::IntoResponse::into_response(e)
             }
         };
-        let status = response.status().as_u16().to_string();
-        self.metrics.inc(
-            "kvroute_requests_total",
-            &[("model", &model), ("status", &status)],
-            1.0,
-        );
+        if !labels.deferred {
+            self.count(&labels.model, response.status().as_str());
+        }
         response
     }
 
-    async fn read_body(&self, parts: &Parts, body: Body) -> Result<Bytes, ApiError> {
+    /// Checks a request's credentials as the proxied paths do.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        self.tenancy.tenant(headers).map(drop)
+    }
+
+    fn count(&self, model: &str, status: &str) {
+        self.metrics.inc(
+            "kvroute_requests_total",
+            &[("model", model), ("status", status)],
+            1.0,
+        );
+    }
+
+    /// Reserves `kib` more of the body budget, or refuses at once.
+    fn reserve(&self, kib: usize, held: &mut Option<OwnedSemaphorePermit>) -> Result<(), ApiError> {
+        if kib == 0 {
+            return Ok(());
+        }
+        let saturated = || ApiError::Saturated("request bodies in memory", self.limits.retry_after_s);
+        let n = u32::try_from(kib).map_err(|_| saturated())?;
+        let permit = self
+            .bodies
+            .clone()
+            .try_acquire_many_owned(n)
+            .map_err(|_| saturated())?;
+        match held {
+            Some(h) => h.merge(permit),
+            None => *held = Some(permit),
+        }
+        Ok(())
+    }
+
+    /// Reads the body within `limits.maxBodyBytes`, the body budget and
+    /// `limits.bodyReadTimeoutMs`. The permit holds the body's share of the
+    /// budget until the caller drops it.
+    async fn read_body(
+        &self,
+        parts: &Parts,
+        mut body: Body,
+    ) -> Result<(Bytes, Option<OwnedSemaphorePermit>), ApiError> {
         let limit = self.limits.max_body_bytes;
         let declared = parts
             .headers
@@ -143,19 +232,37 @@ impl Proxy {
         if declared.is_some_and(|n| n > limit) {
             return Err(ApiError::TooLarge { limit });
         }
-        match axum::body::to_bytes(body, limit).await {
-            Ok(bytes) => Ok(bytes),
-            Err(e) => {
-                let too_large = std::error::Error::source(&e)
-                    .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-                if too_large {
-                    Err(ApiError::TooLarge { limit })
-                } else {
-                    Err(ApiError::BadRequest(format!(
-                        "reading the request body: {e}"
-                    )))
+        let mut permit = None;
+        let mut reserved = declared.unwrap_or(0).div_ceil(1024);
+        self.reserve(reserved, &mut permit)?;
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| {
+                    ApiError::BadRequest(format!("reading the request body: {e}"))
+                })?;
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                let len = buf.len() + data.len();
+                if len > limit {
+                    return Err(ApiError::TooLarge { limit });
                 }
+                if len.div_ceil(1024) > reserved {
+                    // Undeclared length: reserve ahead, a MiB at a time.
+                    let want = len.div_ceil(1024).max(reserved + 1024).min(limit.div_ceil(1024));
+                    self.reserve(want - reserved, &mut permit)?;
+                    reserved = want;
+                }
+                buf.extend_from_slice(&data);
             }
+            Ok(())
+        };
+        let ms = self.limits.body_read_timeout_ms;
+        match tokio::time::timeout(Duration::from_millis(ms), read).await {
+            Ok(Ok(())) => Ok((buf.freeze(), permit)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ApiError::BodyTimeout { ms }),
         }
     }
 
@@ -163,83 +270,60 @@ impl Proxy {
         self: &Arc<Self>,
         parts: &Parts,
         body: Body,
-        model_label: &mut String,
+        labels: &mut Labels,
     ) -> Result<Response<Body>, ApiError> {
         let decision_start = Instant::now();
-        let mut bytes = self.read_body(parts, body).await?;
-        let api = Api::of(parts.uri.path());
-        let mut obj = features::parse(api, &bytes)?;
-        let feats = obj
-            .as_ref()
-            .map(features::features)
-            .transpose()?
-            .unwrap_or_default();
-        if let Some(model) = &feats.model {
-            *model_label = model.clone();
-            let known = self.models().await;
-            if !known.is_empty() && !known.contains(model) {
-                return Err(ApiError::NotFound(format!(
-                    "The model `{model}` does not exist."
-                )));
-            }
+        let path = parts.uri.path();
+        if !self.allowed_paths.contains(path) {
+            return Err(ApiError::NotFound(format!(
+                "{path} is not proxied; see proxy.allowedPaths"
+            )));
         }
         let tenant = self.tenancy.tenant(&parts.headers)?;
-        if let Some(o) = obj.as_mut()
-            && self.tenancy.apply(tenant.as_deref(), o)?
-        {
-            bytes = Bytes::from(serde_json::to_vec(o).expect("a JSON map serializes"));
-        }
-        let salt = obj
-            .as_ref()
-            .and_then(|o| o.get("cache_salt"))
-            .and_then(|v| v.as_str())
-            .map(str::to_owned);
-
+        let (bytes, _budget) = self.read_body(parts, body).await?;
+        let api = Api::of(path);
         let settings = self.settings.get();
-        let tokens = match &obj {
-            Some(o) => features::prompt_tokens(api, o, &settings)?,
-            None => None,
-        };
-        let tokens = tokens.unwrap_or_default();
-        let chain = settings.hasher.hashes(
-            &tokens,
-            BlockExtras {
-                lora: None,
-                cache_salt: salt.as_deref(),
-            },
-        );
-        let conversation = feats.prompt_cache_key.clone().or_else(|| {
-            parts
-                .headers
-                .get(&settings.conversation_header)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        });
-        let key = settings.key.key(&KeyInput {
-            tenant: tenant.as_deref(),
-            conversation: conversation.as_deref(),
-            tokens: &tokens,
-        });
-        let prompt_tokens = if tokens.is_empty() {
-            // No tokens (not JSON, or content we cannot tokenize): about
-            // four bytes per token.
-            bytes.len() as u64 / 4
+        let conversation = parts
+            .headers
+            .get(&settings.conversation_header)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let analysis = if bytes.len() <= INLINE_BODY_BYTES {
+            analyze(api, bytes, &self.tenancy, tenant, conversation, &settings)?
         } else {
-            tokens.len() as u64
+            let tenancy = self.tenancy.clone();
+            let retry_after = self.limits.retry_after_s;
+            self.tokenizers
+                .run(retry_after, move || {
+                    analyze(api, bytes, &tenancy, tenant, conversation, &settings)
+                })
+                .await??
         };
+        if let Some(model) = &analysis.model {
+            let known = self.models().await;
+            if known.contains(model) {
+                labels.model.clone_from(model);
+            } else {
+                labels.model = UNKNOWN_MODEL.into();
+                if !known.is_empty() {
+                    return Err(ApiError::NotFound(format!(
+                        "The model `{model}` does not exist."
+                    )));
+                }
+            }
+        }
         let request = RouteRequest {
-            key,
-            chain: &chain,
-            prompt_tokens,
+            key: analysis.key,
+            chain: &analysis.chain,
+            prompt_tokens: analysis.prompt_tokens,
         };
-        let plan = self.plan(&request, !tokens.is_empty()).await?;
+        let plan = self.plan(&request, analysis.readable).await?;
         self.metrics.observe(
             "kvroute_decision_seconds",
             &[],
             decision_start.elapsed().as_secs_f64(),
         );
-        let block_tokens = settings.hasher.config().block_size as u64;
-        self.forward(parts, bytes, &request, plan, block_tokens)
+        self.forward(parts, analysis.bytes, &request, plan, analysis.block_tokens, labels)
             .await
     }
 
@@ -278,6 +362,7 @@ impl Proxy {
         request: &RouteRequest<'_>,
         plan: Plan,
         block_tokens: u64,
+        labels: &mut Labels,
     ) -> Result<Response<Body>, ApiError> {
         let expected_cached =
             (u64::from(plan.cached_blocks) * block_tokens).min(request.prompt_tokens);
@@ -300,7 +385,9 @@ impl Proxy {
                 &[("reason", reason)],
                 1.0,
             );
-            let ticket = self
+            // Counted until dropped: whether this attempt fails, the
+            // client goes away while it waits, or the response ends.
+            let load = self
                 .pool
                 .start(request, target, request.prompt_tokens - cached);
             let sent = Instant::now();
@@ -309,10 +396,10 @@ impl Proxy {
                     if response.status().is_server_error()
                         || response.status() == StatusCode::TOO_MANY_REQUESTS =>
                 {
-                    self.pool.finish(ticket);
+                    drop(load);
                     let status = response.status();
                     if status.is_server_error() {
-                        self.pool.failed(&target.name);
+                        self.pool.failed(&target.name, Fault::Status);
                     }
                     self.failure(target, "status");
                     tracing::info!(endpoint = %target.name, %status, attempt, "retrying on the next endpoint");
@@ -328,16 +415,16 @@ impl Proxy {
                             cached as f64,
                         );
                     }
-                    return Ok(self.respond(response, ticket, target, sent));
+                    labels.deferred = true;
+                    let model = std::mem::take(&mut labels.model);
+                    return Ok(self.respond(response, load, target, sent, model));
                 }
-                Err(e) => {
-                    self.pool.finish(ticket);
-                    self.pool.failed(&target.name);
-                    let kind = if matches!(e, ApiError::Timeout(_)) {
-                        "timeout"
-                    } else {
-                        "connect"
-                    };
+                Err((e, fault)) => {
+                    drop(load);
+                    if let Some(fault) = fault {
+                        self.pool.failed(&target.name, fault);
+                    }
+                    let kind = fault.map_or("transport", Fault::as_str);
                     self.failure(target, kind);
                     tracing::info!(endpoint = %target.name, error = %e, attempt, "attempt failed");
                     last_error = e;
@@ -354,7 +441,12 @@ impl Proxy {
                     .await
                     .map(|b| b.to_bytes())
                     .unwrap_or_default();
-                Ok(Response::from_parts(parts, Body::from(body)))
+                let mut headers = HeaderMap::new();
+                copy_headers(&parts.headers, &mut headers, &[]);
+                let mut response = Response::new(Body::from(body));
+                *response.status_mut() = parts.status;
+                *response.headers_mut() = headers;
+                Ok(response)
             }
             None => Err(last_error),
         }
@@ -368,22 +460,25 @@ impl Proxy {
         );
     }
 
+    /// Sends one attempt. An error carries the engine's [`Fault`] when it is
+    /// one: refused or failed connections and timeouts are; an upload the
+    /// engine cut off is not counted against it.
     async fn send(
         &self,
         parts: &Parts,
         bytes: &Bytes,
         target: &Target,
-    ) -> Result<Response<Incoming>, ApiError> {
+    ) -> Result<Response<Incoming>, (ApiError, Option<Fault>)> {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri: Uri = format!("http://{}{path}", target.http)
             .parse()
-            .map_err(|e| ApiError::Upstream(format!("bad upstream URI: {e}")))?;
+            .map_err(|e| (ApiError::Upstream(format!("bad upstream URI: {e}")), None))?;
         let mut request = Request::builder()
             .method(parts.method.clone())
             .uri(uri)
             .body(Full::new(bytes.clone()))
-            .map_err(|e| ApiError::Upstream(e.to_string()))?;
-        copy_headers(&parts.headers, request.headers_mut());
+            .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
+        copy_headers(&parts.headers, request.headers_mut(), &self.private_headers);
         request.headers_mut().remove(header::HOST);
         // With tracing on, the engine's parent is this router's span; else
         // the client's traceparent passes through as copied.
@@ -400,23 +495,33 @@ impl Proxy {
         let timeout = Duration::from_millis(self.limits.first_byte_timeout_ms);
         match tokio::time::timeout(timeout, self.client.request(request)).await {
             Ok(Ok(response)) => Ok(response),
-            Ok(Err(e)) => Err(ApiError::Upstream(format!("{}: {e}", target.name))),
-            Err(_) => Err(ApiError::Timeout(format!(
-                "{} sent no response within {} ms",
-                target.name, self.limits.first_byte_timeout_ms
-            ))),
+            Ok(Err(e)) => {
+                let upload_cut = std::error::Error::source(&e)
+                    .and_then(|s| s.downcast_ref::<hyper::Error>())
+                    .is_some_and(hyper::Error::is_body_write_aborted);
+                let fault = (!upload_cut).then_some(Fault::Connect);
+                Err((ApiError::Upstream(format!("{}: {e}", target.name)), fault))
+            }
+            Err(_) => Err((
+                ApiError::Timeout(format!(
+                    "{} sent no response within {} ms",
+                    target.name, self.limits.first_byte_timeout_ms
+                )),
+                Some(Fault::Timeout),
+            )),
         }
     }
 
-    /// Streams the engine's response back frame by frame. The ticket
+    /// Streams the engine's response back frame by frame. The guard
     /// records the first byte and the end; a broken stream ejects the
     /// endpoint and, for event streams, ends with an error event.
     fn respond(
         self: &Arc<Self>,
         response: Response<Incoming>,
-        ticket: Ticket,
+        load: InFlight,
         target: &Target,
         sent: Instant,
+        model: String,
     ) -> Response<Body> {
         let (mut parts, incoming) = response.into_parts();
         let sse = parts
@@ -425,7 +530,7 @@ impl Proxy {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let mut headers = HeaderMap::new();
-        copy_headers(&parts.headers, &mut headers);
+        copy_headers(&parts.headers, &mut headers, &[]);
         // A sized response stays sized (the body passes through whole).
         if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
             headers.insert(header::CONTENT_LENGTH, length.clone());
@@ -438,10 +543,13 @@ impl Proxy {
         parts.headers = headers;
         let guard = Guard {
             proxy: self.clone(),
-            ticket: Some(ticket),
+            load,
             name: target.name.clone(),
             sent,
             first: true,
+            model,
+            status: parts.status,
+            outcome: None,
         };
         let frames = stream::unfold(Some((incoming, guard)), move |state| async move {
             let (mut incoming, mut guard) = state?;
@@ -536,31 +644,167 @@ impl Proxy {
     }
 }
 
-fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+/// Copies end-to-end headers: not hop-by-hop ones, not those the
+/// `Connection` header names, not `content-length` (set by the caller), and
+/// none of `private`.
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, private: &[HeaderName]) {
+    let named: Vec<String> = from
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .collect();
     for (name, value) in from {
-        if !HOP_BY_HOP.contains(&name.as_str()) && name != header::CONTENT_LENGTH {
+        let n = name.as_str();
+        if !HOP_BY_HOP.contains(&n)
+            && name != header::CONTENT_LENGTH
+            && !named.iter().any(|c| c == n)
+            && !private.contains(name)
+        {
             to.append(name.clone(), value.clone());
         }
     }
 }
 
+/// Parses the body, applies tenancy, and computes the prompt's tokens,
+/// block chain and routing key. Synchronous: large bodies run it on the
+/// tokenizer pool. In salted mode every body must be a JSON object: one
+/// the router cannot read could carry a client salt the engine would read.
+fn analyze(
+    api: Api,
+    bytes: Bytes,
+    tenancy: &Tenancy,
+    tenant: Option<String>,
+    conversation_header: Option<String>,
+    settings: &crate::settings::Settings,
+) -> Result<Analysis, ApiError> {
+    let mut obj = features::parse(api, &bytes, tenancy.salted())?;
+    let feats = obj
+        .as_ref()
+        .map(features::features)
+        .transpose()?
+        .unwrap_or_default();
+    let mut bytes = bytes;
+    if let Some(o) = obj.as_mut()
+        && tenancy.apply(tenant.as_deref(), o)?
+    {
+        bytes = Bytes::from(serde_json::to_vec(o).expect("a JSON map serializes"));
+    }
+    let salt = obj
+        .as_ref()
+        .and_then(|o| o.get("cache_salt"))
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
+    let tokens = match &obj {
+        Some(o) => features::prompt_tokens(api, o, settings)?,
+        None => None,
+    };
+    drop(obj);
+    let readable = tokens.is_some();
+    let tokens = tokens.unwrap_or_default();
+    let chain = settings.hasher.hashes(
+        &tokens,
+        BlockExtras {
+            lora: None,
+            cache_salt: salt.as_deref(),
+        },
+    );
+    let conversation = feats.prompt_cache_key.or(conversation_header);
+    let key = settings.key.key(&KeyInput {
+        tenant: tenant.as_deref(),
+        conversation: conversation.as_deref(),
+        tokens: &tokens,
+    });
+    let prompt_tokens = if tokens.is_empty() {
+        // No tokens (not JSON, or content we cannot tokenize): about
+        // four bytes per token.
+        bytes.len() as u64 / 4
+    } else {
+        tokens.len() as u64
+    };
+    Ok(Analysis {
+        bytes,
+        model: feats.model,
+        chain,
+        key,
+        prompt_tokens,
+        readable: readable && !tokens.is_empty(),
+        block_tokens: settings.hasher.config().block_size as u64,
+    })
+}
+
+/// The tokenizer pool: at most one job per core at once, at most `queue`
+/// waiting; more are refused with 503.
+#[derive(Debug)]
+struct Workers {
+    running: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    queue: usize,
+}
+
+impl Workers {
+    fn new(queue: usize) -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Workers {
+            running: Arc::new(Semaphore::new(cores)),
+            waiting: AtomicUsize::new(0),
+            queue,
+        }
+    }
+
+    async fn run<T: Send + 'static>(
+        &self,
+        retry_after: u64,
+        job: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::Saturated("prompts waiting to be tokenized", retry_after));
+        }
+        let waiting = Waiting(&self.waiting);
+        let permit = self
+            .running
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        drop(waiting);
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            job()
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenizing the prompt failed: {e}")))
+    }
+}
+
 /// A forwarded request's hold on its endpoint's load; dropping it (the
 /// client went away) ends the request and, with the upstream body dropped
-/// too, cancels it at the engine.
+/// too, cancels it at the engine. It counts the request when it ends.
 struct Guard {
     proxy: Arc<Proxy>,
-    ticket: Option<Ticket>,
+    load: InFlight,
     name: String,
     sent: Instant,
     first: bool,
+    model: String,
+    status: StatusCode,
+    /// The `status` label once known: the status when the body completed,
+    /// `stream_error` when it broke; still `None` when the client left.
+    outcome: Option<String>,
 }
 
 impl Guard {
     fn first_byte(&mut self) {
         self.first = false;
-        if let Some(t) = self.ticket.as_mut() {
-            self.proxy.pool.first_token(t);
-        }
+        self.load.first_token();
         self.proxy.metrics.observe(
             "kvroute_upstream_ttft_seconds",
             &[],
@@ -570,23 +814,25 @@ impl Guard {
 
     fn done(&mut self) {
         self.proxy.pool.succeeded(&self.name);
+        self.outcome = Some(self.status.as_str().to_owned());
     }
 
     fn broke(&mut self, error: &str) {
-        tracing::warn!(endpoint = %self.name, error, "upstream stream broke; ejecting");
-        self.proxy.pool.broke(&self.name);
+        tracing::warn!(endpoint = %self.name, error, "upstream stream broke");
+        self.proxy.pool.failed(&self.name, Fault::Stream);
         self.proxy.metrics.inc(
             "kvroute_upstream_failures_total",
             &[("endpoint", &self.name), ("kind", "stream")],
             1.0,
         );
+        self.outcome = Some("stream_error".into());
     }
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        if let Some(t) = self.ticket.take() {
-            self.proxy.pool.finish(t);
-        }
+        // 499: nginx's "client closed request".
+        let status = self.outcome.as_deref().unwrap_or("499");
+        self.proxy.count(&self.model, status);
     }
 }

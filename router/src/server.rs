@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::{Config, ConfigError, TenancyMode};
 use crate::errors::ApiError;
+use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::proxy::Proxy;
@@ -65,6 +66,7 @@ pub struct Running {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     discovery: JoinHandle<()>,
+    health: JoinHandle<()>,
 }
 
 impl Running {
@@ -76,6 +78,7 @@ impl Running {
             let _ = task.await;
         }
         self.discovery.abort();
+        self.health.abort();
         // Dropping the pool's members stops their cache watchers.
         self.pool.set_endpoints(Vec::new());
     }
@@ -128,9 +131,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     // Bind first: a taken port must fail before any task starts.
     let api = bind(config.listen).await?;
     let admin = bind(config.admin_listen).await?;
+    let metrics = Arc::new(Metrics::default());
     let pool = Pool::new(
         r.policy.clone(),
-        config.resilience.clone(),
+        &config.resilience,
+        metrics.clone(),
         config.limits.endpoint_concurrency,
         r.block_size as u64,
         Some(Arc::new(cache_watch::spawn)),
@@ -154,15 +159,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         (None, None) => unreachable!("validated: one discovery source"),
     };
 
-    let metrics = Arc::new(Metrics::default());
+    let health = tokio::spawn(crate::health_checks::run(
+        pool.clone(),
+        config.resilience.health_check.clone(),
+    ));
     let proxy = Arc::new(Proxy::new(
         pool.clone(),
         settings,
-        metrics,
+        metrics.clone(),
         tenancy,
-        config.limits.clone(),
-        config.resilience.attempts,
-        &config.telemetry.endpoint_header,
+        &config,
     ));
     let addr = api.local_addr().map_err(|source| StartError::Bind {
         addr: config.listen,
@@ -173,23 +179,23 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         source,
     })?;
     let (stop, stopped) = watch::channel(false);
-    let serve = |listener: TcpListener, app: Router, mut stopped: watch::Receiver<bool>| {
-        tokio::spawn(async move {
-            // Small SSE chunks must not wait for delayed ACKs.
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            });
-            if let Err(e) = server.await {
-                tracing::error!(error = %e, "server failed");
-            }
-        })
-    };
     let tasks = vec![
-        serve(api, api_routes(proxy.clone()), stopped.clone()),
-        serve(admin, admin_routes(proxy), stopped),
+        tokio::spawn(listener::serve(
+            api,
+            api_routes(proxy.clone()),
+            ConnLimits::api(&config.limits),
+            stopped.clone(),
+            metrics.clone(),
+            "api",
+        )),
+        tokio::spawn(listener::serve(
+            admin,
+            admin_routes(proxy),
+            ConnLimits::admin(&config.limits),
+            stopped,
+            metrics,
+            "admin",
+        )),
     ];
     tracing::info!(%addr, %admin_addr, "kvroute-router listening");
     Ok(Running {
@@ -199,6 +205,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         stop,
         tasks,
         discovery,
+        health,
     })
 }
 
@@ -212,7 +219,9 @@ fn api_routes(proxy: Arc<Proxy>) -> Router {
         .route("/healthz", get(|| async { StatusCode::OK }))
         .route("/readyz", get(readyz))
         .fallback(|| async {
-            ApiError::NotFound("no such path; kvroute serves POST /v1/* and GET /v1/models".into())
+            ApiError::NotFound(
+                "no such path; kvroute serves POST to proxy.allowedPaths and GET /v1/models".into(),
+            )
         })
         .with_state(proxy)
 }
@@ -252,7 +261,10 @@ async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
     }
 }
 
-async fn models(State(p): State<Arc<Proxy>>) -> Response {
+async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
+    if let Err(e) = p.authenticate(&headers) {
+        return e.into_response();
+    }
     let data: Vec<_> = p
         .models()
         .await

@@ -4,9 +4,16 @@
 //! vLLM hashes into the first block: tenants never share blocks, and their
 //! routing keys are scoped apart too.
 //!
-//! The tenant comes only from trusted sources: a header set by an
-//! authenticating gateway, or the API key in `Authorization: Bearer` looked
-//! up in a key → tenant map. Never from the body.
+//! The tenant comes only from trusted sources, by one rule:
+//! 1. With an API-key map, the tenant is the key's. A request without a
+//!    valid `Authorization: Bearer` key is 401 whatever its other headers
+//!    say; a tenant header naming another tenant is 403. Keys are compared
+//!    in constant time (every entry's SHA-256 digest, no early exit).
+//! 2. Without one, the tenant header is the sole source and trusted as is:
+//!    an authenticating gateway in front sets it.
+//! 3. In salted mode a request with no tenant is 401.
+//!
+//! Never from the body.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,7 +21,8 @@ use std::path::Path;
 use axum::http::{HeaderMap, HeaderName, header};
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 use crate::config::{self, ClientSalt, ConfigError, TenancyMode};
 use crate::errors::ApiError;
@@ -24,7 +32,8 @@ use crate::errors::ApiError;
 pub struct Tenancy {
     mode: TenancyMode,
     header: Option<HeaderName>,
-    api_keys: HashMap<String, String>,
+    /// (SHA-256 of the key, tenant).
+    api_keys: Vec<([u8; 32], String)>,
     secret: Vec<u8>,
     client_salt: ClientSalt,
 }
@@ -52,12 +61,23 @@ impl Tenancy {
     pub fn load(config: &config::Tenancy) -> Result<Self, ConfigError> {
         let api_keys = match &config.api_keys_file {
             Some(path) => {
-                serde_yaml::from_str(&read(path)?).map_err(|source| ConfigError::Parse {
-                    path: path.display().to_string(),
-                    source,
-                })?
+                let map: HashMap<String, String> =
+                    serde_yaml::from_str(&read(path)?).map_err(|source| ConfigError::Parse {
+                        path: path.display().to_string(),
+                        source,
+                    })?;
+                if map.is_empty() {
+                    return Err(ConfigError::Invalid {
+                        field: "tenancy.apiKeysFile",
+                        value: path.display().to_string(),
+                        reason: "the key map is empty: no request could authenticate",
+                    });
+                }
+                map.into_iter()
+                    .map(|(key, tenant)| (digest(&key), tenant))
+                    .collect()
             }
-            None => HashMap::new(),
+            None => Vec::new(),
         };
         let secret = match &config.secret_file {
             Some(path) => read(path)?.trim_end().as_bytes().to_vec(),
@@ -91,39 +111,65 @@ impl Tenancy {
         self.mode == TenancyMode::Salted
     }
 
-    /// The request's tenant from the trusted sources, if any. In salted
-    /// mode a request without one is refused (401); so is an unknown API
-    /// key whenever a key map is configured.
+    /// The request's tenant from the trusted sources, if any (see the
+    /// module docs for the rule).
     pub fn tenant(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-        if let Some(name) = &self.header
-            && let Some(v) = headers.get(name)
-        {
-            let t = v.to_str().map_err(|_| {
-                ApiError::Unauthenticated(format!("the {name} header is not valid text"))
-            })?;
-            if !t.is_empty() {
-                return Ok(Some(t.to_owned()));
-            }
+        let claimed = match &self.header {
+            Some(name) => match headers.get(name) {
+                Some(v) => Some(v.to_str().map_err(|_| {
+                    ApiError::Unauthenticated(format!("the {name} header is not valid text"))
+                })?),
+                None => None,
+            },
+            None => None,
         }
-        if !self.api_keys.is_empty()
-            && let Some(auth) = headers.get(header::AUTHORIZATION)
-        {
-            let key = auth
-                .to_str()
-                .ok()
+        .filter(|t| !t.is_empty());
+        let tenant = if self.api_keys.is_empty() {
+            claimed.map(str::to_owned)
+        } else {
+            let key = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|a| a.to_str().ok())
                 .and_then(|a| a.strip_prefix("Bearer "))
-                .map(str::trim);
-            return match key.and_then(|k| self.api_keys.get(k)) {
-                Some(t) => Ok(Some(t.clone())),
-                None => Err(ApiError::Unauthenticated("unknown API key".into())),
-            };
-        }
-        if self.salted() {
+                .map(str::trim)
+                .ok_or_else(|| {
+                    ApiError::Unauthenticated(
+                        "an API key is required: Authorization: Bearer <key>".into(),
+                    )
+                })?;
+            let tenant = self
+                .lookup(key)
+                .ok_or_else(|| ApiError::Unauthenticated("unknown API key".into()))?;
+            if claimed.is_some_and(|c| c != tenant) {
+                return Err(ApiError::Forbidden(
+                    "the tenant header names another tenant than the API key's".into(),
+                ));
+            }
+            Some(tenant.to_owned())
+        };
+        if tenant.is_none() && self.salted() {
             return Err(ApiError::Unauthenticated(
                 "this router isolates tenants and the request names none: authenticate".into(),
             ));
         }
-        Ok(None)
+        Ok(tenant)
+    }
+
+    /// The tenant of `key`, comparing with every entry in constant time.
+    fn lookup(&self, key: &str) -> Option<&str> {
+        let presented = digest(key);
+        let mut found = None;
+        for (d, tenant) in &self.api_keys {
+            if bool::from(d.ct_eq(&presented)) {
+                found = Some(tenant.as_str());
+            }
+        }
+        found
+    }
+
+    /// The configured tenant header, if any.
+    pub fn header(&self) -> Option<&HeaderName> {
+        self.header.as_ref()
     }
 
     /// The `cache_salt` of `tenant`: hex HMAC-SHA256 of the tenant name.
@@ -160,6 +206,10 @@ impl Tenancy {
     }
 }
 
+fn digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -170,7 +220,7 @@ mod tests {
         Tenancy {
             mode,
             header: Some(HeaderName::from_static("x-tenant")),
-            api_keys: [("k1".to_owned(), "acme".to_owned())].into(),
+            api_keys: vec![(digest("k1"), "acme".to_owned())],
             secret: b"s3cret".to_vec(),
             client_salt,
         }
@@ -188,31 +238,48 @@ mod tests {
             .collect()
     }
 
+    fn tenant_of(t: &Tenancy, pairs: &[(&str, &str)]) -> Result<Option<String>, u16> {
+        t.tenant(&headers(pairs)).map_err(|e| e.status().as_u16())
+    }
+
     #[test]
-    fn tenants_come_from_the_header_or_the_api_key() {
+    fn with_api_keys_the_tenant_is_the_keys() {
         let t = tenancy(TenancyMode::Salted, ClientSalt::Reject);
+        let acme = Ok(Some("acme".to_owned()));
+        assert_eq!(tenant_of(&t, &[("authorization", "Bearer k1")]), acme);
         assert_eq!(
-            t.tenant(&headers(&[("x-tenant", "blue")]))
-                .unwrap()
-                .as_deref(),
-            Some("blue")
+            tenant_of(&t, &[("authorization", "Bearer k1"), ("x-tenant", "acme")]),
+            acme,
+            "a header repeating the key's tenant is fine"
         );
         assert_eq!(
-            t.tenant(&headers(&[("authorization", "Bearer k1")]))
-                .unwrap()
-                .as_deref(),
-            Some("acme")
+            tenant_of(&t, &[("authorization", "Bearer k1"), ("x-tenant", "bob")]),
+            Err(403)
         );
-        assert!(matches!(
-            t.tenant(&headers(&[("authorization", "Bearer nope")])),
-            Err(ApiError::Unauthenticated(_))
-        ));
-        assert!(matches!(
-            t.tenant(&HeaderMap::new()),
-            Err(ApiError::Unauthenticated(_))
-        ));
+        assert_eq!(
+            tenant_of(&t, &[("authorization", "Bearer nope"), ("x-tenant", "bob")]),
+            Err(401)
+        );
+        assert_eq!(tenant_of(&t, &[("x-tenant", "bob")]), Err(401));
+        assert_eq!(tenant_of(&t, &[("authorization", "Basic k1")]), Err(401));
+        assert_eq!(tenant_of(&t, &[]), Err(401));
         let shared = tenancy(TenancyMode::Shared, ClientSalt::Reject);
-        assert_eq!(shared.tenant(&HeaderMap::new()).unwrap(), None);
+        assert_eq!(tenant_of(&shared, &[("x-tenant", "bob")]), Err(401));
+    }
+
+    #[test]
+    fn without_api_keys_the_header_is_the_sole_source() {
+        let mut t = tenancy(TenancyMode::Salted, ClientSalt::Reject);
+        t.api_keys.clear();
+        assert_eq!(
+            tenant_of(&t, &[("x-tenant", "blue")]),
+            Ok(Some("blue".to_owned()))
+        );
+        assert_eq!(tenant_of(&t, &[("x-tenant", "")]), Err(401));
+        assert_eq!(tenant_of(&t, &[]), Err(401));
+        let mut shared = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+        shared.api_keys.clear();
+        assert_eq!(tenant_of(&shared, &[]), Ok(None));
     }
 
     #[test]

@@ -15,7 +15,8 @@ use serde_json::json;
 fn pool() -> Arc<Pool> {
     Pool::new(
         PolicyConfig::default(),
-        Resilience::default(),
+        &Resilience::default(),
+        Default::default(),
         256,
         16,
         Some(Arc::new(kvroute_router::cache_watch::spawn)),

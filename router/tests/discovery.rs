@@ -28,7 +28,8 @@ use tonic::{Response, Status};
 fn pool() -> Arc<Pool> {
     Pool::new(
         PolicyConfig::default(),
-        Resilience::default(),
+        &Resilience::default(),
+        Default::default(),
         256,
         16,
         None,

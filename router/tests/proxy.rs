@@ -246,7 +246,7 @@ async fn headers_pass_through_and_traceparent_is_untouched_without_tracing() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let head = heads.recv().await.unwrap();
+    let head = next_post(&mut heads).await;
     assert_eq!(header_of(&head, "traceparent").as_deref(), Some(parent));
     assert_eq!(header_of(&head, "x-custom").as_deref(), Some("kept"));
     assert!(

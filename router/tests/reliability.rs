@@ -109,6 +109,8 @@ async fn a_stream_that_breaks_is_not_retried_ends_with_an_error_event_and_ejects
     .unwrap();
     let mut config = router_config(&dir);
     config.routing.policy = PolicyConfig::by_name("round-robin").unwrap();
+    // Passive ejection alone: a passing check would restore it.
+    config.resilience.health_check = None;
     let router = kvroute_router::start(config).await.unwrap();
     let r = reqwest::Client::new()
         .post(format!("http://{}/v1/completions", router.addr))

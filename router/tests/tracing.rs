@@ -33,7 +33,7 @@ async fn the_engine_sees_the_routers_span_in_the_clients_trace() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let head = heads.recv().await.unwrap();
+    let head = next_post(&mut heads).await;
     let forwarded = header_of(&head, "traceparent").expect("a traceparent is sent upstream");
     let parts: Vec<&str> = forwarded.split('-').collect();
     assert_eq!(parts[1], "4bf92f3577b34da6a3ce929d0e0e4736", "same trace");

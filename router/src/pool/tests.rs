@@ -1,6 +1,9 @@
+use std::time::Duration;
+
 use kvroute_core::keys::RoutingKey;
 
 use super::*;
+use crate::health::Fault;
 
 fn spec(name: &str, port: u16) -> EndpointSpec {
     EndpointSpec {
@@ -15,12 +18,15 @@ fn spec(name: &str, port: u16) -> EndpointSpec {
 fn pool(concurrency: u32) -> Arc<Pool> {
     Pool::new(
         PolicyConfig::by_name("round-robin").unwrap(),
-        Resilience {
+        &Resilience {
             attempts: 3,
             eject_after_failures: 2,
             ejection_base_ms: 1000,
             ejection_max_ms: 3000,
+            max_ejected_percent: 50,
+            health_check: None,
         },
+        Arc::new(Metrics::default()),
         concurrency,
         16,
         None,
@@ -70,7 +76,7 @@ async fn endpoint_changes_keep_slots_and_forget_the_removed() {
     let names: Vec<&str> = status.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, vec!["a", "c"]);
     assert_eq!(status[0].in_flight, 1, "a kept its slot and its load");
-    p.finish(ticket);
+    drop(ticket);
     assert_eq!(p.status()[0].in_flight, 0);
 }
 
@@ -84,7 +90,7 @@ async fn full_endpoints_are_left_out_of_the_plan() {
     assert_eq!(second.targets.len(), 1);
     assert_eq!(second.full, 1);
     assert_ne!(second.targets[0].name, first.targets[0].name);
-    p.finish(t);
+    drop(t);
     assert_eq!(p.plan(&request(), true).targets.len(), 2);
 }
 
@@ -92,10 +98,10 @@ async fn full_endpoints_are_left_out_of_the_plan() {
 async fn ejection_backs_off_exponentially_and_readmits() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
-    assert!(!p.failed("a"));
+    assert!(!p.failed("a", Fault::Status));
     p.succeeded("a"); // a success resets the count
-    assert!(!p.failed("a"));
-    assert!(p.failed("a"), "two in a row eject");
+    assert!(!p.failed("a", Fault::Status));
+    assert!(p.failed("a", Fault::Status), "two in a row eject");
     assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
     tokio::time::advance(Duration::from_millis(1001)).await;
     assert_eq!(
@@ -104,25 +110,25 @@ async fn ejection_backs_off_exponentially_and_readmits() {
         "re-admitted after 1 s"
     );
     // On probation: one failure ejects it again, for twice as long.
-    assert!(p.failed("a"));
+    assert!(p.failed("a", Fault::Status));
     tokio::time::advance(Duration::from_millis(1500)).await;
     assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
     tokio::time::advance(Duration::from_millis(600)).await;
     assert_eq!(names(&p.plan(&request(), true)), vec!["a", "b"]);
     // Capped at 3 s.
-    assert!(p.failed("a"));
+    assert!(p.failed("a", Fault::Status));
     tokio::time::advance(Duration::from_millis(3001)).await;
     assert_eq!(p.routable(), 2);
     // A good answer after re-admission clears the history.
     p.succeeded("a");
-    assert!(!p.failed("a"));
+    assert!(!p.failed("a", Fault::Status));
 }
 
 #[tokio::test]
 async fn a_broken_stream_ejects_at_once() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
-    p.broke("a");
+    assert!(p.failed("a", Fault::Stream));
     assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
 }
 
@@ -151,7 +157,14 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
 
 #[tokio::test]
 async fn unreadable_requests_go_to_the_least_loaded() {
-    let p = Pool::new(PolicyConfig::default(), Resilience::default(), 8, 16, None);
+    let p = Pool::new(
+        PolicyConfig::default(),
+        &Resilience::default(),
+        Arc::new(Metrics::default()),
+        8,
+        16,
+        None,
+    );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
     let busy = p
         .plan(&request(), true)
@@ -163,5 +176,48 @@ async fn unreadable_requests_go_to_the_least_loaded() {
     for _ in 0..3 {
         assert_eq!(p.plan(&request(), false).targets[0].name, "b");
     }
-    p.finish(t1);
+    drop(t1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
+    let metrics = Arc::new(Metrics::default());
+    let p = Pool::new(
+        PolicyConfig::by_name("round-robin").unwrap(),
+        &Resilience {
+            eject_after_failures: 1,
+            health_check: None,
+            ..Resilience::default()
+        },
+        metrics.clone(),
+        8,
+        16,
+        None,
+    );
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2), spec("c", 3), spec("d", 4)]);
+    for name in ["a", "b", "c", "d"] {
+        p.failed(name, Fault::Connect);
+    }
+    assert_eq!(p.routable(), 2, "two of four stay routable");
+    tokio::time::advance(Duration::from_millis(5001)).await;
+    p.tick();
+    assert_eq!(p.routable(), 4);
+    let text = metrics.render(&p);
+    assert!(text.contains("kvroute_ejections_total{reason=\"connect\"} 2"), "{text}");
+    assert!(text.contains("kvroute_ejections_refused_total{reason=\"connect\"} 2"), "{text}");
+    assert!(text.contains("kvroute_restorations_total{reason=\"expired\"} 2"), "{text}");
+}
+
+#[tokio::test]
+async fn a_dropped_guard_ends_the_load() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1)]);
+    let target = p.plan(&request(), true).targets[0].clone();
+    let mut guards: Vec<InFlight> = (0..5).map(|_| p.start(&request(), &target, 10)).collect();
+    guards[0].first_token();
+    assert_eq!(p.status()[0].in_flight, 5);
+    assert_eq!(p.status()[0].prefill_tokens, 40);
+    guards.clear();
+    assert_eq!(p.status()[0].in_flight, 0);
+    assert_eq!(p.status()[0].prefill_tokens, 0);
 }

@@ -193,6 +193,17 @@ pub async fn recording_upstream() -> (
     (addr, rx)
 }
 
+/// The next proxied request a recording upstream saw, skipping health
+/// checks and model listings.
+pub async fn next_post(heads: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
+    loop {
+        let head = heads.recv().await.unwrap();
+        if head.starts_with("POST ") {
+            return head;
+        }
+    }
+}
+
 /// The value of `header` in a raw HTTP request head.
 pub fn header_of(head: &str, header: &str) -> Option<String> {
     head.lines().find_map(|l| {
