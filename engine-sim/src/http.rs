@@ -35,6 +35,8 @@ pub struct App {
     /// Chat template.
     pub template: ChatTemplate,
     requests: AtomicU64,
+    /// Seeds `--fail-rate` draws, so sims fail independently of each other.
+    fail_seed: u64,
 }
 
 impl App {
@@ -45,6 +47,12 @@ impl App {
             tokenizer,
             template,
             requests: AtomicU64::new(0),
+            fail_seed: {
+                use std::hash::{BuildHasher, Hasher};
+                std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish()
+            },
         })
     }
 }
@@ -151,7 +159,7 @@ async fn prologue(
         tokio::time::sleep(Duration::from_millis(config.extra_latency_ms)).await;
     }
     if config.fail_rate > 0.0 {
-        let draw = xxh3_64(&n.to_le_bytes()) as f64 / u64::MAX as f64;
+        let draw = xxh3_64(&(n ^ app.fail_seed).to_le_bytes()) as f64 / u64::MAX as f64;
         if draw < config.fail_rate {
             return Err(error(
                 StatusCode::INTERNAL_SERVER_ERROR,

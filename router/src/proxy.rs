@@ -102,12 +102,30 @@ struct Analysis {
     block_tokens: u64,
 }
 
-/// The labels a request is counted under, filled in as it is learned.
-#[derive(Debug, Default)]
+/// Counts a request under `kvroute_requests_total` exactly once: with its
+/// status when [`Proxy::serve`] answers, else (the client went away while
+/// the router worked) as 499 when dropped. The engine's response body
+/// takes over the count when it is streamed back.
+#[derive(Debug)]
 struct Labels {
+    proxy: Arc<Proxy>,
     model: String,
-    /// The engine's response body records the request when it ends.
-    deferred: bool,
+    counted: bool,
+}
+
+impl Labels {
+    fn count(&mut self, status: &str) {
+        if !std::mem::replace(&mut self.counted, true) {
+            self.proxy.count(&self.model, status);
+        }
+    }
+}
+
+impl Drop for Labels {
+    fn drop(&mut self) {
+        // 499: nginx's "client closed request".
+        self.count("499");
+    }
 }
 
 impl Proxy {
@@ -169,7 +187,11 @@ impl Proxy {
         if let Err(e) = span.set_parent(parent) {
             tracing::debug!(error = %e, "no trace parent");
         }
-        let mut labels = Labels::default();
+        let mut labels = Labels {
+            proxy: self.clone(),
+            model: String::new(),
+            counted: false,
+        };
         let response = match self.handle(&parts, body, &mut labels).instrument(span).await {
             Ok(r) => r,
             Err(e) => {
@@ -177,9 +199,7 @@ impl Proxy {
                 axum::response::IntoResponse::into_response(e)
             }
         };
-        if !labels.deferred {
-            self.count(&labels.model, response.status().as_str());
-        }
+        labels.count(response.status().as_str());
         response
     }
 
@@ -415,7 +435,7 @@ impl Proxy {
                             cached as f64,
                         );
                     }
-                    labels.deferred = true;
+                    labels.counted = true;
                     let model = std::mem::take(&mut labels.model);
                     return Ok(self.respond(response, load, target, sent, model));
                 }
@@ -557,6 +577,10 @@ impl Proxy {
                 Some(Ok(frame)) => {
                     if guard.first && frame.is_data() {
                         guard.first_byte();
+                    }
+                    // A sized body may not be polled past its last byte.
+                    if hyper::body::Body::is_end_stream(&incoming) {
+                        guard.done();
                     }
                     Some((Ok::<_, std::io::Error>(frame), Some((incoming, guard))))
                 }
@@ -813,8 +837,10 @@ impl Guard {
     }
 
     fn done(&mut self) {
-        self.proxy.pool.succeeded(&self.name);
-        self.outcome = Some(self.status.as_str().to_owned());
+        if self.outcome.is_none() {
+            self.proxy.pool.succeeded(&self.name);
+            self.outcome = Some(self.status.as_str().to_owned());
+        }
     }
 
     fn broke(&mut self, error: &str) {
