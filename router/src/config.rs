@@ -463,11 +463,20 @@ impl Config {
             return Err(invalid("limits.maxBodyBytes", &0, "must be at least 1"));
         }
         for (field, value) in [
-            ("limits.maxBodyBytesInFlight", self.limits.max_body_bytes_in_flight),
+            (
+                "limits.maxBodyBytesInFlight",
+                self.limits.max_body_bytes_in_flight,
+            ),
             ("limits.maxConnections", self.limits.max_connections),
-            ("limits.headerReadTimeoutMs", self.limits.header_read_timeout_ms as usize),
+            (
+                "limits.headerReadTimeoutMs",
+                self.limits.header_read_timeout_ms as usize,
+            ),
             ("limits.idleTimeoutMs", self.limits.idle_timeout_ms as usize),
-            ("limits.bodyReadTimeoutMs", self.limits.body_read_timeout_ms as usize),
+            (
+                "limits.bodyReadTimeoutMs",
+                self.limits.body_read_timeout_ms as usize,
+            ),
             (
                 "limits.http2MaxConcurrentStreams",
                 self.limits.http2_max_concurrent_streams as usize,

@@ -3,9 +3,7 @@
 //! prompt as the engine will tokenize it. The body itself is forwarded
 //! unchanged (except where tenancy rewrites `cache_salt`).
 
-use kvroute_core::tokenize::{
-    ChatMessage, TokenizeError, chat_prompt_tokens, completion_prompt_tokens, content_text,
-};
+use kvroute_core::tokenize::{ChatMessage, TokenizeError, completion_prompt_tokens, content_text};
 use serde_json::{Map, Value};
 
 use crate::errors::ApiError;
@@ -89,14 +87,18 @@ pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
 /// know them. `Ok(None)` when the request has content the router cannot
 /// tokenize (images, say): it is then routed by its key alone. Missing or
 /// mistyped fields are a 400.
+///
+/// Message texts are moved out of `obj`, and the rendered prompt is
+/// tokenized only once they are dropped, so a large prompt is held about
+/// three times at most (the body, the prompt, its ids).
 pub fn prompt_tokens(
     api: Api,
-    obj: &Map<String, Value>,
+    obj: &mut Map<String, Value>,
     settings: &Settings,
 ) -> Result<Option<Vec<u32>>, ApiError> {
     let tokens = match api {
         Api::Chat => {
-            let Some(Value::Array(raw)) = obj.get("messages") else {
+            let Some(Value::Array(raw)) = obj.get_mut("messages") else {
                 return Err(ApiError::BadRequest(
                     "'messages' is required and must be a list".into(),
                 ));
@@ -105,13 +107,17 @@ pub fn prompt_tokens(
                 return Err(ApiError::BadRequest("'messages' must not be empty".into()));
             }
             let mut messages = Vec::with_capacity(raw.len());
-            for (i, m) in raw.iter().enumerate() {
-                let Some(role) = m.get("role").and_then(Value::as_str) else {
+            for (i, m) in raw.iter_mut().enumerate() {
+                let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
                     return Err(ApiError::BadRequest(format!(
                         "messages[{i}].role is required and must be a string"
                     )));
                 };
-                match content_text(m.get("content").unwrap_or(&Value::Null)) {
+                let text = match m.get_mut("content") {
+                    Some(Value::String(text)) => Ok(std::mem::take(text)),
+                    content => content_text(content.map_or(&Value::Null, |c| &*c)),
+                };
+                match text {
                     Ok(content) => messages.push(ChatMessage::new(role, content)),
                     Err(TokenizeError::Unsupported(_)) => return Ok(None),
                     Err(e) => {
@@ -119,7 +125,13 @@ pub fn prompt_tokens(
                     }
                 }
             }
-            chat_prompt_tokens(&settings.tokenizer, &settings.template, &messages)
+            match settings.template.render(&messages, true) {
+                Ok(prompt) => {
+                    drop(messages);
+                    settings.tokenizer.encode(&prompt, false)
+                }
+                Err(e) => Err(e),
+            }
         }
         Api::Completion => match obj.get("prompt") {
             Some(Value::String(p)) => completion_prompt_tokens(&settings.tokenizer, p),
@@ -186,9 +198,9 @@ mod tests {
     #[test]
     fn chat_tokens_match_the_engine_sim() {
         let s = settings();
-        let body = obj(json!({"messages": [{"role": "user", "content": "Hello there"}]}));
-        let tokens = prompt_tokens(Api::Chat, &body, &s).unwrap().unwrap();
-        let expected = chat_prompt_tokens(
+        let mut body = obj(json!({"messages": [{"role": "user", "content": "Hello there"}]}));
+        let tokens = prompt_tokens(Api::Chat, &mut body, &s).unwrap().unwrap();
+        let expected = kvroute_core::tokenize::chat_prompt_tokens(
             &Tokenizer::builtin(),
             &ChatTemplate::builtin(),
             &[ChatMessage::new("user", "Hello there")],
@@ -210,24 +222,30 @@ mod tests {
         ));
         assert!(parse(Api::Other, b"not json", false).unwrap().is_none());
         assert!(
-            matches!(parse(Api::Other, b"{\"x\": NaN}", true), Err(ApiError::BadRequest(_))),
+            matches!(
+                parse(Api::Other, b"{\"x\": NaN}", true),
+                Err(ApiError::BadRequest(_))
+            ),
             "salted: every body must be readable"
         );
-        let no_messages = obj(json!({"model": "m"}));
-        assert!(prompt_tokens(Api::Chat, &no_messages, &s).is_err());
-        let image = obj(
+        let mut no_messages = obj(json!({"model": "m"}));
+        assert!(prompt_tokens(Api::Chat, &mut no_messages, &s).is_err());
+        let mut image = obj(
             json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
         );
-        assert_eq!(prompt_tokens(Api::Chat, &image, &s).unwrap(), None);
-        let ids = obj(json!({"prompt": [1, 2, 3]}));
+        assert_eq!(prompt_tokens(Api::Chat, &mut image, &s).unwrap(), None);
+        let mut ids = obj(json!({"prompt": [1, 2, 3]}));
         assert_eq!(
-            prompt_tokens(Api::Completion, &ids, &s).unwrap(),
+            prompt_tokens(Api::Completion, &mut ids, &s).unwrap(),
             Some(vec![1, 2, 3])
         );
-        let batch = obj(json!({"prompt": ["a", "b"]}));
-        assert_eq!(prompt_tokens(Api::Completion, &batch, &s).unwrap(), None);
-        let embed = obj(json!({"input": "hello"}));
-        assert!(prompt_tokens(Api::Other, &embed, &s).unwrap().is_some());
+        let mut batch = obj(json!({"prompt": ["a", "b"]}));
+        assert_eq!(
+            prompt_tokens(Api::Completion, &mut batch, &s).unwrap(),
+            None
+        );
+        let mut embed = obj(json!({"input": "hello"}));
+        assert!(prompt_tokens(Api::Other, &mut embed, &s).unwrap().is_some());
     }
 
     #[test]

@@ -208,11 +208,7 @@ impl Outlier {
         if due {
             let ejections = s.ejections + 1;
             let factor = 1u32 << (ejections - 1).min(20);
-            let duration = self
-                .config
-                .base
-                .saturating_mul(factor)
-                .min(self.config.max);
+            let duration = self.config.base.saturating_mul(factor).min(self.config.max);
             events.push(self.eject(name, fault, Some(now + duration), now));
         }
         events
@@ -312,10 +308,19 @@ mod tests {
         let mut o = outlier(4);
         assert!(o.failure("e0", Fault::Status, t0).is_empty());
         o.success("e0", t0);
-        assert!(o.failure("e0", Fault::Status, t0).is_empty(), "a success resets the count");
-        assert_eq!(ejected_for(&o.failure("e0", Fault::Connect, t0)), Some(5 * S));
+        assert!(
+            o.failure("e0", Fault::Status, t0).is_empty(),
+            "a success resets the count"
+        );
+        assert_eq!(
+            ejected_for(&o.failure("e0", Fault::Connect, t0)),
+            Some(5 * S)
+        );
         assert!(o.is_ejected("e0", t0 + 4 * S));
-        assert!(o.failure("e0", Fault::Status, t0 + S).is_empty(), "ejected: ignored");
+        assert!(
+            o.failure("e0", Fault::Status, t0 + S).is_empty(),
+            "ejected: ignored"
+        );
         let restored = o.tick(t0 + 5 * S);
         assert_eq!(
             restored,
@@ -326,22 +331,34 @@ mod tests {
         );
         assert!(!o.is_ejected("e0", t0 + 5 * S));
         // On probation one fault ejects, for twice as long, then capped.
-        assert_eq!(ejected_for(&o.failure("e0", Fault::Timeout, t0 + 6 * S)), Some(10 * S));
+        assert_eq!(
+            ejected_for(&o.failure("e0", Fault::Timeout, t0 + 6 * S)),
+            Some(10 * S)
+        );
         let t1 = t0 + 16 * S;
-        assert_eq!(ejected_for(&o.failure("e0", Fault::Status, t1)), Some(12 * S));
+        assert_eq!(
+            ejected_for(&o.failure("e0", Fault::Status, t1)),
+            Some(12 * S)
+        );
         // A success after probation resets the doubling.
         let t2 = t1 + 12 * S;
         o.tick(t2);
         o.success("e0", t2);
         o.failure("e0", Fault::Status, t2);
-        assert_eq!(ejected_for(&o.failure("e0", Fault::Status, t2)), Some(5 * S));
+        assert_eq!(
+            ejected_for(&o.failure("e0", Fault::Status, t2)),
+            Some(5 * S)
+        );
     }
 
     #[test]
     fn a_broken_stream_ejects_at_once() {
         let t0 = Instant::now();
         let mut o = outlier(2);
-        assert_eq!(ejected_for(&o.failure("e1", Fault::Stream, t0)), Some(5 * S));
+        assert_eq!(
+            ejected_for(&o.failure("e1", Fault::Stream, t0)),
+            Some(5 * S)
+        );
     }
 
     #[test]
@@ -364,7 +381,10 @@ mod tests {
         assert_eq!(o.ejected(t0), 2);
         // Once one is back, a refused one can be ejected.
         o.check("e0", true, t0 + S);
-        assert_eq!(ejected_for(&o.failure("e2", Fault::Status, t0 + S)), Some(5 * S));
+        assert_eq!(
+            ejected_for(&o.failure("e2", Fault::Status, t0 + S)),
+            Some(5 * S)
+        );
     }
 
     #[test]
@@ -420,6 +440,9 @@ mod tests {
         assert_eq!(o.ejected(t0), 0);
         assert!(o.failure("nope", Fault::Stream, t0).is_empty());
         o.set_endpoints(["e0", "e1"]);
-        assert!(!o.is_ejected("e0", t0), "a returning endpoint starts healthy");
+        assert!(
+            !o.is_ejected("e0", t0),
+            "a returning endpoint starts healthy"
+        );
     }
 }

@@ -185,9 +185,11 @@ impl Metrics {
                 .collect();
             r.counters.retain(|(_, l), _| {
                 !l.starts_with("endpoint=")
-                    || present
-                        .iter()
-                        .any(|p| l == p || l.strip_prefix(p.as_str()).is_some_and(|t| t.starts_with(',')))
+                    || present.iter().any(|p| {
+                        l == p
+                            || l.strip_prefix(p.as_str())
+                                .is_some_and(|t| t.starts_with(','))
+                    })
             });
             for ((name, l), v) in &r.counters {
                 samples

@@ -6,14 +6,14 @@
 //! Everything sits behind one mutex, held for microseconds: a routing
 //! decision, an applied update, a counter change. No I/O happens under it.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
 use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
 use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, PolicyConfig, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::{Slot, Slots};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 

@@ -192,7 +192,11 @@ impl Proxy {
             model: String::new(),
             counted: false,
         };
-        let response = match self.handle(&parts, body, &mut labels).instrument(span).await {
+        let response = match self
+            .handle(&parts, body, &mut labels)
+            .instrument(span)
+            .await
+        {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(error = %e, path = %parts.uri.path(), "request refused");
@@ -221,7 +225,8 @@ impl Proxy {
         if kib == 0 {
             return Ok(());
         }
-        let saturated = || ApiError::Saturated("request bodies in memory", self.limits.retry_after_s);
+        let saturated =
+            || ApiError::Saturated("request bodies in memory", self.limits.retry_after_s);
         let n = u32::try_from(kib).map_err(|_| saturated())?;
         let permit = self
             .bodies
@@ -258,9 +263,8 @@ impl Proxy {
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
         let read = async {
             while let Some(frame) = body.frame().await {
-                let frame = frame.map_err(|e| {
-                    ApiError::BadRequest(format!("reading the request body: {e}"))
-                })?;
+                let frame = frame
+                    .map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?;
                 let Ok(data) = frame.into_data() else {
                     continue;
                 };
@@ -270,7 +274,10 @@ impl Proxy {
                 }
                 if len.div_ceil(1024) > reserved {
                     // Undeclared length: reserve ahead, a MiB at a time.
-                    let want = len.div_ceil(1024).max(reserved + 1024).min(limit.div_ceil(1024));
+                    let want = len
+                        .div_ceil(1024)
+                        .max(reserved + 1024)
+                        .min(limit.div_ceil(1024));
                     self.reserve(want - reserved, &mut permit)?;
                     reserved = want;
                 }
@@ -343,8 +350,15 @@ impl Proxy {
             &[],
             decision_start.elapsed().as_secs_f64(),
         );
-        self.forward(parts, analysis.bytes, &request, plan, analysis.block_tokens, labels)
-            .await
+        self.forward(
+            parts,
+            analysis.bytes,
+            &request,
+            plan,
+            analysis.block_tokens,
+            labels,
+        )
+        .await
     }
 
     /// A plan with at least one target, waiting in the bounded queue while
@@ -720,7 +734,7 @@ fn analyze(
         .and_then(|o| o.get("cache_salt"))
         .and_then(|v| v.as_str())
         .map(str::to_owned);
-    let tokens = match &obj {
+    let tokens = match obj.as_mut() {
         Some(o) => features::prompt_tokens(api, o, settings)?,
         None => None,
     };
@@ -790,7 +804,10 @@ impl Workers {
         }
         if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.queue {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::Saturated("prompts waiting to be tokenized", retry_after));
+            return Err(ApiError::Saturated(
+                "prompts waiting to be tokenized",
+                retry_after,
+            ));
         }
         let waiting = Waiting(&self.waiting);
         let permit = self

@@ -18,21 +18,18 @@ use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn in_flight(stack: &Stack) -> u32 {
     stack.router.pool.status().iter().map(|e| e.in_flight).sum()
 }
 
 /// Sends `body` and gives up after `after`, as a client timeout, a closed
 /// tab or an HTTP/2 stream reset does.
-async fn abort_after(client: &reqwest::Client, url: &str, body: &serde_json::Value, after: Duration) {
+async fn abort_after(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    after: Duration,
+) {
     let send = async {
         let r = client.post(url).json(body).send().await?;
         r.bytes().await
@@ -59,7 +56,8 @@ async fn aborted_requests_leave_no_load_over_http1_and_http2() {
         let mut body = chat("abort me", "now", 4);
         body["stream"] = json!(stream);
         for client in [&stack.client, &h2] {
-            let aborts = (0..20).map(|_| abort_after(client, &url, &body, Duration::from_millis(50)));
+            let aborts =
+                (0..20).map(|_| abort_after(client, &url, &body, Duration::from_millis(50)));
             futures_util::future::join_all(aborts).await;
         }
     }
@@ -177,7 +175,11 @@ async fn a_tenant_header_cannot_override_the_api_key() {
         if status == 200 && key == Some("k-alice") && std::mem::take(&mut alice_first) {
             let body: serde_json::Value = r.json().await.unwrap();
             let cached = &body["usage"]["prompt_tokens_details"]["cached_tokens"];
-            assert_eq!(cached.as_u64().unwrap_or(0), 0, "alice never reads bob's cache");
+            assert_eq!(
+                cached.as_u64().unwrap_or(0),
+                0,
+                "alice never reads bob's cache"
+            );
         }
     }
     // The model list is behind the same rule.
@@ -199,12 +201,7 @@ async fn a_tenant_header_cannot_override_the_api_key() {
 #[tokio::test]
 async fn salted_mode_refuses_bodies_it_cannot_read_on_every_path() {
     let (upstream, mut heads) = recording_upstream().await;
-    let dir = temp_dir("salted-paths");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!("endpoints:\n  - address: {upstream}\n"),
-    )
-    .unwrap();
+    let dir = upstream_dir("salted-paths", upstream);
     std::fs::write(dir.join("secret"), "s3cret").unwrap();
     let mut config = router_config(&dir);
     config.tenancy.mode = TenancyMode::Salted;
@@ -240,22 +237,14 @@ async fn salted_mode_refuses_bodies_it_cannot_read_on_every_path() {
     assert_eq!(r.status(), 200);
     let head = next_post(&mut heads).await;
     assert!(head.contains("\"cache_salt\":\""), "{head}");
-    assert!(
-        heads.try_recv().is_err(),
-        "nothing refused was forwarded"
-    );
+    assert!(heads.try_recv().is_err(), "nothing refused was forwarded");
     router.shutdown().await;
 }
 
 #[tokio::test]
 async fn private_and_connection_named_headers_are_not_forwarded() {
     let (upstream, mut heads) = recording_upstream().await;
-    let dir = temp_dir("private-headers");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!("endpoints:\n  - address: {upstream}\n"),
-    )
-    .unwrap();
+    let dir = upstream_dir("private-headers", upstream);
     let keys = keys_file(&dir);
     let start = |forward: bool| {
         let mut config = router_config(&dir);
@@ -281,7 +270,11 @@ async fn private_and_connection_named_headers_are_not_forwarded() {
             .unwrap();
         assert_eq!(r.status(), 200);
         let head = next_post(&mut heads).await;
-        assert_eq!(header_of(&head, "authorization").is_some(), forward, "{head}");
+        assert_eq!(
+            header_of(&head, "authorization").is_some(),
+            forward,
+            "{head}"
+        );
         assert_eq!(header_of(&head, "x-tenant").is_some(), forward, "{head}");
         assert!(header_of(&head, "x-hop").is_none(), "{head}");
         assert!(header_of(&head, "x-kept").is_some(), "{head}");
@@ -292,17 +285,15 @@ async fn private_and_connection_named_headers_are_not_forwarded() {
 #[tokio::test]
 async fn only_allowed_paths_are_proxied() {
     let (upstream, mut heads) = recording_upstream().await;
-    let dir = temp_dir("allowed-paths");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!("endpoints:\n  - address: {upstream}\n"),
-    )
-    .unwrap();
+    let dir = upstream_dir("allowed-paths", upstream);
     for listed in [false, true] {
         let mut config = router_config(&dir);
         config.resilience.health_check = None;
         if listed {
-            config.proxy.allowed_paths.push("/v1/load_lora_adapter".into());
+            config
+                .proxy
+                .allowed_paths
+                .push("/v1/load_lora_adapter".into());
         }
         let router = kvroute_router::start(config).await.unwrap();
         let r = reqwest::Client::new()
@@ -313,7 +304,11 @@ async fn only_allowed_paths_are_proxied() {
             .unwrap();
         assert_eq!(r.status(), if listed { 200 } else { 404 });
         if listed {
-            assert!(next_post(&mut heads).await.starts_with("POST /v1/load_lora_adapter"));
+            assert!(
+                next_post(&mut heads)
+                    .await
+                    .starts_with("POST /v1/load_lora_adapter")
+            );
         } else {
             assert!(heads.try_recv().is_err());
         }
@@ -323,14 +318,23 @@ async fn only_allowed_paths_are_proxied() {
 
 #[tokio::test]
 async fn random_model_names_add_no_series() {
-    let stack = Stack::start("models", 1, false, |_| {}, |c| c.resilience.health_check = None).await;
+    let stack = Stack::start(
+        "models",
+        1,
+        false,
+        |_| {},
+        |c| c.resilience.health_check = None,
+    )
+    .await;
     for i in 0..50 {
         let mut body = chat("hi", "there", 2);
         body["model"] = json!(format!("random-{i}-{}", "x".repeat(100)));
         let r = stack.post("/v1/chat/completions", body).await;
         assert_eq!(r.status(), 404);
     }
-    let r = stack.post("/v1/chat/completions", chat("hi", "there", 2)).await;
+    let r = stack
+        .post("/v1/chat/completions", chat("hi", "there", 2))
+        .await;
     assert_eq!(r.status(), 200);
     let metrics = stack.metrics().await;
     assert!(!metrics.contains("random-"), "{metrics}");
@@ -380,7 +384,10 @@ async fn slow_idle_and_excess_connections_are_closed() {
     slow.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
         .await
         .unwrap();
-    assert!(closed_by_peer(&mut slow).await, "half-sent headers time out");
+    assert!(
+        closed_by_peer(&mut slow).await,
+        "half-sent headers time out"
+    );
     // A trickled body: 408.
     let mut trickle = TcpStream::connect(addr).await.unwrap();
     trickle
@@ -396,7 +403,10 @@ async fn slow_idle_and_excess_connections_are_closed() {
     idle.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
         .unwrap();
-    assert!(closed_by_peer(&mut idle).await, "idle connections are closed");
+    assert!(
+        closed_by_peer(&mut idle).await,
+        "idle connections are closed"
+    );
     // Four connections held open; the fifth is closed at once, and the
     // admin port still answers.
     let mut held = Vec::new();
@@ -443,10 +453,19 @@ async fn uniform_partial_failure_is_not_an_outage() {
     let n = 200;
     for i in 0..n {
         let r = stack
-            .post("/v1/completions", json!({"prompt": format!("p{i}"), "max_tokens": 1}))
+            .post(
+                "/v1/completions",
+                json!({"prompt": format!("p{i}"), "max_tokens": 1}),
+            )
             .await;
         ok += usize::from(r.status() == 200);
-        let ejected = stack.router.pool.status().iter().filter(|e| e.ejected).count();
+        let ejected = stack
+            .router
+            .pool
+            .status()
+            .iter()
+            .filter(|e| e.ejected)
+            .count();
         assert!(ejected <= 2, "at most half ejected, got {ejected}");
     }
     let share = ok as f64 / n as f64;
@@ -455,7 +474,10 @@ async fn uniform_partial_failure_is_not_an_outage() {
     // each: 75 % or more expected (before the cap: about 1 %).
     assert!(share > 0.65, "{ok} of {n}");
     let metrics = stack.metrics().await;
-    assert!(metrics.contains("kvroute_ejections_refused_total"), "{metrics}");
+    assert!(
+        metrics.contains("kvroute_ejections_refused_total"),
+        "{metrics}"
+    );
     stack.stop().await;
 }
 

@@ -227,12 +227,7 @@ async fn exact_mode_with_a_hugging_face_tokenizer_and_chat_template() {
 #[tokio::test]
 async fn headers_pass_through_and_traceparent_is_untouched_without_tracing() {
     let (upstream, mut heads) = recording_upstream().await;
-    let dir = temp_dir("passthrough");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!("endpoints:\n  - address: {upstream}\n"),
-    )
-    .unwrap();
+    let dir = upstream_dir("passthrough", upstream);
     let router = kvroute_router::start(router_config(&dir)).await.unwrap();
     let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let body = r#"{"prompt":  "spaced   exactly", "extra": [1, 2]}"#;

@@ -17,12 +17,7 @@ async fn the_engine_sees_the_routers_span_in_the_clients_trace() {
     })
     .unwrap();
     let (upstream, mut heads) = recording_upstream().await;
-    let dir = temp_dir("tracing");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!("endpoints:\n  - address: {upstream}\n"),
-    )
-    .unwrap();
+    let dir = upstream_dir("tracing", upstream);
     let router = kvroute_router::start(router_config(&dir)).await.unwrap();
     let client_parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let r = reqwest::Client::new()

@@ -203,9 +203,18 @@ async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
     p.tick();
     assert_eq!(p.routable(), 4);
     let text = metrics.render(&p);
-    assert!(text.contains("kvroute_ejections_total{reason=\"connect\"} 2"), "{text}");
-    assert!(text.contains("kvroute_ejections_refused_total{reason=\"connect\"} 2"), "{text}");
-    assert!(text.contains("kvroute_restorations_total{reason=\"expired\"} 2"), "{text}");
+    assert!(
+        text.contains("kvroute_ejections_total{reason=\"connect\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvroute_ejections_refused_total{reason=\"connect\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvroute_restorations_total{reason=\"expired\"} 2"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

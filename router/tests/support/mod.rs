@@ -37,6 +37,26 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A temporary directory whose endpoints file lists `upstream` alone.
+pub fn upstream_dir(name: &str, upstream: std::net::SocketAddr) -> PathBuf {
+    let dir = temp_dir(name);
+    std::fs::write(
+        dir.join("endpoints.yaml"),
+        format!("endpoints:\n  - address: {upstream}\n"),
+    )
+    .unwrap();
+    dir
+}
+
+/// Polls `check` until it holds; fails the test after 10 s.
+pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !check() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// Writes the endpoints file for `sims` (with their WatchCache ports when
 /// `exact`).
 pub fn write_endpoints(dir: &std::path::Path, sims: &[&Sim], exact: bool) {
