@@ -292,7 +292,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response 
             content,
         });
     }
-    match chat_prompt_tokens(&app.tokenizer, &app.template, &messages) {
+    match chat_prompt_tokens(&app.tokenizer, &app.template, messages) {
         Ok(prompt) => respond(&app, prompt, common, Kind::Chat).await,
         Err(e) => bad_request(e.to_string()),
     }

@@ -3,7 +3,9 @@
 //! prompt as the engine will tokenize it. The body itself is forwarded
 //! unchanged (except where tenancy rewrites `cache_salt`).
 
-use kvroute_core::tokenize::{ChatMessage, TokenizeError, completion_prompt_tokens, content_text};
+use kvroute_core::tokenize::{
+    ChatMessage, TokenizeError, chat_prompt_tokens, completion_prompt_tokens, content_text,
+};
 use serde_json::{Map, Value};
 
 use crate::errors::ApiError;
@@ -89,8 +91,9 @@ pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
 /// mistyped fields are a 400.
 ///
 /// Message texts are moved out of `obj`, and the rendered prompt is
-/// tokenized only once they are dropped, so a large prompt is held about
-/// three times at most (the body, the prompt, its ids).
+/// tokenized only once they are dropped, so a large prompt is held three
+/// times: the body, the prompt and its ids (4 bytes each: more than the
+/// text itself for text of under 4 bytes per token).
 pub fn prompt_tokens(
     api: Api,
     obj: &mut Map<String, Value>,
@@ -125,13 +128,7 @@ pub fn prompt_tokens(
                     }
                 }
             }
-            match settings.template.render(&messages, true) {
-                Ok(prompt) => {
-                    drop(messages);
-                    settings.tokenizer.encode(&prompt, false)
-                }
-                Err(e) => Err(e),
-            }
+            chat_prompt_tokens(&settings.tokenizer, &settings.template, messages)
         }
         Api::Completion => match obj.get("prompt") {
             Some(Value::String(p)) => completion_prompt_tokens(&settings.tokenizer, p),
@@ -200,10 +197,10 @@ mod tests {
         let s = settings();
         let mut body = obj(json!({"messages": [{"role": "user", "content": "Hello there"}]}));
         let tokens = prompt_tokens(Api::Chat, &mut body, &s).unwrap().unwrap();
-        let expected = kvroute_core::tokenize::chat_prompt_tokens(
+        let expected = chat_prompt_tokens(
             &Tokenizer::builtin(),
             &ChatTemplate::builtin(),
-            &[ChatMessage::new("user", "Hello there")],
+            vec![ChatMessage::new("user", "Hello there")],
         )
         .unwrap();
         assert_eq!(tokens, expected);

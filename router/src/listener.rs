@@ -55,6 +55,7 @@ impl ConnLimits {
     /// per client connection and a reserve.
     pub fn api(limits: &Limits) -> Self {
         let mut max = limits.max_connections;
+        // Two descriptors per connection: its own and an upstream one.
         if let Some(nofile) = open_file_limit() {
             let fits = (nofile.saturating_sub(FD_RESERVE) / 2).max(1) as usize;
             if fits < max {
@@ -67,22 +68,23 @@ impl ConnLimits {
                 max = fits;
             }
         }
-        ConnLimits {
-            max_connections: max,
-            header_read_timeout: Duration::from_millis(limits.header_read_timeout_ms),
-            idle_timeout: Duration::from_millis(limits.idle_timeout_ms),
-            h2_max_concurrent_streams: limits.http2_max_concurrent_streams,
-            h2_max_pending_accept_reset_streams: limits.http2_max_pending_accept_reset_streams,
-            h2_max_local_error_reset_streams: limits.http2_max_local_error_reset_streams,
-        }
+        Self::with_max(limits, max)
     }
 
     /// The admin listener's: the API's timeouts and a small connection cap
     /// of its own, so neither port can starve the other.
     pub fn admin(limits: &Limits) -> Self {
+        Self::with_max(limits, 64)
+    }
+
+    fn with_max(limits: &Limits, max_connections: usize) -> Self {
         ConnLimits {
-            max_connections: 64,
-            ..Self::api(limits)
+            max_connections,
+            header_read_timeout: Duration::from_millis(limits.header_read_timeout_ms),
+            idle_timeout: Duration::from_millis(limits.idle_timeout_ms),
+            h2_max_concurrent_streams: limits.http2_max_concurrent_streams,
+            h2_max_pending_accept_reset_streams: limits.http2_max_pending_accept_reset_streams,
+            h2_max_local_error_reset_streams: limits.http2_max_local_error_reset_streams,
         }
     }
 }

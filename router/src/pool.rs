@@ -414,42 +414,35 @@ impl Pool {
 
     /// The endpoint answered well.
     pub fn succeeded(&self, name: &str) {
-        let events = self.lock().outlier.success(name, now());
-        self.record(&events);
+        self.health(|o, now| o.success(name, now));
     }
 
     /// The endpoint failed by its own fault (see [`health`]). Returns
     /// whether it was ejected now.
     pub fn failed(&self, name: &str, fault: Fault) -> bool {
-        let mut inner = self.lock();
-        let events = inner.outlier.failure(name, fault, now());
-        self.publish_ready(&inner);
-        drop(inner);
-        self.record(&events)
+        self.health(|o, now| o.failure(name, fault, now))
     }
 
     /// An active health check of `name` passed or failed.
     pub fn checked(&self, name: &str, passed: bool) {
-        let mut inner = self.lock();
-        let events = inner.outlier.check(name, passed, now());
-        self.publish_ready(&inner);
-        drop(inner);
-        self.record(&events);
+        self.health(|o, now| o.check(name, passed, now));
     }
 
     /// Ends the ejections whose time has passed.
     pub fn tick(&self) {
-        let mut inner = self.lock();
-        let events = inner.outlier.tick(now());
-        self.publish_ready(&inner);
-        drop(inner);
-        self.record(&events);
+        self.health(Outlier::tick);
     }
 
-    /// Logs and counts health events; returns whether one was an ejection.
-    fn record(&self, events: &[Event]) -> bool {
+    /// Runs one step of the health state machine, publishes readiness, and
+    /// logs and counts its events (outside the lock); returns whether one
+    /// was an ejection.
+    fn health(&self, step: impl FnOnce(&mut Outlier, std::time::Instant) -> Vec<Event>) -> bool {
+        let mut inner = self.lock();
+        let events = step(&mut inner.outlier, now());
+        self.publish_ready(&inner);
+        drop(inner);
         let mut ejected = false;
-        for event in events {
+        for event in &events {
             match event {
                 Event::Ejected {
                     endpoint,

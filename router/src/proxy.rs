@@ -114,9 +114,23 @@ struct Labels {
 }
 
 impl Labels {
-    fn count(&mut self, status: &str) {
-        if !std::mem::replace(&mut self.counted, true) {
+    /// Counts the request with `status`, unless it was counted; returns
+    /// whether this call counted it.
+    fn count(&mut self, status: &str) -> bool {
+        let first = !std::mem::replace(&mut self.counted, true);
+        if first {
             self.proxy.count(&self.model, status);
+        }
+        first
+    }
+
+    /// Hands the count over to the response body.
+    fn hand_over(&mut self) -> Labels {
+        self.counted = true;
+        Labels {
+            proxy: self.proxy.clone(),
+            model: std::mem::take(&mut self.model),
+            counted: false,
         }
     }
 }
@@ -449,9 +463,7 @@ impl Proxy {
                             cached as f64,
                         );
                     }
-                    labels.counted = true;
-                    let model = std::mem::take(&mut labels.model);
-                    return Ok(self.respond(response, load, target, sent, model));
+                    return Ok(self.respond(response, load, target, sent, labels.hand_over()));
                 }
                 Err((e, fault)) => {
                     drop(load);
@@ -469,18 +481,14 @@ impl Proxy {
         // engine answer if there was one, else the last error.
         match last_response {
             Some(response) => {
-                let (parts, body) = response.into_parts();
+                let (mut parts, body) = response.into_parts();
                 let body = body
                     .collect()
                     .await
                     .map(|b| b.to_bytes())
                     .unwrap_or_default();
-                let mut headers = HeaderMap::new();
-                copy_headers(&parts.headers, &mut headers, &[]);
-                let mut response = Response::new(Body::from(body));
-                *response.status_mut() = parts.status;
-                *response.headers_mut() = headers;
-                Ok(response)
+                end_to_end(&mut parts.headers);
+                Ok(Response::from_parts(parts, Body::from(body)))
             }
             None => Err(last_error),
         }
@@ -555,7 +563,7 @@ impl Proxy {
         load: InFlight,
         target: &Target,
         sent: Instant,
-        model: String,
+        labels: Labels,
     ) -> Response<Body> {
         let (mut parts, incoming) = response.into_parts();
         let sse = parts
@@ -563,27 +571,25 @@ impl Proxy {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
-        let mut headers = HeaderMap::new();
-        copy_headers(&parts.headers, &mut headers, &[]);
+        let length = parts.headers.get(header::CONTENT_LENGTH).cloned();
+        end_to_end(&mut parts.headers);
         // A sized response stays sized (the body passes through whole).
-        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
-            headers.insert(header::CONTENT_LENGTH, length.clone());
+        if let Some(length) = length {
+            parts.headers.insert(header::CONTENT_LENGTH, length);
         }
         if let Some(name) = &self.endpoint_header
             && let Ok(v) = HeaderValue::from_str(&target.name)
         {
-            headers.insert(name.clone(), v);
+            parts.headers.insert(name.clone(), v);
         }
-        parts.headers = headers;
         let guard = Guard {
             proxy: self.clone(),
             load,
             name: target.name.clone(),
             sent,
             first: true,
-            model,
+            labels,
             status: parts.status,
-            outcome: None,
         };
         let frames = stream::unfold(Some((incoming, guard)), move |state| async move {
             let (mut incoming, mut guard) = state?;
@@ -705,6 +711,13 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap, private: &[HeaderName]) {
     }
 }
 
+/// Keeps only a response's end-to-end headers (see [`copy_headers`]).
+fn end_to_end(headers: &mut HeaderMap) {
+    let mut kept = HeaderMap::new();
+    copy_headers(headers, &mut kept, &[]);
+    *headers = kept;
+}
+
 /// Parses the body, applies tenancy, and computes the prompt's tokens,
 /// block chain and routing key. Synchronous: large bodies run it on the
 /// tokenizer pool. In salted mode every body must be a JSON object: one
@@ -739,7 +752,6 @@ fn analyze(
         None => None,
     };
     drop(obj);
-    let readable = tokens.is_some();
     let tokens = tokens.unwrap_or_default();
     let chain = settings.hasher.hashes(
         &tokens,
@@ -767,7 +779,7 @@ fn analyze(
         chain,
         key,
         prompt_tokens,
-        readable: readable && !tokens.is_empty(),
+        readable: !tokens.is_empty(),
         block_tokens: settings.hasher.config().block_size as u64,
     })
 }
@@ -828,18 +840,17 @@ impl Workers {
 
 /// A forwarded request's hold on its endpoint's load; dropping it (the
 /// client went away) ends the request and, with the upstream body dropped
-/// too, cancels it at the engine. It counts the request when it ends.
+/// too, cancels it at the engine. Its labels count the request: with the
+/// status when the body completed, `stream_error` when it broke, 499 when
+/// the client left first.
 struct Guard {
     proxy: Arc<Proxy>,
     load: InFlight,
     name: String,
     sent: Instant,
     first: bool,
-    model: String,
+    labels: Labels,
     status: StatusCode,
-    /// The `status` label once known: the status when the body completed,
-    /// `stream_error` when it broke; still `None` when the client left.
-    outcome: Option<String>,
 }
 
 impl Guard {
@@ -854,9 +865,8 @@ impl Guard {
     }
 
     fn done(&mut self) {
-        if self.outcome.is_none() {
+        if self.labels.count(self.status.as_str()) {
             self.proxy.pool.succeeded(&self.name);
-            self.outcome = Some(self.status.as_str().to_owned());
         }
     }
 
@@ -868,14 +878,6 @@ impl Guard {
             &[("endpoint", &self.name), ("kind", "stream")],
             1.0,
         );
-        self.outcome = Some("stream_error".into());
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        // 499: nginx's "client closed request".
-        let status = self.outcome.as_deref().unwrap_or("499");
-        self.proxy.count(&self.model, status);
+        self.labels.count("stream_error");
     }
 }

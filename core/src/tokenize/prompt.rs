@@ -12,12 +12,16 @@ use super::{ChatMessage, ChatTemplate, TokenizeError, Tokenizer};
 /// tokens", `vllm/entrypoints/openai/chat_completion/protocol.py`) and
 /// `add_generation_prompt` to `True`. A request that overrides either is not
 /// modelled here.
+///
+/// The messages are dropped once rendered, before encoding, so a large
+/// prompt is held at most twice (the prompt and its ids) besides them.
 pub fn chat_prompt_tokens(
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
-    messages: &[ChatMessage],
+    messages: Vec<ChatMessage>,
 ) -> Result<Vec<u32>, TokenizeError> {
-    let prompt = template.render(messages, true)?;
+    let prompt = template.render(&messages, true)?;
+    drop(messages);
     tokenizer.encode(&prompt, false)
 }
 

@@ -191,9 +191,9 @@ fn chat_prompts_take_bos_from_the_template_only() {
         None,
     )
     .unwrap();
-    let messages = [ChatMessage::new("user", "hello, world!")];
+    let messages = vec![ChatMessage::new("user", "hello, world!")];
     assert_eq!(
-        chat_prompt_tokens(&tokenizer, &template, &messages).unwrap(),
+        chat_prompt_tokens(&tokenizer, &template, messages).unwrap(),
         [1, 6, 8, 2, 4, 3, 5, 7, 8]
     );
     assert_eq!(
@@ -209,7 +209,7 @@ fn builtin_prompts_have_no_special_tokens() {
     let messages = conversation();
     let rendered = template.render(&messages, true).unwrap();
     assert_eq!(
-        chat_prompt_tokens(&tokenizer, &template, &messages).unwrap(),
+        chat_prompt_tokens(&tokenizer, &template, messages.clone()).unwrap(),
         tokenizer.encode(&rendered, false).unwrap()
     );
     assert_eq!(
