@@ -33,6 +33,27 @@ pub struct Config {
     pub resilience: Resilience,
     /// Logs, traces and headers.
     pub telemetry: Telemetry,
+    /// TLS on the API listener; unset: plaintext.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<Tls>,
+    /// A file holding a bearer token that `/debug/*` on the admin port
+    /// requires (`Authorization: Bearer <token>`); `/metrics`, `/healthz`
+    /// stay open. Unset: `/debug/*` is open to whoever reaches the port.
+    pub admin_token_file: Option<PathBuf>,
+}
+
+/// TLS for the API listener, from PEM files (a mounted `kubernetes.io/tls`
+/// Secret has them as `tls.crt` and `tls.key`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Tls {
+    /// The certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+    /// With it, clients must present a certificate this CA signed (mTLS).
+    #[serde(default)]
+    pub client_ca_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -47,6 +68,8 @@ impl Default for Config {
             proxy: Proxy::default(),
             resilience: Resilience::default(),
             telemetry: Telemetry::default(),
+            tls: None,
+            admin_token_file: None,
         }
     }
 }
@@ -410,6 +433,16 @@ pub enum ConfigError {
         /// Why.
         #[source]
         source: serde_yaml::Error,
+    },
+    /// A TLS file is unreadable or invalid.
+    #[error("{field}: {path}: {reason}")]
+    Tls {
+        /// The field, as written in YAML.
+        field: &'static str,
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
     },
     /// A value is out of range.
     #[error("{field}: {reason} (got {value})")]

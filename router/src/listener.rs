@@ -5,7 +5,9 @@
 //! it stops accepting, lets every connection finish its requests, and
 //! returns when the last one closed.
 //!
-//! Not here: the body-read timeout (the proxy reads bodies) and TLS.
+//! With a TLS configuration every connection is a TLS one; its handshake
+//! must finish within the header-read timeout. Not here: the body-read
+//! timeout (the proxy reads bodies).
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -20,8 +22,10 @@ use axum::extract::Request;
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, watch};
+use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
 use crate::config::Limits;
@@ -47,6 +51,8 @@ pub struct ConnLimits {
     pub h2_max_pending_accept_reset_streams: usize,
     /// See `limits.http2MaxLocalErrorResetStreams`.
     pub h2_max_local_error_reset_streams: usize,
+    /// TLS for every connection; `None`: plaintext.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl ConnLimits {
@@ -85,6 +91,7 @@ impl ConnLimits {
             h2_max_concurrent_streams: limits.http2_max_concurrent_streams,
             h2_max_pending_accept_reset_streams: limits.http2_max_pending_accept_reset_streams,
             h2_max_local_error_reset_streams: limits.http2_max_local_error_reset_streams,
+            tls: None,
         }
     }
 }
@@ -119,6 +126,7 @@ pub async fn serve(
         .max_pending_accept_reset_streams(limits.h2_max_pending_accept_reset_streams)
         .max_local_error_reset_streams(limits.h2_max_local_error_reset_streams);
     let builder = Arc::new(builder);
+    let tls = limits.tls.clone().map(TlsAcceptor::from);
     let max = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
     let slots = Arc::new(Semaphore::new(max as usize));
     loop {
@@ -156,8 +164,29 @@ pub async fn serve(
         let app = app.clone();
         let stopped = stopped.clone();
         let idle = limits.idle_timeout;
+        let handshake = limits.header_read_timeout;
+        let tls = tls.clone();
+        let metrics = metrics.clone();
         tokio::spawn(async move {
-            connection(&builder, TokioIo::new(tcp), app, idle, stopped).await;
+            match tls {
+                None => connection(&builder, tcp, app, idle, stopped).await,
+                Some(tls) => match tokio::time::timeout(handshake, tls.accept(tcp)).await {
+                    Ok(Ok(stream)) => connection(&builder, stream, app, idle, stopped).await,
+                    failed => {
+                        let reason = if failed.is_err() {
+                            "tls_timeout"
+                        } else {
+                            "tls_handshake"
+                        };
+                        tracing::debug!(listener = name, reason, "TLS handshake failed");
+                        metrics.inc(
+                            "kvroute_connections_refused_total",
+                            &[("listener", name), ("reason", reason)],
+                            1.0,
+                        );
+                    }
+                },
+            }
             drop(slot);
         });
     }
@@ -169,7 +198,7 @@ pub async fn serve(
 /// server stops.
 async fn connection(
     builder: &auto::Builder<TokioExecutor>,
-    io: TokioIo<tokio::net::TcpStream>,
+    io: impl AsyncRead + AsyncWrite + Unpin + Send + 'static,
     app: Router,
     idle: Duration,
     mut stopped: watch::Receiver<bool>,
@@ -194,7 +223,7 @@ async fn connection(
             }
         })
     };
-    let conn = builder.serve_connection_with_upgrades(io, service);
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
     tokio::pin!(conn);
     tokio::select! {
         r = conn.as_mut() => {

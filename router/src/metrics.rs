@@ -33,7 +33,7 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "kvroute_connections_refused_total",
         "counter",
-        "Client connections closed on accept, by listener and reason: max_connections, accept_error.",
+        "Client connections closed before serving a request, by listener and reason: max_connections, accept_error, tls_handshake, tls_timeout.",
     ),
     (
         "kvroute_routing_decisions_total",

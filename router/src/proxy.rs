@@ -881,3 +881,6 @@ impl Guard {
         self.labels.count("stream_error");
     }
 }
+
+#[cfg(test)]
+mod tests;

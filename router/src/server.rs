@@ -128,6 +128,26 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .expect("validated"),
     }));
     let tenancy = Tenancy::load(&config.tenancy)?;
+    let tls = config
+        .tls
+        .as_ref()
+        .map(crate::tls::server_config)
+        .transpose()?;
+    let admin_token = match &config.admin_token_file {
+        Some(path) => {
+            let token = String::from_utf8_lossy(&read(path)?).trim().to_owned();
+            if token.is_empty() {
+                return Err(ConfigError::Invalid {
+                    field: "adminTokenFile",
+                    value: path.display().to_string(),
+                    reason: "the token must not be empty",
+                }
+                .into());
+            }
+            Some(Arc::new(token))
+        }
+        None => None,
+    };
     // Bind first: a taken port must fail before any task starts.
     let api = bind(config.listen).await?;
     let admin = bind(config.admin_listen).await?;
@@ -183,14 +203,17 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(listener::serve(
             api,
             api_routes(proxy.clone()),
-            ConnLimits::api(&config.limits),
+            ConnLimits {
+                tls,
+                ..ConnLimits::api(&config.limits)
+            },
             stopped.clone(),
             metrics.clone(),
             "api",
         )),
         tokio::spawn(listener::serve(
             admin,
-            admin_routes(proxy),
+            admin_routes(proxy, admin_token),
             ConnLimits::admin(&config.limits),
             stopped,
             metrics,
@@ -226,8 +249,28 @@ fn api_routes(proxy: Arc<Proxy>) -> Router {
         .with_state(proxy)
 }
 
-fn admin_routes(proxy: Arc<Proxy>) -> Router {
+fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
+    let debug = Router::new()
+        .route(
+            "/debug/pool",
+            get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.pool.status()) }),
+        )
+        .layer(axum::middleware::from_fn(
+            move |request: Request, next: axum::middleware::Next| {
+                let token = token.clone();
+                async move {
+                    match token {
+                        Some(t) if !bearer_is(request.headers(), &t) => ApiError::Unauthenticated(
+                            "the admin port's /debug endpoints need Authorization: Bearer <adminTokenFile's token>".into(),
+                        )
+                        .into_response(),
+                        _ => next.run(request).await,
+                    }
+                }
+            },
+        ));
     Router::new()
+        .merge(debug)
         .route(
             "/metrics",
             get(|State(p): State<Arc<Proxy>>| async move {
@@ -240,12 +283,19 @@ fn admin_routes(proxy: Arc<Proxy>) -> Router {
                 )
             }),
         )
-        .route(
-            "/debug/pool",
-            get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.pool.status()) }),
-        )
         .route("/healthz", get(|| async { StatusCode::OK }))
         .with_state(proxy)
+}
+
+/// Whether `headers` carry `Authorization: Bearer <token>`, compared in
+/// constant time.
+fn bearer_is(headers: &axum::http::HeaderMap, token: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| bool::from(given.trim().as_bytes().ct_eq(token.as_bytes())))
 }
 
 async fn readyz(State(p): State<Arc<Proxy>>) -> Response {

@@ -311,4 +311,73 @@ mod tests {
         assert!(!shared.apply(Some("acme"), &mut untouched).unwrap());
         assert_eq!(untouched["cache_salt"], "mine");
     }
+
+    /// Random headers against the rule written as a table: the API key
+    /// decides; a header naming another tenant is 403; no valid key is 401.
+    mod rule {
+        use axum::http::HeaderValue;
+        use proptest::prelude::*;
+
+        use super::*;
+
+        fn header_value() -> impl Strategy<Value = Option<Vec<u8>>> {
+            prop_oneof![
+                Just(None),
+                Just(Some(b"acme".to_vec())),
+                Just(Some(b"bob".to_vec())),
+                Just(Some(Vec::new())),
+                proptest::collection::vec(any::<u8>(), 0..12).prop_map(Some),
+            ]
+        }
+
+        fn authorization() -> impl Strategy<Value = Option<Vec<u8>>> {
+            prop_oneof![
+                Just(None),
+                Just(Some(b"Bearer k1".to_vec())),
+                Just(Some(b"Bearer k2".to_vec())),
+                Just(Some(b"Basic k1".to_vec())),
+                Just(Some(b"Bearer ".to_vec())),
+                proptest::collection::vec(any::<u8>(), 0..12).prop_map(Some),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn the_key_decides(
+                auth in authorization(),
+                claimed in header_value(),
+                salted in any::<bool>(),
+            ) {
+                let mode = if salted { TenancyMode::Salted } else { TenancyMode::Shared };
+                let t = tenancy(mode, ClientSalt::Reject);
+                let mut headers = HeaderMap::new();
+                if let Some(v) = auth.as_deref().and_then(|v| HeaderValue::from_bytes(v).ok()) {
+                    headers.insert(header::AUTHORIZATION, v);
+                }
+                let claimed = claimed
+                    .as_deref()
+                    .and_then(|v| HeaderValue::from_bytes(v).ok());
+                if let Some(v) = &claimed {
+                    headers.insert("x-tenant", v.clone());
+                }
+                let key_ok = headers
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer "))
+                    .is_some_and(|k| k.trim() == "k1");
+                let other = claimed
+                    .as_ref()
+                    .is_some_and(|v| !v.is_empty() && v.as_bytes() != b"acme");
+                let expected = match (key_ok, other) {
+                    (false, _) => Err(401),
+                    (true, true) => Err(if claimed.as_ref().is_some_and(|v| v.to_str().is_err()) { 401 } else { 403 }),
+                    (true, false) => Ok(Some("acme".to_owned())),
+                };
+                prop_assert_eq!(
+                    t.tenant(&headers).map_err(|e| e.status().as_u16()),
+                    expected
+                );
+            }
+        }
+    }
 }
