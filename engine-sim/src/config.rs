@@ -98,6 +98,20 @@ pub struct Config {
     /// Fault: extra delay before every response's first byte, milliseconds.
     #[arg(long, env = "SIM_EXTRA_LATENCY_MS", default_value_t = 0)]
     pub extra_latency_ms: u64,
+
+    /// PEM certificate chain of the WatchCache server; with
+    /// `--tls-key-file` it serves TLS. Unset: plaintext.
+    #[arg(long, env = "SIM_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert-file`.
+    #[arg(long, env = "SIM_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// PEM CA: WatchCache subscribers must present a certificate it signed
+    /// (mTLS).
+    #[arg(long, env = "SIM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
+    pub tls_client_ca_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -121,6 +135,14 @@ impl Config {
                 "--fail-rate must be within 0..=1, got {}",
                 self.fail_rate
             ));
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some()
+            || (self.tls_client_ca_file.is_some() && self.tls_cert_file.is_none())
+        {
+            return Err(
+                "--tls-cert-file and --tls-key-file go together, and --tls-client-ca-file needs them"
+                    .to_owned(),
+            );
         }
         if self.max_model_len == 0 {
             return Err("--max-model-len must be ≥ 1, got 0".to_owned());
@@ -152,6 +174,9 @@ impl Config {
             fail_rate: 0.0,
             stop_after: None,
             extra_latency_ms: 0,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_client_ca_file: None,
         }
     }
 }

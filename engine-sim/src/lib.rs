@@ -55,6 +55,9 @@ pub enum StartError {
     /// The hashing configuration is invalid.
     #[error("{0}")]
     Hash(#[from] kvroute_core::hash::HashError),
+    /// The WatchCache TLS files are unusable.
+    #[error("WatchCache TLS: {0}")]
+    Tls(#[from] kvroute_proto::tls::TlsError),
     /// An address could not be bound.
     #[error("binding {addr}: {source}")]
     Bind {
@@ -121,6 +124,13 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
         Some(path) => ChatTemplate::from_tokenizer_config(&read(path)?)?,
         None => ChatTemplate::builtin(),
     };
+    let mut grpc = tonic::transport::Server::builder();
+    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+        let tls = kvroute_proto::tls::server(cert, key, config.tls_client_ca_file.as_deref())?;
+        grpc = grpc
+            .tls_config(tls)
+            .map_err(|e| kvroute_proto::tls::TlsError::Invalid(e.to_string()))?;
+    }
     let http = bind(config.listen).await?;
     let cache = bind(config.cache_listen).await?;
     let http_addr = http.local_addr().map_err(|source| StartError::Bind {
@@ -155,11 +165,11 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     let mut until_stop = stopped.clone();
     let grpc_task = tokio::spawn(async move {
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(cache);
-        let server = tonic::transport::Server::builder()
-            .add_service(reporter)
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = until_stop.wait_for(|s| *s).await;
-            });
+        let server =
+            grpc.add_service(reporter)
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = until_stop.wait_for(|s| *s).await;
+                });
         if let Err(e) = server.await {
             tracing::error!(error = %e, "WatchCache server failed");
         }

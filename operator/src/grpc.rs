@@ -26,6 +26,7 @@ use kvroute_proto::v1::{PoolState, WatchPoolRequest};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::{TcpListenerStream, WatchStream};
+use tonic::transport::ServerTlsConfig;
 use tonic::{Request, Response, Status};
 
 use crate::index::Index;
@@ -39,6 +40,9 @@ pub enum ServeError {
     /// The gRPC transport failed (accepting or serving connections).
     #[error("the WatchPool server failed")]
     Transport(#[source] tonic::transport::Error),
+    /// The TLS certificate, key or client CA is invalid.
+    #[error("the WatchPool TLS files are invalid")]
+    Tls(#[source] tonic::transport::Error),
 }
 
 /// The `EndpointDiscovery` service over a shared [`Index`]. Cheap to clone:
@@ -81,15 +85,21 @@ impl Discovery {
         self.stop.send_replace(true);
     }
 
-    /// Serves `EndpointDiscovery` on `listener` until `shutdown` completes,
-    /// then ends every stream and waits for connections to close.
+    /// Serves `EndpointDiscovery` on `listener` (over `tls` when given)
+    /// until `shutdown` completes, then ends every stream and waits for
+    /// connections to close.
     pub async fn serve(
         self,
         listener: TcpListener,
+        tls: Option<ServerTlsConfig>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), ServeError> {
         let stopper = self.clone();
-        tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            server = server.tls_config(tls).map_err(ServeError::Tls)?;
+        }
+        server
             .add_service(EndpointDiscoveryServer::new(self))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
                 shutdown.await;
@@ -108,7 +118,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    Discovery::new(index).serve(listener, shutdown).await
+    Discovery::new(index).serve(listener, None, shutdown).await
 }
 
 #[tonic::async_trait]

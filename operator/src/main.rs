@@ -4,6 +4,7 @@
 //! `/readyz`.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::Context as _;
@@ -36,7 +37,7 @@ enum Command {
     },
     /// Watch the cluster (from `KUBECONFIG` or the in-cluster config), serve
     /// WatchPool to routers and write status until Ctrl-C or SIGTERM.
-    Run(RunConfig),
+    Run(Box<RunConfig>),
 }
 
 /// Configuration of `run`.
@@ -80,6 +81,20 @@ struct RunConfig {
     /// none exports nothing.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
+
+    /// PEM certificate chain of the WatchPool server; with
+    /// `--tls-key-file` it serves TLS. Unset: plaintext.
+    #[arg(long, env = "KVROUTE_TLS_CERT_FILE", requires = "tls_key_file")]
+    tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert-file`.
+    #[arg(long, env = "KVROUTE_TLS_KEY_FILE", requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
+
+    /// PEM CA: WatchPool subscribers (routers) must present a certificate
+    /// it signed (mTLS).
+    #[arg(long, env = "KVROUTE_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
+    tls_client_ca_file: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -87,7 +102,7 @@ fn main() -> anyhow::Result<()> {
         Command::Crdgen { out } => kvroute_operator::api::write_crds(&out),
         Command::Run(config) => tokio::runtime::Runtime::new()
             .context("start the tokio runtime")?
-            .block_on(run(config)),
+            .block_on(run(*config)),
     }
 }
 
@@ -102,6 +117,13 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         .await
         .context("build a Kubernetes client (KUBECONFIG or in-cluster config)")?;
     let identity = config.identity.unwrap_or_else(lease::default_identity);
+    let tls = match (&config.tls_cert_file, &config.tls_key_file) {
+        (Some(cert), Some(key)) => Some(
+            kvroute_proto::tls::server(cert, key, config.tls_client_ca_file.as_deref())
+                .context("--tls-cert-file / --tls-key-file / --tls-client-ca-file")?,
+        ),
+        _ => None,
+    };
     let grpc = bind(config.grpc_listen, "--grpc-listen").await?;
     let admin_listener = bind(config.admin_listen, "--admin-listen").await?;
     // Tests read the ports from these lines, so they go to stdout, whole.
@@ -176,7 +198,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         stopped(),
     ));
 
-    let served = discovery.serve(grpc, shutdown()).await;
+    let served = discovery.serve(grpc, tls, shutdown()).await;
     // Release the lease first, so a standby or restarted replica writes
     // status at once.
     stop_tx.send_replace(true);

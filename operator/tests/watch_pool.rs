@@ -35,7 +35,7 @@ impl Operator {
         let index = Arc::new(Mutex::new(index));
         let discovery = Discovery::new(index.clone());
         let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(discovery.clone().serve(listener, async {
+        let server = tokio::spawn(discovery.clone().serve(listener, None, async {
             let _ = stopped.await;
         }));
         Operator {

@@ -11,6 +11,8 @@
 //! - [`SequenceCheck`], the incarnation and sequence rules a `WatchCache`
 //!   subscriber applies to every update.
 //!
+//! - [`tls`]: loading the streams' mutual-TLS files, for servers and clients.
+//!
 //! Not here: serving or consuming the streams (the engine simulator, the
 //! operator and the router own their tasks); applying updates to an index.
 //!
@@ -22,6 +24,7 @@
 
 mod hash_algorithm;
 mod sequence;
+pub mod tls;
 
 pub use hash_algorithm::hash_algo_from_i32;
 pub use sequence::{ResyncReason, SequenceCheck, Verdict};

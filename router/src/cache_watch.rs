@@ -24,9 +24,9 @@ use kvroute_core::load::EngineLoad;
 use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
 use kvroute_proto::v1::{CacheUpdate, LoadReport, WatchCacheRequest, cache_update::Update};
 use kvroute_proto::{ResyncReason, SequenceCheck, Verdict};
-use tokio::task::JoinHandle;
+use tonic::transport::ClientTlsConfig;
 
-use crate::pool::{Pool, StreamState};
+use crate::pool::{Pool, StreamState, WatcherSpawner};
 
 /// How the router names itself to engines.
 const SUBSCRIBER: &str = "kvroute-router";
@@ -103,15 +103,20 @@ impl Backoff {
     }
 }
 
-/// Starts watching the WatchCache server at `addr` for the pool member
-/// `(name, generation)`. The task runs until it is aborted (the pool does
-/// so when the endpoint leaves or changes) or the pool is dropped. Matches
-/// [`crate::pool::WatcherSpawner`].
-pub fn spawn(pool: Arc<Pool>, name: String, generation: u64, addr: SocketAddr) -> JoinHandle<()> {
-    // A weak reference: the pool owns this task's handle, so a strong one
-    // would keep a dropped pool alive forever.
-    let pool = Arc::downgrade(&pool);
-    tokio::spawn(async move { run(pool, name, generation, addr).await })
+/// Starts watchers of WatchCache servers, over TLS when `tls` is given.
+/// Each watches the server at `addr` for the pool member `(name,
+/// generation)` and runs until it is aborted (the pool does so when the
+/// endpoint leaves or changes) or the pool is dropped.
+pub fn spawner(tls: Option<ClientTlsConfig>) -> WatcherSpawner {
+    Arc::new(
+        move |pool: Arc<Pool>, name: String, generation: u64, addr: SocketAddr| {
+            // A weak reference: the pool owns this task's handle, so a strong
+            // one would keep a dropped pool alive forever.
+            let pool = Arc::downgrade(&pool);
+            let tls = tls.clone();
+            tokio::spawn(async move { run(pool, name, generation, addr, tls).await })
+        },
+    )
 }
 
 /// Why a stream ended.
@@ -133,7 +138,13 @@ enum Broken {
     PoolGone,
 }
 
-async fn run(pool: Weak<Pool>, name: String, generation: u64, addr: SocketAddr) {
+async fn run(
+    pool: Weak<Pool>,
+    name: String,
+    generation: u64,
+    addr: SocketAddr,
+    tls: Option<ClientTlsConfig>,
+) {
     let mut backoff = Backoff::new(&name);
     loop {
         let mut live_since = None;
@@ -146,7 +157,7 @@ async fn run(pool: Weak<Pool>, name: String, generation: u64, addr: SocketAddr) 
                     name: &name,
                     generation,
                 };
-                w.watch(addr, &mut live_since).await
+                w.watch(addr, tls.as_ref(), &mut live_since).await
             }
             None => Broken::PoolGone,
         };
@@ -175,12 +186,24 @@ struct Watcher<'a> {
 impl Watcher<'_> {
     /// Subscribes and applies updates until the stream breaks; sets
     /// `live_since` when the first snapshot is applied.
-    async fn watch(&self, addr: SocketAddr, live_since: &mut Option<Instant>) -> Broken {
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+    async fn watch(
+        &self,
+        addr: SocketAddr,
+        tls: Option<&ClientTlsConfig>,
+        live_since: &mut Option<Instant>,
+    ) -> Broken {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
             .expect("a socket address makes a valid URI")
             .connect_timeout(CONNECT_TIMEOUT)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT);
+        if let Some(tls) = tls {
+            endpoint = match endpoint.tls_config(tls.clone()) {
+                Ok(e) => e,
+                Err(e) => return Broken::Connect(error_chain(&e)),
+            };
+        }
         let channel = match endpoint.connect().await {
             Ok(c) => c,
             Err(e) => return Broken::Connect(error_chain(&e)),

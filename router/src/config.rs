@@ -40,6 +40,30 @@ pub struct Config {
     /// requires (`Authorization: Bearer <token>`); `/metrics`, `/healthz`
     /// stay open. Unset: `/debug/*` is open to whoever reaches the port.
     pub admin_token_file: Option<PathBuf>,
+    /// TLS for the router's gRPC streams: WatchCache to the engines and
+    /// WatchPool to the operator; unset: plaintext.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grpc_tls: Option<GrpcTls>,
+}
+
+/// TLS of the router's gRPC clients, from PEM files.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GrpcTls {
+    /// The CA that signed the engines' and the operator's certificates.
+    pub ca_file: PathBuf,
+    /// The router's certificate chain, for servers that require one (mTLS);
+    /// with `keyFile`.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// Its private key.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// The name the servers' certificates are checked against, when not
+    /// the address dialled (engines are dialled by pod IP: give the name
+    /// their certificates carry).
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 /// TLS for the API listener, from PEM files (a mounted `kubernetes.io/tls`
@@ -70,6 +94,7 @@ impl Default for Config {
             telemetry: Telemetry::default(),
             tls: None,
             admin_token_file: None,
+            grpc_tls: None,
         }
     }
 }
@@ -434,16 +459,6 @@ pub enum ConfigError {
         #[source]
         source: serde_yaml::Error,
     },
-    /// A TLS file is unreadable or invalid.
-    #[error("{field}: {path}: {reason}")]
-    Tls {
-        /// The field, as written in YAML.
-        field: &'static str,
-        /// The file.
-        path: String,
-        /// What is wrong.
-        reason: String,
-    },
     /// A value is out of range.
     #[error("{field}: {reason} (got {value})")]
     Invalid {
@@ -594,6 +609,25 @@ impl Config {
                 &"none",
                 "salted tenancy needs a tenant source: tenantHeader or apiKeysFile",
             ));
+        }
+        if let Some(t) = &self.grpc_tls
+            && t.cert_file.is_some() != t.key_file.is_some()
+        {
+            return Err(invalid(
+                "grpcTls.certFile",
+                &"one of certFile and keyFile",
+                "set both or neither",
+            ));
+        }
+        if let Some(o) = &self.discovery.operator {
+            let https = o.url.starts_with("https://");
+            if https != self.grpc_tls.is_some() {
+                return Err(invalid(
+                    "discovery.operator.url",
+                    &o.url,
+                    "use https:// exactly when grpcTls is set",
+                ));
+            }
         }
         if let Some(h) = &self.tenancy.tenant_header
             && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()

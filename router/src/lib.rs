@@ -22,7 +22,6 @@ pub mod server;
 pub mod settings;
 pub mod telemetry;
 pub mod tenancy;
-pub mod tls;
 
 pub use config::Config;
 

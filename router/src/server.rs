@@ -40,6 +40,12 @@ pub enum StartError {
     /// The hashing settings are invalid.
     #[error("routing: {0}")]
     Hash(#[from] kvroute_core::hash::HashError),
+    /// A `tls` file is unreadable or invalid.
+    #[error("tls: {0}")]
+    Tls(#[source] kvroute_proto::tls::TlsError),
+    /// A `grpcTls` file is unreadable or invalid.
+    #[error("grpcTls: {0}")]
+    GrpcTls(#[from] kvroute_proto::tls::TlsError),
     /// The static endpoints file is invalid.
     #[error("discovery: {0}")]
     Discovery(#[from] discovery::DiscoveryError),
@@ -131,7 +137,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let tls = config
         .tls
         .as_ref()
-        .map(crate::tls::server_config)
+        .map(|t| {
+            kvroute_proto::tls::https_server(&t.cert_file, &t.key_file, t.client_ca_file.as_deref())
+        })
+        .transpose()
+        .map_err(StartError::Tls)?;
+    let grpc_tls = config
+        .grpc_tls
+        .as_ref()
+        .map(|t| {
+            let identity = t.cert_file.as_deref().zip(t.key_file.as_deref());
+            kvroute_proto::tls::client(&t.ca_file, identity, t.server_name.as_deref())
+        })
         .transpose()?;
     let admin_token = match &config.admin_token_file {
         Some(path) => {
@@ -158,7 +175,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics.clone(),
         config.limits.endpoint_concurrency,
         r.block_size as u64,
-        Some(Arc::new(cache_watch::spawn)),
+        Some(cache_watch::spawner(grpc_tls.clone())),
     );
     let discovery = match (&config.discovery.static_file, &config.discovery.operator) {
         (Some(s), _) => {
@@ -173,6 +190,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             pool.clone(),
             settings.clone(),
             o.url.clone(),
+            grpc_tls,
             o.namespace.clone(),
             o.pool.clone(),
         )),

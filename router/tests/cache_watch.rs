@@ -19,7 +19,7 @@ fn pool() -> Arc<Pool> {
         Default::default(),
         256,
         16,
-        Some(Arc::new(kvroute_router::cache_watch::spawn)),
+        Some(kvroute_router::cache_watch::spawner(None)),
     )
 }
 

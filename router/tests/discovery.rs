@@ -249,6 +249,14 @@ impl EndpointDiscovery for Service {
 
 impl FakeOperator {
     async fn start(addr: SocketAddr, state: PoolState) -> (Self, SocketAddr) {
+        Self::start_with(addr, state, None).await
+    }
+
+    async fn start_with(
+        addr: SocketAddr,
+        state: PoolState,
+        tls: Option<tonic::transport::ServerTlsConfig>,
+    ) -> (Self, SocketAddr) {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (state, state_rx) = watch::channel(state);
@@ -259,7 +267,11 @@ impl FakeOperator {
         };
         let mut until_stop = stop_rx;
         let server = tokio::spawn(async move {
-            tonic::transport::Server::builder()
+            let mut server = tonic::transport::Server::builder();
+            if let Some(tls) = tls {
+                server = server.tls_config(tls).unwrap();
+            }
+            server
                 .add_service(EndpointDiscoveryServer::new(service))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
@@ -358,6 +370,7 @@ fn watch_operator(
         pool.clone(),
         settings.clone(),
         format!("http://{addr}"),
+        None,
         "ml".into(),
         "llama".into(),
     ))
@@ -496,6 +509,50 @@ async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
         pool_exists: false,
     });
     eventually("version 8 is applied", || names(&pool).is_empty()).await;
+    task.abort();
+    op.stop().await;
+}
+
+fn tls_fixture(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tls")
+        .join(name)
+}
+
+#[tokio::test]
+async fn the_operator_stream_runs_over_mutual_tls() {
+    let server_tls = kvroute_proto::tls::server(
+        &tls_fixture("server.crt"),
+        &tls_fixture("server.key"),
+        Some(&tls_fixture("ca.crt")),
+    )
+    .unwrap();
+    let (op, addr) = FakeOperator::start_with(
+        "127.0.0.1:0".parse().unwrap(),
+        state(
+            1,
+            vec![endpoint("a:8000", "10.0.0.1", false)],
+            policy("kvroute"),
+        ),
+        Some(server_tls),
+    )
+    .await;
+    let client_tls = kvroute_proto::tls::client(
+        &tls_fixture("ca.crt"),
+        Some((&tls_fixture("client.crt"), &tls_fixture("client.key"))),
+        Some("localhost"),
+    )
+    .unwrap();
+    let (pool, settings) = (pool(), settings());
+    let task = tokio::spawn(operator::run(
+        pool.clone(),
+        settings.clone(),
+        format!("https://{addr}"),
+        Some(client_tls),
+        "ml".into(),
+        "llama".into(),
+    ));
+    eventually("the state arrives over TLS", || names(&pool) == ["a:8000"]).await;
     task.abort();
     op.stop().await;
 }

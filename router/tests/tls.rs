@@ -115,7 +115,10 @@ async fn a_bad_key_file_fails_the_start_naming_the_field() {
         client_ca_file: None,
     });
     let err = kvroute_router::start(config).await.unwrap_err().to_string();
-    assert!(err.starts_with("tls.keyFile: "), "{err}");
+    assert!(
+        err.starts_with("tls: ") && err.contains("README.md"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -155,4 +158,47 @@ async fn debug_endpoints_need_the_admin_token() {
     assert_eq!(get("/healthz", None).await.unwrap().status(), 200);
     stack.stop().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn watch_cache_streams_run_over_mutual_tls() {
+    let stack = Stack::start(
+        "grpc-tls",
+        2,
+        true,
+        |c| {
+            c.tls_cert_file = Some(fixture("server.crt"));
+            c.tls_key_file = Some(fixture("server.key"));
+            c.tls_client_ca_file = Some(fixture("ca.crt"));
+        },
+        |c| {
+            c.resilience.health_check = None;
+            c.grpc_tls = Some(kvroute_router::config::GrpcTls {
+                ca_file: fixture("ca.crt"),
+                cert_file: Some(fixture("client.crt")),
+                key_file: Some(fixture("client.key")),
+                server_name: Some("localhost".into()),
+            });
+        },
+    )
+    .await;
+    stack.wait_live().await;
+    let holder = stack.warm(&long_text(3)).await;
+    assert!(holder.starts_with("sim-"));
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn grpc_tls_settings_are_checked_at_start() {
+    let dir = temp_dir("grpc-tls-bad");
+    std::fs::write(dir.join("endpoints.yaml"), "endpoints: []\n").unwrap();
+    let mut config = router_config(&dir);
+    config.grpc_tls = Some(kvroute_router::config::GrpcTls {
+        ca_file: fixture("README.md"),
+        cert_file: None,
+        key_file: None,
+        server_name: None,
+    });
+    let err = kvroute_router::start(config).await.unwrap_err().to_string();
+    assert!(err.starts_with("grpcTls: "), "{err}");
 }

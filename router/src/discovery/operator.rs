@@ -24,6 +24,8 @@ use kvroute_proto::hash_algo_from_i32;
 use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
 use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
 
+use tonic::transport::ClientTlsConfig;
+
 use crate::cache_watch::{BACKOFF_RESET_AFTER, Backoff, error_chain};
 use crate::pool::{EndpointSpec, Pool};
 use crate::settings::{Settings, SharedSettings};
@@ -43,6 +45,7 @@ pub async fn run(
     pool: Arc<Pool>,
     settings: Arc<SharedSettings>,
     url: String,
+    tls: Option<ClientTlsConfig>,
     namespace: String,
     pool_name: String,
 ) {
@@ -51,6 +54,7 @@ pub async fn run(
         pool,
         settings,
         url,
+        tls,
         namespace,
         pool_name,
         version: None,
@@ -91,6 +95,7 @@ struct Watcher {
     pool: Arc<Pool>,
     settings: Arc<SharedSettings>,
     url: String,
+    tls: Option<ClientTlsConfig>,
     namespace: String,
     pool_name: String,
     version: Option<u64>,
@@ -101,11 +106,18 @@ impl Watcher {
     /// Subscribes and applies newer states until the stream breaks; sets
     /// `connected_at` once subscribed.
     async fn watch(&mut self, connected_at: &mut Option<Instant>) -> Broken {
-        let endpoint = match tonic::transport::Endpoint::from_shared(self.url.clone()) {
-            Ok(e) => e
+        let endpoint = tonic::transport::Endpoint::from_shared(self.url.clone()).and_then(|e| {
+            let e = e
                 .connect_timeout(CONNECT_TIMEOUT)
                 .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-                .keep_alive_timeout(KEEPALIVE_TIMEOUT),
+                .keep_alive_timeout(KEEPALIVE_TIMEOUT);
+            match &self.tls {
+                Some(tls) => e.tls_config(tls.clone()),
+                None => Ok(e),
+            }
+        });
+        let endpoint = match endpoint {
+            Ok(e) => e,
             Err(e) => return Broken::Url(error_chain(&e)),
         };
         let channel = match endpoint.connect().await {
