@@ -30,12 +30,16 @@ struct Operator {
 
 impl Operator {
     async fn start(index: Index) -> Self {
+        Self::start_with(index, None).await
+    }
+
+    async fn start_with(index: Index, tls: Option<tonic::transport::ServerTlsConfig>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let index = Arc::new(Mutex::new(index));
         let discovery = Discovery::new(index.clone());
         let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(discovery.clone().serve(listener, None, async {
+        let server = tokio::spawn(discovery.clone().serve(listener, tls, async {
             let _ = stopped.await;
         }));
         Operator {
@@ -320,4 +324,51 @@ async fn shutting_down_ends_open_streams() {
         "the stream ends: {end:?}"
     );
     assert_eq!(discovery.subscribers(), 0);
+}
+
+fn tls_fixture(name: &str) -> std::path::PathBuf {
+    // The router crate's test certificates: one set for the workspace.
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../router/tests/fixtures/tls")
+        .join(name)
+}
+
+#[tokio::test]
+async fn watch_pool_serves_mutual_tls() {
+    let tls = kvroute_proto::tls::server(
+        &tls_fixture("server.crt"),
+        &tls_fixture("server.key"),
+        Some(&tls_fixture("ca.crt")),
+    )
+    .unwrap();
+    let operator = Operator::start_with(llama(), Some(tls)).await;
+    let (cert, key) = (tls_fixture("client.crt"), tls_fixture("client.key"));
+    let channel = |with_cert: bool| {
+        let identity = with_cert.then_some((cert.as_path(), key.as_path()));
+        let client =
+            kvroute_proto::tls::client(&tls_fixture("ca.crt"), identity, Some("localhost"))
+                .unwrap();
+        tonic::transport::Endpoint::from_shared(format!("https://{}", operator.addr))
+            .unwrap()
+            .tls_config(client)
+            .unwrap()
+    };
+    let mut with_cert = EndpointDiscoveryClient::new(channel(true).connect().await.unwrap());
+    let mut states = with_cert
+        .watch_pool(request(NS, "llama"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(endpoints(&next(&mut states).await), [("a:8000", true)]);
+    // Without a client certificate the handshake or the call fails.
+    let refused = match channel(false).connect().await {
+        Err(_) => true,
+        Ok(ch) => EndpointDiscoveryClient::new(ch)
+            .watch_pool(request(NS, "llama"))
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a client without a certificate is refused");
+    drop(states);
+    operator.shut_down().await;
 }
