@@ -250,6 +250,12 @@ pub struct Limits {
     /// Prompts waiting for a tokenizer worker; more get 503 with
     /// `Retry-After`. Default: 1024.
     pub tokenize_queue: usize,
+    /// Bodies larger than this are not tokenized: they are routed as
+    /// unreadable (to the least loaded endpoint) and counted. A Hugging
+    /// Face tokenizer holds about 600 bytes per token (~100× the text)
+    /// while it encodes, so this bounds each tokenizer worker's memory.
+    /// Default: 2 MiB (~500,000 tokens, beyond most context windows).
+    pub max_tokenize_bytes: usize,
     /// Client connections to the API port; more are closed at once (the
     /// admin port is separate and unaffected). Lowered at start to fit the
     /// process's file-descriptor limit. Default: 10000.
@@ -296,6 +302,7 @@ impl Default for Limits {
             max_body_bytes: 32 << 20,
             max_body_bytes_in_flight: 512 << 20,
             tokenize_queue: 1024,
+            max_tokenize_bytes: 2 << 20,
             max_connections: 10_000,
             header_read_timeout_ms: 30_000,
             idle_timeout_ms: 60_000,

@@ -16,6 +16,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Requests answered, by model (a served model, else unknown) and status: the HTTP status, stream_error when the engine's stream broke mid-way, 499 when the client left first.",
     ),
     (
+        "kvroute_prompts_not_tokenized_total",
+        "counter",
+        "Requests whose body exceeded limits.maxTokenizeBytes: routed without reading the prompt.",
+    ),
+    (
         "kvroute_ejections_total",
         "counter",
         "Endpoints ejected, by the fault that tipped them: connect, status, timeout, stream, health_check.",

@@ -329,14 +329,35 @@ impl Proxy {
             .get(&settings.conversation_header)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        let tokenize = bytes.len() <= self.limits.max_tokenize_bytes;
+        if !tokenize {
+            self.metrics
+                .inc("kvroute_prompts_not_tokenized_total", &[], 1.0);
+        }
         let analysis = if bytes.len() <= INLINE_BODY_BYTES {
-            analyze(api, bytes, &self.tenancy, tenant, conversation, &settings)?
+            analyze(
+                api,
+                bytes,
+                &self.tenancy,
+                tenant,
+                conversation,
+                &settings,
+                tokenize,
+            )?
         } else {
             let tenancy = self.tenancy.clone();
             let retry_after = self.limits.retry_after_s;
             self.tokenizers
                 .run(retry_after, move || {
-                    analyze(api, bytes, &tenancy, tenant, conversation, &settings)
+                    analyze(
+                        api,
+                        bytes,
+                        &tenancy,
+                        tenant,
+                        conversation,
+                        &settings,
+                        tokenize,
+                    )
                 })
                 .await??
         };
@@ -718,7 +739,8 @@ fn end_to_end(headers: &mut HeaderMap) {
     *headers = kept;
 }
 
-/// Parses the body, applies tenancy, and computes the prompt's tokens,
+/// Parses the body, applies tenancy, and computes the prompt's tokens
+/// (unless `tokenize` is false: the body is over `limits.maxTokenizeBytes`),
 /// block chain and routing key. Synchronous: large bodies run it on the
 /// tokenizer pool. In salted mode every body must be a JSON object: one
 /// the router cannot read could carry a client salt the engine would read.
@@ -729,6 +751,7 @@ fn analyze(
     tenant: Option<String>,
     conversation_header: Option<String>,
     settings: &crate::settings::Settings,
+    tokenize: bool,
 ) -> Result<Analysis, ApiError> {
     let mut obj = features::parse(api, &bytes, tenancy.salted())?;
     let feats = obj
@@ -748,8 +771,8 @@ fn analyze(
         .and_then(|v| v.as_str())
         .map(str::to_owned);
     let tokens = match obj.as_mut() {
-        Some(o) => features::prompt_tokens(api, o, settings)?,
-        None => None,
+        Some(o) if tokenize => features::prompt_tokens(api, o, settings)?,
+        _ => None,
     };
     drop(obj);
     let tokens = tokens.unwrap_or_default();

@@ -579,3 +579,29 @@ async fn a_hung_engine_is_ejected_by_health_checks_and_restored() {
     router.shutdown().await;
     healthy.shutdown().await;
 }
+
+#[tokio::test]
+async fn bodies_over_the_tokenize_limit_are_routed_untokenized_and_counted() {
+    let stack = Stack::start(
+        "tokenize-limit",
+        2,
+        true,
+        |_| {},
+        |c| {
+            c.resilience.health_check = None;
+            c.limits.max_tokenize_bytes = 1024;
+        },
+    )
+    .await;
+    stack.wait_live().await;
+    let r = stack
+        .post("/v1/chat/completions", chat(&long_text(1), "hi", 2))
+        .await;
+    assert_eq!(r.status(), 200);
+    let metrics = stack.metrics().await;
+    assert!(
+        metrics.contains("kvroute_prompts_not_tokenized_total{} 1"),
+        "{metrics}"
+    );
+    stack.stop().await;
+}

@@ -86,7 +86,7 @@ async fn a_large_chat_costs_at_most_a_few_times_its_body() {
             "listen: {listen}\n\
              adminListen: {admin}\n\
              discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
-             limits:\n  maxBodyBytes: 67108864\n",
+             limits:\n  maxBodyBytes: 67108864\n  maxTokenizeBytes: 67108864\n",
             dir.join("endpoints.yaml").display()
         ),
     )

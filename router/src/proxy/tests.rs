@@ -110,7 +110,7 @@ proptest! {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = settings();
-        match analyze(api, Bytes::from(body), &t, Some("acme".into()), None, &s) {
+        match analyze(api, Bytes::from(body), &t, Some("acme".into()), None, &s, true) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
                 prop_assert_eq!(&forwarded["cache_salt"], &json!(t.salt("acme")));
@@ -124,7 +124,7 @@ proptest! {
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = settings();
-        match analyze(api, Bytes::from(body.clone()), &t, None, None, &s) {
+        match analyze(api, Bytes::from(body.clone()), &t, None, None, &s, true) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
         }
