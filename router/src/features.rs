@@ -3,8 +3,10 @@
 //! prompt as the engine will tokenize it. The body itself is forwarded
 //! unchanged (except where tenancy rewrites `cache_salt`).
 
+use kvroute_core::hash::{BlockExtras, Chain};
 use kvroute_core::tokenize::{
     ChatMessage, TokenizeError, chat_prompt_tokens, completion_prompt_tokens, content_text,
+    for_each_chat_token,
 };
 use serde_json::{Map, Value};
 
@@ -85,51 +87,119 @@ pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
     })
 }
 
-/// The prompt's token ids as the engine computes them, when the router can
-/// know them. `Ok(None)` when the request has content the router cannot
-/// tokenize (images, say): it is then routed by its key alone. Missing or
-/// mistyped fields are a 400.
+/// What routing keeps of a prompt: its length in tokens, its first tokens
+/// (the routing key's), and its block chain.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Prompt {
+    /// Prompt tokens.
+    pub tokens: u64,
+    /// The first tokens, up to the key's `prefixTokens`.
+    pub head: Vec<u32>,
+    /// The block hashes of its full blocks.
+    pub chain: Vec<u64>,
+}
+
+/// The prompt as the engine will tokenize it, when the router can know it.
+/// `Ok(None)` when the request has content the router cannot tokenize
+/// (images, say): it is then routed by its key alone. Missing or mistyped
+/// fields are a 400.
 ///
-/// Message texts are moved out of `obj`, and the rendered prompt is
-/// tokenized only once they are dropped, so a large prompt is held three
-/// times: the body, the prompt and its ids (4 bytes each: more than the
-/// text itself for text of under 4 bytes per token).
-pub fn prompt_tokens(
+/// Message texts are moved out of `obj`. With the built-in tokenizer and
+/// template the chat's tokens go straight into the chain, one at a time,
+/// so a large prompt is held about twice (the body and its texts); other
+/// tokenizers hold the rendered prompt and its ids as well.
+pub fn prompt(
+    api: Api,
+    obj: &mut Map<String, Value>,
+    settings: &Settings,
+    extras: BlockExtras<'_>,
+) -> Result<Option<Prompt>, ApiError> {
+    let mut builder = Builder {
+        chain: settings.hasher.chain(extras),
+        head_len: settings.key.prefix_tokens,
+        prompt: Prompt::default(),
+    };
+    let tokens = if api == Api::Chat {
+        let Some(messages) = chat_messages(obj)? else {
+            return Ok(None);
+        };
+        let (tokenizer, template) = (&settings.tokenizer, &settings.template);
+        if for_each_chat_token(tokenizer, template, &messages, |t| builder.push(t)) {
+            return Ok(Some(builder.prompt));
+        }
+        // A template or tokenizer failure is the router's limit, not the
+        // client's error: route without a chain.
+        chat_prompt_tokens(tokenizer, template, messages).ok()
+    } else {
+        prompt_tokens(api, obj, settings)?
+    };
+    Ok(tokens.map(|tokens| {
+        tokens.into_iter().for_each(|t| builder.push(t));
+        builder.prompt
+    }))
+}
+
+/// Builds a [`Prompt`] one token at a time.
+struct Builder<'a> {
+    chain: Chain<'a>,
+    head_len: usize,
+    prompt: Prompt,
+}
+
+impl Builder<'_> {
+    fn push(&mut self, token: u32) {
+        self.prompt.tokens += 1;
+        if self.prompt.head.len() < self.head_len {
+            self.prompt.head.push(token);
+        }
+        if let Some(digest) = self.chain.push(token) {
+            self.prompt.chain.push(digest.to_u64());
+        }
+    }
+}
+
+/// A chat's messages, their texts moved out of `obj`; `Ok(None)` when one
+/// has content the router cannot tokenize.
+fn chat_messages(obj: &mut Map<String, Value>) -> Result<Option<Vec<ChatMessage>>, ApiError> {
+    let Some(Value::Array(raw)) = obj.get_mut("messages") else {
+        return Err(ApiError::BadRequest(
+            "'messages' is required and must be a list".into(),
+        ));
+    };
+    if raw.is_empty() {
+        return Err(ApiError::BadRequest("'messages' must not be empty".into()));
+    }
+    let mut messages = Vec::with_capacity(raw.len());
+    for (i, m) in raw.iter_mut().enumerate() {
+        let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
+            return Err(ApiError::BadRequest(format!(
+                "messages[{i}].role is required and must be a string"
+            )));
+        };
+        let text = match m.get_mut("content") {
+            Some(Value::String(text)) => Ok(std::mem::take(text)),
+            content => content_text(content.map_or(&Value::Null, |c| &*c)),
+        };
+        match text {
+            Ok(content) => messages.push(ChatMessage::new(role, content)),
+            Err(TokenizeError::Unsupported(_)) => return Ok(None),
+            Err(e) => return Err(ApiError::BadRequest(format!("messages[{i}].content: {e}"))),
+        }
+    }
+    Ok(Some(messages))
+}
+
+/// The prompt's token ids as the engine computes them (see [`prompt`]).
+fn prompt_tokens(
     api: Api,
     obj: &mut Map<String, Value>,
     settings: &Settings,
 ) -> Result<Option<Vec<u32>>, ApiError> {
     let tokens = match api {
-        Api::Chat => {
-            let Some(Value::Array(raw)) = obj.get_mut("messages") else {
-                return Err(ApiError::BadRequest(
-                    "'messages' is required and must be a list".into(),
-                ));
-            };
-            if raw.is_empty() {
-                return Err(ApiError::BadRequest("'messages' must not be empty".into()));
-            }
-            let mut messages = Vec::with_capacity(raw.len());
-            for (i, m) in raw.iter_mut().enumerate() {
-                let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
-                    return Err(ApiError::BadRequest(format!(
-                        "messages[{i}].role is required and must be a string"
-                    )));
-                };
-                let text = match m.get_mut("content") {
-                    Some(Value::String(text)) => Ok(std::mem::take(text)),
-                    content => content_text(content.map_or(&Value::Null, |c| &*c)),
-                };
-                match text {
-                    Ok(content) => messages.push(ChatMessage::new(role, content)),
-                    Err(TokenizeError::Unsupported(_)) => return Ok(None),
-                    Err(e) => {
-                        return Err(ApiError::BadRequest(format!("messages[{i}].content: {e}")));
-                    }
-                }
-            }
-            chat_prompt_tokens(&settings.tokenizer, &settings.template, messages)
-        }
+        Api::Chat => match chat_messages(obj)? {
+            Some(messages) => chat_prompt_tokens(&settings.tokenizer, &settings.template, messages),
+            None => return Ok(None),
+        },
         Api::Completion => match obj.get("prompt") {
             Some(Value::String(p)) => completion_prompt_tokens(&settings.tokenizer, p),
             Some(Value::Array(items)) => return Ok(array_tokens(items, settings)),
@@ -204,6 +274,34 @@ mod tests {
         )
         .unwrap();
         assert_eq!(tokens, expected);
+    }
+
+    #[test]
+    fn a_streamed_prompt_equals_the_tokenized_one() {
+        let s = settings();
+        let text = "You route requests to the replica that holds their prefix. ".repeat(20);
+        let body = json!({"messages": [
+            {"role": "system", "content": text},
+            {"role": "user", "content": "Hello  there, friend"},
+        ]});
+        let salt = "s4lt";
+        let extras = BlockExtras {
+            lora: None,
+            cache_salt: Some(salt),
+        };
+        let streamed = prompt(Api::Chat, &mut obj(body.clone()), &s, extras)
+            .unwrap()
+            .unwrap();
+        let tokens = prompt_tokens(Api::Chat, &mut obj(body), &s)
+            .unwrap()
+            .unwrap();
+        assert_eq!(streamed.tokens, tokens.len() as u64);
+        assert_eq!(
+            streamed.head,
+            tokens[..s.key.prefix_tokens.min(tokens.len())]
+        );
+        assert_eq!(streamed.chain, s.hasher.hashes(&tokens, extras));
+        assert!(streamed.chain.len() > 10);
     }
 
     #[test]

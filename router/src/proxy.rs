@@ -770,39 +770,36 @@ fn analyze(
         .and_then(|o| o.get("cache_salt"))
         .and_then(|v| v.as_str())
         .map(str::to_owned);
-    let tokens = match obj.as_mut() {
-        Some(o) if tokenize => features::prompt_tokens(api, o, settings)?,
-        _ => None,
+    let extras = BlockExtras {
+        lora: None,
+        cache_salt: salt.as_deref(),
     };
+    let prompt = match obj.as_mut() {
+        Some(o) if tokenize => features::prompt(api, o, settings, extras)?,
+        _ => None,
+    }
+    .unwrap_or_default();
     drop(obj);
-    let tokens = tokens.unwrap_or_default();
-    let chain = settings.hasher.hashes(
-        &tokens,
-        BlockExtras {
-            lora: None,
-            cache_salt: salt.as_deref(),
-        },
-    );
     let conversation = feats.prompt_cache_key.or(conversation_header);
     let key = settings.key.key(&KeyInput {
         tenant: tenant.as_deref(),
         conversation: conversation.as_deref(),
-        tokens: &tokens,
+        tokens: &prompt.head,
     });
-    let prompt_tokens = if tokens.is_empty() {
+    let prompt_tokens = if prompt.tokens == 0 {
         // No tokens (not JSON, or content we cannot tokenize): about
         // four bytes per token.
         bytes.len() as u64 / 4
     } else {
-        tokens.len() as u64
+        prompt.tokens
     };
     Ok(Analysis {
         bytes,
         model: feats.model,
-        chain,
+        chain: prompt.chain,
         key,
         prompt_tokens,
-        readable: !tokens.is_empty(),
+        readable: prompt.tokens > 0,
         block_tokens: settings.hasher.config().block_size as u64,
     })
 }

@@ -58,10 +58,9 @@ fn prose(len: usize) -> String {
 
 /// Issue "peak memory per request ≤ 3× its body with the built-in
 /// tokenizer": a ~30 MiB chat body may raise the router's peak resident set
-/// by at most 3.5× the body over its resident set before the request. The
-/// goal is 3× and not reached yet: measured 3.09× (from 9.4× before the
-/// tokenizer and the chat path stopped copying): the body, the rendered
-/// prompt and its ids are held at once.
+/// by at most 3× the body over its resident set before the request.
+/// Measured 2.14× (from 9.4× before the hardening): the body and the
+/// message texts; the built-in tokenizer's ids go straight into the chain.
 /// `cargo test -p kvroute-router --test memory -- --nocapture` prints the
 /// measured ratio.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,8 +156,8 @@ async fn a_large_chat_costs_at_most_a_few_times_its_body() {
         body_len / 1024
     );
     assert!(
-        ratio <= 3.5,
-        "peak memory rose by {ratio:.2}× the body (goal 3×, bound 3.5×)"
+        ratio <= 3.0,
+        "peak memory rose by {ratio:.2}× the body (at most 3×)"
     );
     drop(router);
     sim.shutdown().await;

@@ -225,25 +225,34 @@ impl BlockHasher {
         extras: BlockExtras<'_>,
         mut f: impl FnMut(BlockDigest),
     ) {
-        let block_size = self.config.block_size;
-        if tokens.len() < block_size {
+        if tokens.len() < self.config.block_size {
             return;
         }
+        let mut chain = self.chain(extras);
+        for &token in tokens {
+            if let Some(digest) = chain.push(token) {
+                f(digest);
+            }
+        }
+    }
+
+    /// A chain fed one token at a time, for prompts whose tokens are never
+    /// held as a whole.
+    pub fn chain<'a>(&'a self, extras: BlockExtras<'a>) -> Chain<'a> {
+        // Sized for the usual block; a huge configured block size grows them
+        // only as tokens arrive.
+        let block_size = self.config.block_size.min(1024);
         // One buffer for every block: a preimage is at most 7 bytes per token
         // plus the parent, the extra keys and some framing.
         let extras_len = extras.lora.map_or(0, |l| l.name.len() + l.path.len())
             + extras.cache_salt.map_or(0, str::len);
-        let mut buf = Vec::with_capacity(96 + 7 * block_size + extras_len);
-        let mut parent = self.none_hash;
-        for (index, block) in tokens.chunks_exact(block_size).enumerate() {
-            self.encode_block(
-                &mut buf,
-                parent.as_bytes(),
-                block,
-                &self.block_keys(index, extras),
-            );
-            parent = digest(self.config.algo, &buf);
-            f(parent);
+        Chain {
+            hasher: self,
+            extras,
+            parent: self.none_hash,
+            index: 0,
+            block: Vec::with_capacity(block_size),
+            buf: Vec::with_capacity(96 + 7 * block_size + extras_len),
         }
     }
 
@@ -266,6 +275,34 @@ impl BlockHasher {
                 preimage::write_block(&mut Cbor::new(buf), parent, tokens, keys)
             }
         }
+    }
+}
+
+/// A block chain built one token at a time ([`BlockHasher::chain`]).
+#[derive(Debug)]
+pub struct Chain<'a> {
+    hasher: &'a BlockHasher,
+    extras: BlockExtras<'a>,
+    parent: BlockDigest,
+    index: usize,
+    block: Vec<u32>,
+    buf: Vec<u8>,
+}
+
+impl Chain<'_> {
+    /// Adds the next token; returns the digest of the block it completes.
+    pub fn push(&mut self, token: u32) -> Option<BlockDigest> {
+        self.block.push(token);
+        if self.block.len() < self.hasher.config.block_size {
+            return None;
+        }
+        let keys = self.hasher.block_keys(self.index, self.extras);
+        self.hasher
+            .encode_block(&mut self.buf, self.parent.as_bytes(), &self.block, &keys);
+        self.parent = digest(self.hasher.config.algo, &self.buf);
+        self.index += 1;
+        self.block.clear();
+        Some(self.parent)
     }
 }
 

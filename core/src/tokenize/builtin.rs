@@ -71,6 +71,11 @@ pub fn token_id(piece: &str) -> u32 {
     FIRST_ID + (xxh3_64(piece.as_bytes()) % span) as u32
 }
 
+/// Calls `f` with the id of each piece of `text`, holding none of them.
+pub fn encode_each(text: &str, mut f: impl FnMut(u32)) {
+    for_each_piece(text, |piece| f(token_id(piece)));
+}
+
 /// Encodes `text` with the built-in rules.
 pub fn encode(text: &str) -> Vec<u32> {
     // Sized exactly by a counting pass, so the ids cost 4 bytes a piece

@@ -88,7 +88,7 @@ mod tokenizer;
 pub use content::{ChatMessage, content_text};
 pub use error::TokenizeError;
 pub use jinja::JinjaTemplate;
-pub use prompt::{chat_prompt_tokens, completion_prompt_tokens};
+pub use prompt::{chat_prompt_tokens, completion_prompt_tokens, for_each_chat_token};
 pub use template::ChatTemplate;
 pub use tokenizer::Tokenizer;
 

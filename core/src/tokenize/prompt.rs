@@ -25,6 +25,31 @@ pub fn chat_prompt_tokens(
     tokenizer.encode(&prompt, false)
 }
 
+/// Calls `f` with each prompt token of a chat, in the order
+/// [`chat_prompt_tokens`] returns them, holding neither the prompt nor its
+/// ids, when the tokenizer and the template are the built-in ones: the
+/// built-in tokenizer never joins characters across a template part (every
+/// part boundary is next to a character that is a piece of its own), so
+/// the parts are encoded one by one. Returns `false`, calling nothing,
+/// for any other tokenizer or template.
+pub fn for_each_chat_token(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+    mut f: impl FnMut(u32),
+) -> bool {
+    if !matches!(
+        (tokenizer, template),
+        (Tokenizer::Builtin, ChatTemplate::Builtin)
+    ) {
+        return false;
+    }
+    super::template::builtin_parts(messages, true, |part| {
+        super::builtin::encode_each(part, &mut f)
+    });
+    true
+}
+
 /// The prompt tokens of a completions request with a text prompt: the
 /// prompt encoded with special tokens, so a Hugging Face tokenizer's
 /// post-processor may prepend a BOS (the built-in tokenizer adds none).

@@ -63,30 +63,33 @@ const IM_START: &str = "<|im_start|>";
 const IM_END: &str = "<|im_end|>\n";
 const GENERATION_PROMPT: &str = "<|im_start|>assistant\n";
 
+/// The built-in (ChatML) template's output, part by part: the one
+/// definition of its layout, for rendering and for streaming.
+pub(super) fn builtin_parts<'a>(
+    messages: &'a [ChatMessage],
+    add_generation_prompt: bool,
+    mut f: impl FnMut(&'a str),
+) {
+    for message in messages {
+        f(IM_START);
+        f(&message.role);
+        f("\n");
+        f(&message.content);
+        f(IM_END);
+    }
+    if add_generation_prompt {
+        f(GENERATION_PROMPT);
+    }
+}
+
 fn render_builtin(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
-    let generation = if add_generation_prompt {
-        GENERATION_PROMPT
-    } else {
-        ""
-    };
     // Sized exactly: grown by doubling, a large prompt's String would end
     // with up to its size again allocated (30 MiB more address space on a
     // 30 MiB prompt; untouched, so not resident, but a peak all the same).
-    let len = messages
-        .iter()
-        .map(|m| IM_START.len() + m.role.len() + 1 + m.content.len() + IM_END.len())
-        .sum::<usize>()
-        + generation.len();
+    let mut len = 0;
+    builtin_parts(messages, add_generation_prompt, |part| len += part.len());
     let mut out = String::with_capacity(len);
-    for message in messages {
-        out.push_str(IM_START);
-        out.push_str(&message.role);
-        out.push('\n');
-        out.push_str(&message.content);
-        out.push_str(IM_END);
-    }
-    out.push_str(generation);
-    debug_assert_eq!(out.len(), len);
+    builtin_parts(messages, add_generation_prompt, |part| out.push_str(part));
     out
 }
 

@@ -239,3 +239,48 @@ fn values_print_as_python_prints_them() {
         "None|True|1.0|2.5|3|[1, 'a']|{'k': 'v'}|True|True"
     );
 }
+
+mod streaming {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn text() -> impl Strategy<Value = String> {
+        "[a-zA-Z0-9 ,.<>|\\n\u{e9}\u{4e2d}]{0,40}"
+    }
+
+    proptest! {
+        /// Streaming the built-in prompt part by part gives exactly the ids
+        /// of the rendered prompt, whatever the roles and contents hold.
+        #[test]
+        fn streamed_tokens_equal_the_rendered_prompts(
+            messages in proptest::collection::vec((text(), text()), 1..4)
+        ) {
+            let messages: Vec<ChatMessage> = messages
+                .into_iter()
+                .map(|(role, content)| ChatMessage::new(role, content))
+                .collect();
+            let (tokenizer, template) = (Tokenizer::builtin(), ChatTemplate::builtin());
+            let mut streamed = Vec::new();
+            prop_assert!(for_each_chat_token(&tokenizer, &template, &messages, |t| streamed.push(t)));
+            prop_assert_eq!(
+                streamed,
+                chat_prompt_tokens(&tokenizer, &template, messages).unwrap()
+            );
+        }
+    }
+
+    #[test]
+    fn other_tokenizers_and_templates_are_not_streamed() {
+        let tokenizer = Tokenizer::from_tokenizer_json(WORDLEVEL_JSON.as_bytes()).unwrap();
+        let messages = [ChatMessage::new("user", "hello")];
+        let mut called = false;
+        assert!(!for_each_chat_token(
+            &tokenizer,
+            &ChatTemplate::builtin(),
+            &messages,
+            |_| called = true
+        ));
+        assert!(!called);
+    }
+}
