@@ -225,15 +225,35 @@ impl BlockHasher {
         extras: BlockExtras<'_>,
         mut f: impl FnMut(BlockDigest),
     ) {
-        if tokens.len() < self.config.block_size {
+        let block_size = self.config.block_size;
+        if tokens.len() < block_size {
             return;
         }
-        let mut chain = self.chain(extras);
-        for &token in tokens {
-            if let Some(digest) = chain.push(token) {
-                f(digest);
-            }
+        let mut buf = Vec::with_capacity(preimage_capacity(block_size, extras));
+        let mut parent = self.none_hash;
+        for (index, block) in tokens.chunks_exact(block_size).enumerate() {
+            parent = self.next_digest(&mut buf, &parent, index, block, extras);
+            f(parent);
         }
+    }
+
+    /// The digest of block `index`, `tokens`, under `parent`, with `buf`
+    /// as scratch space for its preimage.
+    fn next_digest(
+        &self,
+        buf: &mut Vec<u8>,
+        parent: &BlockDigest,
+        index: usize,
+        tokens: &[u32],
+        extras: BlockExtras<'_>,
+    ) -> BlockDigest {
+        self.encode_block(
+            buf,
+            parent.as_bytes(),
+            tokens,
+            &self.block_keys(index, extras),
+        );
+        digest(self.config.algo, buf)
     }
 
     /// A chain fed one token at a time, for prompts whose tokens are never
@@ -242,17 +262,13 @@ impl BlockHasher {
         // Sized for the usual block; a huge configured block size grows them
         // only as tokens arrive.
         let block_size = self.config.block_size.min(1024);
-        // One buffer for every block: a preimage is at most 7 bytes per token
-        // plus the parent, the extra keys and some framing.
-        let extras_len = extras.lora.map_or(0, |l| l.name.len() + l.path.len())
-            + extras.cache_salt.map_or(0, str::len);
         Chain {
             hasher: self,
             extras,
             parent: self.none_hash,
             index: 0,
             block: Vec::with_capacity(block_size),
-            buf: Vec::with_capacity(96 + 7 * block_size + extras_len),
+            buf: Vec::with_capacity(preimage_capacity(block_size, extras)),
         }
     }
 
@@ -296,14 +312,25 @@ impl Chain<'_> {
         if self.block.len() < self.hasher.config.block_size {
             return None;
         }
-        let keys = self.hasher.block_keys(self.index, self.extras);
-        self.hasher
-            .encode_block(&mut self.buf, self.parent.as_bytes(), &self.block, &keys);
-        self.parent = digest(self.hasher.config.algo, &self.buf);
+        self.parent = self.hasher.next_digest(
+            &mut self.buf,
+            &self.parent,
+            self.index,
+            &self.block,
+            self.extras,
+        );
         self.index += 1;
         self.block.clear();
         Some(self.parent)
     }
+}
+
+/// Room for one block's preimage: at most 7 bytes per token plus the
+/// parent, the extra keys and some framing.
+fn preimage_capacity(block_size: usize, extras: BlockExtras<'_>) -> usize {
+    let extras_len = extras.lora.map_or(0, |l| l.name.len() + l.path.len())
+        + extras.cache_salt.map_or(0, str::len);
+    96 + 7 * block_size + extras_len
 }
 
 fn encode_seed(algo: HashAlgo, buf: &mut Vec<u8>, seed: &str) {
