@@ -309,11 +309,8 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
 /// constant time.
 fn bearer_is(headers: &axum::http::HeaderMap, token: &str) -> bool {
     use subtle::ConstantTimeEq;
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| bool::from(given.trim().as_bytes().ct_eq(token.as_bytes())))
+    crate::tenancy::bearer(headers)
+        .is_some_and(|given| bool::from(given.as_bytes().ct_eq(token.as_bytes())))
 }
 
 async fn readyz(State(p): State<Arc<Proxy>>) -> Response {

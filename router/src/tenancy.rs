@@ -127,16 +127,11 @@ impl Tenancy {
         let tenant = if self.api_keys.is_empty() {
             claimed.map(str::to_owned)
         } else {
-            let key = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|a| a.to_str().ok())
-                .and_then(|a| a.strip_prefix("Bearer "))
-                .map(str::trim)
-                .ok_or_else(|| {
-                    ApiError::Unauthenticated(
-                        "an API key is required: Authorization: Bearer <key>".into(),
-                    )
-                })?;
+            let key = bearer(headers).ok_or_else(|| {
+                ApiError::Unauthenticated(
+                    "an API key is required: Authorization: Bearer <key>".into(),
+                )
+            })?;
             let tenant = self
                 .lookup(key)
                 .ok_or_else(|| ApiError::Unauthenticated("unknown API key".into()))?;
@@ -204,6 +199,15 @@ impl Tenancy {
         body.insert("cache_salt".into(), Value::String(self.salt(tenant)));
         Ok(true)
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` header, if any.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|a| a.to_str().ok())
+        .and_then(|a| a.strip_prefix("Bearer "))
+        .map(str::trim)
 }
 
 fn digest(key: &str) -> [u8; 32] {
