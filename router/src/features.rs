@@ -237,25 +237,10 @@ fn array_tokens(items: &[Value], settings: &Settings) -> Option<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
-    use axum::http::HeaderName;
-    use kvroute_core::hash::{BlockHasher, HashConfig};
-    use kvroute_core::keys::KeyConfig;
     use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
     use serde_json::json;
 
     use super::*;
-
-    fn settings() -> Settings {
-        Settings {
-            key: KeyConfig::default(),
-            hasher: BlockHasher::new(HashConfig::default()).unwrap(),
-            tokenizer: Arc::new(Tokenizer::builtin()),
-            template: Arc::new(ChatTemplate::builtin()),
-            conversation_header: HeaderName::from_static("x-conversation-id"),
-        }
-    }
 
     fn obj(v: Value) -> Map<String, Value> {
         let Value::Object(o) = v else { panic!() };
@@ -264,7 +249,7 @@ mod tests {
 
     #[test]
     fn chat_tokens_match_the_engine_sim() {
-        let s = settings();
+        let s = Settings::test();
         let mut body = obj(json!({"messages": [{"role": "user", "content": "Hello there"}]}));
         let tokens = prompt_tokens(Api::Chat, &mut body, &s).unwrap().unwrap();
         let expected = chat_prompt_tokens(
@@ -278,7 +263,7 @@ mod tests {
 
     #[test]
     fn a_streamed_prompt_equals_the_tokenized_one() {
-        let s = settings();
+        let s = Settings::test();
         let text = "You route requests to the replica that holds their prefix. ".repeat(20);
         let body = json!({"messages": [
             {"role": "system", "content": text},
@@ -306,7 +291,7 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_400_and_unknown_content_routes_without_a_chain() {
-        let s = settings();
+        let s = Settings::test();
         assert!(matches!(
             parse(Api::Chat, b"{oops", false),
             Err(ApiError::BadRequest(_))

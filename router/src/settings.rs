@@ -24,6 +24,21 @@ pub struct Settings {
     pub conversation_header: HeaderName,
 }
 
+#[cfg(test)]
+impl Settings {
+    /// The defaults: built-in tokenizer and template, vLLM's hashing.
+    pub(crate) fn test() -> Self {
+        Settings {
+            key: KeyConfig::default(),
+            hasher: BlockHasher::new(kvroute_core::hash::HashConfig::default())
+                .expect("the default hashing is valid"),
+            tokenizer: Arc::new(Tokenizer::builtin()),
+            template: Arc::new(ChatTemplate::builtin()),
+            conversation_header: HeaderName::from_static("x-conversation-id"),
+        }
+    }
+}
+
 /// Settings shared by every request, replaced as a whole.
 #[derive(Debug)]
 pub struct SharedSettings(RwLock<Arc<Settings>>);

@@ -1,27 +1,11 @@
 //! The request parser and the salt rule over arbitrary bodies.
 
-use std::sync::Arc;
-
-use axum::http::HeaderName;
-use kvroute_core::hash::{BlockHasher, HashConfig};
-use kvroute_core::keys::KeyConfig;
-use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
 use super::*;
 use crate::config::{self, ClientSalt, TenancyMode};
 use crate::settings::Settings;
-
-fn settings() -> Settings {
-    Settings {
-        key: KeyConfig::default(),
-        hasher: BlockHasher::new(HashConfig::default()).unwrap(),
-        tokenizer: Arc::new(Tokenizer::builtin()),
-        template: Arc::new(ChatTemplate::builtin()),
-        conversation_header: HeaderName::from_static("x-conversation-id"),
-    }
-}
 
 fn tenancy(mode: TenancyMode, client_salt: ClientSalt) -> Tenancy {
     let dir = std::env::temp_dir().join(format!("kvroute-proxy-tests-{}", std::process::id()));
@@ -109,7 +93,7 @@ proptest! {
     ) {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
-        let s = settings();
+        let s = Settings::test();
         match analyze(api, Bytes::from(body), &t, Some("acme".into()), None, &s, true) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
@@ -123,7 +107,7 @@ proptest! {
     #[test]
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
-        let s = settings();
+        let s = Settings::test();
         match analyze(api, Bytes::from(body.clone()), &t, None, None, &s, true) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
