@@ -273,6 +273,39 @@ mod tests {
     use crate::config::Resilience;
 
     #[test]
+    fn series_of_removed_endpoints_are_dropped() {
+        let m = Metrics::default();
+        let pool = Pool::new(
+            PolicyConfig::default(),
+            &Resilience::default(),
+            Default::default(),
+            8,
+            16,
+            None,
+        );
+        let spec = |name: &str| crate::pool::EndpointSpec {
+            name: name.into(),
+            http: "127.0.0.1:1".parse().unwrap(),
+            cache: None,
+            ready: true,
+            draining: false,
+        };
+        pool.set_endpoints(vec![spec("a"), spec("ab")]);
+        for e in ["a", "ab"] {
+            m.inc(
+                "kvroute_upstream_failures_total",
+                &[("endpoint", e), ("kind", "connect")],
+                1.0,
+            );
+        }
+        assert!(m.render(&pool).contains("endpoint=\"a\",kind"));
+        pool.set_endpoints(vec![spec("ab")]);
+        let text = m.render(&pool);
+        assert!(!text.contains("endpoint=\"a\",kind"), "{text}");
+        assert!(text.contains("endpoint=\"ab\",kind"), "{text}");
+    }
+
+    #[test]
     fn renders_counters_histograms_and_pool_gauges() {
         let m = Metrics::default();
         m.inc(

@@ -605,3 +605,30 @@ async fn bodies_over_the_tokenize_limit_are_routed_untokenized_and_counted() {
     );
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn an_engine_timeout_releases_its_load() {
+    let stack = Stack::start(
+        "engine-timeout",
+        1,
+        false,
+        |c| c.extra_latency_ms = 2000,
+        |c| {
+            c.resilience.health_check = None;
+            c.resilience.attempts = 1;
+            c.limits.first_byte_timeout_ms = 100;
+        },
+    )
+    .await;
+    let r = stack
+        .post("/v1/chat/completions", chat("slow", "engine", 2))
+        .await;
+    assert_eq!(r.status(), 504);
+    assert_eq!(in_flight(&stack), 0);
+    let metrics = stack.metrics().await;
+    assert!(
+        metrics.contains("kind=\"timeout\"} 1"),
+        "counted against the engine: {metrics}"
+    );
+    stack.stop().await;
+}

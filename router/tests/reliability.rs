@@ -135,6 +135,15 @@ async fn a_stream_that_breaks_is_not_retried_ends_with_an_error_event_and_ejects
         m.contains("vllm:prompt_tokens_total{model_name=\"kvroute-sim\"} 0"),
         "{m}"
     );
+    // The broken stream is counted as an error, not as its 200.
+    let ours = reqwest::get(format!("http://{}/metrics", router.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(ours.contains("status=\"stream_error\"} 1"), "{ours}");
+    assert!(!ours.contains("status=\"200\""), "{ours}");
     router.shutdown().await;
     healthy.shutdown().await;
 }
