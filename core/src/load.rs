@@ -24,6 +24,10 @@ pub struct EngineLoad {
     pub running: u32,
     /// Share of KV cache blocks in use, 0 to 1.
     pub kv_usage: f32,
+    /// Prompt tokens it has still to prefill, if it says.
+    pub queued_prefill_tokens: Option<u64>,
+    /// Its prefill rate, tokens per second, if it says.
+    pub prefill_tokens_per_s: Option<f64>,
     /// When the report arrived.
     pub reported_at: Instant,
 }
@@ -266,6 +270,8 @@ mod tests {
                 waiting: 3,
                 running: 5,
                 kv_usage: 0.5,
+                queued_prefill_tokens: Some(100),
+                prefill_tokens_per_s: None,
                 reported_at: at,
             },
         );

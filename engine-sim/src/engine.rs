@@ -34,6 +34,12 @@ pub struct LoadReport {
     pub kv_usage: f32,
     /// Blocks in use.
     pub used_blocks: u64,
+    /// Prompt tokens still to prefill: admitted requests' uncached tokens
+    /// not yet prefilled, and every token of waiting requests.
+    pub queued_prefill_tokens: u64,
+    /// Prefill rate, tokens per second (time scale included); `None` when
+    /// prefill is instant.
+    pub prefill_tokens_per_s: Option<f64>,
 }
 
 /// A message on a WatchCache stream (mapped to protobuf by the server).
@@ -165,6 +171,9 @@ struct State {
     /// Blocks promised to running requests' remaining output.
     reserved: usize,
     prefill_free_at: Instant,
+    /// Admitted prefills not yet finished, in FIFO order: (start, end,
+    /// uncached tokens).
+    prefills: VecDeque<(Instant, Instant, u64)>,
     incarnation: Arc<str>,
     sequence: u64,
     subscribers: Vec<Subscriber>,
@@ -234,6 +243,7 @@ impl Engine {
             running: 0,
             reserved: 0,
             prefill_free_at: Instant::now(),
+            prefills: VecDeque::new(),
             incarnation: new_incarnation(),
             sequence: 0,
             subscribers: Vec::new(),
@@ -361,6 +371,9 @@ impl Engine {
             let duration = self.scaled(self.config.prefill_overhead_ms + rate_ms);
             let start = state.prefill_free_at.max(Instant::now());
             state.prefill_free_at = start + duration;
+            state
+                .prefills
+                .push_back((start, start + duration, uncached));
             let admission = Admission {
                 blocks: alloc.blocks,
                 cached_blocks: alloc.cached_blocks,
@@ -478,13 +491,39 @@ impl Engine {
         }
     }
 
-    fn load(state: &State) -> LoadReport {
+    fn load(&self, state: &mut State) -> LoadReport {
         let capacity = state.pool.capacity();
+        let now = Instant::now();
+        while state
+            .prefills
+            .front()
+            .is_some_and(|&(_, end, _)| end <= now)
+        {
+            state.prefills.pop_front();
+        }
+        // The prefill in progress counts for its unfinished share.
+        let admitted: f64 = state
+            .prefills
+            .iter()
+            .map(|&(start, end, tokens)| {
+                let total = (end - start).as_secs_f64();
+                let left = (end - start.max(now)).as_secs_f64();
+                if total > 0.0 {
+                    tokens as f64 * left / total
+                } else {
+                    0.0
+                }
+            })
+            .sum();
+        let waiting: usize = state.waiting.iter().map(|w| w.num_tokens).sum();
+        let rate = self.config.prefill_tokens_per_s * self.config.time_scale;
         LoadReport {
             waiting: state.waiting.len() as u32,
             running: state.running,
             kv_usage: state.pool.usage(),
             used_blocks: (capacity - state.pool.free_blocks()) as u64,
+            queued_prefill_tokens: admitted.round() as u64 + waiting as u64,
+            prefill_tokens_per_s: (rate > 0.0).then_some(rate),
         }
     }
 
@@ -499,7 +538,7 @@ impl Engine {
             sequence: state.sequence,
             body: CacheBody::Snapshot {
                 hashes: state.pool.resident().collect(),
-                load: Self::load(&state),
+                load: self.load(&mut state),
             },
         };
         if tx.try_send(snapshot).is_ok() {
@@ -514,7 +553,7 @@ impl Engine {
         let message = CacheMessage {
             incarnation: state.incarnation.clone(),
             sequence: state.sequence,
-            body: CacheBody::Load(Self::load(&state)),
+            body: CacheBody::Load(self.load(&mut state)),
         };
         send_all(&mut state, &message);
     }
@@ -561,10 +600,11 @@ impl Engine {
 
     /// Prometheus text exposition of vLLM's metrics.
     pub fn metrics_text(&self) -> String {
-        let state = self.lock();
+        let mut state = self.lock();
+        let load = self.load(&mut state);
         state.metrics.render(
             &self.config,
-            &Self::load(&state),
+            &load,
             (state.pool.queries, state.pool.hits),
             state.pool.cached_blocks(),
         )

@@ -32,6 +32,8 @@ impl Reporter {
             running: l.running,
             kv_usage: l.kv_usage,
             used_blocks: l.used_blocks,
+            queued_prefill_tokens: Some(l.queued_prefill_tokens),
+            prefill_tokens_per_s: l.prefill_tokens_per_s,
         };
         let update = match m.body {
             CacheBody::Snapshot { hashes, load: l } => Update::Snapshot(v1::CacheSnapshot {

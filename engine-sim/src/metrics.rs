@@ -166,6 +166,8 @@ mod tests {
             running: 5,
             kv_usage: 0.25,
             used_blocks: 10,
+            queued_prefill_tokens: 0,
+            prefill_tokens_per_s: None,
         };
         let text = m.render(&Config::test(), &load, (100, 48), 7);
         for line in [

@@ -294,6 +294,11 @@ fn engine_load(load: &LoadReport) -> EngineLoad {
         waiting: load.waiting,
         running: load.running,
         kv_usage: load.kv_usage,
+        queued_prefill_tokens: load.queued_prefill_tokens,
+        // A rate must be positive and finite to divide by.
+        prefill_tokens_per_s: load
+            .prefill_tokens_per_s
+            .filter(|r| r.is_finite() && *r > 0.0),
         reported_at: Instant::now(),
     }
 }

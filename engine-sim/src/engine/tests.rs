@@ -335,3 +335,34 @@ proptest! {
             .block_on(workload(seed));
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn load_reports_the_prefill_still_queued_and_the_rate() {
+    let e = engine(|c| {
+        c.prefill_tokens_per_s = 1000.0;
+        c.prefill_overhead_ms = 0.0;
+        c.max_num_seqs = 1;
+    });
+    for (first, len) in [(1u32, 2000u32), (100_000, 500)] {
+        let e = e.clone();
+        tokio::spawn(async move { run(&e, (first..first + len).collect(), 1, None).await });
+        tokio::task::yield_now().await;
+    }
+    let load = |e: &Arc<Engine>| e.load(&mut e.lock());
+    let now = load(&e);
+    assert_eq!((now.running, now.waiting), (1, 1));
+    assert_eq!(now.queued_prefill_tokens, 2000 + 500, "all of A, all of B");
+    assert_eq!(now.prefill_tokens_per_s, Some(1000.0));
+    tokio::time::advance(Duration::from_millis(500)).await;
+    assert_eq!(
+        load(&e).queued_prefill_tokens,
+        1500 + 500,
+        "A is a quarter done"
+    );
+    tokio::time::advance(Duration::from_millis(1600)).await;
+    tokio::task::yield_now().await;
+    let later = load(&e);
+    assert!(later.queued_prefill_tokens <= 500, "{later:?}");
+    let instant = engine(|c| c.prefill_tokens_per_s = 0.0);
+    assert_eq!(load(&instant).prefill_tokens_per_s, None);
+}

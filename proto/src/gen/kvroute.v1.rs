@@ -47,6 +47,15 @@ pub struct LoadReport {
     /// `CacheConfig.capacity_blocks`.
     #[prost(uint64, tag = "4")]
     pub used_blocks: u64,
+    /// Prompt tokens the engine has still to prefill: the uncached tokens of
+    /// admitted requests whose prefill has not finished (the unfinished share
+    /// of the one in progress) plus every token of the requests still waiting
+    /// (their cached share is not known before admission). Absent: unknown.
+    #[prost(uint64, optional, tag = "5")]
+    pub queued_prefill_tokens: ::core::option::Option<u64>,
+    /// The engine's prefill rate, prompt tokens per second. Absent: unknown.
+    #[prost(double, optional, tag = "6")]
+    pub prefill_tokens_per_s: ::core::option::Option<f64>,
 }
 /// The engine's whole cache at one moment.
 #[derive(Clone, PartialEq, ::prost::Message)]
