@@ -76,6 +76,7 @@ fn figures_of_a_hand_worked_trace() {
     let mut expected = vec![
         "policy",
         "replicas",
+        "routers",
         "token_hit_rate",
         "req_max_over_mean",
         "prefill_max_over_mean",

@@ -141,6 +141,7 @@ fn index(c: &mut Criterion) {
     let cx = Context {
         index: Some(&index),
         block_tokens: 16,
+        now: std::time::Instant::now(),
     };
     c.bench_function("kvroute_decision_512_blocks_16_endpoints_1M_entries", |b| {
         b.iter(|| {

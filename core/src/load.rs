@@ -3,11 +3,16 @@
 //! The router counts what it sent: requests in flight, the estimated prefill
 //! work still ahead of each endpoint (uncached prompt tokens of requests that
 //! have not produced their first token), and requests decoding. Engines add
-//! their own view over WatchCache (waiting, running, KV usage), which ages.
-//! [`WorkModel`] turns a [`Load`] into one number, estimated work in prompt
-//! tokens, which is what load bounds and penalties compare.
+//! their own view over WatchCache (waiting, running, KV usage, queued
+//! prefill), which ages: it covers every router's requests, where the local
+//! counts cover only this router's.
 //!
-//! Not here: timing out requests or reading clocks for the caller.
+//! [`PrefillModel`] turns a [`Load`] into predicted seconds until a new
+//! request's prefill could start, fleet-wide when the engine reports its
+//! queue: the `kvroute` and `min-ttft` policies compare that.
+//!
+//! Not here: timing out requests or reading clocks for the caller (the
+//! caller passes `now`).
 
 use std::time::{Duration, Instant};
 
@@ -48,6 +53,14 @@ pub struct Load {
     pub prefill_tokens: u64,
     /// In-flight requests past prefill (producing tokens).
     pub decoding: u32,
+    /// Prompt tokens of the requests in flight: the KV cache they hold
+    /// while they decode.
+    pub active_tokens: u64,
+    /// Uncached prompt tokens of in-flight requests sent since the engine's
+    /// last report and not yet past prefill: what that report cannot know.
+    pub unreported_prefill_tokens: u64,
+    /// How many requests `unreported_prefill_tokens` covers.
+    pub unreported_requests: u32,
     /// The engine's own report, if it sends one.
     pub engine: Option<EngineLoad>,
 }
@@ -59,40 +72,103 @@ impl Load {
     }
 }
 
-/// Converts load into estimated outstanding work, in prompt tokens.
+/// How long prefill takes, in seconds: what the time-denominated policies
+/// (`kvroute`, `min-ttft`) predict time to first token with.
+///
+/// An endpoint's queue is read from its engine's last report when there is
+/// one younger than `max_report_age_ms` that states its queued prefill
+/// tokens: the report covers every router's requests. It is aged (the
+/// engine kept prefilling since) and this router's requests sent after it
+/// are added. Without such a report, the router's own counts stand in.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
-pub struct WorkModel {
-    /// Fixed cost of each request's prefill, in token-equivalents. Default:
-    /// 200 (a 20 ms scheduling and launch overhead at 10,000 prefill tokens
-    /// per second, the figures of kvroute's replay model).
-    pub request_overhead_tokens: u64,
-    /// Work one decoding request adds, in token-equivalents: decode steps
-    /// share the batch with prefill and slow it. Default: 16.
-    pub decode_tokens: u64,
+pub struct PrefillModel {
+    /// Prompt tokens an engine prefills per second, for engines that do not
+    /// report their own rate. Default: 10,000.
+    pub prefill_tokens_per_second: f64,
+    /// Fixed cost of each prefill (scheduling, kernel launches), in
+    /// milliseconds. Default: 20.
+    pub prefill_overhead_ms: f64,
+    /// Engine load reports older than this are not trusted, in
+    /// milliseconds. Default: 2,000 (engines report at least every second).
+    pub max_report_age_ms: u64,
 }
 
-impl Default for WorkModel {
+impl Default for PrefillModel {
     fn default() -> Self {
-        WorkModel {
-            request_overhead_tokens: 200,
-            decode_tokens: 16,
+        PrefillModel {
+            prefill_tokens_per_second: 10_000.0,
+            prefill_overhead_ms: 20.0,
+            max_report_age_ms: 2_000,
         }
     }
 }
 
-impl WorkModel {
-    /// Estimated work queued at an endpoint.
-    pub fn work(&self, load: &Load) -> u64 {
-        load.prefill_tokens
-            + self.request_overhead_tokens * u64::from(load.prefilling())
-            + self.decode_tokens * u64::from(load.decoding)
+impl PrefillModel {
+    /// Checks the model can predict anything: a positive rate, a
+    /// non-negative overhead.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.prefill_tokens_per_second.is_finite() && self.prefill_tokens_per_second > 0.0) {
+            return Err(format!(
+                "prefillTokensPerSecond must be a positive number, got {}",
+                self.prefill_tokens_per_second
+            ));
+        }
+        if !(self.prefill_overhead_ms.is_finite() && self.prefill_overhead_ms >= 0.0) {
+            return Err(format!(
+                "prefillOverheadMs must be 0 or more, got {}",
+                self.prefill_overhead_ms
+            ));
+        }
+        Ok(())
     }
 
-    /// Estimated work a request adds when `uncached_tokens` of its prompt
-    /// must be computed.
-    pub fn cost(&self, uncached_tokens: u64) -> u64 {
-        uncached_tokens + self.request_overhead_tokens
+    /// The endpoint's prefill rate, tokens per second: its engine's when
+    /// reported, else the configured one.
+    pub fn rate(&self, load: &Load) -> f64 {
+        load.engine
+            .and_then(|e| e.prefill_tokens_per_s)
+            .filter(|r| r.is_finite() && *r > 0.0)
+            .unwrap_or(self.prefill_tokens_per_second)
+            .max(f64::MIN_POSITIVE)
+    }
+
+    fn overhead_s(&self) -> f64 {
+        self.prefill_overhead_ms.max(0.0) / 1000.0
+    }
+
+    /// Seconds of prefill queued at the endpoint at `now`: how long a new
+    /// request would wait before its own prefill starts.
+    pub fn queued_s(&self, load: &Load, now: Instant) -> f64 {
+        let rate = self.rate(load);
+        let overhead = self.overhead_s();
+        let fresh = load.engine.filter(|e| {
+            e.queued_prefill_tokens.is_some()
+                && e.age(now) <= Duration::from_millis(self.max_report_age_ms)
+        });
+        match fresh {
+            Some(e) => {
+                let reported = e.queued_prefill_tokens.unwrap_or(0) as f64 / rate
+                    + overhead * f64::from(e.waiting);
+                let drained = (reported - e.age(now).as_secs_f64()).max(0.0);
+                drained
+                    + load.unreported_prefill_tokens as f64 / rate
+                    + overhead * f64::from(load.unreported_requests)
+            }
+            None => load.prefill_tokens as f64 / rate + overhead * f64::from(load.prefilling()),
+        }
+    }
+
+    /// Seconds the endpoint takes to prefill `uncached_tokens` once it
+    /// starts.
+    pub fn prefill_s(&self, load: &Load, uncached_tokens: u64) -> f64 {
+        self.overhead_s() + uncached_tokens as f64 / self.rate(load)
+    }
+
+    /// Predicted time to first token at the endpoint for a request with
+    /// `uncached_tokens` to prefill there.
+    pub fn ttft_s(&self, load: &Load, uncached_tokens: u64, now: Instant) -> f64 {
+        self.queued_s(load, now) + self.prefill_s(load, uncached_tokens)
     }
 }
 
@@ -112,7 +188,10 @@ enum Phase {
 pub struct Ticket {
     slot: Slot,
     generation: u64,
+    /// The endpoint's report count when the request was sent.
+    reports: u64,
     uncached_tokens: u64,
+    prompt_tokens: u64,
     phase: Phase,
 }
 
@@ -127,6 +206,8 @@ impl Ticket {
 struct Entry {
     load: Load,
     generation: u64,
+    /// Engine reports received.
+    reports: u64,
 }
 
 /// Per-endpoint load of one pool, by slot.
@@ -149,22 +230,42 @@ impl LoadTracker {
         &mut self.entries[slot.index()]
     }
 
-    /// Counts a request sent to `slot` with `uncached_tokens` of prefill.
-    pub fn start(&mut self, slot: Slot, uncached_tokens: u64) -> Ticket {
+    /// Counts a request sent to `slot` with `prompt_tokens` of prompt, of
+    /// which `uncached_tokens` must be prefilled.
+    pub fn start(&mut self, slot: Slot, prompt_tokens: u64, uncached_tokens: u64) -> Ticket {
         let entry = self.entry(slot);
-        entry.load.in_flight += 1;
-        entry.load.prefill_tokens += uncached_tokens;
+        let load = &mut entry.load;
+        load.in_flight += 1;
+        load.prefill_tokens += uncached_tokens;
+        load.active_tokens += prompt_tokens;
+        load.unreported_prefill_tokens += uncached_tokens;
+        load.unreported_requests += 1;
         Ticket {
             slot,
             generation: entry.generation,
+            reports: entry.reports,
             uncached_tokens,
+            prompt_tokens,
             phase: Phase::Prefill,
         }
     }
 
-    fn live(&mut self, ticket: &Ticket) -> Option<&mut Load> {
+    /// The ticket's endpoint entry, unless the endpoint was removed since.
+    fn live(&mut self, ticket: &Ticket) -> Option<&mut Entry> {
         let entry = self.entries.get_mut(ticket.slot.index())?;
-        (entry.generation == ticket.generation).then_some(&mut entry.load)
+        (entry.generation == ticket.generation).then_some(entry)
+    }
+
+    /// Takes a request out of prefill counts.
+    fn end_prefill(entry: &mut Entry, ticket: &Ticket) {
+        let load = &mut entry.load;
+        load.prefill_tokens = load.prefill_tokens.saturating_sub(ticket.uncached_tokens);
+        if entry.reports == ticket.reports {
+            load.unreported_prefill_tokens = load
+                .unreported_prefill_tokens
+                .saturating_sub(ticket.uncached_tokens);
+            load.unreported_requests = load.unreported_requests.saturating_sub(1);
+        }
     }
 
     /// The request produced its first token: its prefill is done.
@@ -173,29 +274,33 @@ impl LoadTracker {
             return;
         }
         ticket.phase = Phase::Decode;
-        let uncached = ticket.uncached_tokens;
-        if let Some(load) = self.live(ticket) {
-            load.prefill_tokens = load.prefill_tokens.saturating_sub(uncached);
-            load.decoding += 1;
+        if let Some(entry) = self.live(ticket) {
+            Self::end_prefill(entry, ticket);
+            entry.load.decoding += 1;
         }
     }
 
     /// The request finished (completed, failed or cancelled).
     pub fn finish(&mut self, ticket: Ticket) {
-        if let Some(load) = self.live(&ticket) {
-            load.in_flight = load.in_flight.saturating_sub(1);
+        if let Some(entry) = self.live(&ticket) {
             match ticket.phase {
-                Phase::Prefill => {
-                    load.prefill_tokens = load.prefill_tokens.saturating_sub(ticket.uncached_tokens)
-                }
-                Phase::Decode => load.decoding = load.decoding.saturating_sub(1),
+                Phase::Prefill => Self::end_prefill(entry, &ticket),
+                Phase::Decode => entry.load.decoding = entry.load.decoding.saturating_sub(1),
             }
+            let load = &mut entry.load;
+            load.in_flight = load.in_flight.saturating_sub(1);
+            load.active_tokens = load.active_tokens.saturating_sub(ticket.prompt_tokens);
         }
     }
 
-    /// Records an engine's own load report.
+    /// Records an engine's own load report. It covers the requests sent
+    /// so far, so none of them count as unreported any more.
     pub fn report(&mut self, slot: Slot, engine: EngineLoad) {
-        self.entry(slot).load.engine = Some(engine);
+        let entry = self.entry(slot);
+        entry.load.engine = Some(engine);
+        entry.load.unreported_prefill_tokens = 0;
+        entry.load.unreported_requests = 0;
+        entry.reports += 1;
     }
 
     /// `slot`'s current load.
@@ -214,6 +319,7 @@ impl LoadTracker {
         *self.entry(slot) = Entry {
             load: Load::default(),
             generation,
+            reports: 0,
         };
     }
 }
@@ -225,14 +331,17 @@ mod tests {
     #[test]
     fn a_request_moves_from_prefill_to_decode_to_done() {
         let mut t = LoadTracker::new();
-        let mut a = t.start(Slot(1), 1000);
-        let b = t.start(Slot(1), 50);
+        let mut a = t.start(Slot(1), 1500, 1000);
+        let b = t.start(Slot(1), 50, 50);
         assert_eq!(
             t.load(Slot(1)),
             Load {
                 in_flight: 2,
                 prefill_tokens: 1050,
                 decoding: 0,
+                active_tokens: 1550,
+                unreported_prefill_tokens: 1050,
+                unreported_requests: 2,
                 engine: None
             }
         );
@@ -250,9 +359,9 @@ mod tests {
     #[test]
     fn tickets_from_a_removed_endpoint_are_ignored() {
         let mut t = LoadTracker::new();
-        let old = t.start(Slot(0), 10);
+        let old = t.start(Slot(0), 10, 10);
         t.remove(Slot(0));
-        let new = t.start(Slot(0), 20);
+        let new = t.start(Slot(0), 20, 20);
         t.finish(old);
         assert_eq!(t.load(Slot(0)).in_flight, 1);
         assert_eq!(t.load(Slot(0)).prefill_tokens, 20);
@@ -284,16 +393,100 @@ mod tests {
         assert_eq!(engine.age(at - Duration::from_secs(1)), Duration::ZERO);
     }
 
+    fn report(at: Instant, queued: u64, waiting: u32, rate: Option<f64>) -> EngineLoad {
+        EngineLoad {
+            waiting,
+            running: 1,
+            kv_usage: 0.5,
+            queued_prefill_tokens: Some(queued),
+            prefill_tokens_per_s: rate,
+            reported_at: at,
+        }
+    }
+
     #[test]
-    fn work_counts_prefill_overhead_and_decode() {
-        let m = WorkModel::default();
-        let load = Load {
-            in_flight: 3,
-            prefill_tokens: 1000,
-            decoding: 1,
-            engine: None,
-        };
-        assert_eq!(m.work(&load), 1000 + 200 * 2 + 16);
-        assert_eq!(m.cost(300), 500);
+    fn without_a_report_the_local_counts_predict_the_wait() {
+        let m = PrefillModel::default();
+        let mut t = LoadTracker::new();
+        let now = Instant::now();
+        let _a = t.start(Slot(0), 5000, 4000);
+        let _b = t.start(Slot(0), 1000, 1000);
+        let load = t.load(Slot(0));
+        // 5,000 tokens at 10,000/s plus two 20 ms overheads.
+        assert!((m.queued_s(&load, now) - 0.54).abs() < 1e-9);
+        assert!((m.prefill_s(&load, 2000) - 0.22).abs() < 1e-9);
+        assert!((m.ttft_s(&load, 2000, now) - 0.76).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_engine_report_overrides_stale_local_counts() {
+        let m = PrefillModel::default();
+        let mut t = LoadTracker::new();
+        let at = Instant::now();
+        // This router sent one request; the engine, serving every router,
+        // has 20,000 tokens queued at 20,000 tokens/s, 2 requests waiting.
+        let _mine = t.start(Slot(0), 1000, 1000);
+        t.report(Slot(0), report(at, 20_000, 2, Some(20_000.0)));
+        let load = t.load(Slot(0));
+        assert_eq!(m.rate(&load), 20_000.0);
+        assert!((m.queued_s(&load, at) - 1.04).abs() < 1e-9);
+        // Half a second later half of it is done.
+        let later = at + Duration::from_millis(500);
+        assert!((m.queued_s(&load, later) - 0.54).abs() < 1e-9);
+        // Requests sent after the report add to it until the next one...
+        let mut after = t.start(Slot(0), 4000, 4000);
+        let load = t.load(Slot(0));
+        assert_eq!(
+            (load.unreported_prefill_tokens, load.unreported_requests),
+            (4000, 1)
+        );
+        assert!((m.queued_s(&load, later) - 0.76).abs() < 1e-9);
+        // ...and leave it when their prefill is done.
+        t.first_token(&mut after);
+        assert_eq!(t.load(Slot(0)).unreported_requests, 0);
+        // An old report is not trusted: local counts stand in.
+        let stale = at + Duration::from_secs(3);
+        let load = t.load(Slot(0));
+        assert!((m.queued_s(&load, stale) - (1000.0 / 20_000.0 + 0.02)).abs() < 1e-9);
+        // A drained queue predicts no wait, not a negative one.
+        t.report(Slot(0), report(at, 100, 0, None));
+        assert_eq!(m.queued_s(&t.load(Slot(0)), later), 0.0);
+        assert_eq!(m.rate(&t.load(Slot(0))), 10_000.0);
+    }
+
+    #[test]
+    fn a_report_taken_before_a_request_does_not_uncount_it_twice() {
+        let mut t = LoadTracker::new();
+        let at = Instant::now();
+        let mut before = t.start(Slot(0), 100, 100);
+        t.report(Slot(0), report(at, 100, 1, None));
+        let after = t.start(Slot(0), 300, 300);
+        t.first_token(&mut before); // was in the report: unreported unchanged
+        let load = t.load(Slot(0));
+        assert_eq!(
+            (load.unreported_prefill_tokens, load.unreported_requests),
+            (300, 1)
+        );
+        t.finish(after);
+        t.finish(before);
+        let load = t.load(Slot(0));
+        assert_eq!(
+            (load.in_flight, load.prefill_tokens, load.active_tokens),
+            (0, 0, 0)
+        );
+        assert_eq!(load.unreported_requests, 0);
+    }
+
+    #[test]
+    fn prefill_models_are_checked() {
+        assert!(PrefillModel::default().validate().is_ok());
+        for (rate, overhead) in [(0.0, 20.0), (f64::NAN, 20.0), (1.0, -1.0)] {
+            let m = PrefillModel {
+                prefill_tokens_per_second: rate,
+                prefill_overhead_ms: overhead,
+                ..PrefillModel::default()
+            };
+            assert!(m.validate().is_err(), "{m:?}");
+        }
     }
 }

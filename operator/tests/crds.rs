@@ -143,7 +143,10 @@ fn crds_have_status_subresources_and_upstream_names() {
         .flatten()
         .map(|c| c.name.as_str())
         .collect();
-    assert_eq!(columns, ["Target", "Policy", "Ready", "Accepted", "Age"]);
+    assert_eq!(
+        columns,
+        ["Target", "Policy", "Slack", "Ready", "Accepted", "Age"]
+    );
 }
 
 #[test]
@@ -233,7 +236,7 @@ fn schema_defaults_equal_the_rust_defaults() {
     let spec = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"];
     let (minimal, _): (CacheRoutingPolicy, Value) = parse("cacheroutingpolicy-minimal.yaml");
     let rust = serde_json::to_value(&minimal.spec).unwrap();
-    for field in ["routingKey", "policy", "loadBound", "engine", "tenancy"] {
+    for field in ["routingKey", "policy", "latencySlack", "engine", "tenancy"] {
         assert_eq!(spec[field]["default"], rust[field], "spec.{field}");
     }
 }

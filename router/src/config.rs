@@ -448,6 +448,9 @@ impl Default for Telemetry {
 /// A configuration error, naming the field and the value.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The routing policy's parameters are unusable.
+    #[error("routing.policy: {0}")]
+    Policy(String),
     /// The file could not be read.
     #[error("reading {path}: {source}")]
     Read {
@@ -510,6 +513,9 @@ impl Config {
             }
             (None, None) => return Err(invalid("discovery", &"none", "set static or operator")),
             _ => {}
+        }
+        if let Err(reason) = self.routing.policy.validate() {
+            return Err(ConfigError::Policy(reason));
         }
         if self.routing.block_size == 0 {
             return Err(invalid("routing.blockSize", &0, "must be at least 1"));
@@ -684,7 +690,7 @@ adminListen: 127.0.0.1:9090
 discovery:
   operator: {url: "http://op:9443", namespace: ml, pool: llama}
 routing:
-  policy: {name: kvroute, loadBound: 0.3}
+  policy: {name: kvroute, latencySlack: 2, engine: {prefillTokensPerSecond: 20000}}
   key: {mode: prefix, prefixTokens: 128}
   blockSize: 32
   hashAlgo: sha256_cbor
@@ -720,6 +726,13 @@ telemetry: {logFormat: json, endpointHeader: ""}
                 .unwrap_err()
                 .to_string()
                 .starts_with("tenancy.secretFile")
+        );
+        let c: Config =
+            serde_yaml::from_str("routing: {policy: {name: kvroute, latencySlack: -1}}").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "routing.policy: latencySlack must be 0 or more, got -1"
         );
         let c: Config = serde_yaml::from_str("telemetry: {endpointHeader: 'bad header'}").unwrap();
         let err = c.validate().unwrap_err().to_string();

@@ -358,6 +358,7 @@ impl Pool {
         let cx = Context {
             index: inner.exact.then_some(&inner.index),
             block_tokens: self.block_tokens,
+            now,
         };
         let decision = if readable {
             inner.policy.rank(request, &endpoints, &cx)
@@ -403,7 +404,11 @@ impl Pool {
         inner.policy.routed(request, &endpoint);
         InFlight {
             pool: self.clone(),
-            ticket: Some(inner.load.start(target.slot, uncached_tokens)),
+            ticket: Some(
+                inner
+                    .load
+                    .start(target.slot, request.prompt_tokens, uncached_tokens),
+            ),
         }
     }
 

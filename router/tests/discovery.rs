@@ -307,13 +307,16 @@ fn policy(name: &str) -> RoutingPolicy {
         policy: name.into(),
         key_mode: v1::KeyMode::Conversation.into(),
         prefix_tokens: 256,
-        load_bound: 0.5,
+        load_bound: 0.0,
         block_size: 16,
         hash_algorithm: v1::HashAlgorithm::Sha256.into(),
         hash_seed: None,
         cache_port: 0,
         tenancy: v1::TenancyMode::Shared.into(),
         tenant_header: String::new(),
+        latency_slack: None,
+        prefill_tokens_per_second: None,
+        prefill_overhead_ms: None,
     }
 }
 

@@ -45,6 +45,20 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "LIST", default_value = "all")]
     policies: String,
 
+    /// Router replicas the requests are spread over, round robin. Each
+    /// knows only its own requests in flight.
+    #[arg(long, value_name = "R", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    routers: u32,
+
+    /// How late routers learn the replicas' cache contents and load
+    /// reports, in milliseconds.
+    #[arg(long, value_name = "L", default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=3_600_000))]
+    report_lag_ms: u32,
+
+    /// The kvroute policy's `latencySlack` (default: the policy's own).
+    #[arg(long, value_name = "S", value_parser = parse_slack)]
+    latency_slack: Option<f64>,
+
     /// Seed of the random policy.
     #[arg(long, value_name = "S", default_value_t = 0)]
     seed: u64,
@@ -52,6 +66,13 @@ pub struct ReplayArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "OUT")]
     json: Option<PathBuf>,
+}
+
+fn parse_slack(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f >= 0.0 => Ok(f),
+        _ => Err("expected a number ≥ 0 (inf for no limit)".to_owned()),
+    }
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {
@@ -72,6 +93,10 @@ struct Meta {
     block_tokens: u64,
     cache_frac: f64,
     key: String,
+    /// Router replicas.
+    routers: u32,
+    /// How late routers learn cache contents and load, milliseconds.
+    report_lag_ms: u32,
     /// Hit rate of one cache that never evicts.
     infinite_hit: f64,
     /// Hit rate of one LRU cache of floor(cache_frac × D) blocks.
@@ -94,11 +119,11 @@ struct Output {
 
 /// The policies to run, configured for the replay: memories of cache
 /// contents are sized like the replicas' caches, as an operator would.
-fn policies(list: &str, seed: u64, capacity: usize) -> anyhow::Result<Vec<PolicyConfig>> {
-    let names: Vec<&str> = if list == "all" {
+fn policies(args: &ReplayArgs, capacity: usize) -> anyhow::Result<Vec<PolicyConfig>> {
+    let names: Vec<&str> = if args.policies == "all" {
         PolicyConfig::NAMES.to_vec()
     } else {
-        list.split(',').map(str::trim).collect()
+        args.policies.split(',').map(str::trim).collect()
     };
     names
         .into_iter()
@@ -110,13 +135,14 @@ fn policies(list: &str, seed: u64, capacity: usize) -> anyhow::Result<Vec<Policy
                 )
             })?;
             Ok(match config {
-                PolicyConfig::Random(_) => PolicyConfig::Random(RandomConfig { seed }),
+                PolicyConfig::Random(_) => PolicyConfig::Random(RandomConfig { seed: args.seed }),
                 PolicyConfig::ApproxPrefix(c) => PolicyConfig::ApproxPrefix(ApproxPrefixConfig {
                     capacity_blocks: capacity,
                     ..c
                 }),
                 PolicyConfig::Kvroute(c) => PolicyConfig::Kvroute(KvrouteConfig {
                     memory_blocks: capacity,
+                    latency_slack: args.latency_slack.unwrap_or(c.latency_slack),
                     ..c
                 }),
                 other => other,
@@ -130,7 +156,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     let trace = Trace::load(&args.trace)?;
     let distinct = trace.distinct_blocks();
     let pooled = (args.cache_frac * distinct as f64).floor() as usize;
-    policies(&args.policies, args.seed, 1)?; // fail on a bad list before any work
+    policies(args, 1)?; // fail on a bad list before any work
     let first = trace.requests.first().map_or(0.0, |r| r.arrival_s);
     let last = trace.requests.last().map_or(0.0, |r| r.arrival_s);
     let meta = Meta {
@@ -145,6 +171,8 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             KeySource::Prefix(k) => format!("p{k}"),
             KeySource::Session => "session".to_owned(),
         },
+        routers: args.routers,
+        report_lag_ms: args.report_lag_ms,
         infinite_hit: run::single_cache_hit(&trace, None, args.block_tokens),
         pooled_hit: run::single_cache_hit(&trace, Some(pooled), args.block_tokens),
         capacities: args
@@ -163,6 +191,11 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     )?;
     writeln!(
         out,
+        "{} router(s), cache contents and load known {} ms late",
+        args.routers, args.report_lag_ms
+    )?;
+    writeln!(
+        out,
         "one cache: infinite hit {:.4}, pooled LRU of {} blocks (cache_frac {}) hit {:.4}",
         meta.infinite_hit, pooled, args.cache_frac, meta.pooled_hit
     )?;
@@ -174,8 +207,10 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             block_tokens: args.block_tokens,
             key: args.key,
             capacity: cap.blocks_per_replica,
+            routers: args.routers as usize,
+            report_lag_s: f64::from(args.report_lag_ms) / 1000.0,
         };
-        let configs = policies(&args.policies, args.seed, cap.blocks_per_replica)?;
+        let configs = policies(args, cap.blocks_per_replica)?;
         let mut rows = Vec::new();
         for (i, config) in configs.iter().enumerate() {
             if progress {

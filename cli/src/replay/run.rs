@@ -59,6 +59,7 @@ const NO_SPILL: [&str; 4] = ["round-robin", "least-loaded", "random", "modulo"];
 pub struct PolicyResult {
     pub policy: String,
     pub replicas: usize,
+    pub routers: usize,
     pub token_hit_rate: f64,
     pub req_max_over_mean: f64,
     pub prefill_max_over_mean: f64,
@@ -116,6 +117,10 @@ pub struct Setup {
     pub key: KeySource,
     /// Blocks per replica at each replica count.
     pub capacity: usize,
+    /// Router replicas.
+    pub routers: usize,
+    /// How late routers learn cache contents and engine load, seconds.
+    pub report_lag_s: f64,
 }
 
 /// Runs `policy` over `trace` at `replicas` replicas. The scale-out fork
@@ -124,7 +129,14 @@ pub struct Setup {
 pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup) -> PolicyResult {
     let policy = config.build();
     let name = policy.name().to_owned();
-    let mut sim = Sim::new(policy, replicas, setup.capacity, setup.block_tokens);
+    let mut sim = Sim::new(
+        policy,
+        setup.routers,
+        setup.report_lag_s,
+        replicas,
+        setup.capacity,
+        setup.block_tokens,
+    );
     let n = trace.requests.len();
     let fork_at = n / 2;
     let window = fork_at..(fork_at + n.div_ceil(10)).min(n);
@@ -171,6 +183,7 @@ pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup)
         spill: (!NO_SPILL.contains(&name.as_str())).then(|| spills as f64 / n as f64),
         policy: name,
         replicas,
+        routers: setup.routers,
         token_hit_rate: ratio(hit, total),
         req_max_over_mean: max_over_mean(&requests),
         prefill_max_over_mean: max_over_mean(&prefill),

@@ -14,16 +14,20 @@
 //!   `TTFT = prefill_end − arrival`, completion `= prefill_end + 0.030 ×
 //!   output_length`. A request is in flight from arrival to completion; one
 //!   completing at t no longer counts at t.
-//! - Policies see in-flight counts, outstanding prefill tokens and requests
-//!   decoding per replica, and the replicas' exact cache contents through an
-//!   occupancy index, as a router with WatchCache streams would.
+//! - Requests are spread over R router replicas, round robin. Each router
+//!   knows its own requests exactly (in flight, still in prefill, decoding,
+//!   sent since the last engine report), and, like every router with
+//!   WatchCache streams, the replicas' cache contents and load reports as
+//!   of `report_lag` ago: cache events reach the shared occupancy index
+//!   that late, and each replica's report (queued prefill tokens, waiting
+//!   and running requests, prefill rate) describes it at `t − lag`.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
-use kvroute_core::load::Load;
+use kvroute_core::load::{EngineLoad, Load};
 use kvroute_core::lru::Lru;
 use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
@@ -37,24 +41,6 @@ pub const PREFILL_OVERHEAD_S: f64 = 0.020;
 pub const PREFILL_TOKENS_PER_S: f64 = 10_000.0;
 /// Decode time per output token, seconds.
 pub const DECODE_S_PER_TOKEN: f64 = 0.030;
-
-/// A time that orders totally (virtual seconds).
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Time(f64);
-
-impl Eq for Time {}
-
-impl PartialOrd for Time {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Time {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0)
-    }
-}
 
 /// The length of the leading run of `ids` present in `cache`.
 pub fn leading_hits(cache: &Lru, ids: &[u64]) -> usize {
@@ -83,18 +69,26 @@ pub fn admit(
     }
 }
 
-/// One replica: its cache and its prefill server.
+/// A request served by a replica, with its times (virtual seconds).
+#[derive(Clone, Copy, Debug)]
+struct Served {
+    arrival: f64,
+    start: f64,
+    prefill_end: f64,
+    completion: f64,
+    uncached: u64,
+    prompt: u64,
+}
+
+/// One replica: its cache, its prefill server, and the requests it serves
+/// that a report as of `t − lag` may still see.
 #[derive(Clone, Debug)]
 struct Replica {
     cache: Lru,
     /// When the prefill server is next free.
     free_at: f64,
-    /// Requests not yet past prefill: (prefill end, uncached tokens,
-    /// completion), in FIFO order.
-    prefilling: VecDeque<(f64, u64, f64)>,
-    prefill_tokens: u64,
-    /// Completion times of requests past prefill.
-    decoding: BinaryHeap<Reverse<Time>>,
+    /// In arrival order; dropped once complete before `t − lag`.
+    served: VecDeque<Served>,
 }
 
 impl Replica {
@@ -102,38 +96,82 @@ impl Replica {
         Replica {
             cache: Lru::new(),
             free_at: 0.0,
-            prefilling: VecDeque::new(),
-            prefill_tokens: 0,
-            decoding: BinaryHeap::new(),
+            served: VecDeque::new(),
         }
     }
 
-    /// Moves the replica's queues to time `t`.
-    fn advance(&mut self, t: f64) {
-        while let Some(&(end, uncached, done)) = self.prefilling.front() {
-            if end > t {
-                break;
+    /// The replica's own load report, describing it at `at`: requests not
+    /// started are waiting, with their uncached tokens queued; a prefill in
+    /// progress counts its time left.
+    fn report(&mut self, at: f64, reported_at: Instant) -> EngineLoad {
+        while self.served.front().is_some_and(|s| s.completion <= at) {
+            self.served.pop_front();
+        }
+        let (mut queued, mut waiting, mut running) = (0.0, 0u32, 0u32);
+        for s in self.served.iter().take_while(|s| s.arrival <= at) {
+            if s.start > at {
+                waiting += 1;
+                queued += s.uncached as f64;
+            } else if s.completion > at {
+                running += 1;
+                if s.prefill_end > at {
+                    // The time left, overhead included, in tokens at the
+                    // rate: queued / rate + overhead × waiting is then
+                    // exactly how long until the server is free.
+                    queued += (s.prefill_end - at) * PREFILL_TOKENS_PER_S;
+                }
             }
-            self.prefilling.pop_front();
-            self.prefill_tokens -= uncached;
-            self.decoding.push(Reverse(Time(done)));
         }
-        while self
-            .decoding
-            .peek()
-            .is_some_and(|Reverse(done)| done.0 <= t)
-        {
-            self.decoding.pop();
+        EngineLoad {
+            waiting,
+            running,
+            kv_usage: 0.0,
+            queued_prefill_tokens: Some(queued.round() as u64),
+            prefill_tokens_per_s: Some(PREFILL_TOKENS_PER_S),
+            reported_at,
         }
     }
+}
 
-    fn load(&self) -> Load {
-        Load {
-            in_flight: (self.prefilling.len() + self.decoding.len()) as u32,
-            prefill_tokens: self.prefill_tokens,
-            decoding: self.decoding.len() as u32,
-            engine: None,
+/// A router replica: its policy and its own requests in flight.
+#[derive(Debug)]
+struct Router {
+    policy: Box<dyn Policy>,
+    /// Per replica, this router's requests not yet complete:
+    /// (sent at, its times).
+    own: Vec<VecDeque<Served>>,
+}
+
+impl Clone for Router {
+    fn clone(&self) -> Self {
+        Router {
+            policy: self.policy.boxed_clone(),
+            own: self.own.clone(),
         }
+    }
+}
+
+impl Router {
+    /// What this router counts at replica `r` at `t`, with requests sent
+    /// after `reported` not in the engine's report.
+    fn load(&mut self, r: usize, t: f64, reported: f64) -> Load {
+        let own = &mut self.own[r];
+        own.retain(|s| s.completion > t);
+        let mut load = Load::default();
+        for s in own.iter() {
+            load.in_flight += 1;
+            load.active_tokens += s.prompt;
+            if s.prefill_end > t {
+                load.prefill_tokens += s.uncached;
+                if s.arrival > reported {
+                    load.unreported_prefill_tokens += s.uncached;
+                    load.unreported_requests += 1;
+                }
+            } else {
+                load.decoding += 1;
+            }
+        }
+        load
     }
 }
 
@@ -152,36 +190,41 @@ pub struct Outcome {
     pub reason: Reason,
 }
 
-/// A pool of replicas under one policy.
-#[derive(Debug)]
+/// Cache events of one routing, waiting to reach the routers.
+#[derive(Clone, Debug)]
+struct Pending {
+    at: f64,
+    slot: Slot,
+    stored: Vec<u64>,
+    removed: Vec<u64>,
+}
+
+/// A pool of replicas routed by R router replicas under one policy.
+#[derive(Clone, Debug)]
 pub struct Sim {
     replicas: Vec<Replica>,
     ids: Vec<u64>,
+    /// The routers' view of the caches, `lag` behind.
     index: OccupancyIndex,
-    policy: Box<dyn Policy>,
+    pending: VecDeque<Pending>,
+    routers: Vec<Router>,
+    next_router: usize,
+    lag_s: f64,
     capacity: usize,
     block_tokens: u64,
+    /// Virtual time 0 as an `Instant`, for report ages.
+    epoch: Instant,
     endpoints: Vec<Endpoint>,
 }
 
-impl Clone for Sim {
-    fn clone(&self) -> Self {
-        Sim {
-            replicas: self.replicas.clone(),
-            ids: self.ids.clone(),
-            index: self.index.clone(),
-            policy: self.policy.boxed_clone(),
-            capacity: self.capacity,
-            block_tokens: self.block_tokens,
-            endpoints: Vec::new(),
-        }
-    }
-}
-
 impl Sim {
-    /// `replicas` empty replicas of `capacity` blocks each.
+    /// `replicas` empty replicas of `capacity` blocks each, routed by
+    /// `routers` routers running `policy` (each its own copy), which see
+    /// cache contents and load reports `lag_s` seconds late.
     pub fn new(
         policy: Box<dyn Policy>,
+        routers: usize,
+        lag_s: f64,
         replicas: usize,
         capacity: usize,
         block_tokens: u64,
@@ -190,9 +233,18 @@ impl Sim {
             replicas: Vec::new(),
             ids: Vec::new(),
             index: OccupancyIndex::new(),
-            policy,
+            pending: VecDeque::new(),
+            routers: (0..routers.max(1))
+                .map(|_| Router {
+                    policy: policy.boxed_clone(),
+                    own: Vec::new(),
+                })
+                .collect(),
+            next_router: 0,
+            lag_s,
             capacity,
             block_tokens,
+            epoch: Instant::now(),
             endpoints: Vec::new(),
         };
         for _ in 0..replicas {
@@ -206,6 +258,9 @@ impl Sim {
         let i = self.replicas.len();
         self.replicas.push(Replica::new());
         self.ids.push(endpoint_id(&format!("replica-{i}")));
+        for router in &mut self.routers {
+            router.own.push(VecDeque::new());
+        }
         // Admission overshoots the capacity by up to one request's blocks
         // before evicting; the index only mirrors the caches.
         let empty = CacheEvent::Snapshot {
@@ -217,16 +272,40 @@ impl Sim {
             .expect("an empty snapshot fits");
     }
 
+    fn instant(&self, t: f64) -> Instant {
+        self.epoch + Duration::from_secs_f64(t.max(0.0))
+    }
+
+    /// Applies the cache events of routings at or before `seen` to the
+    /// routers' index.
+    fn deliver(&mut self, seen: f64) {
+        while let Some(p) = self.pending.front().filter(|p| p.at <= seen) {
+            let (slot, stored, removed) = (p.slot, p.stored.clone(), p.removed.clone());
+            self.pending.pop_front();
+            for event in [CacheEvent::Stored(&stored), CacheEvent::Removed(&removed)] {
+                self.index
+                    .apply(slot, event)
+                    .expect("the index mirrors the cache");
+            }
+        }
+    }
+
     /// Routes and serves `request` with routing key `key`.
     pub fn step(&mut self, request: &TraceRequest, key: RoutingKey) -> Outcome {
         let t = request.arrival_s;
+        let seen = t - self.lag_s;
+        self.deliver(seen);
+        let k = self.next_router;
+        self.next_router = (k + 1) % self.routers.len();
+        let reported_at = self.instant(seen);
         self.endpoints.clear();
-        for (i, replica) in self.replicas.iter_mut().enumerate() {
-            replica.advance(t);
+        for i in 0..self.replicas.len() {
+            let mut load = self.routers[k].load(i, t, seen);
+            load.engine = Some(self.replicas[i].report(seen, reported_at));
             self.endpoints.push(Endpoint {
                 slot: Slot(i as u32),
                 id: self.ids[i],
-                load: replica.load(),
+                load,
             });
         }
         let req = Request {
@@ -237,10 +316,12 @@ impl Sim {
         let cx = Context {
             index: Some(&self.index),
             block_tokens: self.block_tokens,
+            now: self.instant(t),
         };
-        let decision = self.policy.rank(&req, &self.endpoints, &cx);
+        let router = &mut self.routers[k];
+        let decision = router.policy.rank(&req, &self.endpoints, &cx);
         let r = decision.ranked[0];
-        self.policy.routed(&req, &self.endpoints[r]);
+        router.policy.routed(&req, &self.endpoints[r]);
 
         let replica = &mut self.replicas[r];
         let m = leading_hits(&replica.cache, &request.hash_ids) as u64;
@@ -254,23 +335,27 @@ impl Sim {
             |id| stored.push(id),
             |id| removed.push(id),
         );
-        let slot = Slot(r as u32);
-        let mirror = [CacheEvent::Stored(&stored), CacheEvent::Removed(&removed)];
-        for event in mirror {
-            self.index
-                .apply(slot, event)
-                .expect("the index mirrors the cache");
-        }
+        self.pending.push_back(Pending {
+            at: t,
+            slot: Slot(r as u32),
+            stored,
+            removed,
+        });
 
         let start = t.max(replica.free_at);
         let prefill_end =
             start + PREFILL_OVERHEAD_S + uncached_tokens as f64 / PREFILL_TOKENS_PER_S;
         replica.free_at = prefill_end;
-        let completion = prefill_end + DECODE_S_PER_TOKEN * request.output_length as f64;
-        replica
-            .prefilling
-            .push_back((prefill_end, uncached_tokens, completion));
-        replica.prefill_tokens += uncached_tokens;
+        let served = Served {
+            arrival: t,
+            start,
+            prefill_end,
+            completion: prefill_end + DECODE_S_PER_TOKEN * request.output_length as f64,
+            uncached: uncached_tokens,
+            prompt: request.input_length,
+        };
+        replica.served.push_back(served);
+        router.own[r].push_back(served);
         Outcome {
             replica: r,
             cached_tokens,

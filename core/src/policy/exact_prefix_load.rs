@@ -1,29 +1,29 @@
-//! `exact-prefix-load`: the cost model of Dynamo's KV router and llm-d's
-//! scorers. Each endpoint's cost is the prefill it would have to do for this
-//! request (prompt tokens minus its reported cached prefix) weighted by
-//! `prefill_weight`, plus the work already queued on it; the cheapest wins.
-//! Without an occupancy index (approximate mode) it is least-work routing.
+//! `exact-prefix-load`: the cost function of Dynamo's KV router, `cost =
+//! overlap_score_weight × prefill + decode`, in tokens rather than blocks
+//! (the same order). Prefill is the uncached prompt tokens queued at the
+//! endpoint plus this request's own (prompt minus its reported cached
+//! prefix); decode is the KV the endpoint's active requests hold (their
+//! prompt tokens). The cheapest wins. llm-d's default scorers weigh the same
+//! two things, cached prefix against queue. Dynamo also adds the new
+//! request's own blocks to decode; they are the same everywhere, so they
+//! are left out. Without an occupancy index (approximate mode) every prefix
+//! counts as cold and this is least-work routing.
 
 use super::*;
-use crate::load::WorkModel;
 
 /// Configuration of [`ExactPrefixLoad`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct Config {
-    /// Weight of the request's own uncached prefill against queued work.
-    /// Default: 1.0 (Dynamo's `overlap_score_weight`): cost is then the
-    /// estimated time to first token, in tokens.
+    /// Weight of prefill against decode. Default: 1.0 (Dynamo's
+    /// `overlap_score_weight`).
     pub prefill_weight: f64,
-    /// How queued requests become work. Default: [`WorkModel::default`].
-    pub work: WorkModel,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Config {
             prefill_weight: 1.0,
-            work: WorkModel::default(),
         }
     }
 }
@@ -67,9 +67,10 @@ impl Policy for ExactPrefixLoad {
         per_candidate(&self.by_slot, endpoints, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
         let cost = |i: usize| {
+            let load = &endpoints[i].load;
             let uncached = uncached_tokens(request, self.cached[i], cx.block_tokens);
-            self.config.prefill_weight * self.config.work.cost(uncached) as f64
-                + self.config.work.work(&endpoints[i].load) as f64
+            let prefill = (load.prefill_tokens + uncached) as f64;
+            self.config.prefill_weight * prefill + load.active_tokens as f64
         };
         let mut ranked: Vec<usize> = (0..endpoints.len()).collect();
         ranked.sort_by(|&a, &b| {
@@ -117,7 +118,7 @@ mod tests {
         );
 
         // With 1000 tokens queued there, recomputing 768 tokens elsewhere is
-        // cheaper: cost 2 = 261 + 200 + 1000 + 200 > cost 0 = 1029 + 200.
+        // cheaper: cost 2 = 1000 + 261 > cost 0 = 1029.
         let pool = Pool::test()
             .replicas(3)
             .holds(2, &chain[..48])
@@ -126,6 +127,16 @@ mod tests {
         assert_ne!(d.ranked[0], 2);
         assert_eq!(d.reason, Reason::Spill);
         assert_eq!(*d.ranked.last().unwrap(), 2);
+
+        // Decode counts too: 800 tokens of active KV on the idle holder
+        // outweigh the 768 tokens it saves.
+        let mut pool = Pool::test().replicas(3).holds(2, &chain[..48]);
+        pool.endpoints[2].load.active_tokens = 800;
+        let d = p.rank(&request(1, &chain), &pool.endpoints, &pool.cx());
+        assert_ne!(d.ranked[0], 2);
+        pool.endpoints[2].load.active_tokens = 700;
+        let d = p.rank(&request(1, &chain), &pool.endpoints, &pool.cx());
+        assert_eq!(d.ranked[0], 2);
     }
 
     #[test]
@@ -135,6 +146,7 @@ mod tests {
         let cx = Context {
             index: None,
             block_tokens: 16,
+            now: std::time::Instant::now(),
         };
         for key in 0..20 {
             let d = p.rank(&request(key, &[1, 2]), &pool.endpoints, &cx);

@@ -1,46 +1,56 @@
-//! `kvroute`, the default policy. Its rules, in order:
+//! `kvroute`, the default policy. Its rule, in words: **an endpoint may
+//! answer later than the fastest one by at most the prefill time its cached
+//! prefix saves (times `latency_slack`); among those, the longest cached
+//! prefix wins, ties by rendezvous rank.**
 //!
-//! 1. **Bounded work.** An endpoint is over the bound when its estimated
-//!    queued work exceeds `(1 + load_bound) × mean + headroom_tokens`, or its
-//!    in-flight requests reach `(1 + request_bound) × mean +
-//!    headroom_requests`. Endpoints under the bound come first; one over it
-//!    is never chosen while another is under it. The headroom keeps a lightly
-//!    loaded pool from spilling a warm prefix for nothing.
-//! 2. **Warm first.** Among those under the bound, the longest cached prefix
-//!    wins: from the engines' reported occupancy when there is an index
-//!    (exact mode), else from this router's own routing history.
-//! 3. **Cold keys are deterministic.** Equal prefixes (no prefix at all, in
+//! 1. **Predicted time to first token.** For each endpoint: the prefill
+//!    queued there (fleet-wide from the engine's load report when it sends
+//!    one, else this router's own count) at its prefill rate, plus this
+//!    request's own prefill: a fixed overhead and its uncached tokens at
+//!    that rate ([`PrefillModel`]). The rate is the engine's reported one
+//!    when it reports it, else the configured default.
+//! 2. **Slack earned by saved prefill.** Let F be the endpoint with the
+//!    lowest prediction. Another endpoint is eligible when its prediction
+//!    exceeds F's by at most `latency_slack × (S + overhead)`, where S is
+//!    the prefill time its longer cached prefix saves over F's (0 when it
+//!    holds no more than F). The reason: prefill saved on one endpoint is
+//!    time every request queued behind it gets back, so with a slack of 1 a
+//!    request spends at most what it saves the next one in line (break
+//!    even), and below one prefill overhead predictions do not tell
+//!    endpoints apart. A long queue is never joined for a short prefix.
+//! 3. **Warm first.** Among the eligible, the longest cached prefix wins:
+//!    from the engines' reported occupancy when there is an index (exact
+//!    mode), else from this router's own routing history.
+//! 4. **Cold keys are deterministic.** Equal prefixes (no prefix at all, in
 //!    particular) are ordered by the rendezvous score of the routing key, so
-//!    every router replica makes the same choice and a scale-out moves about
-//!    1/(N+1) of the keys.
-//! 4. **The rest is the retry order:** the remaining endpoints under the
-//!    bound in the same order, then those over it, least work first.
+//!    every router replica makes the same choice among endpoints that are
+//!    equally fast, and a scale-out moves about 1/(N+1) of the keys.
+//! 5. **The rest is the retry order:** the remaining eligible endpoints in
+//!    the same order, then the others, fastest first.
+//!
+//! With a slack of 0 this is `min-ttft` (lowest prediction; ties to the
+//! longest prefix, then rendezvous); with an infinite slack, longest prefix
+//! then rendezvous, ignoring load.
 //!
 //! Tenancy needs nothing here: salted tenants have different keys and
 //! different block hashes, so they never share a choice by accident.
 
 use super::memory::PrefixMemory;
+use super::min_ttft::predict_ttft;
 use super::*;
-use crate::load::WorkModel;
+use crate::load::PrefillModel;
 
 /// Configuration of [`Kvroute`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct Config {
-    /// ε of the work bound `(1 + ε) × mean work + headroom_tokens`.
-    /// Default: 0.5.
-    pub load_bound: f64,
-    /// Absolute headroom of the work bound, in prompt tokens. Default: 4096
-    /// (about 0.4 s of prefill at 10,000 tokens per second): below that, a
-    /// queue is not worth losing a cached prefix for.
-    pub headroom_tokens: u64,
-    /// ε of the in-flight bound `(1 + ε) × mean in flight +
-    /// headroom_requests`. Default: 0.25.
-    pub request_bound: f64,
-    /// Absolute headroom of the in-flight bound, in requests. Default: 2.
-    pub headroom_requests: u32,
-    /// How load becomes work. Default: [`WorkModel::default`].
-    pub work: WorkModel,
+    /// Seconds of extra predicted latency a request may take per second of
+    /// prefill its cached prefix saves (plus one prefill overhead), against
+    /// the fastest endpoint. 0: always the fastest; infinite: always the
+    /// longest prefix. Default: 1 (break even: see the module docs).
+    pub latency_slack: f64,
+    /// How prefill time is predicted. Default: [`PrefillModel::default`].
+    pub engine: PrefillModel,
     /// Blocks per endpoint remembered in approximate mode. Default: 32768.
     pub memory_blocks: usize,
 }
@@ -48,13 +58,24 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            load_bound: 0.5,
-            headroom_tokens: 4096,
-            request_bound: 0.25,
-            headroom_requests: 2,
-            work: WorkModel::default(),
+            latency_slack: 1.0,
+            engine: PrefillModel::default(),
             memory_blocks: 32768,
         }
+    }
+}
+
+impl Config {
+    /// Checks the configuration: a slack of 0 or more (infinity allowed),
+    /// and a usable prefill model.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.latency_slack.is_nan() || self.latency_slack < 0.0 {
+            return Err(format!(
+                "latencySlack must be 0 or more, got {}",
+                self.latency_slack
+            ));
+        }
+        self.engine.validate()
     }
 }
 
@@ -68,7 +89,7 @@ pub struct Kvroute {
     by_slot: Vec<u32>,
     cached: Vec<u32>,
     scores: Vec<u64>,
-    work: Vec<u64>,
+    ttft: Vec<f64>,
 }
 
 impl Kvroute {
@@ -81,7 +102,7 @@ impl Kvroute {
             by_slot: Vec::new(),
             cached: Vec::new(),
             scores: Vec::new(),
-            work: Vec::new(),
+            ttft: Vec::new(),
         }
     }
 }
@@ -108,24 +129,32 @@ impl Policy for Kvroute {
         }
         per_candidate(&self.by_slot, endpoints, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
-        self.work.clear();
-        self.work
-            .extend(endpoints.iter().map(|e| self.config.work.work(&e.load)));
-
-        let c = &self.config;
-        let mean_work = self.work.iter().sum::<u64>() as f64 / n as f64;
-        let work_bound = (1.0 + c.load_bound) * mean_work + c.headroom_tokens as f64;
-        let in_flight: u64 = endpoints.iter().map(|e| u64::from(e.load.in_flight)).sum();
-        let request_bound =
-            (1.0 + c.request_bound) * in_flight as f64 / n as f64 + f64::from(c.headroom_requests);
-        let over: Vec<bool> = (0..n)
+        let config = &self.config;
+        predict_ttft(
+            &config.engine,
+            request,
+            endpoints,
+            &self.cached,
+            cx,
+            &mut self.ttft,
+        );
+        let (cached, scores, ttft) = (&self.cached, &self.scores, &self.ttft);
+        let fastest = (0..n)
+            .min_by(|&a, &b| ttft[a].total_cmp(&ttft[b]))
+            .expect("non-empty");
+        let overhead_s = config.engine.prefill_overhead_ms / 1000.0;
+        let slack = config.latency_slack;
+        let uncached = |i: usize| uncached_tokens(request, cached[i], cx.block_tokens);
+        let eligible: Vec<bool> = (0..n)
             .map(|i| {
-                self.work[i] as f64 > work_bound
-                    || f64::from(endpoints[i].load.in_flight) >= request_bound
+                let extra = ttft[i] - ttft[fastest];
+                let saved = uncached(fastest).saturating_sub(uncached(i));
+                let saved_s = saved as f64 / config.engine.rate(&endpoints[i].load);
+                // Checked apart: ∞ × 0 is NaN.
+                extra <= 0.0 || slack == f64::INFINITY || extra <= slack * (saved_s + overhead_s)
             })
             .collect();
-
-        let (cached, scores, work) = (&self.cached, &self.scores, &self.work);
+        let eligible = |i: usize| eligible[i];
         let preference = |a: &usize, b: &usize| {
             cached[*b]
                 .cmp(&cached[*a])
@@ -133,11 +162,13 @@ impl Policy for Kvroute {
         };
         let mut ranked: Vec<usize> = (0..n).collect();
         ranked.sort_by(|a, b| {
-            over[*a].cmp(&over[*b]).then_with(|| {
-                if over[*a] {
-                    work[*a].cmp(&work[*b]).then(scores[*b].cmp(&scores[*a]))
-                } else {
+            eligible(*b).cmp(&eligible(*a)).then_with(|| {
+                if eligible(*a) {
                     preference(a, b)
+                } else {
+                    ttft[*a]
+                        .total_cmp(&ttft[*b])
+                        .then(scores[*b].cmp(&scores[*a]))
                 }
             })
         });

@@ -15,11 +15,14 @@ mod exact_prefix_load;
 mod kvroute;
 mod least_loaded;
 pub mod memory;
+mod min_ttft;
 mod modulo;
 mod random;
 mod rendezvous;
 mod rendezvous_bounded;
 mod round_robin;
+
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +36,7 @@ pub use approx_prefix::{ApproxPrefix, Config as ApproxPrefixConfig};
 pub use exact_prefix_load::{Config as ExactPrefixLoadConfig, ExactPrefixLoad};
 pub use kvroute::{Config as KvrouteConfig, Kvroute};
 pub use least_loaded::LeastLoaded;
+pub use min_ttft::{Config as MinTtftConfig, MinTtft};
 pub use modulo::Modulo;
 pub use random::{Config as RandomConfig, Random};
 pub use rendezvous::Rendezvous;
@@ -69,6 +73,8 @@ pub struct Context<'a> {
     pub index: Option<&'a OccupancyIndex>,
     /// Tokens per block of `Request::chain`.
     pub block_tokens: u64,
+    /// The time of the decision: engine load reports age against it.
+    pub now: Instant,
 }
 
 /// Why the first endpoint was chosen.
@@ -161,8 +167,11 @@ pub enum PolicyConfig {
     ApproxPrefix(ApproxPrefixConfig),
     /// Longest reported prefix with a load penalty, Dynamo and llm-d style.
     ExactPrefixLoad(ExactPrefixLoadConfig),
-    /// kvroute's default: warm first, rendezvous for cold keys, bounded
-    /// work.
+    /// Lowest predicted time to first token.
+    MinTtft(MinTtftConfig),
+    /// kvroute's default: warm first among the endpoints whose predicted
+    /// time to first token is within a slack of the best; rendezvous for
+    /// cold keys.
     Kvroute(KvrouteConfig),
 }
 
@@ -174,7 +183,7 @@ impl Default for PolicyConfig {
 
 impl PolicyConfig {
     /// Every policy name, the default first.
-    pub const NAMES: [&'static str; 9] = [
+    pub const NAMES: [&'static str; 10] = [
         "kvroute",
         "round-robin",
         "least-loaded",
@@ -184,6 +193,7 @@ impl PolicyConfig {
         "rendezvous-bounded",
         "approx-prefix",
         "exact-prefix-load",
+        "min-ttft",
     ];
 
     /// The policy `name` with its default configuration.
@@ -198,8 +208,19 @@ impl PolicyConfig {
             "rendezvous-bounded" => PolicyConfig::RendezvousBounded(Default::default()),
             "approx-prefix" => PolicyConfig::ApproxPrefix(Default::default()),
             "exact-prefix-load" => PolicyConfig::ExactPrefixLoad(Default::default()),
+            "min-ttft" => PolicyConfig::MinTtft(Default::default()),
             _ => return None,
         })
+    }
+
+    /// Checks what types cannot (the time-denominated policies need a
+    /// usable prefill model and slack).
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            PolicyConfig::Kvroute(c) => c.validate(),
+            PolicyConfig::MinTtft(c) => c.engine.validate(),
+            _ => Ok(()),
+        }
     }
 
     /// A fresh policy.
@@ -213,6 +234,7 @@ impl PolicyConfig {
             PolicyConfig::RendezvousBounded(c) => Box::new(RendezvousBounded::new(c.clone())),
             PolicyConfig::ApproxPrefix(c) => Box::new(ApproxPrefix::new(c.clone())),
             PolicyConfig::ExactPrefixLoad(c) => Box::new(ExactPrefixLoad::new(c.clone())),
+            PolicyConfig::MinTtft(c) => Box::new(MinTtft::new(c.clone())),
             PolicyConfig::Kvroute(c) => Box::new(Kvroute::new(c.clone())),
         }
     }

@@ -8,6 +8,7 @@ pub(crate) struct Pool {
     pub endpoints: Vec<Endpoint>,
     pub index: OccupancyIndex,
     pub block_tokens: u64,
+    pub now: Instant,
 }
 
 impl Pool {
@@ -16,6 +17,7 @@ impl Pool {
             endpoints: Vec::new(),
             index: OccupancyIndex::new(),
             block_tokens: 16,
+            now: Instant::now(),
         }
     }
 
@@ -59,6 +61,15 @@ impl Pool {
         Context {
             index: Some(&self.index),
             block_tokens: self.block_tokens,
+            now: self.now,
+        }
+    }
+
+    /// The same facts without the index (approximate mode).
+    pub fn approximate(&self) -> Context<'_> {
+        Context {
+            index: None,
+            ..self.cx()
         }
     }
 

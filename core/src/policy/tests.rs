@@ -27,13 +27,7 @@ fn names_round_trip() {
 fn no_endpoints_gives_an_empty_ranking() {
     let pool = Pool::test();
     for mut p in all() {
-        for cx in [
-            pool.cx(),
-            Context {
-                index: None,
-                block_tokens: 16,
-            },
-        ] {
+        for cx in [pool.cx(), pool.approximate()] {
             let d = p.rank(&request(1, &[1, 2]), &[], &cx);
             assert!(d.ranked.is_empty(), "{}", p.name());
         }
@@ -85,18 +79,23 @@ fn a_clone_carries_state() {
 
 #[test]
 fn configs_parse_with_documented_defaults() {
-    let c: PolicyConfig = serde_json::from_str(r#"{"name": "kvroute", "loadBound": 0.3}"#).unwrap();
+    let c: PolicyConfig = serde_json::from_str(
+        r#"{"name": "kvroute", "latencySlack": 2.5, "engine": {"prefillTokensPerSecond": 5000}}"#,
+    )
+    .unwrap();
     let PolicyConfig::Kvroute(k) = c else {
         panic!("{c:?}")
     };
-    assert_eq!(k.load_bound, 0.3);
-    assert_eq!(k.headroom_tokens, KvrouteConfig::default().headroom_tokens);
+    assert_eq!(k.latency_slack, 2.5);
+    assert_eq!(k.engine.prefill_tokens_per_second, 5000.0);
+    assert_eq!(k.engine.prefill_overhead_ms, 20.0);
+    assert_eq!(k.memory_blocks, KvrouteConfig::default().memory_blocks);
     let c: PolicyConfig = serde_json::from_str(r#"{"name": "round-robin"}"#).unwrap();
     assert_eq!(c, PolicyConfig::RoundRobin);
-    let err = serde_json::from_str::<PolicyConfig>(r#"{"name": "kvroute", "loadBund": 1}"#)
+    let err = serde_json::from_str::<PolicyConfig>(r#"{"name": "kvroute", "loadBound": 1}"#)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("loadBund"), "{err}");
+    assert!(err.contains("loadBound"), "{err}");
     for name in PolicyConfig::NAMES {
         let c = PolicyConfig::by_name(name).unwrap();
         let json = serde_json::to_string(&c).unwrap();

@@ -28,10 +28,13 @@ pub const TARGET_KIND: &str = "InferencePool";
 pub const DEFAULT_PREFIX_TOKENS: i32 = 256;
 /// Most tokens a prefix key may cover.
 pub const MAX_PREFIX_TOKENS: i32 = 65536;
-/// Default ε of the kvroute policy's work bound.
-pub const DEFAULT_LOAD_BOUND: f64 = 0.5;
-/// Largest ε of the kvroute policy's work bound.
+/// Largest ε of the rendezvous-bounded policy's in-flight bound.
 pub const MAX_LOAD_BOUND: f64 = 10.0;
+/// Largest latency slack of the kvroute policy (far past where it is
+/// longest-prefix routing).
+pub const MAX_LATENCY_SLACK: f64 = 1000.0;
+/// Largest prefill overhead, milliseconds.
+pub const MAX_PREFILL_OVERHEAD_MS: f64 = 60_000.0;
 /// Default engine block size in tokens (vLLM's default).
 pub const DEFAULT_BLOCK_SIZE: i32 = 16;
 /// Largest engine block size in tokens.
@@ -61,7 +64,7 @@ pub mod conditions {
     status = "CacheRoutingPolicyStatus",
     shortname = "crp",
     derive = "PartialEq",
-    doc = "CacheRoutingPolicy configures how kvroute routes the requests of one InferencePool: routing keys, the routing policy, its load bound, the engines' cache layout and tenancy.",
+    doc = "CacheRoutingPolicy configures how kvroute routes the requests of one InferencePool: routing keys, the routing policy and its latency slack, the engines' cache layout and prefill speed, and tenancy.",
     printcolumn(
         name = "Target",
         type_ = "string",
@@ -73,6 +76,12 @@ pub mod conditions {
         type_ = "string",
         description = "The routing policy.",
         json_path = ".spec.policy"
+    ),
+    printcolumn(
+        name = "Slack",
+        type_ = "number",
+        description = "The kvroute policy's latency slack.",
+        json_path = ".spec.latencySlack"
     ),
     printcolumn(
         name = "Ready",
@@ -102,17 +111,28 @@ pub struct CacheRoutingPolicySpec {
     #[serde(default)]
     pub routing_key: RoutingKey,
 
-    /// The routing policy: kvroute (the default: warm prefix first,
-    /// rendezvous hashing for cold keys, bounded work) or a baseline.
+    /// The routing policy: kvroute (the default: the longest cached prefix
+    /// among endpoints whose predicted time to first token is within the
+    /// latency slack of the fastest, rendezvous hashing for cold keys) or a
+    /// baseline.
     #[serde(default)]
     pub policy: PolicyName,
 
-    /// ε of the kvroute policy's work bound: an endpoint whose queued work
-    /// exceeds (1 + ε) times the pool's mean, plus a fixed headroom, is
-    /// skipped for the next in rank. A ratio, 0 to 10; default 0.5.
-    #[serde(default = "default_load_bound")]
+    /// The kvroute policy's latency slack: seconds of extra predicted time
+    /// to first token a request may take, against the fastest endpoint, per
+    /// second of prefill its cached prefix saves there (plus one prefill
+    /// overhead). 0: always the fastest endpoint (min-ttft); 1 (the
+    /// default): break even; large: always the longest prefix. 0 to 1000.
+    #[serde(default = "default_latency_slack")]
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub latency_slack: f64,
+
+    /// ε of the rendezvous-bounded policy's in-flight bound: an endpoint may
+    /// hold at most (1 + ε) times the pool's mean requests in flight. A
+    /// ratio, 0 to 10; absent: 0.25. Other policies ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 10.0))]
-    pub load_bound: f64,
+    pub load_bound: Option<f64>,
 
     /// How the engines lay out and hash their prefix cache; must match the
     /// engines' own configuration.
@@ -124,8 +144,8 @@ pub struct CacheRoutingPolicySpec {
     pub tenancy: Tenancy,
 }
 
-fn default_load_bound() -> f64 {
-    DEFAULT_LOAD_BOUND
+fn default_latency_slack() -> f64 {
+    kvroute_core::policy::KvrouteConfig::default().latency_slack
 }
 
 /// A reference to the `InferencePool` a policy attaches to (Gateway API
@@ -214,8 +234,8 @@ impl From<KeyMode> for kvroute_core::keys::KeyMode {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[serde(rename_all = "kebab-case")]
 pub enum PolicyName {
-    /// `kvroute`: warm prefix first, rendezvous for cold keys, bounded work
-    /// (the default).
+    /// `kvroute`: warm prefix first within a latency slack, rendezvous for
+    /// cold keys (the default).
     #[default]
     Kvroute,
     /// `round-robin`: each endpoint in turn.
@@ -235,11 +255,13 @@ pub enum PolicyName {
     ApproxPrefix,
     /// `exact-prefix-load`: longest reported prefix with a load penalty.
     ExactPrefixLoad,
+    /// `min-ttft`: lowest predicted time to first token.
+    MinTtft,
 }
 
 impl PolicyName {
     /// Every policy, the default first.
-    pub const ALL: [PolicyName; 9] = [
+    pub const ALL: [PolicyName; 10] = [
         PolicyName::Kvroute,
         PolicyName::RoundRobin,
         PolicyName::LeastLoaded,
@@ -249,6 +271,7 @@ impl PolicyName {
         PolicyName::RendezvousBounded,
         PolicyName::ApproxPrefix,
         PolicyName::ExactPrefixLoad,
+        PolicyName::MinTtft,
     ];
 
     /// The name as written in manifests and understood by
@@ -264,13 +287,14 @@ impl PolicyName {
             PolicyName::RendezvousBounded => "rendezvous-bounded",
             PolicyName::ApproxPrefix => "approx-prefix",
             PolicyName::ExactPrefixLoad => "exact-prefix-load",
+            PolicyName::MinTtft => "min-ttft",
         }
     }
 }
 
 /// The engines' prefix-cache layout, which routers must reproduce to compute
-/// the same block hashes.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+/// the same block hashes, and how fast they prefill.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Engine {
     /// Tokens per cache block, 1 to 4096; default 16 (vLLM's default). Must
@@ -295,6 +319,19 @@ pub struct Engine {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub cache_port: Option<i32>,
+
+    /// Prompt tokens an engine prefills per second, for engines that do not
+    /// report their own rate over WatchCache; default 10000. The kvroute and
+    /// min-ttft policies predict time to first token with it.
+    #[serde(default = "default_prefill_tokens_per_second")]
+    #[schemars(range(min = 1.0, max = 1.0e9))]
+    pub prefill_tokens_per_second: f64,
+
+    /// The engines' fixed cost of one prefill (scheduling, launches), in
+    /// milliseconds, 0 to 60000; default 20.
+    #[serde(default = "default_prefill_overhead_ms")]
+    #[schemars(range(min = 0.0, max = 60000.0))]
+    pub prefill_overhead_ms: f64,
 }
 
 impl Default for Engine {
@@ -304,12 +341,22 @@ impl Default for Engine {
             hash_algorithm: HashAlgorithm::default(),
             hash_seed: None,
             cache_port: None,
+            prefill_tokens_per_second: default_prefill_tokens_per_second(),
+            prefill_overhead_ms: default_prefill_overhead_ms(),
         }
     }
 }
 
 fn default_block_size() -> i32 {
     DEFAULT_BLOCK_SIZE
+}
+
+fn default_prefill_tokens_per_second() -> f64 {
+    kvroute_core::load::PrefillModel::default().prefill_tokens_per_second
+}
+
+fn default_prefill_overhead_ms() -> f64 {
+    kvroute_core::load::PrefillModel::default().prefill_overhead_ms
 }
 
 /// A block hash algorithm of vLLM's prefix cache.
@@ -425,15 +472,27 @@ impl CacheRoutingPolicySpec {
             1,
             MAX_PREFIX_TOKENS,
         )?;
-        // NaN fails both comparisons in `check_range`; reject it explicitly.
-        if self.load_bound.is_nan() {
-            return Err(ValidationError::new(
-                "spec.loadBound",
-                self.load_bound,
-                format!("must be 0 to {MAX_LOAD_BOUND}"),
-            ));
+        check_range(
+            "spec.latencySlack",
+            self.latency_slack,
+            0.0,
+            MAX_LATENCY_SLACK,
+        )?;
+        if let Some(bound) = self.load_bound {
+            check_range("spec.loadBound", bound, 0.0, MAX_LOAD_BOUND)?;
         }
-        check_range("spec.loadBound", self.load_bound, 0.0, MAX_LOAD_BOUND)?;
+        check_range(
+            "spec.engine.prefillTokensPerSecond",
+            self.engine.prefill_tokens_per_second,
+            1.0,
+            1.0e9,
+        )?;
+        check_range(
+            "spec.engine.prefillOverheadMs",
+            self.engine.prefill_overhead_ms,
+            0.0,
+            MAX_PREFILL_OVERHEAD_MS,
+        )?;
         check_range(
             "spec.engine.blockSize",
             self.engine.block_size,
@@ -497,7 +556,9 @@ mod tests {
         assert_eq!(spec.routing_key, RoutingKey::default());
         assert_eq!(spec.routing_key.prefix_tokens, 256);
         assert_eq!(spec.policy, PolicyName::Kvroute);
-        assert_eq!(spec.load_bound, 0.5);
+        assert_eq!(spec.latency_slack, 1.0);
+        assert_eq!(spec.load_bound, None);
+        assert_eq!(spec.engine.prefill_tokens_per_second, 10_000.0);
         assert_eq!(spec.engine, Engine::default());
         assert_eq!(spec.engine.block_size, 16);
         assert_eq!(spec.tenancy, Tenancy::default());
@@ -508,14 +569,21 @@ mod tests {
     fn validate_names_the_field_and_value() {
         let mut spec: CacheRoutingPolicySpec =
             serde_json::from_value(serde_json::json!({"targetRef": {"name": "pool"}})).unwrap();
-        spec.load_bound = 11.0;
+        spec.load_bound = Some(11.0);
         let err = spec.validate().unwrap_err();
         assert_eq!(
             (err.field.as_str(), err.value.as_str()),
             ("spec.loadBound", "11")
         );
-
-        spec.load_bound = 0.5;
+        spec.load_bound = None;
+        spec.latency_slack = f64::NAN;
+        let err = spec.validate().unwrap_err();
+        assert_eq!(err.field, "spec.latencySlack");
+        spec.latency_slack = 1.0;
+        spec.engine.prefill_tokens_per_second = 0.0;
+        let err = spec.validate().unwrap_err();
+        assert_eq!(err.field, "spec.engine.prefillTokensPerSecond");
+        spec.engine.prefill_tokens_per_second = 5000.0;
         spec.engine.cache_port = Some(0);
         let err = spec.validate().unwrap_err();
         assert_eq!(err.field, "spec.engine.cachePort");

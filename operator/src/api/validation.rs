@@ -38,14 +38,14 @@ impl ValidationError {
     }
 }
 
-/// `value` of `field` within `min..=max`.
+/// `value` of `field` within `min..=max` (NaN is not).
 pub(crate) fn check_range<T: PartialOrd + Display>(
     field: &str,
     value: T,
     min: T,
     max: T,
 ) -> Result<(), ValidationError> {
-    if value < min || value > max {
+    if !(value >= min && value <= max) {
         return Err(ValidationError::new(
             field,
             value,

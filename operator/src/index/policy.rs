@@ -12,7 +12,8 @@
 
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::KeyMode;
-use kvroute_core::policy::PolicyConfig;
+use kvroute_core::load::PrefillModel;
+use kvroute_core::policy::{KvrouteConfig, PolicyConfig};
 use kvroute_proto::v1;
 
 use super::observed::Observed;
@@ -25,8 +26,6 @@ pub const DEFAULT_POLICY: &str = "kvroute";
 pub const DEFAULT_KEY_MODE: KeyMode = KeyMode::Conversation;
 /// Default prefix length of a routing key, in tokens: 256 (16 blocks of 16).
 pub const DEFAULT_PREFIX_TOKENS: u32 = 256;
-/// Default ε of the kvroute policy's work bound: 0.5.
-pub const DEFAULT_LOAD_BOUND: f64 = 0.5;
 /// Default engine block size, in tokens: 16, vLLM's default.
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 /// Default engine block hash: `sha256`, vLLM's default.
@@ -75,8 +74,15 @@ pub struct PolicySpec {
     pub key_mode: Option<KeyMode>,
     /// How many leading prompt tokens a prefix key covers; at least 1.
     pub prefix_tokens: Option<u32>,
-    /// ε of the kvroute policy's work bound; finite and at least 0.
+    /// ε of the rendezvous-bounded policy's in-flight bound; finite and at
+    /// least 0. `None`: the policy's own default.
     pub load_bound: Option<f64>,
+    /// The kvroute policy's latency slack; at least 0.
+    pub latency_slack: Option<f64>,
+    /// The engines' prefill rate, tokens per second; positive.
+    pub prefill_tokens_per_second: Option<f64>,
+    /// The engines' fixed cost per prefill, milliseconds; at least 0.
+    pub prefill_overhead_ms: Option<f64>,
     /// The engines' block size in tokens; at least 1.
     pub block_size: Option<u32>,
     /// The engines' block hash algorithm.
@@ -115,6 +121,23 @@ impl PolicySpec {
                 "load bound {bound}: must be a number of at least 0"
             ));
         }
+        let engine = PrefillModel {
+            prefill_tokens_per_second: self
+                .prefill_tokens_per_second
+                .unwrap_or(PrefillModel::default().prefill_tokens_per_second),
+            prefill_overhead_ms: self
+                .prefill_overhead_ms
+                .unwrap_or(PrefillModel::default().prefill_overhead_ms),
+            ..PrefillModel::default()
+        };
+        let kvroute = KvrouteConfig {
+            latency_slack: self
+                .latency_slack
+                .unwrap_or(KvrouteConfig::default().latency_slack),
+            engine,
+            ..KvrouteConfig::default()
+        };
+        kvroute.validate()?;
         if self.block_size == Some(0) {
             return Err("block size 0: must be at least 1".to_owned());
         }
@@ -133,7 +156,19 @@ impl PolicySpec {
             policy: self.policy.as_deref().unwrap_or(DEFAULT_POLICY).to_owned(),
             key_mode: key_mode(self.key_mode.unwrap_or(DEFAULT_KEY_MODE)).into(),
             prefix_tokens: self.prefix_tokens.unwrap_or(DEFAULT_PREFIX_TOKENS),
-            load_bound: self.load_bound.unwrap_or(DEFAULT_LOAD_BOUND),
+            load_bound: self.load_bound.unwrap_or(0.0),
+            latency_slack: Some(
+                self.latency_slack
+                    .unwrap_or(KvrouteConfig::default().latency_slack),
+            ),
+            prefill_tokens_per_second: Some(
+                self.prefill_tokens_per_second
+                    .unwrap_or(PrefillModel::default().prefill_tokens_per_second),
+            ),
+            prefill_overhead_ms: Some(
+                self.prefill_overhead_ms
+                    .unwrap_or(PrefillModel::default().prefill_overhead_ms),
+            ),
             block_size: self.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
             hash_algorithm: v1::HashAlgorithm::from(
                 self.hash_algorithm.unwrap_or(DEFAULT_HASH_ALGORITHM),

@@ -608,9 +608,9 @@ pub struct RoutingPolicy {
     /// whenever a key falls back to the prompt prefix.
     #[prost(uint32, tag = "3")]
     pub prefix_tokens: u32,
-    /// ε of the kvroute policy's work bound: an endpoint whose estimated queued
-    /// work exceeds (1 + ε) × the pool's mean (plus a fixed headroom) is skipped
-    /// for the next in rank. A ratio, not a percentage; at least 0.
+    /// ε of the rendezvous-bounded policy's in-flight bound: an endpoint may
+    /// hold at most (1 + ε) × the pool's mean requests in flight. A ratio, not
+    /// a percentage; 0 means the policy's default. Other policies ignore it.
     #[prost(double, tag = "4")]
     pub load_bound: f64,
     /// The engines' block size, tokens per block. Must equal the engines'
@@ -636,6 +636,18 @@ pub struct RoutingPolicy {
     /// gateway; empty when requests carry no tenant.
     #[prost(string, tag = "10")]
     pub tenant_header: ::prost::alloc::string::String,
+    /// The kvroute policy's latency slack: seconds of extra predicted time to
+    /// first token a request may take per second of prefill its cached prefix
+    /// saves. Absent: the policy's default.
+    #[prost(double, optional, tag = "11")]
+    pub latency_slack: ::core::option::Option<f64>,
+    /// The engines' prefill rate in tokens per second, for engines that do not
+    /// report their own (kvroute and min-ttft policies). Absent: the default.
+    #[prost(double, optional, tag = "12")]
+    pub prefill_tokens_per_second: ::core::option::Option<f64>,
+    /// The engines' fixed cost per prefill, milliseconds. Absent: the default.
+    #[prost(double, optional, tag = "13")]
+    pub prefill_overhead_ms: ::core::option::Option<f64>,
 }
 /// What a routing key is derived from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]

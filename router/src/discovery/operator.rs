@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::hash::{BlockHasher, HashConfig};
 use kvroute_core::keys::{KeyConfig, KeyMode};
+use kvroute_core::load::PrefillModel;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_proto::hash_algo_from_i32;
 use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
@@ -196,7 +197,7 @@ impl Watcher {
                 }
             }
             None => tracing::warn!(policy = %policy.policy,
-                "unknown routing policy from the operator; keeping the current one"),
+                "unknown routing policy or unusable parameters from the operator; keeping the current one"),
         }
         update_settings(&self.settings, &policy);
     }
@@ -242,16 +243,32 @@ fn endpoint(e: &v1::Endpoint, default_cache_port: u32) -> Result<EndpointSpec, &
     })
 }
 
-/// The policy by name, with the operator's load bound for `kvroute`;
-/// `None` for a name this build does not know.
+/// The policy by name with the operator's parameters for it; `None` for a
+/// name this build does not know or parameters it cannot use.
 fn policy_config(policy: &RoutingPolicy) -> Option<PolicyConfig> {
     let mut config = PolicyConfig::by_name(&policy.policy)?;
-    if let PolicyConfig::Kvroute(c) = &mut config
-        && policy.load_bound > 0.0
-    {
-        c.load_bound = policy.load_bound;
+    let engine = |e: &mut PrefillModel| {
+        if let Some(rate) = policy.prefill_tokens_per_second {
+            e.prefill_tokens_per_second = rate;
+        }
+        if let Some(ms) = policy.prefill_overhead_ms {
+            e.prefill_overhead_ms = ms;
+        }
+    };
+    match &mut config {
+        PolicyConfig::Kvroute(c) => {
+            if let Some(slack) = policy.latency_slack {
+                c.latency_slack = slack;
+            }
+            engine(&mut c.engine);
+        }
+        PolicyConfig::MinTtft(c) => engine(&mut c.engine),
+        PolicyConfig::RendezvousBounded(c) if policy.load_bound > 0.0 => {
+            c.slack = 1.0 + policy.load_bound;
+        }
+        _ => {}
     }
-    Some(config)
+    config.validate().ok().map(|()| config)
 }
 
 /// The key config `policy` asks for, starting from `current`.

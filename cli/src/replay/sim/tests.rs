@@ -14,7 +14,7 @@ fn req(t: f64, input: u64, output: u64, ids: &[u64]) -> TraceRequest {
 
 fn sim(policy: &str, replicas: usize, capacity: usize, block_tokens: u64) -> Sim {
     let policy = PolicyConfig::by_name(policy).unwrap().build();
-    Sim::new(policy, replicas, capacity, block_tokens)
+    Sim::new(policy, 1, 0.0, replicas, capacity, block_tokens)
 }
 
 #[test]
@@ -66,25 +66,66 @@ fn prefill_is_fifo_per_replica() {
 }
 
 #[test]
-fn load_counts_in_flight_until_completion() {
+fn a_router_counts_its_own_requests_until_completion() {
     let mut s = sim("round-robin", 1, 100, 16);
     // Prefill ends at 0.02 + 0.1; completes 0.03 × 10 later.
     let a = s.step(&req(0.0, 1_000, 10, &[]), RoutingKey(0));
     let (end, done) = (a.ttft_s, a.ttft_s + 0.3);
-    let r = &mut s.replicas[0];
-    let state = |r: &Replica| {
-        (
-            r.load().in_flight,
-            r.load().prefill_tokens,
-            r.load().decoding,
-        )
+    let mut state = |t: f64| {
+        let l = s.routers[0].load(0, t, t);
+        (l.in_flight, l.prefill_tokens, l.decoding, l.active_tokens)
     };
-    r.advance(0.1);
-    assert_eq!(state(r), (1, 1_000, 0));
-    r.advance(end);
-    assert_eq!(state(r), (1, 0, 1), "past prefill at its end");
-    r.advance(done);
-    assert_eq!(state(r), (0, 0, 0), "completing at t no longer counts at t");
+    assert_eq!(state(0.1), (1, 1_000, 0, 1_000));
+    assert_eq!(state(end), (1, 0, 1, 1_000), "past prefill at its end");
+    assert_eq!(
+        state(done),
+        (0, 0, 0, 0),
+        "completing at t no longer counts at t"
+    );
+}
+
+#[test]
+fn reports_describe_the_replica_as_of_the_lag() {
+    let mut s = sim("round-robin", 1, 100, 16);
+    // a: prefill 0 → 1.02, b: 1.02 → 2.04 (both 10,000 tokens), c at 1.5.
+    s.step(&req(0.0, 10_000, 100, &[]), RoutingKey(0));
+    s.step(&req(0.0, 10_000, 100, &[]), RoutingKey(0));
+    s.step(&req(1.5, 1_000, 100, &[]), RoutingKey(0));
+    let at = s.epoch;
+    let r = s.replicas[0].report(0.52, at);
+    // a half done (5,000 left), b waiting (10,000); c not yet arrived.
+    assert_eq!(
+        (r.queued_prefill_tokens, r.waiting, r.running),
+        (Some(15_000), 1, 1)
+    );
+    // a decoding, b 0.58 s in (4,400 left), c waiting (1,000).
+    let r = s.replicas[0].report(1.6, at);
+    assert_eq!(
+        (r.queued_prefill_tokens, r.waiting, r.running),
+        (Some(5_400), 1, 2)
+    );
+    // The router knows c at once, the report does not: it is unreported.
+    let l = s.routers[0].load(0, 1.6, 1.4);
+    assert_eq!(
+        (l.unreported_prefill_tokens, l.unreported_requests),
+        (1_000, 1)
+    );
+    assert_eq!((l.prefill_tokens, l.decoding), (11_000, 1));
+}
+
+#[test]
+fn cache_contents_reach_the_routers_after_the_lag() {
+    let policy = PolicyConfig::by_name("kvroute").unwrap().build();
+    let mut s = Sim::new(policy, 2, 0.5, 2, 100, 16);
+    let first = s.step(&req(0.0, 64, 1, &[1, 2, 3, 4]), RoutingKey(1));
+    assert_eq!(s.index.blocks_of(Slot(first.replica as u32)).count(), 0);
+    // 0.2 s later the second router does not know yet where the prefix is.
+    s.step(&req(0.2, 64, 1, &[7, 8]), RoutingKey(2));
+    assert_eq!(s.index.blocks_of(Slot(first.replica as u32)).count(), 0);
+    s.step(&req(0.6, 64, 1, &[9]), RoutingKey(3));
+    assert_eq!(s.index.blocks_of(Slot(first.replica as u32)).count(), 4);
+    // Routers take turns.
+    assert_eq!(s.next_router, 1);
 }
 
 #[test]
@@ -96,6 +137,7 @@ fn the_index_mirrors_the_caches() {
     {
         s.step(&req(i as f64, 48, 1, ids), RoutingKey(i as u64));
     }
+    s.deliver(f64::INFINITY);
     for (r, replica) in s.replicas.iter().enumerate() {
         let mut cached: Vec<u64> = replica.cache.iter().collect();
         let mut indexed: Vec<u64> = s.index.blocks_of(Slot(r as u32)).collect();
@@ -134,4 +176,63 @@ fn a_fork_keeps_state_and_adds_an_empty_replica() {
         }
     }
     assert!(moved > 0 && moved < 15, "moved {moved} of 30");
+}
+
+/// The reference rule of issue #11, written out: for each replica `cost =
+/// max(0, F − arrival) + 0.020 + uncached / 10000`, the lowest wins, ties
+/// by fewest in flight. Returns each replica's (cost, in flight).
+fn reference_keys(s: &Sim, r: &TraceRequest) -> Vec<(f64, usize)> {
+    let cost = |i: usize| {
+        let rep = &s.replicas[i];
+        let m = leading_hits(&rep.cache, &r.hash_ids) as u64;
+        let uncached = r.input_length - (m * s.block_tokens).min(r.input_length);
+        (rep.free_at - r.arrival_s).max(0.0) + 0.020 + uncached as f64 / 10_000.0
+    };
+    let in_flight = |i: usize| {
+        s.replicas[i]
+            .served
+            .iter()
+            .filter(|x| x.arrival <= r.arrival_s && x.completion > r.arrival_s)
+            .count()
+    };
+    (0..s.replicas.len())
+        .map(|i| (cost(i), in_flight(i)))
+        .collect()
+}
+
+#[test]
+fn min_ttft_is_the_reference_rule() {
+    // A small hand-made trace over 3 replicas: shared prefixes, bursts that
+    // queue, and idle gaps. Where the reference ties (idle, equally cached
+    // replicas with as many in flight) any of the tied replicas is right.
+    let trace = [
+        req(0.0, 5_000, 50, &[1, 2, 3, 4, 5]),
+        req(0.0, 3_000, 10, &[6, 7, 8]),
+        req(0.1, 5_100, 20, &[1, 2, 3, 4, 5, 9]),
+        req(0.2, 9_000, 5, &[10, 11, 12, 13, 14, 15, 16, 17, 18]),
+        req(0.25, 3_050, 5, &[6, 7, 8, 19]),
+        req(0.3, 12_000, 30, &[1, 2, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]),
+        req(0.35, 5_000, 5, &[1, 2, 3, 4, 5]),
+        req(3.0, 2_000, 5, &[1, 2]),
+        req(3.0, 4_000, 5, &[10, 11, 12, 13]),
+        req(3.1, 6_000, 5, &[30, 31, 32, 33, 34, 35]),
+        req(3.2, 1_000, 5, &[6]),
+    ];
+    let mut s = sim("min-ttft", 3, 100, 1_000);
+    for (i, r) in trace.iter().enumerate() {
+        let keys = reference_keys(&s, r);
+        let best = keys
+            .iter()
+            .copied()
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+            .unwrap();
+        let got = s.step(r, RoutingKey(i as u64));
+        let (cost, in_flight) = keys[got.replica];
+        assert!(
+            (cost - best.0).abs() < 1e-9 && in_flight == best.1,
+            "request {i}: chose {} {keys:?}",
+            got.replica
+        );
+        assert!((got.ttft_s - cost).abs() < 1e-9, "the cost is the TTFT");
+    }
 }

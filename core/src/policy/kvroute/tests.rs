@@ -1,10 +1,20 @@
+use std::time::Duration;
+
 use proptest::prelude::*;
 
 use super::super::testing::*;
 use super::*;
+use crate::load::EngineLoad;
 
 fn rank(pool: &Pool, key: u64, chain: &[u64]) -> Decision {
     Kvroute::new(Config::default()).rank(&request(key, chain), &pool.endpoints, &pool.cx())
+}
+
+fn with_slack(slack: f64) -> Kvroute {
+    Kvroute::new(Config {
+        latency_slack: slack,
+        ..Config::default()
+    })
 }
 
 #[test]
@@ -35,67 +45,74 @@ fn the_longest_cached_prefix_wins() {
 }
 
 #[test]
-fn a_warm_prefix_stays_on_its_holder_until_the_bound() {
-    let chain: Vec<u64> = (1..=32).collect();
+fn a_warm_prefix_stays_on_its_holder_while_its_queue_costs_less_than_it_saves() {
+    // 256 blocks of 16 tokens plus 5: 4,101 tokens, 410.1 ms of prefill at
+    // 10,000 tokens per second. The holder has 4,096 of them cached (409.6
+    // ms saved); elsewhere the request takes 20 + 410.1 ms.
+    let chain: Vec<u64> = (1..=256).collect();
     let key = 5;
     // Pick the holder so that it is not the rendezvous first choice:
     // staying there is then the cache's doing, not the hash's.
     let holder = (Pool::test().replicas(4).rendezvous_first(key) + 1) % 4;
-    // Work bound with everyone else idle: (1.5 × w / 4) + 4096 ≥ w while
-    // w ≤ 4096 / 0.625 = 6553.6 tokens.
-    for queued in [0u64, 1000, 4000, 6000, 6500] {
+    // Holder: queued / 10,000 + 20 ms (its queued request) + 20.5 ms. It may
+    // be later than 430.1 ms by (409.6 + 20) ms × slack 1: warm while
+    // queued / 10 + 40.5 ≤ 859.7, that is queued ≤ 8,192 tokens.
+    for (queued, warm) in [
+        (0u64, true),
+        (4000, true),
+        (8100, true),
+        (8300, false),
+        (40_000, false),
+    ] {
         let pool = Pool::test()
             .replicas(4)
             .holds(holder, &chain)
-            .prefill(holder, queued.saturating_sub(200));
+            .prefill(holder, queued);
         let d = rank(&pool, key, &chain);
-        assert_eq!(
-            (d.ranked[0], d.reason),
-            (holder, Reason::Warm),
-            "queued {queued}"
-        );
-    }
-    for queued in [6700u64, 20_000] {
-        let pool = Pool::test()
-            .replicas(4)
-            .holds(holder, &chain)
-            .prefill(holder, queued - 200);
-        let d = rank(&pool, key, &chain);
-        assert_eq!(d.reason, Reason::Spill, "queued {queued}");
-        assert_eq!(d.ranked[0], pool.rendezvous_first(key));
-        assert_eq!(*d.ranked.last().unwrap(), holder);
+        if warm {
+            assert_eq!(
+                (d.ranked[0], d.reason),
+                (holder, Reason::Warm),
+                "queued {queued}"
+            );
+        } else {
+            assert_eq!(d.reason, Reason::Spill, "queued {queued}");
+            assert_eq!(d.ranked[0], pool.rendezvous_first(key), "queued {queued}");
+            assert_eq!(*d.ranked.last().unwrap(), holder);
+        }
     }
 }
 
 #[test]
-fn request_counts_are_bounded_too() {
-    let chain: Vec<u64> = (1..=4).collect();
-    // Bound: 1.25 × 6 / 3 + 2 = 4.5 requests. 4 in flight is under it, 5
-    // is over (the other endpoints hold one each).
-    for (in_flight, holder_wins) in [(4u32, true), (5, false)] {
-        let mut pool = Pool::test()
-            .replicas(3)
-            .holds(0, &chain)
-            .in_flight(1, 1)
-            .in_flight(2, 1);
-        pool = pool.in_flight(0, in_flight);
-        let total = in_flight + 2;
-        assert_eq!(
-            f64::from(in_flight) < 1.25 * f64::from(total) / 3.0 + 2.0,
-            holder_wins
-        );
-        let d = rank(&pool, 1, &chain);
-        assert_eq!(d.ranked[0] == 0, holder_wins, "{in_flight} in flight");
-    }
+fn the_engines_report_counts_every_routers_requests() {
+    // This router sent nothing to the holder, but its engine reports
+    // 20,000 tokens queued (other routers' requests): 2 s, far over the
+    // slack, so the prefix is spilled.
+    let chain: Vec<u64> = (1..=64).collect();
+    let mut pool = Pool::test().replicas(3).holds(0, &chain);
+    let d = rank(&pool, 1, &chain);
+    assert_eq!((d.ranked[0], d.reason), (0, Reason::Warm));
+    let report = EngineLoad {
+        waiting: 1,
+        running: 1,
+        kv_usage: 0.2,
+        queued_prefill_tokens: Some(20_000),
+        prefill_tokens_per_s: None,
+        reported_at: pool.now,
+    };
+    pool.endpoints[0].load.engine = Some(report);
+    let d = rank(&pool, 1, &chain);
+    assert_eq!(d.reason, Reason::Spill);
+    // Two seconds later the engine has worked through it.
+    pool.now += Duration::from_millis(2020);
+    let d = rank(&pool, 1, &chain);
+    assert_eq!((d.ranked[0], d.reason), (0, Reason::Warm));
 }
 
 #[test]
 fn approximate_mode_learns_from_its_own_routing() {
     let pool = Pool::test().replicas(4);
-    let cx = Context {
-        index: None,
-        block_tokens: 16,
-    };
+    let cx = pool.approximate();
     let mut p = Kvroute::new(Config::default());
     let chain = [11, 12, 13];
     let first = p.rank(&request(1, &chain), &pool.endpoints, &cx);
@@ -131,40 +148,104 @@ fn no_endpoints_no_panic() {
     assert!(d.ranked.is_empty());
 }
 
+#[test]
+fn configs_are_checked() {
+    assert!(Config::default().validate().is_ok());
+    let infinite = Config {
+        latency_slack: f64::INFINITY,
+        ..Config::default()
+    };
+    assert!(infinite.validate().is_ok());
+    for slack in [-1.0, f64::NAN] {
+        let c = Config {
+            latency_slack: slack,
+            ..Config::default()
+        };
+        assert!(c.validate().unwrap_err().contains("latencySlack"));
+    }
+}
+
+/// A pool of random loads and cached prefixes of a 64-block chain.
+fn random_pool(loads: &[(u32, u64)], held: &[usize], chain: &[u64]) -> Pool {
+    let mut pool = Pool::test().replicas(loads.len() as u32);
+    for (i, &(in_flight, prefill)) in loads.iter().enumerate() {
+        pool = pool.prefill(i, prefill).in_flight(i, in_flight.max(1));
+        pool = pool.holds(i, &chain[..held.get(i).copied().unwrap_or(0)]);
+    }
+    pool
+}
+
 proptest! {
-    /// Never an endpoint over the bound while another is under it; the
-    /// ranking is a permutation with every under-bound endpoint first.
+    /// Slack 0: the choice has the lowest predicted TTFT (min-ttft).
     #[test]
-    fn never_over_the_bound_while_another_is_under(
-        loads in prop::collection::vec((0u32..12, 0u64..40_000, 0u32..6), 1..9),
-        held in prop::collection::vec(0usize..6, 1..9),
+    fn no_slack_is_the_lowest_predicted_ttft(
+        loads in prop::collection::vec((1u32..12, 0u64..40_000), 1..9),
+        held in prop::collection::vec(0usize..64, 1..9),
         key in any::<u64>(),
     ) {
-        let chain: Vec<u64> = (1..=5).collect();
-        let mut pool = Pool::test().replicas(loads.len() as u32);
-        for (i, &(in_flight, prefill, decoding)) in loads.iter().enumerate() {
-            pool.endpoints[i].load = Load { in_flight: in_flight.max(decoding), prefill_tokens: prefill, decoding, engine: None };
-            let depth = held.get(i).copied().unwrap_or(0);
-            pool = pool.holds(i, &chain[..depth]);
-        }
-        let c = Config::default();
-        let n = loads.len() as f64;
-        let work: Vec<f64> = pool.endpoints.iter().map(|e| c.work.work(&e.load) as f64).collect();
-        let flights: Vec<f64> = pool.endpoints.iter().map(|e| f64::from(e.load.in_flight)).collect();
-        let work_bound = (1.0 + c.load_bound) * work.iter().sum::<f64>() / n + c.headroom_tokens as f64;
-        let req_bound = (1.0 + c.request_bound) * flights.iter().sum::<f64>() / n + f64::from(c.headroom_requests);
-        let over = |i: usize| work[i] > work_bound || flights[i] >= req_bound;
-
-        let d = rank(&pool, key, &chain);
+        let chain: Vec<u64> = (1..=64).collect();
+        let pool = random_pool(&loads, &held, &chain);
+        let cx = pool.cx();
+        let req = request(key, &chain);
+        let d = with_slack(0.0).rank(&req, &pool.endpoints, &cx);
         assert_permutation(&d, loads.len());
-        let under = (0..loads.len()).filter(|&i| !over(i)).count();
-        for (pos, &i) in d.ranked.iter().enumerate() {
-            prop_assert_eq!(over(i), pos >= under, "position {} endpoint {}", pos, i);
-        }
-        if under > 0 {
-            // Warm first among those under the bound.
-            let best = (0..loads.len()).filter(|&i| !over(i)).map(|i| held.get(i).copied().unwrap_or(0)).max().unwrap();
-            prop_assert_eq!(d.cached_blocks as usize, best);
-        }
+        let model = PrefillModel::default();
+        let ttft = |i: usize| {
+            let cached = held.get(i).copied().unwrap_or(0) as u32;
+            model.ttft_s(&pool.endpoints[i].load, uncached_tokens(&req, cached, 16), cx.now)
+        };
+        let best = (0..loads.len()).map(ttft).fold(f64::INFINITY, f64::min);
+        prop_assert_eq!(ttft(d.ranked[0]), best);
+        let reference = MinTtft::new(Default::default()).rank(&req, &pool.endpoints, &cx);
+        prop_assert_eq!(ttft(reference.ranked[0]), best);
+    }
+
+    /// Unbounded slack: longest prefix, then rendezvous, whatever the load.
+    #[test]
+    fn unbounded_slack_is_longest_prefix_then_rendezvous(
+        loads in prop::collection::vec((1u32..12, 0u64..400_000), 1..9),
+        held in prop::collection::vec(0usize..4, 1..9),
+        key in any::<u64>(),
+    ) {
+        let chain: Vec<u64> = (1..=64).collect();
+        let pool = random_pool(&loads, &held, &chain);
+        let d = with_slack(f64::INFINITY).rank(&request(key, &chain), &pool.endpoints, &pool.cx());
+        assert_permutation(&d, loads.len());
+        let depth = |i: usize| held.get(i).copied().unwrap_or(0);
+        let longest = (0..loads.len()).map(depth).max().unwrap();
+        let holders: Vec<usize> = (0..loads.len()).filter(|&i| depth(i) == longest).collect();
+        let ids: Vec<u64> = holders.iter().map(|&i| pool.endpoints[i].id).collect();
+        let first = holders[crate::rendezvous::rank(key, &ids)[0]];
+        prop_assert_eq!(d.ranked[0], first);
+        prop_assert_eq!(d.cached_blocks as usize, longest);
+    }
+
+    /// Any slack: the choice is later than the fastest by at most the
+    /// slack times (its saved prefill + one overhead), and no endpoint
+    /// within its own such limit holds a longer prefix.
+    #[test]
+    fn the_choice_is_within_its_slack_and_the_warmest_there(
+        loads in prop::collection::vec((1u32..12, 0u64..40_000), 1..9),
+        held in prop::collection::vec(0usize..64, 1..9),
+        key in any::<u64>(),
+        slack in 0.0f64..5.0,
+    ) {
+        let chain: Vec<u64> = (1..=64).collect();
+        let pool = random_pool(&loads, &held, &chain);
+        let cx = pool.cx();
+        let req = request(key, &chain);
+        let d = with_slack(slack).rank(&req, &pool.endpoints, &cx);
+        let model = PrefillModel::default();
+        let depth = |i: usize| held.get(i).copied().unwrap_or(0);
+        let uncached = |i: usize| uncached_tokens(&req, depth(i) as u32, 16);
+        let ttft = |i: usize| model.ttft_s(&pool.endpoints[i].load, uncached(i), cx.now);
+        let fastest = (0..loads.len()).min_by(|&a, &b| ttft(a).total_cmp(&ttft(b))).unwrap();
+        let within = |i: usize| {
+            let saved = uncached(fastest).saturating_sub(uncached(i)) as f64 / 10_000.0;
+            ttft(i) - ttft(fastest) <= slack * (saved + 0.020) + 1e-12
+        };
+        prop_assert!(within(d.ranked[0]));
+        let warmest = (0..loads.len()).filter(|&i| within(i)).map(depth).max().unwrap();
+        prop_assert_eq!(depth(d.ranked[0]), warmest);
     }
 }

@@ -129,8 +129,8 @@ impl PolicySpec {
         self
     }
 
-    pub(crate) fn load_bound(mut self, bound: f64) -> Self {
-        self.load_bound = Some(bound);
+    pub(crate) fn latency_slack(mut self, slack: f64) -> Self {
+        self.latency_slack = Some(slack);
         self
     }
 }

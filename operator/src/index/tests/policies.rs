@@ -17,13 +17,16 @@ fn a_pool_without_a_policy_gets_the_documented_defaults() {
             policy: "kvroute".into(),
             key_mode: v1::KeyMode::Conversation.into(),
             prefix_tokens: 256,
-            load_bound: 0.5,
+            load_bound: 0.0,
             block_size: 16,
             hash_algorithm: v1::HashAlgorithm::Sha256.into(),
             hash_seed: None,
             cache_port: 0,
             tenancy: v1::TenancyMode::Shared.into(),
             tenant_header: String::new(),
+            latency_slack: Some(1.0),
+            prefill_tokens_per_second: Some(10_000.0),
+            prefill_overhead_ms: Some(20.0),
         }
     );
 }
@@ -33,7 +36,17 @@ fn the_defaults_are_the_cores_defaults() {
     let key = KeyConfig::default();
     assert_eq!(DEFAULT_KEY_MODE, key.mode);
     assert_eq!(DEFAULT_PREFIX_TOKENS as usize, key.prefix_tokens);
-    assert_eq!(DEFAULT_LOAD_BOUND, KvrouteConfig::default().load_bound);
+    let policy = PolicySpec::default().routing_policy();
+    let kvroute = KvrouteConfig::default();
+    assert_eq!(policy.latency_slack, Some(kvroute.latency_slack));
+    assert_eq!(
+        policy.prefill_tokens_per_second,
+        Some(kvroute.engine.prefill_tokens_per_second)
+    );
+    assert_eq!(
+        policy.prefill_overhead_ms,
+        Some(kvroute.engine.prefill_overhead_ms)
+    );
     let hash = kvroute_core::hash::HashConfig::default();
     assert_eq!(DEFAULT_BLOCK_SIZE as usize, hash.block_size);
     assert_eq!(DEFAULT_HASH_ALGORITHM, hash.algo);
@@ -177,7 +190,7 @@ fn an_invalid_policy_is_not_accepted_and_does_not_attach() {
     index.apply_policy(
         PolicySpec::test("nan", "llama")
             .created(2)
-            .load_bound(f64::NAN),
+            .latency_slack(f64::NAN),
     );
     index.apply_policy(PolicySpec::test("new", "llama").created(3).policy("random"));
     assert_eq!(policy_name(&rx), "random");
@@ -195,7 +208,9 @@ fn an_invalid_policy_is_not_accepted_and_does_not_attach() {
     );
     let nan = index.policy_status(NS, "nan").unwrap();
     assert!(
-        nan.accepted.message.contains("load bound NaN"),
+        nan.accepted
+            .message
+            .contains("latencySlack must be 0 or more, got NaN"),
         "{}",
         nan.accepted.message
     );
@@ -218,6 +233,9 @@ fn a_policy_may_set_every_field() {
         key_mode: Some(KeyMode::Tenant),
         prefix_tokens: Some(64),
         load_bound: Some(0.25),
+        latency_slack: Some(3.0),
+        prefill_tokens_per_second: Some(40_000.0),
+        prefill_overhead_ms: Some(5.0),
         block_size: Some(32),
         hash_algorithm: Some(HashAlgo::XxhashCbor),
         hash_seed: Some("0".into()),
@@ -240,6 +258,9 @@ fn a_policy_may_set_every_field() {
             cache_port: 9000,
             tenancy: v1::TenancyMode::Salted.into(),
             tenant_header: "x-tenant".into(),
+            latency_slack: Some(3.0),
+            prefill_tokens_per_second: Some(40_000.0),
+            prefill_overhead_ms: Some(5.0),
         }
     );
 }

@@ -14,6 +14,9 @@ fn policy() -> RoutingPolicy {
         cache_port: 0,
         tenancy: v1::TenancyMode::Shared.into(),
         tenant_header: String::new(),
+        latency_slack: None,
+        prefill_tokens_per_second: None,
+        prefill_overhead_ms: None,
     }
 }
 
@@ -69,15 +72,26 @@ fn unaddressable_endpoints_are_skipped() {
 }
 
 #[test]
-fn policies_by_name_with_the_load_bound() {
+fn policies_by_name_with_their_parameters() {
     let mut p = policy();
-    p.load_bound = 0.25;
+    assert_eq!(policy_config(&p), Some(PolicyConfig::default()));
+    p.latency_slack = Some(2.5);
+    p.prefill_tokens_per_second = Some(30_000.0);
+    p.load_bound = 0.5; // not kvroute's
     let PolicyConfig::Kvroute(c) = policy_config(&p).unwrap() else {
         panic!("kvroute expected")
     };
-    assert_eq!(c.load_bound, 0.25);
-    p.load_bound = 0.0;
-    assert_eq!(policy_config(&p), Some(PolicyConfig::default()));
+    assert_eq!(c.latency_slack, 2.5);
+    assert_eq!(c.engine.prefill_tokens_per_second, 30_000.0);
+    assert_eq!(c.engine.prefill_overhead_ms, 20.0);
+    p.policy = "rendezvous-bounded".into();
+    let PolicyConfig::RendezvousBounded(c) = policy_config(&p).unwrap() else {
+        panic!("rendezvous-bounded expected")
+    };
+    assert_eq!(c.slack, 1.5);
+    p.policy = "kvroute".into();
+    p.prefill_tokens_per_second = Some(0.0);
+    assert_eq!(policy_config(&p), None, "an unusable rate is refused");
     p.policy = "round-robin".into();
     assert_eq!(policy_config(&p), Some(PolicyConfig::RoundRobin));
     p.policy = "fastest".into();
