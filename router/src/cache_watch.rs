@@ -299,7 +299,8 @@ fn engine_load(load: &LoadReport) -> EngineLoad {
         prefill_tokens_per_s: load
             .prefill_tokens_per_s
             .filter(|r| r.is_finite() && *r > 0.0),
-        reported_at: Instant::now(),
+        // The pool's clock (tokio's, paused in tests) ages the report.
+        reported_at: tokio::time::Instant::now().into_std(),
     }
 }
 
