@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 
 mod demo;
 mod hash;
+mod plot;
 mod replay;
 
 /// kvroute: a cache-aware router for vLLM.

@@ -140,5 +140,89 @@ fn bad_input_gets_a_clear_error() {
 
     let out = kvroute(&["replay", "--trace", dir.join("missing").to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
+
+    let pdf = dir.join("plot.pdf");
+    let out = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--plot",
+        pdf.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty(), "fails before any work");
+    assert!(
+        String::from_utf8(out.stderr)
+            .unwrap()
+            .contains("must end in .svg or .png")
+    );
+    assert!(!pdf.exists());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn routers_and_plots() {
+    let dir = temp_dir("plot");
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(&trace, TRACE).unwrap();
+    let (svg, png, json) = (dir.join("p.svg"), dir.join("p.png"), dir.join("o.json"));
+    for plot in [&svg, &png] {
+        let out = kvroute(&[
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--replicas",
+            "2,3",
+            "--block-tokens",
+            "10",
+            "--routers",
+            "2",
+            "--report-lag-ms",
+            "0",
+            "--plot",
+            plot.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            stdout.contains("2 router(s), cache contents and load known 0 ms late"),
+            "{stdout}"
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["meta"]["routers"], 2);
+    assert!(
+        v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["routers"] == 2)
+    );
+
+    // One panel per N with every policy named, and the slack curve.
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg"), "{}", &text[..100]);
+    for label in [
+        "N = 2 replicas",
+        "N = 3 replicas",
+        "min-ttft",
+        "round-robin",
+        "kvroute, latencySlack swept",
+    ] {
+        assert!(text.contains(label), "{label} missing");
+    }
+    // A PNG of the same figure: 560 × 560 per panel, RGB.
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let width = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
+    let height = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
+    assert_eq!((width, height), (1120, 560));
     std::fs::remove_dir_all(dir).unwrap();
 }

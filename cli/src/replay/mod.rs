@@ -4,6 +4,7 @@
 //!
 //! The model is in [`sim`]; one run and its figures in [`run`].
 
+mod plot;
 mod run;
 mod sim;
 mod trace;
@@ -66,6 +67,11 @@ pub struct ReplayArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "OUT")]
     json: Option<PathBuf>,
+
+    /// Also plot hit rate against TTFT mean per policy and N, with kvroute's
+    /// latency slack swept as a curve, to this .svg or .png file.
+    #[arg(long, value_name = "OUT")]
+    plot: Option<PathBuf>,
 }
 
 fn parse_slack(s: &str) -> Result<f64, String> {
@@ -153,10 +159,14 @@ fn policies(args: &ReplayArgs, capacity: usize) -> anyhow::Result<Vec<PolicyConf
 
 /// Runs the replay and prints the tables to `out`.
 pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
+    // Fail on bad flags before any work.
+    policies(args, 1)?;
+    if let Some(path) = &args.plot {
+        crate::plot::format(path)?;
+    }
     let trace = Trace::load(&args.trace)?;
     let distinct = trace.distinct_blocks();
     let pooled = (args.cache_frac * distinct as f64).floor() as usize;
-    policies(args, 1)?; // fail on a bad list before any work
     let first = trace.requests.first().map_or(0.0, |r| r.arrival_s);
     let last = trace.requests.last().map_or(0.0, |r| r.arrival_s);
     let meta = Meta {
@@ -202,6 +212,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
 
     let progress = std::io::stderr().is_terminal();
     let mut results = Vec::new();
+    let mut panels = Vec::new();
     for cap in &meta.capacities {
         let setup = Setup {
             block_tokens: args.block_tokens,
@@ -227,6 +238,24 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             eprint!("\r\x1b[K");
         }
         print_table(out, cap, &rows)?;
+        if args.plot.is_some() {
+            let sweep = plot::SWEEP
+                .iter()
+                .map(|&slack| {
+                    let config = PolicyConfig::Kvroute(KvrouteConfig {
+                        memory_blocks: cap.blocks_per_replica,
+                        latency_slack: slack,
+                        ..KvrouteConfig::default()
+                    });
+                    (slack, run::run(&trace, &config, cap.replicas, &setup))
+                })
+                .collect();
+            panels.push(plot::Panel {
+                replicas: cap.replicas,
+                rows: rows.clone(),
+                sweep,
+            });
+        }
         results.extend(rows);
     }
 
@@ -235,6 +264,20 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         let json = serde_json::to_string_pretty(&output)?;
         std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
         writeln!(out, "\nwrote {}", path.display())?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "{}: {} router(s), report lag {} ms, cache_frac {}",
+            args.trace.file_name().map_or_else(
+                || args.trace.display().to_string(),
+                |n| n.to_string_lossy().into_owned()
+            ),
+            args.routers,
+            args.report_lag_ms,
+            args.cache_frac
+        );
+        plot::write(path, &title, &panels)?;
+        writeln!(out, "wrote {}", path.display())?;
     }
     Ok(())
 }
