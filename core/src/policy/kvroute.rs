@@ -11,13 +11,20 @@
 //!    when it reports it, else the configured default.
 //! 2. **Slack earned by saved prefill.** Let F be the endpoint with the
 //!    lowest prediction. Another endpoint is eligible when its prediction
-//!    exceeds F's by at most `latency_slack × (S + overhead)`, where S is
-//!    the prefill time its longer cached prefix saves over F's (0 when it
-//!    holds no more than F). The reason: prefill saved on one endpoint is
-//!    time every request queued behind it gets back, so with a slack of 1 a
-//!    request spends at most what it saves the next one in line (break
-//!    even), and below one prefill overhead predictions do not tell
-//!    endpoints apart. A long queue is never joined for a short prefix.
+//!    exceeds F's by at most `latency_slack × (1 + W / P) × (S + overhead)`:
+//!    - S is the prefill time its longer cached prefix saves over F's (0
+//!      when it holds no more than F);
+//!    - W is the shortest prefill queue in the pool (in seconds) and P this
+//!      request's own prefill time at F, so W / P counts the requests like
+//!      this one already waiting even where the wait is shortest.
+//!
+//!    The reason: prefill saved on one endpoint is time every request
+//!    queued behind it there gets back. With idle endpoints (W = 0) and a
+//!    slack of 1, a request spends at most what it saves the next one in
+//!    line (break even); when every endpoint has a queue, about W / P more
+//!    requests wait behind it and the saving is worth that much more. Below
+//!    one prefill overhead, predictions do not tell endpoints apart. A long
+//!    queue is never joined for a short prefix.
 //! 3. **Warm first.** Among the eligible, the longest cached prefix wins:
 //!    from the engines' reported occupancy when there is an index (exact
 //!    mode), else from this router's own routing history.
@@ -46,8 +53,9 @@ use crate::load::PrefillModel;
 pub struct Config {
     /// Seconds of extra predicted latency a request may take per second of
     /// prefill its cached prefix saves (plus one prefill overhead), against
-    /// the fastest endpoint. 0: always the fastest; infinite: always the
-    /// longest prefix. Default: 1 (break even: see the module docs).
+    /// the fastest endpoint, when some endpoint is idle; more when all have
+    /// queues (see the module docs). 0: always the fastest; infinite: always
+    /// the longest prefix. Default: 1 (break even).
     pub latency_slack: f64,
     /// How prefill time is predicted. Default: [`PrefillModel::default`].
     pub engine: PrefillModel,
@@ -143,7 +151,15 @@ impl Policy for Kvroute {
             .min_by(|&a, &b| ttft[a].total_cmp(&ttft[b]))
             .expect("non-empty");
         let overhead_s = config.engine.prefill_overhead_ms / 1000.0;
-        let slack = config.latency_slack;
+        let shortest_queue = endpoints
+            .iter()
+            .map(|e| config.engine.queued_s(&e.load, cx.now))
+            .fold(f64::INFINITY, f64::min);
+        let own_prefill = config.engine.prefill_s(
+            &endpoints[fastest].load,
+            uncached_tokens(request, cached[fastest], cx.block_tokens),
+        );
+        let slack = config.latency_slack * (1.0 + shortest_queue / own_prefill.max(1e-3));
         let uncached = |i: usize| uncached_tokens(request, cached[i], cx.block_tokens);
         let eligible: Vec<bool> = (0..n)
             .map(|i| {

@@ -84,6 +84,32 @@ fn a_warm_prefix_stays_on_its_holder_while_its_queue_costs_less_than_it_saves() 
 }
 
 #[test]
+fn when_every_endpoint_has_a_queue_a_warm_prefix_earns_more_slack() {
+    // The same 4,101-token request; the holder saves 409.6 ms. The other
+    // endpoint has 4,281 tokens queued: 448.1 ms with its overhead, the
+    // shortest queue, about 1.04 of this request's own 430.1 ms prefill
+    // there. The slack factor is 1 + 448.1 / 430.1 = 2.042: the holder may
+    // be 2.042 × 429.6 = 877.2 ms later than the other (878.2 ms), so with
+    // up to 4,281 + 12,868 = 17,149 tokens queued. With an idle pool the
+    // limit would be 4,281 + 8,392 tokens.
+    let chain: Vec<u64> = (1..=256).collect();
+    for (queued, warm) in [
+        (12_000u64, true),
+        (15_000, true),
+        (17_100, true),
+        (17_200, false),
+    ] {
+        let pool = Pool::test()
+            .replicas(2)
+            .prefill(0, 4281)
+            .holds(1, &chain)
+            .prefill(1, queued);
+        let d = rank(&pool, 3, &chain);
+        assert_eq!(d.ranked[0] == 1, warm, "queued {queued}: {d:?}");
+    }
+}
+
+#[test]
 fn the_engines_report_counts_every_routers_requests() {
     // This router sent nothing to the holder, but its engine reports
     // 20,000 tokens queued (other routers' requests): 2 s, far over the
@@ -221,8 +247,9 @@ proptest! {
     }
 
     /// Any slack: the choice is later than the fastest by at most the
-    /// slack times (its saved prefill + one overhead), and no endpoint
-    /// within its own such limit holds a longer prefix.
+    /// slack × (1 + shortest queue / own prefill) × (its saved prefill + one
+    /// overhead), and no endpoint within its own such limit holds a longer
+    /// prefix.
     #[test]
     fn the_choice_is_within_its_slack_and_the_warmest_there(
         loads in prop::collection::vec((1u32..12, 0u64..40_000), 1..9),
@@ -240,9 +267,14 @@ proptest! {
         let uncached = |i: usize| uncached_tokens(&req, depth(i) as u32, 16);
         let ttft = |i: usize| model.ttft_s(&pool.endpoints[i].load, uncached(i), cx.now);
         let fastest = (0..loads.len()).min_by(|&a, &b| ttft(a).total_cmp(&ttft(b))).unwrap();
+        let shortest_queue = (0..loads.len())
+            .map(|i| model.queued_s(&pool.endpoints[i].load, cx.now))
+            .fold(f64::INFINITY, f64::min);
+        let own_prefill = model.prefill_s(&pool.endpoints[fastest].load, uncached(fastest));
+        let factor = slack * (1.0 + shortest_queue / own_prefill);
         let within = |i: usize| {
             let saved = uncached(fastest).saturating_sub(uncached(i)) as f64 / 10_000.0;
-            ttft(i) - ttft(fastest) <= slack * (saved + 0.020) + 1e-12
+            ttft(i) - ttft(fastest) <= factor * (saved + 0.020) + 1e-12
         };
         prop_assert!(within(d.ranked[0]));
         let warmest = (0..loads.len()).filter(|&i| within(i)).map(depth).max().unwrap();
