@@ -69,7 +69,8 @@ pub struct Config {
     #[arg(long, env = "SIM_TIME_SCALE", default_value_t = 1.0)]
     pub time_scale: f64,
 
-    /// Interval of the load reports on WatchCache streams, milliseconds.
+    /// Longest interval between load reports on WatchCache streams,
+    /// milliseconds; a report also goes out 10 ms after requests arrive.
     #[arg(long, env = "SIM_LOAD_INTERVAL_MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     pub load_interval_ms: u64,
 

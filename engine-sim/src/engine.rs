@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig};
 use kvroute_core::tokenize::Tokenizer;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -185,6 +185,8 @@ pub struct Engine {
     config: Config,
     hasher: BlockHasher,
     state: Mutex<State>,
+    /// Woken when a request arrives: its work is news for routers.
+    arrived: Notify,
 }
 
 impl std::fmt::Debug for Engine {
@@ -253,6 +255,7 @@ impl Engine {
             config,
             hasher,
             state: Mutex::new(state),
+            arrived: Notify::new(),
         }))
     }
 
@@ -314,6 +317,7 @@ impl Engine {
             });
             self.admit(&mut state);
         }
+        self.arrived.notify_one();
         let admission = rx.await.map_err(|_| EngineError::Stopped)?;
         let cached_tokens = (admission.cached_blocks * bs) as u64;
         let (token_tx, token_rx) = mpsc::channel(64);
@@ -548,6 +552,11 @@ impl Engine {
     }
 
     /// Sends a load report to every subscriber.
+    /// Resolves once a request has arrived since the last call.
+    pub async fn arrival(&self) {
+        self.arrived.notified().await;
+    }
+
     pub fn report_load(&self) {
         let mut state = self.lock();
         let message = CacheMessage {

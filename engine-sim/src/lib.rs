@@ -34,6 +34,11 @@ use tokio::task::JoinHandle;
 pub use config::Config;
 pub use engine::Engine;
 
+/// How long after a request arrives its load report goes out: arrivals
+/// within it share one report (at most 100 reports a second per
+/// subscriber beyond the interval's).
+pub const LOAD_REPORT_DEBOUNCE: Duration = Duration::from_millis(10);
+
 /// Why the simulator could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -178,13 +183,23 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     let reporting = engine.clone();
     let mut until_stop = stopped;
     let load_task = tokio::spawn(async move {
+        // Every interval, and soon after requests arrive: routers then learn
+        // of new queued work (other routers' especially) within
+        // milliseconds, not an interval.
         let mut tick = tokio::time::interval(load_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::select! {
-                _ = tick.tick() => reporting.report_load(),
+            let arrived = tokio::select! {
+                _ = tick.tick() => false,
+                _ = reporting.arrival() => true,
                 _ = until_stop.wait_for(|s| *s) => break,
+            };
+            if arrived {
+                // Arrivals this close together make one report.
+                tokio::time::sleep(LOAD_REPORT_DEBOUNCE.min(load_interval)).await;
+                tick.reset();
             }
+            reporting.report_load();
         }
     });
 

@@ -118,6 +118,35 @@ async fn snapshot_then_ordered_deltas_and_load() {
 }
 
 #[tokio::test]
+async fn an_arrival_is_reported_at_once_not_an_interval_later() {
+    let mut config = Config::test();
+    config.load_interval_ms = 600_000;
+    config.prefill_tokens_per_s = 20.0; // a few seconds of prefill
+    let sim = start(config).await.unwrap();
+    let mut stream = watch(sim.cache_addr).await;
+    let first = next(&mut stream).await.unwrap();
+    assert!(matches!(first.update, Some(Update::Snapshot(_))));
+    let http = sim.http_addr;
+    let request = tokio::spawn(async move { complete(http, &"slow prefill ".repeat(8)).await });
+    let sent = std::time::Instant::now();
+    let load = loop {
+        let u = next(&mut stream).await.unwrap();
+        if let Some(Update::Load(load)) = u.update {
+            break load;
+        }
+    };
+    assert!(
+        sent.elapsed() < Duration::from_secs(5),
+        "reported after {:?}",
+        sent.elapsed()
+    );
+    assert_eq!(load.running, 1, "{load:?}");
+    assert!(load.queued_prefill_tokens.unwrap() > 0, "{load:?}");
+    request.abort();
+    sim.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_restart_ends_streams_and_starts_a_new_incarnation() {
     let sim = start(Config::test()).await.unwrap();
     let mut stream = watch(sim.cache_addr).await;
