@@ -150,17 +150,19 @@ impl Policy for Kvroute {
         let fastest = (0..n)
             .min_by(|&a, &b| ttft[a].total_cmp(&ttft[b]))
             .expect("non-empty");
+        let uncached = |i: usize| uncached_tokens(request, cached[i], cx.block_tokens);
         let overhead_s = config.engine.prefill_overhead_ms / 1000.0;
         let shortest_queue = endpoints
             .iter()
             .map(|e| config.engine.queued_s(&e.load, cx.now))
             .fold(f64::INFINITY, f64::min);
-        let own_prefill = config.engine.prefill_s(
-            &endpoints[fastest].load,
-            uncached_tokens(request, cached[fastest], cx.block_tokens),
-        );
-        let slack = config.latency_slack * (1.0 + shortest_queue / own_prefill.max(1e-3));
-        let uncached = |i: usize| uncached_tokens(request, cached[i], cx.block_tokens);
+        // At least a millisecond: a fully cached prompt with no overhead
+        // configured takes no prefill at all.
+        let own_prefill = config
+            .engine
+            .prefill_s(&endpoints[fastest].load, uncached(fastest))
+            .max(1e-3);
+        let slack = config.latency_slack * (1.0 + shortest_queue / own_prefill);
         let eligible: Vec<bool> = (0..n)
             .map(|i| {
                 let extra = ttft[i] - ttft[fastest];
