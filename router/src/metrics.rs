@@ -96,6 +96,16 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Blocks the occupancy index holds per endpoint.",
     ),
     (
+        "kvroute_endpoint_queue_seconds",
+        "gauge",
+        "Predicted prefill queue per endpoint: how long a new request would wait for its prefill to start (fleet-wide when the engine reports load).",
+    ),
+    (
+        "kvroute_endpoint_load_report_age_seconds",
+        "gauge",
+        "Age of the engine's last WatchCache load report per endpoint.",
+    ),
+    (
         "kvroute_endpoint_ejected",
         "gauge",
         "1 while an endpoint is ejected for failures.",
@@ -235,6 +245,13 @@ impl Metrics {
                 "kvroute_endpoint_cached_blocks",
                 e.cached_blocks.to_string(),
             );
+            gauge(
+                "kvroute_endpoint_queue_seconds",
+                e.queue_seconds.to_string(),
+            );
+            if let Some(age) = e.load_report_age_seconds {
+                gauge("kvroute_endpoint_load_report_age_seconds", age.to_string());
+            }
             gauge("kvroute_endpoint_ejected", u8::from(e.ejected).to_string());
             let routable = e.ready && !e.draining && !e.ejected;
             gauge("kvroute_endpoint_routable", u8::from(routable).to_string());

@@ -166,8 +166,13 @@ pub struct EndpointStatus {
     pub stream: &'static str,
     /// Requests in flight.
     pub in_flight: u32,
-    /// Outstanding prefill tokens.
+    /// Outstanding prefill tokens (this router's requests).
     pub prefill_tokens: u64,
+    /// Predicted prefill queue, seconds: how long a new request would wait
+    /// before its prefill starts, fleet-wide when the engine reports load.
+    pub queue_seconds: f64,
+    /// Age of the engine's last load report, seconds; `None` before one.
+    pub load_report_age_seconds: Option<f64>,
     /// Blocks the index holds for it.
     pub cached_blocks: usize,
 }
@@ -540,6 +545,7 @@ impl Pool {
     pub fn status(&self) -> Vec<EndpointStatus> {
         let inner = self.lock();
         let now = now();
+        let model = inner.policy_config.prefill_model();
         inner
             .members
             .values()
@@ -554,6 +560,8 @@ impl Pool {
                     stream: m.stream.as_str(),
                     in_flight: load.in_flight,
                     prefill_tokens: load.prefill_tokens,
+                    queue_seconds: model.queued_s(&load, now),
+                    load_report_age_seconds: load.engine.map(|e| e.age(now).as_secs_f64()),
                     cached_blocks: inner.index.usage(m.slot).map_or(0, |(used, _)| used),
                 }
             })

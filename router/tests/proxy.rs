@@ -64,6 +64,17 @@ async fn exact_mode_follows_the_cache_and_keeps_load_bounded() {
         metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 6"),
         "{metrics}"
     );
+    // The engines' load reports reached the router: the predicted queue and
+    // the reports' age are exported per endpoint.
+    for series in [
+        "kvroute_endpoint_queue_seconds",
+        "kvroute_endpoint_load_report_age_seconds",
+    ] {
+        assert!(
+            metrics.contains(&format!("{series}{{endpoint=\"{holder}\"}}")),
+            "{series}: {metrics}"
+        );
+    }
     stack.stop().await;
 }
 

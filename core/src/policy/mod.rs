@@ -223,6 +223,16 @@ impl PolicyConfig {
         }
     }
 
+    /// How this policy predicts prefill time; the default model for
+    /// policies that do not (for status and metrics).
+    pub fn prefill_model(&self) -> crate::load::PrefillModel {
+        match self {
+            PolicyConfig::Kvroute(c) => c.engine.clone(),
+            PolicyConfig::MinTtft(c) => c.engine.clone(),
+            _ => crate::load::PrefillModel::default(),
+        }
+    }
+
     /// A fresh policy.
     pub fn build(&self) -> Box<dyn Policy> {
         match self {
