@@ -28,7 +28,7 @@ async fn main() -> anyhow::Result<()> {
         "kvroute-engine-sim: HTTP on http://{}, WatchCache on {}",
         sim.http_addr, sim.cache_addr
     );
-    tokio::signal::ctrl_c().await?;
+    kvroute_telemetry::shutdown_signal().await;
     sim.shutdown().await;
     Ok(())
 }

@@ -39,8 +39,8 @@ fn help_explains_every_flag_with_its_default() {
     assert!(help.contains("[env: SIM_MODEL="));
 }
 
-#[test]
-fn starts_on_free_ports_and_reports_them() {
+/// The sim on free ports, and the first line it prints.
+fn spawn() -> (std::process::Child, String) {
     let mut child = Command::new(BIN)
         .args(["--listen", "127.0.0.1:0", "--cache-listen", "127.0.0.1:0"])
         .stdout(Stdio::piped())
@@ -51,6 +51,12 @@ fn starts_on_free_ports_and_reports_them() {
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
+    (child, line)
+}
+
+#[test]
+fn starts_on_free_ports_and_reports_them() {
+    let (mut child, line) = spawn();
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
@@ -58,6 +64,31 @@ fn starts_on_free_ports_and_reports_them() {
         "{line}"
     );
     assert!(!line.contains(":0,"), "a real port is reported: {line}");
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_stops_it_cleanly() {
+    let (mut child, line) = spawn();
+    assert!(line.starts_with("kvroute-engine-sim:"), "{line}");
+    // As Kubernetes stops a pod.
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "still running 10 s after SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "a clean exit on SIGTERM, got {status}");
 }
 
 #[test]

@@ -198,7 +198,9 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         stopped(),
     ));
 
-    let served = discovery.serve(grpc, tls, shutdown()).await;
+    let served = discovery
+        .serve(grpc, tls, kvroute_telemetry::shutdown_signal())
+        .await;
     // Release the lease first, so a standby or restarted replica writes
     // status at once.
     stop_tx.send_replace(true);
@@ -219,33 +221,4 @@ async fn bind(addr: SocketAddr, flag: &str) -> anyhow::Result<tokio::net::TcpLis
     tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("listen on {flag} {addr}"))
-}
-
-/// Completes on Ctrl-C or SIGTERM.
-async fn shutdown() {
-    let ctrl_c = async {
-        if let Err(error) = tokio::signal::ctrl_c().await {
-            tracing::error!(%error, "cannot wait for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                term.recv().await;
-            }
-            Err(error) => {
-                tracing::error!(%error, "cannot wait for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
-    tracing::info!("shutting down");
 }

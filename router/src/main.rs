@@ -60,25 +60,8 @@ async fn main() -> anyhow::Result<()> {
         "kvroute-router: API on http://{}, admin on http://{}",
         running.addr, running.admin_addr
     );
-    shutdown_signal().await;
+    kvroute_telemetry::shutdown_signal().await;
     tracing::info!("shutting down; in-flight requests finish first");
     running.shutdown().await;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
 }

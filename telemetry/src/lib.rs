@@ -3,6 +3,9 @@
 //! filtered by `RUST_LOG`, `info` by default) and, given an OTLP endpoint, a
 //! span exporter over OTLP/gRPC with the W3C trace-context propagator.
 //!
+//! [`shutdown_signal`] is every binary's signal to stop: Ctrl-C, or SIGTERM
+//! as Kubernetes sends a pod it stops.
+//!
 //! Not here: reading or writing trace context on requests (each server owns
 //! its header adapters), metrics, and configuration files; callers pass the
 //! three settings they parsed.
@@ -105,6 +108,37 @@ fn tracer_provider(service_name: &'static str, endpoint: &str) -> Result<SdkTrac
                 .build(),
         )
         .build())
+}
+
+/// Completes on Ctrl-C or, on Unix, SIGTERM (what Kubernetes sends a pod it
+/// stops). A handler that cannot be installed is logged and its signal
+/// ignored, so the process still stops on the other.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot wait for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot wait for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
 }
 
 #[cfg(test)]

@@ -176,14 +176,12 @@ async fn serve(args: &DemoArgs, out: &mut impl Write) -> anyhow::Result<()> {
     )?;
     writeln!(out, "press Ctrl-C to stop")?;
     out.flush()?;
-    tokio::signal::ctrl_c()
-        .await
-        .context("waiting for Ctrl-C")?;
+    kvroute_telemetry::shutdown_signal().await;
     writeln!(out, "stopping (Ctrl-C again to stop at once)")?;
     out.flush()?;
     tokio::select! {
         () = fleet.stop() => writeln!(out, "stopped")?,
-        _ = tokio::signal::ctrl_c() => writeln!(out, "stopped without waiting for open requests")?,
+        () = kvroute_telemetry::shutdown_signal() => writeln!(out, "stopped without waiting for open requests")?,
     }
     Ok(())
 }
