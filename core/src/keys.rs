@@ -103,11 +103,17 @@ pub struct KeyConfig {
     pub scope_by_tenant: bool,
 }
 
+/// Default key mode: the conversation key, so every turn of a chat goes to
+/// the same endpoint.
+pub const DEFAULT_KEY_MODE: KeyMode = KeyMode::Conversation;
+/// Default prefix length of a routing key, in tokens: 256 (16 blocks of 16).
+pub const DEFAULT_PREFIX_TOKENS: usize = 256;
+
 impl Default for KeyConfig {
     fn default() -> Self {
         KeyConfig {
-            mode: KeyMode::Conversation,
-            prefix_tokens: 256,
+            mode: DEFAULT_KEY_MODE,
+            prefix_tokens: DEFAULT_PREFIX_TOKENS,
             scope_by_tenant: false,
         }
     }

@@ -23,7 +23,7 @@ pub struct Config {
     pub model: String,
 
     /// Tokens per KV block (vLLM --block-size).
-    #[arg(long, env = "SIM_BLOCK_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, env = "SIM_BLOCK_SIZE", default_value_t = kvroute_core::hash::DEFAULT_BLOCK_SIZE as u32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub block_size: u32,
 
     /// Prefix-cache hash algorithm (vLLM --prefix-caching-hash-algo).
@@ -157,8 +157,8 @@ impl Config {
             listen: "127.0.0.1:0".parse().expect("valid"),
             cache_listen: "127.0.0.1:0".parse().expect("valid"),
             model: "kvroute-sim".to_owned(),
-            block_size: 16,
-            hash_algo: HashAlgo::Sha256,
+            block_size: kvroute_core::hash::DEFAULT_BLOCK_SIZE as u32,
+            hash_algo: kvroute_core::hash::DEFAULT_HASH_ALGO,
             hash_seed: None,
             num_gpu_blocks: 1024,
             max_model_len: 32768,

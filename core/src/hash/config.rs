@@ -108,11 +108,16 @@ pub struct HashConfig {
     pub extra_keys: ExtraKeysForm,
 }
 
+/// Default block hash algorithm: `sha256`, vLLM's default.
+pub const DEFAULT_HASH_ALGO: HashAlgo = HashAlgo::Sha256;
+/// Default block size in tokens: 16, vLLM's default.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
 impl Default for HashConfig {
     fn default() -> Self {
         Self {
-            algo: HashAlgo::Sha256,
-            block_size: 16,
+            algo: DEFAULT_HASH_ALGO,
+            block_size: DEFAULT_BLOCK_SIZE,
             seed: None,
             extra_keys: ExtraKeysForm::Tagged,
         }

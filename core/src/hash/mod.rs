@@ -32,7 +32,9 @@ mod preimage;
 use sha2::{Digest as _, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
-pub use config::{DEFAULT_SEED, ExtraKeysForm, HashAlgo, HashConfig};
+pub use config::{
+    DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SEED, ExtraKeysForm, HashAlgo, HashConfig,
+};
 pub use digest::BlockDigest;
 
 use cbor::Cbor;

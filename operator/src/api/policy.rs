@@ -24,8 +24,8 @@ use super::validation::{
 pub const TARGET_GROUP: &str = "inference.networking.k8s.io";
 /// Kind a policy's target must be.
 pub const TARGET_KIND: &str = "InferencePool";
-/// Default prefix length of a routing key, in tokens.
-pub const DEFAULT_PREFIX_TOKENS: i32 = 256;
+/// Default prefix length of a routing key, in tokens (the core's).
+pub const DEFAULT_PREFIX_TOKENS: i32 = kvroute_core::keys::DEFAULT_PREFIX_TOKENS as i32;
 /// Most tokens a prefix key may cover.
 pub const MAX_PREFIX_TOKENS: i32 = 65536;
 /// Largest ε of the rendezvous-bounded policy's in-flight bound.
@@ -35,8 +35,8 @@ pub const MAX_LOAD_BOUND: f64 = 10.0;
 pub const MAX_LATENCY_SLACK: f64 = 1000.0;
 /// Largest prefill overhead, milliseconds.
 pub const MAX_PREFILL_OVERHEAD_MS: f64 = 60_000.0;
-/// Default engine block size in tokens (vLLM's default).
-pub const DEFAULT_BLOCK_SIZE: i32 = 16;
+/// Default engine block size in tokens (the core's: vLLM's default).
+pub const DEFAULT_BLOCK_SIZE: i32 = kvroute_core::hash::DEFAULT_BLOCK_SIZE as i32;
 /// Largest engine block size in tokens.
 pub const MAX_BLOCK_SIZE: i32 = 4096;
 

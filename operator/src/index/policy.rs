@@ -19,17 +19,19 @@ use kvroute_proto::v1;
 use super::observed::Observed;
 use crate::api::CacheRoutingPolicyStatus;
 
-/// The routing policy of a pool with no `CacheRoutingPolicy`: `kvroute`.
-pub const DEFAULT_POLICY: &str = "kvroute";
-/// Default key mode: the conversation key, so every turn of a chat goes to
-/// the same endpoint.
-pub const DEFAULT_KEY_MODE: KeyMode = KeyMode::Conversation;
-/// Default prefix length of a routing key, in tokens: 256 (16 blocks of 16).
-pub const DEFAULT_PREFIX_TOKENS: u32 = 256;
-/// Default engine block size, in tokens: 16, vLLM's default.
-pub const DEFAULT_BLOCK_SIZE: u32 = 16;
-/// Default engine block hash: `sha256`, vLLM's default.
-pub const DEFAULT_HASH_ALGORITHM: HashAlgo = HashAlgo::Sha256;
+// The defaults of a pool with no `CacheRoutingPolicy`: the core's.
+
+/// The routing policy: the core's default, `kvroute`.
+pub const DEFAULT_POLICY: &str = PolicyConfig::NAMES[0];
+/// Key mode: [`kvroute_core::keys::DEFAULT_KEY_MODE`].
+pub const DEFAULT_KEY_MODE: KeyMode = kvroute_core::keys::DEFAULT_KEY_MODE;
+/// Prefix length of a routing key, in tokens:
+/// [`kvroute_core::keys::DEFAULT_PREFIX_TOKENS`].
+pub const DEFAULT_PREFIX_TOKENS: u32 = kvroute_core::keys::DEFAULT_PREFIX_TOKENS as u32;
+/// Engine block size, in tokens: [`kvroute_core::hash::DEFAULT_BLOCK_SIZE`].
+pub const DEFAULT_BLOCK_SIZE: u32 = kvroute_core::hash::DEFAULT_BLOCK_SIZE as u32;
+/// Engine block hash: [`kvroute_core::hash::DEFAULT_HASH_ALGO`].
+pub const DEFAULT_HASH_ALGORITHM: HashAlgo = kvroute_core::hash::DEFAULT_HASH_ALGO;
 
 /// Whether tenants share cached blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

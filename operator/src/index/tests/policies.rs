@@ -1,8 +1,7 @@
 //! Policy defaults, attachment, conflicts and policy status.
 
 use kvroute_core::hash::HashAlgo;
-use kvroute_core::keys::{KeyConfig, KeyMode};
-use kvroute_core::policy::KvrouteConfig;
+use kvroute_core::keys::KeyMode;
 use kvroute_proto::v1;
 
 use super::*;
@@ -28,31 +27,6 @@ fn a_pool_without_a_policy_gets_the_documented_defaults() {
             prefill_tokens_per_second: Some(10_000.0),
             prefill_overhead_ms: Some(20.0),
         }
-    );
-}
-
-#[test]
-fn the_defaults_are_the_cores_defaults() {
-    let key = KeyConfig::default();
-    assert_eq!(DEFAULT_KEY_MODE, key.mode);
-    assert_eq!(DEFAULT_PREFIX_TOKENS as usize, key.prefix_tokens);
-    let policy = PolicySpec::default().routing_policy();
-    let kvroute = KvrouteConfig::default();
-    assert_eq!(policy.latency_slack, Some(kvroute.latency_slack));
-    assert_eq!(
-        policy.prefill_tokens_per_second,
-        Some(kvroute.engine.prefill_tokens_per_second)
-    );
-    assert_eq!(
-        policy.prefill_overhead_ms,
-        Some(kvroute.engine.prefill_overhead_ms)
-    );
-    let hash = kvroute_core::hash::HashConfig::default();
-    assert_eq!(DEFAULT_BLOCK_SIZE as usize, hash.block_size);
-    assert_eq!(DEFAULT_HASH_ALGORITHM, hash.algo);
-    assert_eq!(
-        Some(DEFAULT_POLICY),
-        kvroute_core::policy::PolicyConfig::NAMES.first().copied()
     );
 }
 
