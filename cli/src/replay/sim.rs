@@ -137,8 +137,8 @@ impl Replica {
 #[derive(Debug)]
 struct Router {
     policy: Box<dyn Policy>,
-    /// Per replica, this router's requests not yet complete:
-    /// (sent at, its times).
+    /// Per replica, this router's requests not yet complete (sent at their
+    /// arrival).
     own: Vec<VecDeque<Served>>,
 }
 
