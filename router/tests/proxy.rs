@@ -64,16 +64,24 @@ async fn exact_mode_follows_the_cache_and_keeps_load_bounded() {
         metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 6"),
         "{metrics}"
     );
-    // The engines' load reports reached the router: the predicted queue and
-    // the reports' age are exported per endpoint.
-    for series in [
-        "kvroute_endpoint_queue_seconds",
-        "kvroute_endpoint_load_report_age_seconds",
-    ] {
+    // The engines' load reports reach the router (within their 100 ms
+    // interval): the predicted queue and the reports' age are exported per
+    // endpoint.
+    let series = [
+        format!("kvroute_endpoint_queue_seconds{{endpoint=\"{holder}\"}}"),
+        format!("kvroute_endpoint_load_report_age_seconds{{endpoint=\"{holder}\"}}"),
+    ];
+    let started = std::time::Instant::now();
+    loop {
+        let metrics = stack.metrics().await;
+        if series.iter().all(|s| metrics.contains(s.as_str())) {
+            break;
+        }
         assert!(
-            metrics.contains(&format!("{series}{{endpoint=\"{holder}\"}}")),
-            "{series}: {metrics}"
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{series:?} missing: {metrics}"
         );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     stack.stop().await;
 }
