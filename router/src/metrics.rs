@@ -289,17 +289,21 @@ mod tests {
     use super::*;
     use crate::config::Resilience;
 
-    #[test]
-    fn series_of_removed_endpoints_are_dropped() {
-        let m = Metrics::default();
-        let pool = Pool::new(
+    fn pool() -> std::sync::Arc<Pool> {
+        Pool::new(
             PolicyConfig::default(),
             &Resilience::default(),
             Default::default(),
             8,
             16,
             None,
-        );
+        )
+    }
+
+    #[test]
+    fn series_of_removed_endpoints_are_dropped() {
+        let m = Metrics::default();
+        let pool = pool();
         let spec = |name: &str| crate::pool::EndpointSpec {
             name: name.into(),
             http: "127.0.0.1:1".parse().unwrap(),
@@ -336,14 +340,7 @@ mod tests {
             1.0,
         );
         m.observe("kvroute_decision_seconds", &[], 0.002);
-        let pool = Pool::new(
-            PolicyConfig::default(),
-            &Resilience::default(),
-            Default::default(),
-            8,
-            16,
-            None,
-        );
+        let pool = pool();
         let text = m.render(&pool);
         assert!(
             text.contains("kvroute_requests_total{model=\"m\\\"x\",status=\"200\"} 2\n"),

@@ -146,15 +146,22 @@ fn policies(args: &ReplayArgs, capacity: usize) -> anyhow::Result<Vec<PolicyConf
                     capacity_blocks: capacity,
                     ..c
                 }),
-                PolicyConfig::Kvroute(c) => PolicyConfig::Kvroute(KvrouteConfig {
-                    memory_blocks: capacity,
-                    latency_slack: args.latency_slack.unwrap_or(c.latency_slack),
-                    ..c
-                }),
+                PolicyConfig::Kvroute(_) => kvroute(capacity, args.latency_slack),
                 other => other,
             })
         })
         .collect()
+}
+
+/// `kvroute` as the replay runs it: its memory sized like a replica's
+/// cache, with `latency_slack` when given.
+fn kvroute(capacity: usize, latency_slack: Option<f64>) -> PolicyConfig {
+    let c = KvrouteConfig::default();
+    PolicyConfig::Kvroute(KvrouteConfig {
+        memory_blocks: capacity,
+        latency_slack: latency_slack.unwrap_or(c.latency_slack),
+        ..c
+    })
 }
 
 /// Runs the replay and prints the tables to `out`.
@@ -242,11 +249,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             let sweep = plot::SWEEP
                 .iter()
                 .map(|&slack| {
-                    let config = PolicyConfig::Kvroute(KvrouteConfig {
-                        memory_blocks: cap.blocks_per_replica,
-                        latency_slack: slack,
-                        ..KvrouteConfig::default()
-                    });
+                    let config = kvroute(cap.blocks_per_replica, Some(slack));
                     (slack, run::run(&trace, &config, cap.replicas, &setup))
                 })
                 .collect();

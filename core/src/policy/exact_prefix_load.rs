@@ -60,11 +60,7 @@ impl Policy for ExactPrefixLoad {
         endpoints: &[Endpoint],
         cx: &Context<'_>,
     ) -> Decision {
-        match cx.index {
-            Some(index) => index.longest_prefix(request.chain, &mut self.by_slot),
-            None => self.by_slot.clear(),
-        }
-        per_candidate(&self.by_slot, endpoints, &mut self.cached);
+        indexed_prefixes(request, endpoints, cx, &mut self.by_slot, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
         let cost = |i: usize| {
             let load = &endpoints[i].load;
@@ -78,20 +74,7 @@ impl Policy for ExactPrefixLoad {
                 .total_cmp(&cost(b))
                 .then(self.scores[b].cmp(&self.scores[a]))
         });
-        let best_cached = self.cached.iter().copied().max().unwrap_or(0);
-        let cached_blocks = ranked.first().map_or(0, |&i| self.cached[i]);
-        let reason = if best_cached == 0 {
-            Reason::Cold
-        } else if cached_blocks == best_cached {
-            Reason::Warm
-        } else {
-            Reason::Spill
-        };
-        Decision {
-            ranked,
-            reason,
-            cached_blocks,
-        }
+        Decision::by_cost(ranked, &self.cached)
     }
 
     fn boxed_clone(&self) -> Box<dyn Policy> {

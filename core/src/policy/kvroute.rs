@@ -43,7 +43,7 @@
 //! different block hashes, so they never share a choice by accident.
 
 use super::memory::PrefixMemory;
-use super::min_ttft::predict_ttft;
+use super::min_ttft::{Predicted, predict_ttft};
 use super::*;
 use crate::load::PrefillModel;
 
@@ -97,7 +97,7 @@ pub struct Kvroute {
     by_slot: Vec<u32>,
     cached: Vec<u32>,
     scores: Vec<u64>,
-    ttft: Vec<f64>,
+    predicted: Vec<Predicted>,
 }
 
 impl Kvroute {
@@ -110,7 +110,7 @@ impl Kvroute {
             by_slot: Vec::new(),
             cached: Vec::new(),
             scores: Vec::new(),
-            ttft: Vec::new(),
+            predicted: Vec::new(),
         }
     }
 }
@@ -144,17 +144,19 @@ impl Policy for Kvroute {
             endpoints,
             &self.cached,
             cx,
-            &mut self.ttft,
+            &mut self.predicted,
         );
-        let (cached, scores, ttft) = (&self.cached, &self.scores, &self.ttft);
+        let (cached, scores) = (&self.cached, &self.scores);
+        let ttft = |i: usize| self.predicted[i].ttft;
         let fastest = (0..n)
-            .min_by(|&a, &b| ttft[a].total_cmp(&ttft[b]))
+            .min_by(|&a, &b| ttft(a).total_cmp(&ttft(b)))
             .expect("non-empty");
         let uncached = |i: usize| uncached_tokens(request, cached[i], cx.block_tokens);
         let overhead_s = config.engine.prefill_overhead_ms / 1000.0;
-        let shortest_queue = endpoints
+        let shortest_queue = self
+            .predicted
             .iter()
-            .map(|e| config.engine.queued_s(&e.load, cx.now))
+            .map(|p| p.queued)
             .fold(f64::INFINITY, f64::min);
         // At least a millisecond: a fully cached prompt with no overhead
         // configured takes no prefill at all.
@@ -165,7 +167,7 @@ impl Policy for Kvroute {
         let slack = config.latency_slack * (1.0 + shortest_queue / own_prefill);
         let eligible: Vec<bool> = (0..n)
             .map(|i| {
-                let extra = ttft[i] - ttft[fastest];
+                let extra = ttft(i) - ttft(fastest);
                 let saved = uncached(fastest).saturating_sub(uncached(i));
                 let saved_s = saved as f64 / config.engine.rate(&endpoints[i].load);
                 // Checked apart: ∞ × 0 is NaN.
@@ -184,8 +186,8 @@ impl Policy for Kvroute {
                 if eligible(*a) {
                     preference(a, b)
                 } else {
-                    ttft[*a]
-                        .total_cmp(&ttft[*b])
+                    ttft(*a)
+                        .total_cmp(&ttft(*b))
                         .then(scores[*b].cmp(&scores[*a]))
                 }
             })

@@ -23,7 +23,7 @@ pub struct MinTtft {
     by_slot: Vec<u32>,
     cached: Vec<u32>,
     scores: Vec<u64>,
-    ttft: Vec<f64>,
+    predicted: Vec<Predicted>,
 }
 
 impl MinTtft {
@@ -34,25 +34,38 @@ impl MinTtft {
             by_slot: Vec::new(),
             cached: Vec::new(),
             scores: Vec::new(),
-            ttft: Vec::new(),
+            predicted: Vec::new(),
         }
     }
 }
 
-/// Predicted TTFT of `request` at each of `endpoints` (with `cached`
-/// leading blocks each), into `out`.
+/// What [`PrefillModel`] predicts for a request at one endpoint, seconds.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Predicted {
+    /// Prefill queued ahead of the request.
+    pub queued: f64,
+    /// Time to first token: the queue, then its own prefill.
+    pub ttft: f64,
+}
+
+/// Predictions for `request` at each of `endpoints` (with `cached` leading
+/// blocks each), into `out`.
 pub(super) fn predict_ttft(
     model: &PrefillModel,
     request: &Request<'_>,
     endpoints: &[Endpoint],
     cached: &[u32],
     cx: &Context<'_>,
-    out: &mut Vec<f64>,
+    out: &mut Vec<Predicted>,
 ) {
     out.clear();
     out.extend(endpoints.iter().zip(cached).map(|(e, &c)| {
+        let queued = model.queued_s(&e.load, cx.now);
         let uncached = uncached_tokens(request, c, cx.block_tokens);
-        model.ttft_s(&e.load, uncached, cx.now)
+        Predicted {
+            queued,
+            ttft: queued + model.prefill_s(&e.load, uncached),
+        }
     }));
 }
 
@@ -67,11 +80,7 @@ impl Policy for MinTtft {
         endpoints: &[Endpoint],
         cx: &Context<'_>,
     ) -> Decision {
-        match cx.index {
-            Some(index) => index.longest_prefix(request.chain, &mut self.by_slot),
-            None => self.by_slot.clear(),
-        }
-        per_candidate(&self.by_slot, endpoints, &mut self.cached);
+        indexed_prefixes(request, endpoints, cx, &mut self.by_slot, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
         predict_ttft(
             &self.config.engine,
@@ -79,13 +88,14 @@ impl Policy for MinTtft {
             endpoints,
             &self.cached,
             cx,
-            &mut self.ttft,
+            &mut self.predicted,
         );
-        let (ttft, scores) = (&self.ttft, &self.scores);
+        let (predicted, scores) = (&self.predicted, &self.scores);
         let mut ranked: Vec<usize> = (0..endpoints.len()).collect();
         ranked.sort_by(|&a, &b| {
-            ttft[a]
-                .total_cmp(&ttft[b])
+            predicted[a]
+                .ttft
+                .total_cmp(&predicted[b].ttft)
                 .then(
                     endpoints[a]
                         .load
@@ -94,20 +104,7 @@ impl Policy for MinTtft {
                 )
                 .then(scores[b].cmp(&scores[a]))
         });
-        let best_cached = self.cached.iter().copied().max().unwrap_or(0);
-        let cached_blocks = ranked.first().map_or(0, |&i| self.cached[i]);
-        let reason = if best_cached == 0 {
-            Reason::Cold
-        } else if cached_blocks == best_cached {
-            Reason::Warm
-        } else {
-            Reason::Spill
-        };
-        Decision {
-            ranked,
-            reason,
-            cached_blocks,
-        }
+        Decision::by_cost(ranked, &self.cached)
     }
 
     fn boxed_clone(&self) -> Box<dyn Policy> {

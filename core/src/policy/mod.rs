@@ -121,6 +121,26 @@ impl Decision {
             cached_blocks: 0,
         }
     }
+
+    /// A ranking by a cost that weighs cached prefixes (`cached`, by
+    /// candidate): warm when the first choice holds the longest prefix any
+    /// candidate holds, cold when none holds any, else a spill.
+    fn by_cost(ranked: Vec<usize>, cached: &[u32]) -> Self {
+        let best_cached = cached.iter().copied().max().unwrap_or(0);
+        let cached_blocks = ranked.first().map_or(0, |&i| cached[i]);
+        let reason = if best_cached == 0 {
+            Reason::Cold
+        } else if cached_blocks == best_cached {
+            Reason::Warm
+        } else {
+            Reason::Spill
+        };
+        Decision {
+            ranked,
+            reason,
+            cached_blocks,
+        }
+    }
 }
 
 /// A routing policy. Router, replay and tests drive it the same way: `rank`
@@ -258,6 +278,22 @@ fn scores(key: RoutingKey, endpoints: &[Endpoint], out: &mut Vec<u64>) {
             .iter()
             .map(|e| crate::rendezvous::score(key.0, e.id)),
     );
+}
+
+/// `request`'s leading blocks each candidate holds per the engines' index,
+/// into `out` (all 0 in approximate mode); `by_slot` is scratch space.
+fn indexed_prefixes(
+    request: &Request<'_>,
+    endpoints: &[Endpoint],
+    cx: &Context<'_>,
+    by_slot: &mut Vec<u32>,
+    out: &mut Vec<u32>,
+) {
+    match cx.index {
+        Some(index) => index.longest_prefix(request.chain, by_slot),
+        None => by_slot.clear(),
+    }
+    per_candidate(by_slot, endpoints, out);
 }
 
 /// `chain`'s cached leading blocks per candidate, from `by_slot` (indexed by
