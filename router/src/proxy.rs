@@ -443,7 +443,10 @@ impl Proxy {
         );
         let mut last_error = ApiError::Upstream("no attempt was made".into());
         let mut last_response: Option<Response<Incoming>> = None;
-        for (attempt, target) in plan.targets.iter().take(self.attempts as usize).enumerate() {
+        // Fewer targets than attempts (endpoints ejected or full): the
+        // ranking is tried again from the top, as Envoy retries a host.
+        let attempts = plan.targets.iter().cycle().take(self.attempts as usize);
+        for (attempt, target) in attempts.enumerate() {
             let (reason, cached) = if attempt == 0 {
                 (plan.reason.as_str(), expected_cached)
             } else {
