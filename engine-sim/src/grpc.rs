@@ -43,6 +43,7 @@ impl Reporter {
                     hash_seed_set: c.hash_seed.is_some(),
                     capacity_blocks: c.num_gpu_blocks,
                     model: c.model.clone(),
+                    none_hash: Some(self.engine.hasher().none_hash().to_u64()),
                 }),
                 block_hashes: hashes.to_vec(),
                 load: Some(load(l)),

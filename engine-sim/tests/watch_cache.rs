@@ -84,6 +84,10 @@ async fn snapshot_then_ordered_deltas_and_load() {
     assert_eq!(config.capacity_blocks, 64);
     assert_eq!(config.hash_algorithm(), HashAlgorithm::Sha256);
     assert!(!config.hash_seed_set);
+    // vLLM's NONE_HASH for the default algorithm and no seed.
+    let default_hasher =
+        kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig::default()).unwrap();
+    assert_eq!(config.none_hash, Some(default_hasher.none_hash().to_u64()));
     assert_eq!(config.model, "kvroute-sim");
     let mut resident: Vec<u64> = sim.engine.resident();
     let mut snapshot = snap.block_hashes.clone();

@@ -11,9 +11,10 @@
 //! snapshot.
 //!
 //! Not here: deciding which engines to watch (the pool spawns and aborts
-//! these tasks as discovery changes the endpoint set), and checking the
-//! engine's cache configuration against the router's hashing settings
-//! (it is only logged).
+//! these tasks as discovery changes the endpoint set), and judging the
+//! engine's cache configuration (the pool checks it, see
+//! [`contract`](crate::contract)): a snapshot's blocks are applied through
+//! [`Pool::apply_snapshot`] with it.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
@@ -248,12 +249,14 @@ impl Watcher<'_> {
                     ?config,
                     "WatchCache snapshot"
                 );
-                let event = CacheEvent::Snapshot {
-                    capacity: config.capacity_blocks as usize,
-                    blocks: &s.block_hashes,
-                };
-                pool.apply_cache(name, generation, event)
-                    .map_err(Broken::Index)?;
+                pool.apply_snapshot(
+                    name,
+                    generation,
+                    config.into(),
+                    config.capacity_blocks as usize,
+                    &s.block_hashes,
+                )
+                .map_err(Broken::Index)?;
                 if let Some(load) = &s.load {
                     pool.report_load(name, generation, engine_load(load));
                 }

@@ -152,6 +152,9 @@ fn default_reload_ms() -> u64 {
     2000
 }
 
+/// The default `routing.conversationHeader`.
+pub const DEFAULT_CONVERSATION_HEADER: &str = "x-conversation-id";
+
 /// Routing settings. With the operator, its policy replaces these.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
@@ -182,7 +185,7 @@ impl Default for Routing {
         Routing {
             policy: PolicyConfig::default(),
             key: KeyConfig::default(),
-            conversation_header: "x-conversation-id".into(),
+            conversation_header: DEFAULT_CONVERSATION_HEADER.into(),
             block_size: kvroute_core::hash::DEFAULT_BLOCK_SIZE,
             hash_algo: kvroute_core::hash::DEFAULT_HASH_ALGO,
             hash_seed: None,

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
+use crate::contract::Contract;
 use crate::pool::Pool;
 
 /// Metric names with their type and help text.
@@ -119,6 +120,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "kvroute_watch_cache_stream",
         "gauge",
         "WatchCache stream state per endpoint (1 for the current state).",
+    ),
+    (
+        "kvroute_endpoint_contract",
+        "gauge",
+        "Engine contract per endpoint (1 for the current state): whether the engine's block size, hash algorithm and seed match the routing settings.",
     ),
     (
         "kvroute_index_entries",
@@ -263,6 +269,14 @@ impl Metrics {
                     .or_default()
                     .push(format!("kvroute_watch_cache_stream{{{l}}} {v}"));
             }
+            for state in Contract::STATES {
+                let l = labels(&[("endpoint", &e.name), ("state", state)]);
+                let v = u8::from(e.contract == state);
+                samples
+                    .entry("kvroute_endpoint_contract")
+                    .or_default()
+                    .push(format!("kvroute_endpoint_contract{{{l}}} {v}"));
+            }
         }
         samples
             .entry("kvroute_index_entries")
@@ -288,14 +302,14 @@ mod tests {
 
     use super::*;
     use crate::config::Resilience;
+    use crate::settings::Settings;
 
     fn pool() -> std::sync::Arc<Pool> {
         Pool::new(
-            PolicyConfig::default(),
+            Settings::builtin(PolicyConfig::default()),
             &Resilience::default(),
             Default::default(),
             8,
-            16,
             None,
         )
     }

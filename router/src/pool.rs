@@ -1,6 +1,7 @@
 //! One pool's routing state: its endpoints and their health, the occupancy
-//! index fed by WatchCache, load accounting and the policy. Discovery
-//! replaces the endpoint set; cache watchers apply engine updates; the
+//! index fed by WatchCache, each engine's contract, load accounting, and
+//! the routing settings with the policy they name. Discovery replaces the
+//! endpoint set and the settings; cache watchers apply engine updates; the
 //! proxy asks for a ranked plan and reports outcomes.
 //!
 //! Everything sits behind one mutex, held for microseconds: a routing
@@ -8,7 +9,7 @@
 
 use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
-use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, PolicyConfig, Reason, Request};
+use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::{Slot, Slots};
 use std::collections::BTreeMap;
@@ -18,8 +19,10 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::Resilience;
+use crate::contract::{Contract, EngineCache, Mismatch};
 use crate::health::{self, Event, Fault, Outlier};
 use crate::metrics::Metrics;
+use crate::settings::Settings;
 
 /// The clock the health state machine is given: tokio's, so tests can
 /// pause it.
@@ -74,6 +77,11 @@ struct Member {
     /// name.
     generation: u64,
     watcher: Option<JoinHandle<()>>,
+    /// The cache settings of its last snapshot.
+    engine: Option<EngineCache>,
+    /// Those checked against the routing settings; a mismatched engine
+    /// gets no cache credit (its updates are not indexed).
+    contract: Contract,
 }
 
 impl Drop for Member {
@@ -120,8 +128,9 @@ struct Inner {
     slots: Slots,
     index: OccupancyIndex,
     load: LoadTracker,
+    /// The routing settings; `policy` is built from `settings.policy`.
+    settings: Arc<Settings>,
     policy: Box<dyn Policy>,
-    policy_config: PolicyConfig,
     outlier: Outlier,
     /// For requests without a readable prompt.
     least_loaded: LeastLoaded,
@@ -135,7 +144,6 @@ pub struct Pool {
     inner: Mutex<Inner>,
     metrics: Arc<Metrics>,
     concurrency: u32,
-    block_tokens: u64,
     spawner: Option<WatcherSpawner>,
     ready: watch::Sender<usize>,
     /// Signalled whenever a request ends, for requests queued on full
@@ -175,17 +183,21 @@ pub struct EndpointStatus {
     pub load_report_age_seconds: Option<f64>,
     /// Blocks the index holds for it.
     pub cached_blocks: usize,
+    /// Its engine contract: `unknown`, `match` or `mismatch`.
+    pub contract: &'static str,
+    /// The fields on which its engine differs from the routing settings.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub contract_mismatches: Vec<Mismatch>,
 }
 
 impl Pool {
     /// An empty pool. `spawner` starts WatchCache watchers (none in tests
     /// that feed the index by hand).
     pub fn new(
-        policy: PolicyConfig,
+        settings: Settings,
         resilience: &Resilience,
         metrics: Arc<Metrics>,
         concurrency: u32,
-        block_tokens: u64,
         spawner: Option<WatcherSpawner>,
     ) -> Arc<Self> {
         let outlier = Outlier::new(health::Config {
@@ -204,8 +216,8 @@ impl Pool {
                 slots: Slots::default(),
                 index: OccupancyIndex::new(),
                 load: LoadTracker::new(),
-                policy: policy.build(),
-                policy_config: policy,
+                policy: settings.policy.build(),
+                settings: Arc::new(settings),
                 outlier,
                 least_loaded: LeastLoaded::default(),
                 generations: 0,
@@ -213,7 +225,6 @@ impl Pool {
             }),
             metrics,
             concurrency,
-            block_tokens,
             spawner,
             ready: watch::channel(0).0,
             released: Notify::new(),
@@ -241,13 +252,71 @@ impl Pool {
             .count()
     }
 
-    /// Replaces the policy (the operator changed it); its learned state is
-    /// lost, the index is not.
-    pub fn set_policy(&self, config: PolicyConfig) {
+    /// The routing settings now.
+    pub fn settings(&self) -> Arc<Settings> {
+        self.lock().settings.clone()
+    }
+
+    /// Replaces the routing settings with `f(current)`, all at once. A new
+    /// policy starts without the old one's learned state (the index is
+    /// kept); every engine's contract is checked again: one that no longer
+    /// matches loses its entries, one that matches again resubscribes for
+    /// a fresh snapshot.
+    pub fn update_settings(self: &Arc<Self>, f: impl FnOnce(&Settings) -> Settings) {
         let mut inner = self.lock();
-        if inner.policy_config != config {
-            inner.policy = config.build();
-            inner.policy_config = config;
+        let settings = Arc::new(f(&inner.settings));
+        if settings.policy != inner.settings.policy {
+            inner.policy = settings.policy.build();
+        }
+        inner.settings = settings;
+        let names: Vec<String> = inner.members.keys().cloned().collect();
+        let mut changes = Vec::new();
+        for name in names {
+            let Some(m) = inner.members.get(&name) else {
+                continue;
+            };
+            let Some(engine) = m.engine.clone() else {
+                continue;
+            };
+            let was = m.contract.clone();
+            let now = Contract::check(&engine, &inner.settings.hasher);
+            if now == was {
+                continue;
+            }
+            if now == Contract::Match {
+                // Its updates were not indexed: start over from a snapshot.
+                self.restart_watcher(&mut inner, &name);
+            } else {
+                let slot = m.slot;
+                inner.index.remove_endpoint(slot);
+                if let Some(m) = inner.members.get_mut(&name) {
+                    m.contract = now.clone();
+                }
+            }
+            changes.push((name, now));
+        }
+        drop(inner);
+        for (name, contract) in changes {
+            log_contract(&name, &contract);
+        }
+    }
+
+    /// Gives `name` a new generation and watcher.
+    fn restart_watcher(self: &Arc<Self>, inner: &mut Inner, name: &str) {
+        inner.generations += 1;
+        let generation = inner.generations;
+        let Some(m) = inner.members.get_mut(name) else {
+            return;
+        };
+        if let Some(w) = m.watcher.take() {
+            w.abort();
+        }
+        m.generation = generation;
+        m.engine = None;
+        m.contract = Contract::Unknown;
+        if let (Some(addr), Some(spawn)) = (m.spec.cache, &self.spawner) {
+            m.stream = StreamState::Connecting;
+            m.watcher = Some(spawn(self.clone(), name.to_owned(), generation, addr));
         }
     }
 
@@ -299,6 +368,8 @@ impl Pool {
                     stream,
                     generation,
                     watcher,
+                    engine: None,
+                    contract: Contract::Unknown,
                 },
             );
         }
@@ -362,7 +433,7 @@ impl Pool {
         let inner = &mut *inner;
         let cx = Context {
             index: inner.exact.then_some(&inner.index),
-            block_tokens: self.block_tokens,
+            block_tokens: inner.settings.hasher.config().block_size as u64,
             now,
         };
         let decision = if readable {
@@ -489,9 +560,51 @@ impl Pool {
         ejected
     }
 
-    /// Applies one WatchCache event for the watcher `(name, generation)`.
-    /// A stale watcher's events are ignored (Ok). An error means the
-    /// stream diverged: the watcher drops the endpoint and resyncs.
+    /// Applies a snapshot for the watcher `(name, generation)`: checks the
+    /// engine's cache settings against the routing settings, then indexes
+    /// `blocks` if they match (else drops the endpoint's entries). A stale
+    /// watcher's snapshot is ignored (Ok). An error means the index refused
+    /// it: the watcher drops the endpoint and resyncs.
+    pub fn apply_snapshot(
+        &self,
+        name: &str,
+        generation: u64,
+        engine: EngineCache,
+        capacity: usize,
+        blocks: &[u64],
+    ) -> Result<(), IndexError> {
+        let mut inner = self.lock();
+        let contract = Contract::check(&engine, &inner.settings.hasher);
+        let Some(m) = inner
+            .members
+            .get_mut(name)
+            .filter(|m| m.generation == generation)
+        else {
+            return Ok(());
+        };
+        let changed = m.contract != contract;
+        m.engine = Some(engine);
+        m.contract = contract.clone();
+        let slot = m.slot;
+        let applied = if contract == Contract::Match {
+            inner
+                .index
+                .apply(slot, CacheEvent::Snapshot { capacity, blocks })
+        } else {
+            inner.index.remove_endpoint(slot);
+            Ok(())
+        };
+        drop(inner);
+        if changed {
+            log_contract(name, &contract);
+        }
+        applied
+    }
+
+    /// Applies one WatchCache change for the watcher `(name, generation)`.
+    /// A stale watcher's changes, and those of an engine whose contract
+    /// does not match, are ignored (Ok). An error means the stream
+    /// diverged: the watcher drops the endpoint and resyncs.
     pub fn apply_cache(
         &self,
         name: &str,
@@ -502,7 +615,7 @@ impl Pool {
         let Some(slot) = inner
             .members
             .get(name)
-            .filter(|m| m.generation == generation)
+            .filter(|m| m.generation == generation && m.contract == Contract::Match)
             .map(|m| m.slot)
         else {
             return Ok(());
@@ -545,7 +658,7 @@ impl Pool {
     pub fn status(&self) -> Vec<EndpointStatus> {
         let inner = self.lock();
         let now = now();
-        let model = inner.policy_config.prefill_model();
+        let model = inner.settings.policy.prefill_model();
         inner
             .members
             .values()
@@ -563,6 +676,8 @@ impl Pool {
                     queue_seconds: model.queued_s(&load, now),
                     load_report_age_seconds: load.engine.map(|e| e.age(now).as_secs_f64()),
                     cached_blocks: inner.index.usage(m.slot).map_or(0, |(used, _)| used),
+                    contract: m.contract.as_str(),
+                    contract_mismatches: m.contract.mismatches().to_vec(),
                 }
             })
             .collect()
@@ -585,6 +700,24 @@ impl Pool {
     /// The HTTP addresses of every endpoint, routable or not.
     pub fn addresses(&self) -> Vec<SocketAddr> {
         self.lock().members.values().map(|m| m.spec.http).collect()
+    }
+}
+
+/// Logs a change of an engine's contract: once per change, so a
+/// mismatched engine's resyncs do not repeat it.
+fn log_contract(name: &str, contract: &Contract) {
+    match contract {
+        Contract::Mismatch(fields) => {
+            let fields: Vec<String> = fields
+                .iter()
+                .map(|m| format!("{}: engine {}, router {}", m.field, m.engine, m.router))
+                .collect();
+            tracing::warn!(endpoint = %name, differ = %fields.join("; "),
+                "the engine hashes its cache differently from the routing settings: \
+                 its cache is not used for routing until they agree");
+        }
+        Contract::Match => tracing::info!(endpoint = %name, "the engine's cache settings match"),
+        Contract::Unknown => {}
     }
 }
 

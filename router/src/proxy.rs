@@ -35,7 +35,6 @@ use crate::features::{self, Api};
 use crate::health::Fault;
 use crate::metrics::Metrics;
 use crate::pool::{InFlight, Plan, Pool, Target};
-use crate::settings::SharedSettings;
 use crate::tenancy::Tenancy;
 
 /// How long the union of the endpoints' models is reused.
@@ -67,8 +66,6 @@ const HOP_BY_HOP: [&str; 8] = [
 pub struct Proxy {
     /// The pool requests go to.
     pub pool: Arc<Pool>,
-    /// Tokenization, hashing and key settings.
-    pub settings: Arc<SharedSettings>,
     /// Counters and histograms.
     pub metrics: Arc<Metrics>,
     tenancy: Tenancy,
@@ -144,13 +141,7 @@ impl Drop for Labels {
 
 impl Proxy {
     /// A proxy over `pool` configured by `config`.
-    pub fn new(
-        pool: Arc<Pool>,
-        settings: Arc<SharedSettings>,
-        metrics: Arc<Metrics>,
-        tenancy: Tenancy,
-        config: &Config,
-    ) -> Self {
+    pub fn new(pool: Arc<Pool>, metrics: Arc<Metrics>, tenancy: Tenancy, config: &Config) -> Self {
         let limits = config.limits.clone();
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(limits.connect_timeout_ms)));
@@ -171,7 +162,6 @@ impl Proxy {
         let kib = |bytes: usize| bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS);
         Proxy {
             pool,
-            settings,
             metrics,
             tenancy,
             attempts: config.resilience.attempts,
@@ -323,7 +313,7 @@ impl Proxy {
         let tenant = self.tenancy.tenant(&parts.headers)?;
         let (bytes, _budget) = self.read_body(parts, body).await?;
         let api = Api::of(path);
-        let settings = self.settings.get();
+        let settings = self.pool.settings();
         let conversation = parts
             .headers
             .get(&settings.conversation_header)

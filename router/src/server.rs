@@ -24,7 +24,7 @@ use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::proxy::Proxy;
-use crate::settings::{Settings, SharedSettings};
+use crate::settings::Settings;
 use crate::tenancy::Tenancy;
 use crate::{cache_watch, discovery};
 
@@ -125,14 +125,15 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     if config.tenancy.mode == TenancyMode::Salted {
         key.scope_by_tenant = true;
     }
-    let settings = Arc::new(SharedSettings::new(Settings {
+    let settings = Settings {
         key,
         hasher,
         tokenizer: Arc::new(tokenizer),
         template: Arc::new(template),
         conversation_header: axum::http::HeaderName::from_bytes(r.conversation_header.as_bytes())
             .expect("validated"),
-    }));
+        policy: r.policy.clone(),
+    };
     let tenancy = Tenancy::load(&config.tenancy)?;
     let tls = config
         .tls
@@ -170,11 +171,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let admin = bind(config.admin_listen).await?;
     let metrics = Arc::new(Metrics::default());
     let pool = Pool::new(
-        r.policy.clone(),
+        settings,
         &config.resilience,
         metrics.clone(),
         config.limits.endpoint_concurrency,
-        r.block_size as u64,
         Some(cache_watch::spawner(grpc_tls.clone())),
     );
     let discovery = match (&config.discovery.static_file, &config.discovery.operator) {
@@ -188,7 +188,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         }
         (None, Some(o)) => tokio::spawn(discovery::operator::run(
             pool.clone(),
-            settings.clone(),
             o.url.clone(),
             grpc_tls,
             o.namespace.clone(),
@@ -201,13 +200,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         pool.clone(),
         config.resilience.health_check.clone(),
     ));
-    let proxy = Arc::new(Proxy::new(
-        pool.clone(),
-        settings,
-        metrics.clone(),
-        tenancy,
-        &config,
-    ));
+    let proxy = Arc::new(Proxy::new(pool.clone(), metrics.clone(), tenancy, &config));
     let addr = api.local_addr().map_err(|source| StartError::Bind {
         addr: config.listen,
         source,

@@ -1,11 +1,15 @@
-//! The routing settings a request needs, swappable at run time (the
-//! operator's policy can change the key mode or the engines' hashing).
+//! The routing settings: how a request becomes tokens, a block chain and a
+//! routing key, and which policy ranks the endpoints. One value, owned by
+//! the [`Pool`](crate::pool::Pool) and replaced there as a whole when
+//! discovery changes it (the operator's policy can change the key mode, the
+//! engines' hashing and the policy).
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use axum::http::HeaderName;
 use kvroute_core::hash::BlockHasher;
 use kvroute_core::keys::KeyConfig;
+use kvroute_core::policy::PolicyConfig;
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 
 /// What the request path uses to turn a request into tokens, a block
@@ -22,41 +26,30 @@ pub struct Settings {
     pub template: Arc<ChatTemplate>,
     /// Header carrying a conversation key.
     pub conversation_header: HeaderName,
+    /// The policy.
+    pub policy: PolicyConfig,
 }
 
-#[cfg(test)]
 impl Settings {
-    /// The defaults: built-in tokenizer and template, vLLM's hashing.
-    pub(crate) fn test() -> Self {
+    /// The built-in tokenizer and chat template, vLLM's default hashing and
+    /// the default key, with `policy`.
+    pub fn builtin(policy: PolicyConfig) -> Self {
         Settings {
             key: KeyConfig::default(),
             hasher: BlockHasher::new(kvroute_core::hash::HashConfig::default())
                 .expect("the default hashing is valid"),
             tokenizer: Arc::new(Tokenizer::builtin()),
             template: Arc::new(ChatTemplate::builtin()),
-            conversation_header: HeaderName::from_static("x-conversation-id"),
+            conversation_header: HeaderName::from_static(
+                crate::config::DEFAULT_CONVERSATION_HEADER,
+            ),
+            policy,
         }
     }
-}
 
-/// Settings shared by every request, replaced as a whole.
-#[derive(Debug)]
-pub struct SharedSettings(RwLock<Arc<Settings>>);
-
-impl SharedSettings {
-    /// Wraps `settings`.
-    pub fn new(settings: Settings) -> Self {
-        SharedSettings(RwLock::new(Arc::new(settings)))
-    }
-
-    /// The current settings.
-    pub fn get(&self) -> Arc<Settings> {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Replaces the settings with `f(current)`.
-    pub fn update(&self, f: impl FnOnce(&Settings) -> Settings) {
-        let mut guard = self.0.write().unwrap_or_else(|e| e.into_inner());
-        *guard = Arc::new(f(&guard));
+    /// [`builtin`](Self::builtin) with the default policy.
+    #[cfg(test)]
+    pub(crate) fn test() -> Self {
+        Self::builtin(PolicyConfig::default())
     }
 }

@@ -10,15 +10,15 @@ use kvroute_core::policy::PolicyConfig;
 use kvroute_engine_sim::{Config, Sim, start};
 use kvroute_router::config::Resilience;
 use kvroute_router::pool::{EndpointSpec, EndpointStatus, Pool};
+use kvroute_router::settings::Settings;
 use serde_json::json;
 
 fn pool() -> Arc<Pool> {
     Pool::new(
-        PolicyConfig::default(),
+        Settings::builtin(PolicyConfig::default()),
         &Resilience::default(),
         Default::default(),
         256,
-        16,
         Some(kvroute_router::cache_watch::spawner(None)),
     )
 }
@@ -155,4 +155,75 @@ async fn dropping_the_pool_stops_its_watchers() {
     })
     .await;
     sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_agree() {
+    let sim = |f: fn(&mut Config)| {
+        let mut c = Config::test();
+        f(&mut c);
+        start(c)
+    };
+    let same = sim(|_| {}).await.unwrap();
+    let block32 = sim(|c| c.block_size = 32).await.unwrap();
+    let seeded = sim(|c| c.hash_seed = Some("7".into())).await.unwrap();
+    let xxhash = sim(|c| c.hash_algo = kvroute_core::hash::HashAlgo::XxhashCbor)
+        .await
+        .unwrap();
+    let sims = [
+        ("same", &same),
+        ("block32", &block32),
+        ("seeded", &seeded),
+        ("xxhash", &xxhash),
+    ];
+    for (name, s) in sims {
+        warm(s, name).await;
+        assert!(!s.engine.resident().is_empty());
+    }
+    let pool = pool();
+    pool.set_endpoints(sims.iter().map(|(n, s)| spec(n, s)).collect());
+    eventually("every contract is known", || {
+        sims.iter()
+            .all(|(n, _)| status(&pool, n).contract != "unknown")
+    })
+    .await;
+    assert!(mirrors(&pool, "same", &same));
+    assert_eq!(status(&pool, "same").contract, "match");
+    for (name, field) in [
+        ("block32", "blockSize"),
+        ("seeded", "hashSeed"),
+        ("xxhash", "hashAlgo"),
+    ] {
+        let s = status(&pool, name);
+        assert_eq!(s.contract, "mismatch", "{name}");
+        assert_eq!(s.stream, "live", "{name}: its load still counts");
+        assert_eq!(s.cached_blocks, 0, "{name}: no cache credit");
+        let fields: Vec<&str> = s.contract_mismatches.iter().map(|m| m.field).collect();
+        assert_eq!(fields, [field], "{name}");
+    }
+    assert_eq!(status(&pool, "block32").contract_mismatches[0].engine, "32");
+
+    // The settings move to block size 32: that engine resyncs and counts,
+    // the others stop.
+    pool.update_settings(|s| kvroute_router::settings::Settings {
+        hasher: kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig {
+            block_size: 32,
+            ..s.hasher.config().clone()
+        })
+        .unwrap(),
+        key: s.key.clone(),
+        tokenizer: s.tokenizer.clone(),
+        template: s.template.clone(),
+        conversation_header: s.conversation_header.clone(),
+        policy: s.policy.clone(),
+    });
+    eventually("block32 matches and is mirrored", || {
+        status(&pool, "block32").contract == "match" && mirrors(&pool, "block32", &block32)
+    })
+    .await;
+    let s = status(&pool, "same");
+    assert_eq!((s.contract, s.cached_blocks), ("mismatch", 0));
+    for s in [same, block32, seeded, xxhash] {
+        s.shutdown().await;
+    }
 }

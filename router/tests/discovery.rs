@@ -8,18 +8,16 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::http::HeaderName;
 use futures_util::{Stream, StreamExt};
-use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
-use kvroute_core::keys::{KeyConfig, KeyMode, RoutingKey};
+use kvroute_core::hash::HashAlgo;
+use kvroute_core::keys::{KeyMode, RoutingKey};
 use kvroute_core::policy::{PolicyConfig, Request};
-use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
 use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
 use kvroute_router::config::Resilience;
 use kvroute_router::discovery::{DiscoveryError, operator, static_file};
 use kvroute_router::pool::Pool;
-use kvroute_router::settings::{Settings, SharedSettings};
+use kvroute_router::settings::Settings;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::WatchStream;
@@ -27,11 +25,10 @@ use tonic::{Response, Status};
 
 fn pool() -> Arc<Pool> {
     Pool::new(
-        PolicyConfig::default(),
+        Settings::builtin(PolicyConfig::default()),
         &Resilience::default(),
         Default::default(),
         256,
-        16,
         None,
     )
 }
@@ -342,16 +339,6 @@ fn state(version: u64, endpoints: Vec<v1::Endpoint>, policy: RoutingPolicy) -> P
     }
 }
 
-fn settings() -> Arc<SharedSettings> {
-    Arc::new(SharedSettings::new(Settings {
-        key: KeyConfig::default(),
-        hasher: BlockHasher::new(HashConfig::default()).unwrap(),
-        tokenizer: Arc::new(Tokenizer::builtin()),
-        template: Arc::new(ChatTemplate::builtin()),
-        conversation_header: HeaderName::from_static("x-conversation-id"),
-    }))
-}
-
 /// The first choice of two plans for the same request: equal under a
 /// keyed policy, different under round robin.
 fn two_firsts(pool: &Pool) -> (String, String) {
@@ -364,14 +351,9 @@ fn two_firsts(pool: &Pool) -> (String, String) {
     (first(), first())
 }
 
-fn watch_operator(
-    pool: &Arc<Pool>,
-    settings: &Arc<SharedSettings>,
-    addr: SocketAddr,
-) -> JoinHandle<()> {
+fn watch_operator(pool: &Arc<Pool>, addr: SocketAddr) -> JoinHandle<()> {
     tokio::spawn(operator::run(
         pool.clone(),
-        settings.clone(),
         format!("http://{addr}"),
         None,
         "ml".into(),
@@ -393,8 +375,8 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
         state(5, ab(), policy("kvroute")),
     )
     .await;
-    let (pool, settings) = (pool(), settings());
-    let task = watch_operator(&pool, &settings, addr);
+    let pool = pool();
+    let task = watch_operator(&pool, addr);
     eventually("version 5 is applied", || {
         names(&pool) == ["a:8000", "b:8000"]
     })
@@ -425,7 +407,7 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
     abc.push(endpoint("c:8000", "10.0.0.3", true));
     op.publish(state(6, abc.clone(), p.clone()));
     eventually("version 6 is applied", || {
-        settings.get().key.mode == KeyMode::Prefix
+        pool.settings().key.mode == KeyMode::Prefix
     })
     .await;
     assert_eq!(
@@ -436,7 +418,7 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
             ("c:8000".to_owned(), true, true),
         ]
     );
-    let s = settings.get();
+    let s = pool.settings();
     assert_eq!(s.key.prefix_tokens, 64);
     let hashing = s.hasher.config();
     assert_eq!(
@@ -453,12 +435,12 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
     p.key_mode = v1::KeyMode::Tenant.into();
     op.publish(state(7, abc, p));
     eventually("version 7 is applied", || {
-        settings.get().key.mode == KeyMode::Tenant
+        pool.settings().key.mode == KeyMode::Tenant
     })
     .await;
     assert_eq!(logs.count("unknown routing policy"), 1);
     assert_eq!(logs.count("invalid block hashing"), 1);
-    assert_eq!(settings.get().hasher.config().block_size, 32);
+    assert_eq!(pool.settings().hasher.config().block_size, 32);
     let (x, y) = two_firsts(&pool);
     assert_ne!(x, y, "still round robin");
 
@@ -478,8 +460,8 @@ async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
         state(5, ab, policy("kvroute")),
     )
     .await;
-    let (pool, settings) = (pool(), settings());
-    let task = watch_operator(&pool, &settings, addr);
+    let pool = pool();
+    let task = watch_operator(&pool, addr);
     eventually("version 5 is applied", || {
         names(&pool) == ["a:8000", "b:8000"]
     })
@@ -546,10 +528,9 @@ async fn the_operator_stream_runs_over_mutual_tls() {
         Some("localhost"),
     )
     .unwrap();
-    let (pool, settings) = (pool(), settings());
+    let pool = pool();
     let task = tokio::spawn(operator::run(
         pool.clone(),
-        settings.clone(),
         format!("https://{addr}"),
         Some(client_tls),
         "ml".into(),

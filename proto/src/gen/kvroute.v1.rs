@@ -30,6 +30,13 @@ pub struct CacheConfig {
     /// request.
     #[prost(string, tag = "5")]
     pub model: ::prost::alloc::string::String,
+    /// The engine's `NONE_HASH` (the parent of every prompt's first block: the
+    /// digest of the hash seed) in the form of `block_hashes`. A router computes
+    /// the same value from its own algorithm and seed: when the two differ, no
+    /// hash the router computes can match the engine's. Absent when the engine
+    /// cannot say; a router then compares `hash_seed_set` only.
+    #[prost(uint64, optional, tag = "6")]
+    pub none_hash: ::core::option::Option<u64>,
 }
 /// How busy an engine is. Set by the engine at the moment it is sent.
 #[derive(Clone, Copy, PartialEq, ::prost::Message)]

@@ -1,8 +1,8 @@
 //! The operator source: subscribes to the kvroute operator's
 //! `EndpointDiscovery.WatchPool` for one InferencePool and applies each
-//! newer `PoolState` to the router: the endpoint set to the [`Pool`], the
-//! policy to the pool, and the key mode, prefix length and block hashing to
-//! the [`SharedSettings`].
+//! newer `PoolState` to the router's [`Pool`]: the endpoint set, and the
+//! routing settings (policy, key mode, prefix length and block hashing) as
+//! one value.
 //!
 //! States are full, not deltas, and versioned: one whose version is not
 //! higher than the last applied (a lagging operator replica) is ignored.
@@ -10,8 +10,7 @@
 //! state and resubscribes with a jittered backoff ([`Backoff`]).
 //!
 //! Not here: tenancy from the policy (`tenancy`, `tenant_header`: the
-//! router's own configuration decides those), and the pool's block size for
-//! load accounting (fixed when the pool is built).
+//! router's own configuration decides those).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -29,7 +28,7 @@ use tonic::transport::ClientTlsConfig;
 
 use crate::cache_watch::{BACKOFF_RESET_AFTER, Backoff, error_chain};
 use crate::pool::{EndpointSpec, Pool};
-use crate::settings::{Settings, SharedSettings};
+use crate::settings::Settings;
 
 /// How the router names itself to the operator.
 const SUBSCRIBER: &str = "kvroute-router";
@@ -40,11 +39,10 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Watches pool `namespace/pool_name` at the operator `url` (e.g.
-/// `http://kvroute-operator.kvroute:9443`) and applies its states to `pool`
-/// and `settings`. Runs until aborted; never gives up on the operator.
+/// `http://kvroute-operator.kvroute:9443`) and applies its states to
+/// `pool`. Runs until aborted; never gives up on the operator.
 pub async fn run(
     pool: Arc<Pool>,
-    settings: Arc<SharedSettings>,
     url: String,
     tls: Option<ClientTlsConfig>,
     namespace: String,
@@ -53,13 +51,11 @@ pub async fn run(
     let mut backoff = Backoff::new(&url);
     let mut watcher = Watcher {
         pool,
-        settings,
         url,
         tls,
         namespace,
         pool_name,
         version: None,
-        policy: None,
     };
     loop {
         let mut connected_at = None;
@@ -94,13 +90,11 @@ enum Broken {
 /// One pool's subscription, and what its last applied state set.
 struct Watcher {
     pool: Arc<Pool>,
-    settings: Arc<SharedSettings>,
     url: String,
     tls: Option<ClientTlsConfig>,
     namespace: String,
     pool_name: String,
     version: Option<u64>,
-    policy: Option<PolicyConfig>,
 }
 
 impl Watcher {
@@ -188,18 +182,7 @@ impl Watcher {
         if state.policy.is_none() {
             return;
         }
-        match policy_config(&policy) {
-            Some(config) => {
-                if self.policy.as_ref() != Some(&config) {
-                    tracing::info!(?config, "routing policy");
-                    self.pool.set_policy(config.clone());
-                    self.policy = Some(config);
-                }
-            }
-            None => tracing::warn!(policy = %policy.policy,
-                "unknown routing policy or unusable parameters from the operator; keeping the current one"),
-        }
-        update_settings(&self.settings, &policy);
+        update_settings(&self.pool, &policy);
     }
 }
 
@@ -307,9 +290,15 @@ fn hasher(policy: &RoutingPolicy, current: &HashConfig) -> Result<Option<BlockHa
         .map_err(|e| e.to_string())
 }
 
-/// Replaces the settings when the policy changes the key or the hashing.
-fn update_settings(settings: &SharedSettings, policy: &RoutingPolicy) {
-    let current = settings.get();
+/// Replaces the pool's settings when the operator's policy changes the
+/// policy, the key or the hashing; a part it gets wrong is kept as it was.
+fn update_settings(pool: &Arc<Pool>, policy: &RoutingPolicy) {
+    let current = pool.settings();
+    let config = policy_config(policy).unwrap_or_else(|| {
+        tracing::warn!(policy = %policy.policy,
+            "unknown routing policy or unusable parameters from the operator; keeping the current one");
+        current.policy.clone()
+    });
     let key = key_config(policy, &current.key);
     let hasher = match hasher(policy, current.hasher.config()) {
         Ok(h) => h,
@@ -320,17 +309,18 @@ fn update_settings(settings: &SharedSettings, policy: &RoutingPolicy) {
             None
         }
     };
-    if key == current.key && hasher.is_none() {
+    if key == current.key && hasher.is_none() && config == current.policy {
         return;
     }
-    tracing::info!(key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
+    tracing::info!(policy = ?config, key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
         "routing settings from the operator");
-    settings.update(|cur| Settings {
+    pool.update_settings(|cur| Settings {
         key,
         hasher: hasher.unwrap_or_else(|| cur.hasher.clone()),
         tokenizer: cur.tokenizer.clone(),
         template: cur.template.clone(),
         conversation_header: cur.conversation_header.clone(),
+        policy: config,
     });
 }
 

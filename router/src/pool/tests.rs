@@ -4,6 +4,7 @@ use kvroute_core::keys::RoutingKey;
 
 use super::*;
 use crate::health::Fault;
+use kvroute_core::policy::PolicyConfig;
 
 fn spec(name: &str, port: u16) -> EndpointSpec {
     EndpointSpec {
@@ -17,7 +18,7 @@ fn spec(name: &str, port: u16) -> EndpointSpec {
 
 fn pool(concurrency: u32) -> Arc<Pool> {
     Pool::new(
-        PolicyConfig::by_name("round-robin").unwrap(),
+        Settings::builtin(PolicyConfig::by_name("round-robin").unwrap()),
         &Resilience {
             attempts: 3,
             eject_after_failures: 2,
@@ -28,7 +29,6 @@ fn pool(concurrency: u32) -> Arc<Pool> {
         },
         Arc::new(Metrics::default()),
         concurrency,
-        16,
         None,
     )
 }
@@ -140,15 +140,23 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
     p.set_endpoints(vec![a.clone()]);
     // Generation 1 is a's watcher. A snapshot from another generation is
     // ignored; its own applies.
-    let snap = CacheEvent::Snapshot {
-        capacity: 8,
-        blocks: &[1, 2],
+    let hasher = p.settings().hasher.clone();
+    let engine = crate::contract::EngineCache {
+        block_size: hasher.config().block_size as u32,
+        hash_algo: Some(hasher.config().algo),
+        hash_seed_set: false,
+        none_hash: Some(hasher.none_hash().to_u64()),
     };
-    p.apply_cache("a", 99, snap).unwrap();
+    p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2]).unwrap();
+    p.apply_cache("a", 99, CacheEvent::Stored(&[3])).unwrap();
     assert_eq!(p.index_entries(), 0);
-    p.apply_cache("a", 1, snap).unwrap();
+    // Changes before a snapshot has checked the contract are not indexed.
+    p.apply_cache("a", 1, CacheEvent::Stored(&[3])).unwrap();
+    assert_eq!(p.index_entries(), 0);
+    p.apply_snapshot("a", 1, engine, 8, &[1, 2]).unwrap();
     p.set_stream("a", 1, StreamState::Live);
     assert_eq!(p.index_entries(), 2);
+    assert_eq!(p.status()[0].contract, "match");
     assert_eq!(p.status()[0].stream, "live");
     // Losing the stream drops the entries until the next snapshot.
     p.set_stream("a", 1, StreamState::Connecting);
@@ -158,11 +166,10 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
 #[tokio::test]
 async fn unreadable_requests_go_to_the_least_loaded() {
     let p = Pool::new(
-        PolicyConfig::default(),
+        Settings::builtin(PolicyConfig::default()),
         &Resilience::default(),
         Arc::new(Metrics::default()),
         8,
-        16,
         None,
     );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
@@ -183,7 +190,7 @@ async fn unreadable_requests_go_to_the_least_loaded() {
 async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
     let metrics = Arc::new(Metrics::default());
     let p = Pool::new(
-        PolicyConfig::by_name("round-robin").unwrap(),
+        Settings::builtin(PolicyConfig::by_name("round-robin").unwrap()),
         &Resilience {
             eject_after_failures: 1,
             health_check: None,
@@ -191,7 +198,6 @@ async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
         },
         metrics.clone(),
         8,
-        16,
         None,
     );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2), spec("c", 3), spec("d", 4)]);
