@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use kvroute_core::hash::HashAlgo;
+use kvroute_core::hash::{HashAlgo, Lora};
 
 /// How one simulated engine behaves.
 #[derive(Clone, Debug, clap::Args)]
@@ -21,6 +21,12 @@ pub struct Config {
     /// Model name served by /v1/models and accepted in requests.
     #[arg(long, env = "SIM_MODEL", default_value = "kvroute-sim")]
     pub model: String,
+
+    /// LoRA adapters served besides the model, as `name=path` (vLLM
+    /// --lora-modules): listed in /v1/models with `root` and `parent`, and
+    /// requests naming one hash their blocks with it. No weights are read.
+    #[arg(long, env = "SIM_LORA_MODULES", value_delimiter = ',', num_args = 1.., value_parser = parse_lora)]
+    pub lora_modules: Vec<Lora>,
 
     /// Tokens per KV block (vLLM --block-size).
     #[arg(long, env = "SIM_BLOCK_SIZE", default_value_t = kvroute_core::hash::DEFAULT_BLOCK_SIZE as u32, value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -115,7 +121,21 @@ pub struct Config {
     pub tls_client_ca_file: Option<PathBuf>,
 }
 
+/// `name=path`, as vLLM's `--lora-modules` takes it.
+fn parse_lora(s: &str) -> Result<Lora, String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok(Lora::new(name, path)),
+        _ => Err(format!("expected name=path, got {s:?}")),
+    }
+}
+
 impl Config {
+    /// The LoRA adapter a request's `model` names; `None` for the base
+    /// model.
+    pub fn lora(&self, model: &str) -> Option<&Lora> {
+        self.lora_modules.iter().find(|l| l.name == model)
+    }
+
     /// Checks values clap cannot; the error names the flag and the value.
     pub fn validate(&self) -> Result<(), String> {
         let non_negative = [
@@ -157,6 +177,7 @@ impl Config {
             listen: "127.0.0.1:0".parse().expect("valid"),
             cache_listen: "127.0.0.1:0".parse().expect("valid"),
             model: "kvroute-sim".to_owned(),
+            lora_modules: Vec::new(),
             block_size: kvroute_core::hash::DEFAULT_BLOCK_SIZE as u32,
             hash_algo: kvroute_core::hash::DEFAULT_HASH_ALGO,
             hash_seed: None,

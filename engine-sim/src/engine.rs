@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig};
+use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::Tokenizer;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
@@ -120,6 +120,8 @@ pub struct Job {
     pub max_tokens: u64,
     /// vLLM `cache_salt`, hashed into block 0.
     pub cache_salt: Option<String>,
+    /// The LoRA adapter the request names, hashed into every block.
+    pub lora: Option<Lora>,
 }
 
 /// One generated token.
@@ -301,7 +303,7 @@ impl Engine {
             return Err(EngineError::TooLarge { needed, capacity });
         }
         let extras = BlockExtras {
-            lora: None,
+            lora: job.lora.as_ref(),
             cache_salt: job.cache_salt.as_deref(),
         };
         let digests = self.hasher.digests(&job.prompt, extras);
@@ -424,7 +426,7 @@ impl Engine {
             self.publish(&mut state);
         }
         let extras = BlockExtras {
-            lora: None,
+            lora: job.lora.as_ref(),
             cache_salt: job.cache_salt.as_deref(),
         };
         let seed = xxh3_64(bytes_of(&job.prompt).as_slice());

@@ -15,7 +15,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream;
-use kvroute_core::hash::validate_cache_salt;
+use kvroute_core::hash::{Lora, validate_cache_salt};
 use kvroute_core::tokenize::{
     ChatMessage, ChatTemplate, Tokenizer, chat_prompt_tokens, completion_prompt_tokens,
     content_text,
@@ -98,14 +98,20 @@ fn now_secs() -> u64 {
 
 async fn models(State(app): State<Arc<App>>) -> Response {
     let c = app.engine.config();
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": c.model, "object": "model", "created": now_secs(), "owned_by": "vllm",
-            "root": c.model, "parent": null, "max_model_len": c.max_model_len, "permission": [],
-        }],
-    }))
-    .into_response()
+    let created = now_secs();
+    // As vLLM lists them: adapters with their path as root and the base
+    // model as parent.
+    let mut data = vec![json!({
+        "id": c.model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": c.model, "parent": null, "max_model_len": c.max_model_len, "permission": [],
+    })];
+    data.extend(c.lora_modules.iter().map(|l| {
+        json!({
+            "id": l.name, "object": "model", "created": created, "owned_by": "vllm",
+            "root": l.path, "parent": c.model, "max_model_len": null, "permission": [],
+        })
+    }));
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
@@ -142,6 +148,9 @@ struct Common {
     stream: bool,
     include_usage: bool,
     cache_salt: Option<String>,
+    /// The model the request named: the base model or an adapter.
+    model: String,
+    lora: Option<Lora>,
 }
 
 /// Parses the body as a JSON object, checks the model and the shared
@@ -173,9 +182,10 @@ async fn prologue(
     let Value::Object(obj) = value else {
         return Err(bad_request("the request body must be a JSON object"));
     };
-    match obj.get("model") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(m)) if *m == config.model => {}
+    let (model, lora) = match obj.get("model") {
+        None | Some(Value::Null) => (config.model.clone(), None),
+        Some(Value::String(m)) if *m == config.model => (m.clone(), None),
+        Some(Value::String(m)) if config.lora(m).is_some() => (m.clone(), config.lora(m).cloned()),
         Some(Value::String(m)) => {
             return Err(error(
                 StatusCode::NOT_FOUND,
@@ -184,7 +194,7 @@ async fn prologue(
             ));
         }
         Some(_) => return Err(bad_request("'model' must be a string")),
-    }
+    };
     let max_tokens = match obj
         .get("max_completion_tokens")
         .or_else(|| obj.get("max_tokens"))
@@ -228,6 +238,8 @@ async fn prologue(
             stream,
             include_usage,
             cache_salt,
+            model,
+            lora,
         },
     ))
 }
@@ -318,6 +330,7 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         prompt,
         max_tokens: common.max_tokens,
         cache_salt: common.cache_salt,
+        lora: common.lora,
     };
     let generation = match app.engine.generate(job).await {
         Ok(g) => g,
@@ -330,7 +343,7 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         }
         Err(e) => return bad_request(e.to_string()),
     };
-    let model = app.engine.config().model.clone();
+    let model = common.model;
     let created = now_secs();
     let id = format!(
         "{}-{:016x}{:016x}",

@@ -24,11 +24,12 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     let sim = kvroute_engine_sim::start(cli.config).await?;
+    let stop = kvroute_telemetry::shutdown_signal();
     println!(
         "kvroute-engine-sim: HTTP on http://{}, WatchCache on {}",
         sim.http_addr, sim.cache_addr
     );
-    kvroute_telemetry::shutdown_signal().await;
+    stop.await;
     sim.shutdown().await;
     Ok(())
 }

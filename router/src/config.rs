@@ -2,6 +2,7 @@
 //! its default; flags and environment variables override the few fields
 //! people change per deployment. Parsed and validated once at start.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -178,6 +179,10 @@ pub struct Routing {
     /// The model's `tokenizer_config.json` (its chat template); default:
     /// the built-in ChatML template.
     pub tokenizer_config: Option<PathBuf>,
+    /// LoRA adapters by served name, with their path on the engines (vLLM's
+    /// `--lora-modules name=path`); adapters the engines list in
+    /// `/v1/models` need no entry. Default: none.
+    pub lora_adapters: BTreeMap<String, String>,
 }
 
 impl Default for Routing {
@@ -191,6 +196,7 @@ impl Default for Routing {
             hash_seed: None,
             tokenizer: None,
             tokenizer_config: None,
+            lora_adapters: BTreeMap::new(),
         }
     }
 }
@@ -668,6 +674,18 @@ impl Config {
                 "routing.conversationHeader",
                 &self.routing.conversation_header,
                 "is not a valid header name",
+            ));
+        }
+        if let Some((name, _)) = self
+            .routing
+            .lora_adapters
+            .iter()
+            .find(|(name, path)| name.is_empty() || path.is_empty())
+        {
+            return Err(invalid(
+                "routing.loraAdapters",
+                name,
+                "needs a name and a path",
             ));
         }
         Ok(())

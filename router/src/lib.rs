@@ -17,6 +17,7 @@ pub mod health;
 pub mod health_checks;
 pub mod listener;
 pub mod metrics;
+pub mod models;
 pub mod pool;
 pub mod proxy;
 pub mod server;

@@ -56,11 +56,12 @@ async fn main() -> anyhow::Result<()> {
     // Held to the end of main: dropping it flushes the last spans.
     let _telemetry = kvroute_router::telemetry::init(&config.telemetry)?;
     let running = kvroute_router::start(config).await?;
+    let stop = kvroute_telemetry::shutdown_signal();
     println!(
         "kvroute-router: API on http://{}, admin on http://{}",
         running.addr, running.admin_addr
     );
-    kvroute_telemetry::shutdown_signal().await;
+    stop.await;
     tracing::info!("shutting down; in-flight requests finish first");
     running.shutdown().await;
     Ok(())

@@ -5,9 +5,9 @@
 //! the next ones while no response byte has been received. The response
 //! streams back frame by frame as the engine sends it.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -34,11 +34,9 @@ use crate::errors::ApiError;
 use crate::features::{self, Api};
 use crate::health::Fault;
 use crate::metrics::Metrics;
+use crate::models::{ModelList, Models};
 use crate::pool::{InFlight, Plan, Pool, Target};
 use crate::tenancy::Tenancy;
-
-/// How long the union of the endpoints' models is reused.
-const MODELS_TTL: Duration = Duration::from_secs(10);
 
 /// Bodies up to this size are tokenized on the async worker that read
 /// them (microseconds); larger ones on the bounded tokenizer pool, so a
@@ -81,8 +79,7 @@ pub struct Proxy {
     /// Request bodies in memory, in KiB permits.
     bodies: Arc<Semaphore>,
     tokenizers: Workers,
-    models: std::sync::Mutex<Option<(Instant, Arc<BTreeSet<String>>)>>,
-    refreshing_models: AtomicBool,
+    models: Arc<Models>,
 }
 
 /// What routing takes from a request, computed by [`analyze`].
@@ -175,8 +172,7 @@ impl Proxy {
             bodies: Arc::new(Semaphore::new(kib(limits.max_body_bytes_in_flight))),
             tokenizers: Workers::new(limits.tokenize_queue),
             limits,
-            models: std::sync::Mutex::new(None),
-            refreshing_models: AtomicBool::new(false),
+            models: Arc::default(),
         }
     }
 
@@ -324,40 +320,31 @@ impl Proxy {
             self.metrics
                 .inc("kvroute_prompts_not_tokenized_total", &[], 1.0);
         }
+        let known = self.models().await;
+        let input = Input {
+            api,
+            tenant,
+            conversation,
+            tokenize,
+        };
         let analysis = if bytes.len() <= INLINE_BODY_BYTES {
-            analyze(
-                api,
-                bytes,
-                &self.tenancy,
-                tenant,
-                conversation,
-                &settings,
-                tokenize,
-            )?
+            analyze(bytes, input, &self.tenancy, &settings, &known)?
         } else {
             let tenancy = self.tenancy.clone();
             let retry_after = self.limits.retry_after_s;
+            let known = known.clone();
             self.tokenizers
                 .run(retry_after, move || {
-                    analyze(
-                        api,
-                        bytes,
-                        &tenancy,
-                        tenant,
-                        conversation,
-                        &settings,
-                        tokenize,
-                    )
+                    analyze(bytes, input, &tenancy, &settings, &known)
                 })
                 .await??
         };
         if let Some(model) = &analysis.model {
-            let known = self.models().await;
-            if known.contains(model) {
+            if known.ids.contains(model) {
                 labels.model.clone_from(model);
             } else {
                 labels.model = UNKNOWN_MODEL.into();
-                if !known.is_empty() {
+                if !known.ids.is_empty() {
                     return Err(ApiError::NotFound(format!(
                         "The model `{model}` does not exist."
                     )));
@@ -641,64 +628,11 @@ impl Proxy {
         Response::from_parts(parts, Body::new(StreamBody::new(frames)))
     }
 
-    /// The union of the endpoints' served models. The first call fetches
-    /// it; later calls answer from the cache at once and, once it is older
-    /// than [`MODELS_TTL`], refresh it in the background, so no request
-    /// waits on the endpoints. Empty when no endpoint answered.
-    pub async fn models(self: &Arc<Self>) -> Arc<BTreeSet<String>> {
-        let cached = self
-            .models
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        match cached {
-            Some((at, models)) => {
-                if at.elapsed() >= MODELS_TTL
-                    && !self.refreshing_models.swap(true, Ordering::SeqCst)
-                {
-                    let this = self.clone();
-                    tokio::spawn(async move {
-                        this.fetch_models().await;
-                        this.refreshing_models.store(false, Ordering::SeqCst);
-                    });
-                }
-                models
-            }
-            None => self.fetch_models().await,
-        }
-    }
-
-    async fn fetch_models(&self) -> Arc<BTreeSet<String>> {
-        let mut models = BTreeSet::new();
-        let fetches = self.pool.addresses().into_iter().map(|addr| async move {
-            let uri: Uri = format!("http://{addr}/v1/models").parse().ok()?;
-            let request = Request::get(uri).body(Full::new(Bytes::new())).ok()?;
-            let response =
-                tokio::time::timeout(Duration::from_secs(2), self.client.request(request))
-                    .await
-                    .ok()?
-                    .ok()?;
-            let body = response.into_body().collect().await.ok()?.to_bytes();
-            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-            Some(
-                v["data"]
-                    .as_array()?
-                    .iter()
-                    .filter_map(|m| m["id"].as_str().map(str::to_owned))
-                    .collect::<Vec<_>>(),
-            )
-        });
-        for ids in futures_util::future::join_all(fetches)
+    /// What the endpoints serve (see [`Models`]).
+    pub async fn models(self: &Arc<Self>) -> Arc<ModelList> {
+        self.models
+            .get(&self.client, || self.pool.addresses())
             .await
-            .into_iter()
-            .flatten()
-        {
-            models.extend(ids);
-        }
-        let models = Arc::new(models);
-        *self.models.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((Instant::now(), models.clone()));
-        models
     }
 }
 
@@ -732,20 +666,36 @@ fn end_to_end(headers: &mut HeaderMap) {
     *headers = kept;
 }
 
+/// What [`analyze`] takes from a request besides its body.
+#[derive(Debug)]
+struct Input {
+    api: Api,
+    /// The tenant the credentials name.
+    tenant: Option<String>,
+    /// The conversation header's value.
+    conversation: Option<String>,
+    /// False when the body is over `limits.maxTokenizeBytes`.
+    tokenize: bool,
+}
+
 /// Parses the body, applies tenancy, and computes the prompt's tokens
 /// (unless `tokenize` is false: the body is over `limits.maxTokenizeBytes`),
 /// block chain and routing key. Synchronous: large bodies run it on the
 /// tokenizer pool. In salted mode every body must be a JSON object: one
 /// the router cannot read could carry a client salt the engine would read.
 fn analyze(
-    api: Api,
     bytes: Bytes,
+    input: Input,
     tenancy: &Tenancy,
-    tenant: Option<String>,
-    conversation_header: Option<String>,
     settings: &crate::settings::Settings,
-    tokenize: bool,
+    models: &ModelList,
 ) -> Result<Analysis, ApiError> {
+    let Input {
+        api,
+        tenant,
+        conversation: conversation_header,
+        tokenize,
+    } = input;
     let mut obj = features::parse(api, &bytes, tenancy.salted())?;
     let feats = obj
         .as_ref()
@@ -763,8 +713,16 @@ fn analyze(
         .and_then(|o| o.get("cache_salt"))
         .and_then(|v| v.as_str())
         .map(str::to_owned);
+    // A request naming a LoRA adapter is hashed with it, as the engine
+    // hashes its blocks.
+    let lora = feats.model.as_deref().and_then(|m| {
+        settings
+            .lora_adapters
+            .get(m)
+            .or_else(|| models.adapters.get(m).map(|a| &a.lora))
+    });
     let extras = BlockExtras {
-        lora: None,
+        lora,
         cache_salt: salt.as_deref(),
     };
     let prompt = match obj.as_mut() {

@@ -11,7 +11,7 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvroute_core::hash::{BlockHasher, HashConfig};
+use kvroute_core::hash::{BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -133,6 +133,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         conversation_header: axum::http::HeaderName::from_bytes(r.conversation_header.as_bytes())
             .expect("validated"),
         policy: r.policy.clone(),
+        lora_adapters: r
+            .lora_adapters
+            .iter()
+            .map(|(name, path)| (name.clone(), Lora::new(name, path)))
+            .collect(),
     };
     let tenancy = Tenancy::load(&config.tenancy)?;
     let tls = config
@@ -323,11 +328,14 @@ async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> 
     if let Err(e) = p.authenticate(&headers) {
         return e.into_response();
     }
-    let data: Vec<_> = p
-        .models()
-        .await
+    let models = p.models().await;
+    let data: Vec<_> = models
+        .ids
         .iter()
-        .map(|id| json!({"id": id, "object": "model", "owned_by": "kvroute"}))
+        .map(|id| {
+            let parent = models.adapters.get(id).map(|a| &a.parent);
+            json!({"id": id, "object": "model", "owned_by": "kvroute", "parent": parent})
+        })
         .collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }

@@ -4,10 +4,11 @@
 //! discovery changes it (the operator's policy can change the key mode, the
 //! engines' hashing and the policy).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::http::HeaderName;
-use kvroute_core::hash::BlockHasher;
+use kvroute_core::hash::{BlockHasher, Lora};
 use kvroute_core::keys::KeyConfig;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
@@ -28,6 +29,9 @@ pub struct Settings {
     pub conversation_header: HeaderName,
     /// The policy.
     pub policy: PolicyConfig,
+    /// LoRA adapters by served name (`routing.loraAdapters`); others are
+    /// learned from the engines' `/v1/models`.
+    pub lora_adapters: BTreeMap<String, Lora>,
 }
 
 impl Settings {
@@ -44,6 +48,7 @@ impl Settings {
                 crate::config::DEFAULT_CONVERSATION_HEADER,
             ),
             policy,
+            lora_adapters: BTreeMap::new(),
         }
     }
 

@@ -205,17 +205,14 @@ async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_ag
 
     // The settings move to block size 32: that engine resyncs and counts,
     // the others stop.
-    pool.update_settings(|s| kvroute_router::settings::Settings {
-        hasher: kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig {
+    pool.update_settings(|s| {
+        let mut new = Settings::builtin(s.policy.clone());
+        new.hasher = kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig {
             block_size: 32,
             ..s.hasher.config().clone()
         })
-        .unwrap(),
-        key: s.key.clone(),
-        tokenizer: s.tokenizer.clone(),
-        template: s.template.clone(),
-        conversation_header: s.conversation_header.clone(),
-        policy: s.policy.clone(),
+        .unwrap();
+        new
     });
     eventually("block32 matches and is mirrored", || {
         status(&pool, "block32").contract == "match" && mirrors(&pool, "block32", &block32)

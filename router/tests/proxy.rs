@@ -269,3 +269,67 @@ async fn headers_pass_through_and_traceparent_is_untouched_without_tracing() {
     );
     router.shutdown().await;
 }
+
+/// `kvroute_expected_cached_tokens_total` now.
+async fn expected_cached(stack: &Stack) -> f64 {
+    let metrics = stack.metrics().await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvroute_expected_cached_tokens_total{} "))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+#[tokio::test]
+async fn requests_naming_a_lora_adapter_hit_its_blocks() {
+    let stack = Stack::start(
+        "lora",
+        3,
+        true,
+        |c| c.lora_modules = vec![kvroute_core::hash::Lora::new("sql-lora", "/adapters/sql")],
+        |_| {},
+    )
+    .await;
+    stack.wait_live().await;
+    let models: Value = reqwest::get(stack.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][1]["id"], "sql-lora");
+    assert_eq!(models["data"][1]["parent"], "kvroute-sim");
+
+    let system = long_text(11);
+    let mut body = chat(&system, "first", 2);
+    body["model"] = json!("sql-lora");
+    let before = stack.router.pool.index_entries();
+    let r = stack.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(r.status(), 200);
+    let holder = r.headers()["x-kvroute-endpoint"].clone();
+    eventually("the adapter's blocks are indexed", || {
+        stack.router.pool.index_entries() > before
+    })
+    .await;
+
+    // The same prompt through the adapter: the router expects the blocks
+    // the engine then reports cached.
+    let expected = expected_cached(&stack).await;
+    let r = stack.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(r.headers()["x-kvroute-endpoint"], holder);
+    let usage = r.json::<Value>().await.unwrap()["usage"].clone();
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached * 10 >= usage["prompt_tokens"].as_u64().unwrap() * 9);
+    assert_eq!(expected_cached(&stack).await - expected, cached as f64);
+
+    // Through the base model the adapter's blocks are no hit, for the
+    // engine and for the router alike.
+    body["model"] = json!("kvroute-sim");
+    let expected = expected_cached(&stack).await;
+    let r = stack.post("/v1/chat/completions", body).await;
+    let usage = r.json::<Value>().await.unwrap()["usage"].clone();
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(expected_cached(&stack).await, expected);
+    stack.stop().await;
+}

@@ -111,34 +111,46 @@ fn tracer_provider(service_name: &'static str, endpoint: &str) -> Result<SdkTrac
 }
 
 /// Completes on Ctrl-C or, on Unix, SIGTERM (what Kubernetes sends a pod it
-/// stops). A handler that cannot be installed is logged and its signal
-/// ignored, so the process still stops on the other.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
+/// stops). The handlers are installed when this is called, not when the
+/// future is first polled, so a signal that arrives in between is not
+/// missed: call it before announcing readiness. A handler that cannot be
+/// installed is logged and its signal ignored, so the process still stops
+/// on the other. Needs a Tokio runtime.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
+    #[cfg(unix)]
+    let (interrupt, term) = {
+        use tokio::signal::unix::{SignalKind, signal};
+        let install = |kind: SignalKind, name: &str| {
+            signal(kind)
+                .inspect_err(|error| tracing::error!(%error, "cannot wait for {name}"))
+                .ok()
+        };
+        (
+            install(SignalKind::interrupt(), "Ctrl-C"),
+            install(SignalKind::terminate(), "SIGTERM"),
+        )
+    };
+    async move {
+        #[cfg(unix)]
+        {
+            let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+                match s {
+                    Some(mut s) => drop(s.recv().await),
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                () = wait(interrupt) => {}
+                () = wait(term) => {}
+            }
+        }
+        #[cfg(not(unix))]
         if let Err(error) = tokio::signal::ctrl_c().await {
             tracing::error!(%error, "cannot wait for Ctrl-C");
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                term.recv().await;
-            }
-            Err(error) => {
-                tracing::error!(%error, "cannot wait for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
+        tracing::info!("shutting down");
     }
-    tracing::info!("shutting down");
 }
 
 #[cfg(test)]

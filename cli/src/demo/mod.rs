@@ -174,9 +174,10 @@ async fn serve(args: &DemoArgs, out: &mut impl Write) -> anyhow::Result<()> {
         out,
         "metrics: http://{admin}/metrics (endpoints: http://{admin}/debug/pool)"
     )?;
+    let stop = kvroute_telemetry::shutdown_signal();
     writeln!(out, "press Ctrl-C to stop")?;
     out.flush()?;
-    kvroute_telemetry::shutdown_signal().await;
+    stop.await;
     writeln!(out, "stopping (Ctrl-C again to stop at once)")?;
     out.flush()?;
     tokio::select! {

@@ -1,6 +1,6 @@
 use std::collections::BTreeSet;
 
-use kvroute_core::hash::{BlockExtras, HashAlgo};
+use kvroute_core::hash::{BlockExtras, HashAlgo, Lora};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::slot::Slot;
 use proptest::prelude::*;
@@ -19,11 +19,22 @@ async fn run(
     max_tokens: u64,
     salt: Option<&str>,
 ) -> (u64, Vec<Token>) {
+    run_with(engine, prompt, max_tokens, salt, None).await
+}
+
+async fn run_with(
+    engine: &Arc<Engine>,
+    prompt: Vec<u32>,
+    max_tokens: u64,
+    salt: Option<&str>,
+    lora: Option<Lora>,
+) -> (u64, Vec<Token>) {
     let mut g = engine
         .generate(Job {
             prompt,
             max_tokens,
             cache_salt: salt.map(str::to_owned),
+            lora,
         })
         .await
         .unwrap();
@@ -44,9 +55,9 @@ async fn block_hashes_equal_vllm_vectors() {
     let vectors: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut checked = 0;
     for case in vectors["cases_vllm_0_33_0_tagged"].as_array().unwrap() {
-        if case["lora"] != serde_json::Value::Null {
-            continue; // the simulator serves no LoRA adapters
-        }
+        let lora = case["lora"]
+            .as_object()
+            .map(|l| Lora::new(l["name"].as_str().unwrap(), l["path"].as_str().unwrap()));
         let tokens: Vec<u32> = vectors["tokens"][case["tokens"].as_str().unwrap()]
             .as_array()
             .unwrap()
@@ -61,14 +72,14 @@ async fn block_hashes_equal_vllm_vectors() {
         // One more token, so every full block of the vector is cached.
         let mut prompt = tokens.clone();
         prompt.push(1);
-        run(&e, prompt, 1, case["cache_salt"].as_str()).await;
+        run_with(&e, prompt, 1, case["cache_salt"].as_str(), lora).await;
         let resident: BTreeSet<u64> = e.resident().into_iter().collect();
         for h in case["event_block_hashes_u64"].as_array().unwrap() {
             assert!(resident.contains(&h.as_u64().unwrap()), "{case}");
         }
         checked += 1;
     }
-    assert_eq!(checked, 60);
+    assert_eq!(checked, 120);
 }
 
 #[tokio::test]
@@ -118,6 +129,7 @@ async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests()
             prompt: a[..5].to_vec(),
             max_tokens: 2,
             cache_salt: None,
+            lora: None,
         })
         .await
         .unwrap();
@@ -146,6 +158,7 @@ async fn rejects_what_can_never_run() {
             prompt: vec![1; 90],
             max_tokens: 20,
             cache_salt: None,
+            lora: None,
         })
         .await
         .unwrap_err();
@@ -155,6 +168,7 @@ async fn rejects_what_can_never_run() {
             prompt: vec![1; 70],
             max_tokens: 10,
             cache_salt: None,
+            lora: None,
         })
         .await
         .unwrap_err();
@@ -169,7 +183,8 @@ async fn rejects_what_can_never_run() {
         e.generate(Job {
             prompt: vec![],
             max_tokens: 1,
-            cache_salt: None
+            cache_salt: None,
+            lora: None,
         })
         .await
         .unwrap_err(),
@@ -289,6 +304,7 @@ async fn workload(seed: u64) {
                     prompt,
                     max_tokens,
                     cache_salt: salt,
+                    lora: None,
                 })
                 .await
                 .unwrap();

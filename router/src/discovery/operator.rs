@@ -321,6 +321,7 @@ fn update_settings(pool: &Arc<Pool>, policy: &RoutingPolicy) {
         template: cur.template.clone(),
         conversation_header: cur.conversation_header.clone(),
         policy: config,
+        lora_adapters: cur.lora_adapters.clone(),
     });
 }
 

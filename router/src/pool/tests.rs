@@ -147,7 +147,8 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
         hash_seed_set: false,
         none_hash: Some(hasher.none_hash().to_u64()),
     };
-    p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2]).unwrap();
+    p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2])
+        .unwrap();
     p.apply_cache("a", 99, CacheEvent::Stored(&[3])).unwrap();
     assert_eq!(p.index_entries(), 0);
     // Changes before a snapshot has checked the contract are not indexed.

@@ -94,7 +94,8 @@ proptest! {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = Settings::test();
-        match analyze(api, Bytes::from(body), &t, Some("acme".into()), None, &s, true) {
+        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true };
+        match analyze(Bytes::from(body), input, &t, &s, &ModelList::default()) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
                 prop_assert_eq!(&forwarded["cache_salt"], &json!(t.salt("acme")));
@@ -108,7 +109,8 @@ proptest! {
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
-        match analyze(api, Bytes::from(body.clone()), &t, None, None, &s, true) {
+        let input = Input { api, tenant: None, conversation: None, tokenize: true };
+        match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default()) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
         }
