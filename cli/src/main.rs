@@ -11,6 +11,7 @@ use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod explain;
 mod hash;
 mod plot;
 mod replay;
@@ -32,6 +33,10 @@ enum Command {
     /// Run engine sims and the router in this process: compare round robin
     /// with kvroute on a chat workload, then serve until Ctrl-C.
     Demo(demo::DemoArgs),
+    /// Ask a running router what it would do with a request, without
+    /// sending it: tokens, block chain, cached blocks per endpoint,
+    /// predicted latency and the decision.
+    Explain(explain::ExplainArgs),
 }
 
 /// Exit code for usage errors, as clap and most Unix tools use.
@@ -57,6 +62,7 @@ fn main() -> ExitCode {
         Command::Hash(args) => hash::run(&args, &mut std::io::stdout().lock()),
         Command::Replay(args) => replay::run(&args, &mut std::io::stdout().lock()),
         Command::Demo(args) => demo::run(&args, &mut std::io::stdout()),
+        Command::Explain(args) => explain::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -97,6 +97,8 @@ pub struct Prompt {
     pub head: Vec<u32>,
     /// The block hashes of its full blocks.
     pub chain: Vec<u64>,
+    /// Every token, when asked for (`kvroute explain`); else empty.
+    pub all: Vec<u32>,
 }
 
 /// The prompt as the engine will tokenize it, when the router can know it.
@@ -108,15 +110,18 @@ pub struct Prompt {
 /// template the chat's tokens go straight into the chain, one at a time,
 /// so a large prompt is held about twice (the body and its texts); other
 /// tokenizers hold the rendered prompt and its ids as well.
+/// With `keep_all`, [`Prompt::all`] holds every token.
 pub fn prompt(
     api: Api,
     obj: &mut Map<String, Value>,
     settings: &Settings,
     extras: BlockExtras<'_>,
+    keep_all: bool,
 ) -> Result<Option<Prompt>, ApiError> {
     let mut builder = Builder {
         chain: settings.hasher.chain(extras),
         head_len: settings.key.prefix_tokens,
+        keep_all,
         prompt: Prompt::default(),
     };
     let tokens = if api == Api::Chat {
@@ -143,6 +148,7 @@ pub fn prompt(
 struct Builder<'a> {
     chain: Chain<'a>,
     head_len: usize,
+    keep_all: bool,
     prompt: Prompt,
 }
 
@@ -151,6 +157,9 @@ impl Builder<'_> {
         self.prompt.tokens += 1;
         if self.prompt.head.len() < self.head_len {
             self.prompt.head.push(token);
+        }
+        if self.keep_all {
+            self.prompt.all.push(token);
         }
         if let Some(digest) = self.chain.push(token) {
             self.prompt.chain.push(digest.to_u64());
@@ -274,13 +283,14 @@ mod tests {
             lora: None,
             cache_salt: Some(salt),
         };
-        let streamed = prompt(Api::Chat, &mut obj(body.clone()), &s, extras)
+        let streamed = prompt(Api::Chat, &mut obj(body.clone()), &s, extras, true)
             .unwrap()
             .unwrap();
         let tokens = prompt_tokens(Api::Chat, &mut obj(body), &s)
             .unwrap()
             .unwrap();
         assert_eq!(streamed.tokens, tokens.len() as u64);
+        assert_eq!(streamed.all, tokens);
         assert_eq!(
             streamed.head,
             tokens[..s.key.prefix_tokens.min(tokens.len())]

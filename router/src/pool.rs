@@ -118,6 +118,43 @@ pub struct Plan {
     pub cached_blocks: u32,
 }
 
+/// A decision explained ([`Pool::explain`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Explained {
+    /// The policy that decided.
+    pub policy: &'static str,
+    /// Why the first was chosen: `warm`, `cold`, `spill`, or `unreadable`
+    /// (no prompt: least loaded).
+    pub reason: &'static str,
+    /// Leading blocks the policy believes the first holds.
+    pub cached_blocks: u32,
+    /// Routable endpoints, best first (a full one is skipped when sent).
+    pub ranked: Vec<String>,
+    /// Every endpoint's view of the request.
+    pub endpoints: Vec<ExplainedEndpoint>,
+}
+
+/// One endpoint's view of a request.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ExplainedEndpoint {
+    /// Name.
+    pub name: String,
+    /// Ready, not draining, not ejected.
+    pub routable: bool,
+    /// At its concurrency limit.
+    pub full: bool,
+    /// Its engine contract (`unknown`, `match`, `mismatch`).
+    pub contract: &'static str,
+    /// The request's leading blocks it holds, per the index.
+    pub cached_blocks: u32,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Predicted wait before this request's prefill would start, seconds.
+    pub queue_seconds: f64,
+    /// Predicted time to first token there, seconds.
+    pub predicted_ttft_seconds: f64,
+}
+
 /// Spawns a WatchCache watcher for `(name, generation)` at `addr`.
 pub type WatcherSpawner =
     Arc<dyn Fn(Arc<Pool>, String, u64, SocketAddr) -> JoinHandle<()> + Send + Sync>;
@@ -457,6 +494,82 @@ impl Pool {
             full,
             reason: decision.reason,
             cached_blocks: decision.cached_blocks,
+        }
+    }
+
+    /// What [`plan`](Self::plan) would decide for `request`, with every
+    /// endpoint's view of it, changing nothing: the policy decides on a
+    /// copy of itself.
+    pub fn explain(&self, request: &Request<'_>, readable: bool) -> Explained {
+        let inner = self.lock();
+        let now = now();
+        let settings = &inner.settings;
+        let prefill = settings.policy.prefill_model();
+        let block_tokens = settings.hasher.config().block_size as u64;
+        let mut leading = Vec::new();
+        if inner.exact {
+            inner.index.longest_prefix(request.chain, &mut leading);
+        }
+        let routable: Vec<&Member> = inner
+            .members
+            .values()
+            .filter(|m| inner.is_routable(m, now))
+            .collect();
+        let endpoints: Vec<Endpoint> = routable
+            .iter()
+            .map(|m| Endpoint {
+                slot: m.slot,
+                id: m.id,
+                load: inner.load.load(m.slot),
+            })
+            .collect();
+        let cx = Context {
+            index: inner.exact.then_some(&inner.index),
+            block_tokens,
+            now,
+        };
+        let mut policy = if readable {
+            inner.policy.boxed_clone()
+        } else {
+            inner.least_loaded.boxed_clone()
+        };
+        let decision = policy.rank(request, &endpoints, &cx);
+        let ranked = decision
+            .ranked
+            .iter()
+            .map(|&i| routable[i].spec.name.clone())
+            .collect();
+        let explained_endpoints = inner
+            .members
+            .values()
+            .map(|m| {
+                let load = inner.load.load(m.slot);
+                let cached = leading.get(m.slot.index()).copied().unwrap_or(0);
+                let uncached = request
+                    .prompt_tokens
+                    .saturating_sub(u64::from(cached) * block_tokens);
+                ExplainedEndpoint {
+                    name: m.spec.name.clone(),
+                    routable: inner.is_routable(m, now),
+                    full: load.in_flight >= self.concurrency,
+                    contract: m.contract.as_str(),
+                    cached_blocks: cached,
+                    in_flight: load.in_flight,
+                    queue_seconds: prefill.queued_s(&load, now),
+                    predicted_ttft_seconds: prefill.ttft_s(&load, uncached, now),
+                }
+            })
+            .collect();
+        Explained {
+            policy: policy.name(),
+            reason: if readable {
+                decision.reason.as_str()
+            } else {
+                "unreadable"
+            },
+            cached_blocks: decision.cached_blocks,
+            ranked,
+            endpoints: explained_endpoints,
         }
     }
 

@@ -94,6 +94,10 @@ struct Analysis {
     /// Whether the router could read a prompt.
     readable: bool,
     block_tokens: u64,
+    /// The LoRA adapter the prompt was hashed with.
+    lora: Option<String>,
+    /// Every prompt token, when [`Input::keep_tokens`] asked for them.
+    tokens: Vec<u32>,
 }
 
 /// Counts a request under `kvroute_requests_total` exactly once: with its
@@ -308,49 +312,16 @@ impl Proxy {
         }
         let tenant = self.tenancy.tenant(&parts.headers)?;
         let (bytes, _budget) = self.read_body(parts, body).await?;
-        let api = Api::of(path);
-        let settings = self.pool.settings();
-        let conversation = parts
-            .headers
-            .get(&settings.conversation_header)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let tokenize = bytes.len() <= self.limits.max_tokenize_bytes;
-        if !tokenize {
-            self.metrics
-                .inc("kvroute_prompts_not_tokenized_total", &[], 1.0);
-        }
-        let known = self.models().await;
-        let input = Input {
-            api,
-            tenant,
-            conversation,
-            tokenize,
-        };
-        let analysis = if bytes.len() <= INLINE_BODY_BYTES {
-            analyze(bytes, input, &self.tenancy, &settings, &known)?
-        } else {
-            let tenancy = self.tenancy.clone();
-            let retry_after = self.limits.retry_after_s;
-            let known = known.clone();
-            self.tokenizers
-                .run(retry_after, move || {
-                    analyze(bytes, input, &tenancy, &settings, &known)
-                })
-                .await??
-        };
-        if let Some(model) = &analysis.model {
-            if known.ids.contains(model) {
-                labels.model.clone_from(model);
-            } else {
-                labels.model = UNKNOWN_MODEL.into();
-                if !known.ids.is_empty() {
-                    return Err(ApiError::NotFound(format!(
-                        "The model `{model}` does not exist."
-                    )));
-                }
-            }
-        }
+        let analysis = self
+            .analyze(
+                path,
+                &parts.headers,
+                tenant,
+                bytes,
+                false,
+                &mut labels.model,
+            )
+            .await?;
         let request = RouteRequest {
             key: analysis.key,
             chain: &analysis.chain,
@@ -371,6 +342,106 @@ impl Proxy {
             labels,
         )
         .await
+    }
+
+    /// Analyzes a request to `path` with `headers` and body `bytes` from
+    /// `tenant`: its tokens (all of them in the result with `keep_tokens`),
+    /// chain and key, tokenized off the async workers when large. Sets
+    /// `model_label` to the model for metrics (`unknown` when not served); an
+    /// unknown model is 404.
+    async fn analyze(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        tenant: Option<String>,
+        bytes: Bytes,
+        keep_tokens: bool,
+        model_label: &mut String,
+    ) -> Result<Analysis, ApiError> {
+        let settings = self.pool.settings();
+        let conversation = headers
+            .get(&settings.conversation_header)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let tokenize = bytes.len() <= self.limits.max_tokenize_bytes;
+        if !tokenize {
+            self.metrics
+                .inc("kvroute_prompts_not_tokenized_total", &[], 1.0);
+        }
+        let known = self.models().await;
+        let input = Input {
+            api: Api::of(path),
+            tenant,
+            conversation,
+            tokenize,
+            keep_tokens,
+        };
+        let analysis = if bytes.len() <= INLINE_BODY_BYTES {
+            analyze(bytes, input, &self.tenancy, &settings, &known)?
+        } else {
+            let tenancy = self.tenancy.clone();
+            let retry_after = self.limits.retry_after_s;
+            let known = known.clone();
+            self.tokenizers
+                .run(retry_after, move || {
+                    analyze(bytes, input, &tenancy, &settings, &known)
+                })
+                .await??
+        };
+        if let Some(model) = &analysis.model {
+            if known.ids.contains(model) {
+                model_label.clone_from(model);
+            } else {
+                *model_label = UNKNOWN_MODEL.into();
+                if !known.ids.is_empty() {
+                    return Err(ApiError::NotFound(format!(
+                        "The model `{model}` does not exist."
+                    )));
+                }
+            }
+        }
+        Ok(analysis)
+    }
+
+    /// What the router would do with a request, without sending it or
+    /// changing any state (`POST /debug/explain`): the same checks and
+    /// analysis as a proxied request, then the pool's explanation.
+    pub async fn explain(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Explanation, ApiError> {
+        if !self.allowed_paths.contains(path) {
+            return Err(ApiError::NotFound(format!(
+                "{path} is not proxied; see proxy.allowedPaths"
+            )));
+        }
+        let tenant = self.tenancy.tenant(headers)?;
+        let mut label = String::new();
+        let a = self
+            .analyze(path, headers, tenant, body, true, &mut label)
+            .await?;
+        let request = RouteRequest {
+            key: a.key,
+            chain: &a.chain,
+            prompt_tokens: a.prompt_tokens,
+        };
+        let settings = self.pool.settings();
+        let hashing = settings.hasher.config();
+        Ok(Explanation {
+            path: path.to_owned(),
+            model: a.model.clone(),
+            lora: a.lora.clone(),
+            key: format!("{:016x}", a.key.0),
+            prompt_tokens: a.prompt_tokens,
+            tokenized: a.readable,
+            tokens: a.tokens.clone(),
+            block_size: hashing.block_size,
+            hash_algo: hashing.algo.as_str(),
+            chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),
+            decision: self.pool.explain(&request, a.readable),
+        })
     }
 
     /// A plan with at least one target, waiting in the bounded queue while
@@ -666,6 +737,34 @@ fn end_to_end(headers: &mut HeaderMap) {
     *headers = kept;
 }
 
+/// What `POST /debug/explain` answers: what the router computes from a
+/// request, and the decision it would make.
+#[derive(Debug, serde::Serialize)]
+pub struct Explanation {
+    /// The API path.
+    pub path: String,
+    /// The request's `model`.
+    pub model: Option<String>,
+    /// The LoRA adapter the prompt is hashed with.
+    pub lora: Option<String>,
+    /// The routing key, hex.
+    pub key: String,
+    /// Prompt tokens (estimated from the body size when not tokenized).
+    pub prompt_tokens: u64,
+    /// Whether the router read and tokenized the prompt.
+    pub tokenized: bool,
+    /// The prompt's token ids.
+    pub tokens: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The block hash algorithm.
+    pub hash_algo: &'static str,
+    /// The block chain, in the u64 form of KV events, hex.
+    pub chain: Vec<String>,
+    /// The pool's view and decision.
+    pub decision: crate::pool::Explained,
+}
+
 /// What [`analyze`] takes from a request besides its body.
 #[derive(Debug)]
 struct Input {
@@ -676,6 +775,8 @@ struct Input {
     conversation: Option<String>,
     /// False when the body is over `limits.maxTokenizeBytes`.
     tokenize: bool,
+    /// Keep every prompt token in [`Analysis::tokens`].
+    keep_tokens: bool,
 }
 
 /// Parses the body, applies tenancy, and computes the prompt's tokens
@@ -695,6 +796,7 @@ fn analyze(
         tenant,
         conversation: conversation_header,
         tokenize,
+        keep_tokens,
     } = input;
     let mut obj = features::parse(api, &bytes, tenancy.salted())?;
     let feats = obj
@@ -726,7 +828,7 @@ fn analyze(
         cache_salt: salt.as_deref(),
     };
     let prompt = match obj.as_mut() {
-        Some(o) if tokenize => features::prompt(api, o, settings, extras)?,
+        Some(o) if tokenize => features::prompt(api, o, settings, extras, keep_tokens)?,
         _ => None,
     }
     .unwrap_or_default();
@@ -752,6 +854,8 @@ fn analyze(
         prompt_tokens,
         readable: prompt.tokens > 0,
         block_tokens: settings.hasher.config().block_size as u64,
+        lora: lora.map(|l| l.name.clone()),
+        tokens: prompt.all,
     })
 }
 

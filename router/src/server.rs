@@ -271,6 +271,7 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
             "/debug/pool",
             get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.pool.status()) }),
         )
+        .route("/debug/explain", axum::routing::post(explain))
         .layer(axum::middleware::from_fn(
             move |request: Request, next: axum::middleware::Next| {
                 let token = token.clone();
@@ -321,6 +322,55 @@ async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
             "not ready: no routable endpoint\n",
         )
             .into_response()
+    }
+}
+
+/// `POST /debug/explain`: what the router would do with a request, without
+/// sending it. Takes `{"path", "headers", "body"}` (`path` defaults to
+/// `/v1/chat/completions`; `headers` is an object of strings; `body` is the
+/// request's JSON, or a string holding it) or a bare chat completion body.
+async fn explain(State(p): State<Arc<Proxy>>, body: axum::body::Bytes) -> Response {
+    let result = async {
+        let value: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?;
+        let Some(inner) = value.get("body") else {
+            return p
+                .explain("/v1/chat/completions", &axum::http::HeaderMap::new(), body)
+                .await;
+        };
+        let path = match value.get("path") {
+            None => "/v1/chat/completions",
+            Some(serde_json::Value::String(path)) => path,
+            Some(_) => return Err(ApiError::BadRequest("'path' must be a string".into())),
+        };
+        let mut headers = axum::http::HeaderMap::new();
+        let given = value.get("headers").cloned().unwrap_or(json!({}));
+        let Some(given) = given.as_object() else {
+            return Err(ApiError::BadRequest("'headers' must be an object".into()));
+        };
+        for (name, v) in given {
+            let parsed = v.as_str().and_then(|v| {
+                Some((
+                    axum::http::HeaderName::from_bytes(name.as_bytes()).ok()?,
+                    axum::http::HeaderValue::from_str(v).ok()?,
+                ))
+            });
+            let Some((name, v)) = parsed else {
+                return Err(ApiError::BadRequest(format!(
+                    "header {name:?} is not a valid name with a string value"
+                )));
+            };
+            headers.append(name, v);
+        }
+        let body = match inner {
+            serde_json::Value::String(raw) => raw.clone().into_bytes(),
+            other => serde_json::to_vec(other).expect("a JSON value serializes"),
+        };
+        p.explain(path, &headers, body.into()).await
+    };
+    match result.await {
+        Ok(explanation) => axum::Json(explanation).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 

@@ -94,7 +94,7 @@ proptest! {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = Settings::test();
-        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true };
+        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false };
         match analyze(Bytes::from(body), input, &t, &s, &ModelList::default()) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
@@ -109,7 +109,7 @@ proptest! {
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
-        let input = Input { api, tenant: None, conversation: None, tokenize: true };
+        let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false };
         match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default()) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),

@@ -1,0 +1,225 @@
+//! `kvroute explain`: asks a running router what it would do with a request
+//! (`POST /debug/explain` on its admin port) and prints the answer: the
+//! tokens and block chain the router computes, which endpoints hold how
+//! many of its leading blocks, each endpoint's contract, load and predicted
+//! TTFT, and the decision with its reason. Nothing is sent to an engine and
+//! no state changes.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+/// Flags of `kvroute explain`.
+#[derive(Debug, clap::Args)]
+pub struct ExplainArgs {
+    /// The router's admin address, e.g. http://localhost:9090.
+    #[arg(long, env = "KVROUTE_ADMIN")]
+    admin: String,
+    /// The API path the request would be sent to.
+    #[arg(long, default_value = "/v1/chat/completions")]
+    path: String,
+    /// A request header, `Name: value` (repeatable): the API key, the
+    /// tenant or conversation header.
+    #[arg(long = "header", short = 'H', value_parser = parse_header)]
+    headers: Vec<(String, String)>,
+    /// The admin port's bearer token (the router's adminTokenFile), when
+    /// /debug is protected.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Print the router's JSON answer as it is.
+    #[arg(long)]
+    json: bool,
+    /// The request body (JSON): a file, or - for standard input.
+    #[arg(default_value = "-")]
+    body: PathBuf,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    match s.split_once(':') {
+        Some((name, value)) if !name.trim().is_empty() => {
+            Ok((name.trim().to_owned(), value.trim().to_owned()))
+        }
+        _ => Err(format!("expected 'Name: value', got {s:?}")),
+    }
+}
+
+/// Runs `kvroute explain`.
+pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
+    let body = if args.body.as_os_str() == "-" {
+        let mut body = String::new();
+        std::io::stdin()
+            .read_to_string(&mut body)
+            .context("reading the request body from standard input")?;
+        body
+    } else {
+        std::fs::read_to_string(&args.body)
+            .with_context(|| format!("reading {}", args.body.display()))?
+    };
+    let headers: serde_json::Map<String, Value> = args
+        .headers
+        .iter()
+        .map(|(n, v)| (n.clone(), Value::String(v.clone())))
+        .collect();
+    let request = json!({"path": args.path, "headers": headers, "body": body});
+    let url = format!("{}/debug/explain", args.admin.trim_end_matches('/'));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (status, answer) = runtime.block_on(async {
+        let mut post = reqwest::Client::new().post(&url).json(&request);
+        if let Some(token) = &args.admin_token {
+            post = post.bearer_auth(token);
+        }
+        let response = post.send().await.with_context(|| format!("asking {url}"))?;
+        let status = response.status();
+        let text = response.text().await?;
+        anyhow::Ok((status, text))
+    })?;
+    let value: Value = serde_json::from_str(&answer)
+        .with_context(|| format!("{url} answered {status} with no JSON: {answer}"))?;
+    if !status.is_success() {
+        let message = value["error"]["message"].as_str().unwrap_or(&answer);
+        bail!("the router refused the request ({status}): {message}");
+    }
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        out.write_all(render(&value).as_bytes())?;
+    }
+    Ok(())
+}
+
+/// The answer for people.
+fn render(v: &Value) -> String {
+    let mut s = String::new();
+    let str_of = |v: &Value| v.as_str().unwrap_or("-").to_owned();
+    let d = &v["decision"];
+    let chain = v["chain"].as_array().map_or(&[][..], Vec::as_slice);
+    let _ = writeln!(
+        s,
+        "request   POST {}  model {}{}",
+        str_of(&v["path"]),
+        str_of(&v["model"]),
+        v["lora"]
+            .as_str()
+            .map_or(String::new(), |l| format!("  (LoRA adapter {l})"))
+    );
+    if v["tokenized"].as_bool() == Some(true) {
+        let _ = writeln!(
+            s,
+            "prompt    {} tokens, {} full blocks of {} ({}), key {}",
+            v["prompt_tokens"],
+            chain.len(),
+            v["block_size"],
+            str_of(&v["hash_algo"]),
+            str_of(&v["key"])
+        );
+    } else {
+        let _ = writeln!(
+            s,
+            "prompt    not tokenized (about {} tokens), key {}",
+            v["prompt_tokens"],
+            str_of(&v["key"])
+        );
+    }
+    let tokens: Vec<String> = v["tokens"]
+        .as_array()
+        .map_or(&[][..], Vec::as_slice)
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    wrapped(&mut s, "tokens", &tokens);
+    let hashes: Vec<String> = chain.iter().map(str_of).collect();
+    wrapped(&mut s, "chain", &hashes);
+    let ranked: Vec<String> = d["ranked"]
+        .as_array()
+        .map_or(&[][..], Vec::as_slice)
+        .iter()
+        .map(str_of)
+        .collect();
+    let _ = writeln!(
+        s,
+        "decision  {} → {} ({}, {} cached blocks); ranked {}",
+        str_of(&d["policy"]),
+        ranked.first().map_or("no endpoint", String::as_str),
+        str_of(&d["reason"]),
+        d["cached_blocks"],
+        ranked.join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "\n{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>11}",
+        "endpoint", "routable", "contract", "cached", "in flight", "queue ms", "pred. TTFT"
+    );
+    for e in d["endpoints"].as_array().map_or(&[][..], Vec::as_slice) {
+        let ms = |k: &str| {
+            e[k].as_f64()
+                .map_or("-".into(), |x| format!("{:.1}", x * 1e3))
+        };
+        let routable = match (e["routable"].as_bool(), e["full"].as_bool()) {
+            (Some(true), Some(true)) => "full",
+            (Some(true), _) => "yes",
+            _ => "no",
+        };
+        let _ = writeln!(
+            s,
+            "{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} ms",
+            str_of(&e["name"]),
+            routable,
+            str_of(&e["contract"]),
+            format!("{}/{}", e["cached_blocks"], chain.len()),
+            e["in_flight"].to_string(),
+            ms("queue_seconds"),
+            ms("predicted_ttft_seconds"),
+        );
+    }
+    s
+}
+
+/// `label` and `items`, wrapped at about 100 columns under the label.
+fn wrapped(s: &mut String, label: &str, items: &[String]) {
+    let _ = write!(s, "{label:<9} ({})", items.len());
+    let mut column = 100;
+    for item in items {
+        if column + item.len() > 100 {
+            s.push_str("\n          ");
+            column = 10;
+        }
+        s.push(' ');
+        s.push_str(item);
+        column += item.len() + 1;
+    }
+    s.push('\n');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_parse_as_curl_writes_them() {
+        assert_eq!(
+            parse_header("x-tenant: acme").unwrap(),
+            ("x-tenant".into(), "acme".into())
+        );
+        assert_eq!(
+            parse_header("Authorization:Bearer k").unwrap(),
+            ("Authorization".into(), "Bearer k".into())
+        );
+        assert!(parse_header("no colon").is_err());
+        assert!(parse_header(": v").is_err());
+    }
+
+    #[test]
+    fn items_wrap_under_their_label() {
+        let mut s = String::new();
+        let items: Vec<String> = (0..40).map(|i| format!("{i:05}")).collect();
+        wrapped(&mut s, "tokens", &items);
+        assert!(s.starts_with("tokens    (40)\n           00000 00001"));
+        assert!(s.lines().all(|l| l.len() <= 101), "{s}");
+        assert_eq!(s.split_whitespace().count(), 42);
+    }
+}
