@@ -442,6 +442,10 @@ pub struct Telemetry {
     /// OTLP/gRPC collector for traces, e.g. `http://otel-collector:4317`;
     /// unset: no traces.
     pub otlp_endpoint: Option<String>,
+    /// Tenants named in the `tenant` label of metrics, besides those of
+    /// `tenancy.apiKeysFile`; any other tenant is `other` (so clients
+    /// cannot create series). Default: none.
+    pub tenant_labels: Vec<String>,
 }
 
 impl Default for Telemetry {
@@ -450,6 +454,7 @@ impl Default for Telemetry {
             log_format: LogFormat::Text,
             endpoint_header: "x-kvroute-endpoint".into(),
             otlp_endpoint: None,
+            tenant_labels: Vec::new(),
         }
     }
 }

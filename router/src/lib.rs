@@ -15,6 +15,7 @@ pub mod errors;
 pub mod features;
 pub mod health;
 pub mod health_checks;
+pub mod hit_rate;
 pub mod listener;
 pub mod metrics;
 pub mod models;

@@ -59,12 +59,32 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     (
         "kvroute_prompt_tokens_total",
         "counter",
-        "Prompt tokens of routed requests, as the router computed them.",
+        "Prompt tokens of routed requests, as the router computed them, by model and tenant.",
     ),
     (
         "kvroute_expected_cached_tokens_total",
         "counter",
-        "Prompt tokens the router expected the chosen endpoint to hold cached. Divided by kvroute_prompt_tokens_total: the expected hit rate.",
+        "Prompt tokens the router expected the chosen endpoint to hold cached, by model and tenant. Divided by kvroute_prompt_tokens_total: the expected hit rate.",
+    ),
+    (
+        "kvroute_observed_prompt_tokens_total",
+        "counter",
+        "Prompt tokens the engines reported (usage.prompt_tokens) in responses that reported cached tokens, by model and tenant.",
+    ),
+    (
+        "kvroute_observed_cached_tokens_total",
+        "counter",
+        "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens), by model and tenant. Divided by kvroute_observed_prompt_tokens_total: the observed hit rate.",
+    ),
+    (
+        "kvroute_hit_rate_gap",
+        "gauge",
+        "Expected minus observed hit rate over the model's last 500 requests that reported cached tokens.",
+    ),
+    (
+        "kvroute_hit_rate_gap_alerts_total",
+        "counter",
+        "Times a model's hit-rate gap was sustained (at least 0.2 over 50 or more requests; at most one per 5 minutes), each logged with an example response id.",
     ),
     (
         "kvroute_upstream_failures_total",
@@ -178,6 +198,12 @@ impl Metrics {
     pub fn inc(&self, name: &'static str, pairs: &[(&str, &str)], by: f64) {
         let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         *r.counters.entry((name, labels(pairs))).or_default() += by;
+    }
+
+    /// Sets a gauge.
+    pub fn set(&self, name: &'static str, pairs: &[(&str, &str)], value: f64) {
+        let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        r.counters.insert((name, labels(pairs)), value);
     }
 
     /// Records a histogram observation, in seconds.

@@ -33,6 +33,7 @@ use crate::config::{Config, Limits};
 use crate::errors::ApiError;
 use crate::features::{self, Api};
 use crate::health::Fault;
+use crate::hit_rate::{Gap, Usage, UsageScan};
 use crate::metrics::Metrics;
 use crate::models::{ModelList, Models};
 use crate::pool::{InFlight, Plan, Pool, Target};
@@ -80,6 +81,10 @@ pub struct Proxy {
     bodies: Arc<Semaphore>,
     tokenizers: Workers,
     models: Arc<Models>,
+    /// Tenants named in metrics.
+    tenant_labels: HashSet<String>,
+    /// Expected against observed hit rate, per model.
+    gap: std::sync::Mutex<Gap>,
 }
 
 /// What routing takes from a request, computed by [`analyze`].
@@ -108,6 +113,8 @@ struct Analysis {
 struct Labels {
     proxy: Arc<Proxy>,
     model: String,
+    /// The tenant, as a bounded label (see [`Proxy::tenant_label`]).
+    tenant: String,
     counted: bool,
 }
 
@@ -128,6 +135,7 @@ impl Labels {
         Labels {
             proxy: self.proxy.clone(),
             model: std::mem::take(&mut self.model),
+            tenant: std::mem::take(&mut self.tenant),
             counted: false,
         }
     }
@@ -161,6 +169,10 @@ impl Proxy {
             private_headers.push(h.clone());
         }
         let kib = |bytes: usize| bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS);
+        let tenant_labels = tenancy
+            .tenants()
+            .chain(config.telemetry.tenant_labels.iter().cloned())
+            .collect();
         Proxy {
             pool,
             metrics,
@@ -177,6 +189,8 @@ impl Proxy {
             tokenizers: Workers::new(limits.tokenize_queue),
             limits,
             models: Arc::default(),
+            tenant_labels,
+            gap: std::sync::Mutex::default(),
         }
     }
 
@@ -194,6 +208,7 @@ impl Proxy {
         let mut labels = Labels {
             proxy: self.clone(),
             model: String::new(),
+            tenant: String::new(),
             counted: false,
         };
         let response = match self
@@ -311,6 +326,7 @@ impl Proxy {
             )));
         }
         let tenant = self.tenancy.tenant(&parts.headers)?;
+        labels.tenant = self.tenant_label(tenant.as_deref());
         let (bytes, _budget) = self.read_body(parts, body).await?;
         let analysis = self
             .analyze(
@@ -481,12 +497,15 @@ impl Proxy {
         block_tokens: u64,
         labels: &mut Labels,
     ) -> Result<Response<Body>, ApiError> {
-        let expected_cached =
-            (u64::from(plan.cached_blocks) * block_tokens).min(request.prompt_tokens);
+        // As vLLM counts a hit: full blocks, and the last prompt token is
+        // always computed.
+        let hit_cap = request.prompt_tokens.saturating_sub(1) / block_tokens * block_tokens;
+        let expected_cached = (u64::from(plan.cached_blocks) * block_tokens).min(hit_cap);
         self.metrics.inc("kvroute_routed_total", &[], 1.0);
+        let by = [("model", labels.model.as_str()), ("tenant", &labels.tenant)];
         self.metrics.inc(
             "kvroute_prompt_tokens_total",
-            &[],
+            &by,
             request.prompt_tokens as f64,
         );
         let mut last_error = ApiError::Upstream("no attempt was made".into());
@@ -531,11 +550,16 @@ impl Proxy {
                         self.metrics.inc("kvroute_first_choice_total", &[], 1.0);
                         self.metrics.inc(
                             "kvroute_expected_cached_tokens_total",
-                            &[],
+                            &by,
                             cached as f64,
                         );
                     }
-                    return Ok(self.respond(response, load, target, sent, labels.hand_over()));
+                    let expected = Expected {
+                        cached,
+                        prompt_tokens: request.prompt_tokens,
+                    };
+                    let labels = labels.hand_over();
+                    return Ok(self.respond(response, load, target, sent, labels, expected));
                 }
                 Err((e, fault)) => {
                     drop(load);
@@ -636,6 +660,7 @@ impl Proxy {
         target: &Target,
         sent: Instant,
         labels: Labels,
+        expected: Expected,
     ) -> Response<Body> {
         let (mut parts, incoming) = response.into_parts();
         let sse = parts
@@ -662,13 +687,18 @@ impl Proxy {
             first: true,
             labels,
             status: parts.status,
+            expected,
+            usage: UsageScan::default(),
         };
         let frames = stream::unfold(Some((incoming, guard)), move |state| async move {
             let (mut incoming, mut guard) = state?;
             match incoming.frame().await {
                 Some(Ok(frame)) => {
-                    if guard.first && frame.is_data() {
-                        guard.first_byte();
+                    if let Some(data) = frame.data_ref() {
+                        if guard.first {
+                            guard.first_byte();
+                        }
+                        guard.usage.push(data);
                     }
                     // A sized body may not be polled past its last byte.
                     if hyper::body::Body::is_end_stream(&incoming) {
@@ -697,6 +727,61 @@ impl Proxy {
             }
         });
         Response::from_parts(parts, Body::new(StreamBody::new(frames)))
+    }
+
+    /// `tenant` as a metric label: a tenant of the API-key map or of
+    /// `telemetry.tenantLabels`, `none` without one, else `other`.
+    fn tenant_label(&self, tenant: Option<&str>) -> String {
+        match tenant {
+            None => "none".into(),
+            Some(t) if self.tenant_labels.contains(t) => t.into(),
+            Some(_) => "other".into(),
+        }
+    }
+
+    /// Counts what the engine reported of a request against what the
+    /// router expected, and logs a sustained gap.
+    fn observed(&self, labels: &Labels, expected: Expected, usage: Usage, id: Option<String>) {
+        let by = [("model", labels.model.as_str()), ("tenant", &labels.tenant)];
+        let m = &self.metrics;
+        m.inc(
+            "kvroute_observed_prompt_tokens_total",
+            &by,
+            usage.prompt_tokens as f64,
+        );
+        m.inc(
+            "kvroute_observed_cached_tokens_total",
+            &by,
+            usage.cached_tokens as f64,
+        );
+        let mut gap = self.gap.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now().into_std();
+        let model = labels.model.as_str();
+        let alert = gap.record(
+            model,
+            expected.cached,
+            expected.prompt_tokens,
+            usage,
+            id,
+            now,
+        );
+        let value = gap.gaps().into_iter().find(|(m, _)| m == model);
+        drop(gap);
+        if let Some((_, value)) = value {
+            m.set("kvroute_hit_rate_gap", &[("model", model)], value);
+        }
+        if let Some(a) = alert {
+            m.inc(
+                "kvroute_hit_rate_gap_alerts_total",
+                &[("model", model)],
+                1.0,
+            );
+            tracing::warn!(model = %a.model, gap = a.gap, requests = a.requests,
+                example = %a.example.as_deref().unwrap_or("-"),
+                "the engines report far fewer cached tokens than the router expects: \
+                 check that the router's tokenizer, chat template and hashing match the engines' \
+                 (kvroute explain shows what the router computes)");
+        }
     }
 
     /// What the endpoints serve (see [`Models`]).
@@ -926,6 +1011,18 @@ struct Guard {
     first: bool,
     labels: Labels,
     status: StatusCode,
+    expected: Expected,
+    /// The body's end, for the engine's usage.
+    usage: UsageScan,
+}
+
+/// What the router expected of a request at the endpoint it was sent to.
+#[derive(Clone, Copy, Debug)]
+struct Expected {
+    /// Prompt tokens it expected cached there.
+    cached: u64,
+    /// Prompt tokens, as the router computed them.
+    prompt_tokens: u64,
 }
 
 impl Guard {
@@ -942,6 +1039,11 @@ impl Guard {
     fn done(&mut self) {
         if self.labels.count(self.status.as_str()) {
             self.proxy.pool.succeeded(&self.name);
+            if self.status.is_success()
+                && let Some((usage, id)) = self.usage.usage()
+            {
+                self.proxy.observed(&self.labels, self.expected, usage, id);
+            }
         }
     }
 

@@ -106,6 +106,11 @@ impl Tenancy {
         })
     }
 
+    /// The tenants of the API-key map.
+    pub fn tenants(&self) -> impl Iterator<Item = String> + '_ {
+        self.api_keys.iter().map(|(_, tenant)| tenant.clone())
+    }
+
     /// Whether tenants are salted apart.
     pub fn salted(&self) -> bool {
         self.mode == TenancyMode::Salted

@@ -1,11 +1,12 @@
 //! Endpoint discovery: the static file (load errors, live edits) and the
 //! operator's WatchPool stream, served here by an in-process tonic server.
 
-use std::io::Write;
+mod support;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{Stream, StreamExt};
@@ -18,6 +19,7 @@ use kvroute_router::config::Resilience;
 use kvroute_router::discovery::{DiscoveryError, operator, static_file};
 use kvroute_router::pool::Pool;
 use kvroute_router::settings::Settings;
+use support::Logs;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::WatchStream;
@@ -54,44 +56,6 @@ async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
             "timed out waiting until {what}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// The router's log lines, captured for this test's thread (the tests run
-/// on a current-thread runtime, so spawned tasks log here too).
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    fn capture() -> (Self, tracing::subscriber::DefaultGuard) {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_env_filter("kvroute_router=debug")
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        (logs, tracing::subscriber::set_default(subscriber))
-    }
-
-    fn count(&self, needle: &str) -> usize {
-        let text = self.0.lock().unwrap();
-        String::from_utf8_lossy(&text).matches(needle).count()
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
 

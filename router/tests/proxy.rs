@@ -270,13 +270,12 @@ async fn headers_pass_through_and_traceparent_is_untouched_without_tracing() {
     router.shutdown().await;
 }
 
-/// `kvroute_expected_cached_tokens_total` now.
+/// `kvroute_expected_cached_tokens_total` now, over every series.
 async fn expected_cached(stack: &Stack) -> f64 {
-    let metrics = stack.metrics().await;
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("kvroute_expected_cached_tokens_total{} "))
-        .map_or(0.0, |v| v.parse().unwrap())
+    sum_of(
+        &stack.metrics().await,
+        "kvroute_expected_cached_tokens_total",
+    )
 }
 
 #[tokio::test]

@@ -231,3 +231,52 @@ pub fn header_of(head: &str, header: &str) -> Option<String> {
         k.eq_ignore_ascii_case(header).then(|| v.trim().to_owned())
     })
 }
+
+/// The sum of every series of `family` in a Prometheus text `exposition`
+/// (`family{...} value` lines; not `family_sum` and the like).
+pub fn sum_of(exposition: &str, family: &str) -> f64 {
+    exposition
+        .lines()
+        .filter_map(|l| l.strip_prefix(family))
+        .filter(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The router's log lines, captured for this test's thread (the tests run
+/// on a current-thread runtime, so spawned tasks log here too).
+#[derive(Clone, Default)]
+pub struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logs {
+    pub fn capture() -> (Self, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("kvroute_router=debug")
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    pub fn count(&self, needle: &str) -> usize {
+        let text = self.0.lock().unwrap();
+        String::from_utf8_lossy(&text).matches(needle).count()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
