@@ -9,8 +9,10 @@ use kvroute_core::tokenize::{
     for_each_chat_token,
 };
 use serde_json::{Map, Value};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::errors::ApiError;
+use crate::prefixes;
 use crate::settings::Settings;
 
 /// Which API a path is.
@@ -99,6 +101,10 @@ pub struct Prompt {
     pub chain: Vec<u64>,
     /// Every token, when asked for (`kvroute explain`); else empty.
     pub all: Vec<u32>,
+    /// The content hash (XXH3 of the token ids alone, unchained) of each
+    /// of the first [`prefixes::BLOCKS`] full blocks, for spotting
+    /// volatile prefixes.
+    pub contents: Vec<u64>,
 }
 
 /// The prompt as the engine will tokenize it, when the router can know it.
@@ -122,6 +128,7 @@ pub fn prompt(
         chain: settings.hasher.chain(extras),
         head_len: settings.key.prefix_tokens,
         keep_all,
+        content: Xxh3::new(),
         prompt: Prompt::default(),
     };
     let tokens = if api == Api::Chat {
@@ -149,6 +156,8 @@ struct Builder<'a> {
     chain: Chain<'a>,
     head_len: usize,
     keep_all: bool,
+    /// The current block's content hash, while contents are wanted.
+    content: Xxh3,
     prompt: Prompt,
 }
 
@@ -161,8 +170,16 @@ impl Builder<'_> {
         if self.keep_all {
             self.prompt.all.push(token);
         }
+        let want_content = self.prompt.contents.len() < prefixes::BLOCKS;
+        if want_content {
+            self.content.update(&token.to_le_bytes());
+        }
         if let Some(digest) = self.chain.push(token) {
             self.prompt.chain.push(digest.to_u64());
+            if want_content {
+                self.prompt.contents.push(self.content.digest());
+                self.content.reset();
+            }
         }
     }
 }
@@ -291,6 +308,16 @@ mod tests {
             .unwrap();
         assert_eq!(streamed.tokens, tokens.len() as u64);
         assert_eq!(streamed.all, tokens);
+        let contents: Vec<u64> = tokens
+            .chunks_exact(s.hasher.config().block_size)
+            .take(crate::prefixes::BLOCKS)
+            .map(|b| {
+                xxhash_rust::xxh3::xxh3_64(
+                    &b.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>(),
+                )
+            })
+            .collect();
+        assert_eq!(streamed.contents, contents);
         assert_eq!(
             streamed.head,
             tokens[..s.key.prefix_tokens.min(tokens.len())]

@@ -20,6 +20,7 @@ pub mod listener;
 pub mod metrics;
 pub mod models;
 pub mod pool;
+pub mod prefixes;
 pub mod proxy;
 pub mod server;
 pub mod settings;

@@ -87,6 +87,11 @@ const FAMILIES: &[(&str, &str, &str)] = &[
         "Times a model's hit-rate gap was sustained (at least 0.2 over 50 or more requests; at most one per 5 minutes), each logged with an example response id.",
     ),
     (
+        "kvroute_volatile_prefix_requests_total",
+        "counter",
+        "Requests whose chain was new from an early block although most of their later blocks' contents were seen recently (a timestamp or id early in the prompt), by model and tenant; see /debug/prefixes.",
+    ),
+    (
         "kvroute_upstream_failures_total",
         "counter",
         "Failed attempts by endpoint and kind (connect, status, timeout, stream).",

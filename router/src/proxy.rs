@@ -37,6 +37,7 @@ use crate::hit_rate::{Gap, Usage, UsageScan};
 use crate::metrics::Metrics;
 use crate::models::{ModelList, Models};
 use crate::pool::{InFlight, Plan, Pool, Target};
+use crate::prefixes::{Offender, Volatility};
 use crate::tenancy::Tenancy;
 
 /// Bodies up to this size are tokenized on the async worker that read
@@ -85,6 +86,8 @@ pub struct Proxy {
     tenant_labels: HashSet<String>,
     /// Expected against observed hit rate, per model.
     gap: std::sync::Mutex<Gap>,
+    /// Volatile prefix detection.
+    prefixes: std::sync::Mutex<Volatility>,
 }
 
 /// What routing takes from a request, computed by [`analyze`].
@@ -103,6 +106,8 @@ struct Analysis {
     lora: Option<String>,
     /// Every prompt token, when [`Input::keep_tokens`] asked for them.
     tokens: Vec<u32>,
+    /// Content hashes of the leading blocks ([`features::Prompt::contents`]).
+    contents: Vec<u64>,
 }
 
 /// Counts a request under `kvroute_requests_total` exactly once: with its
@@ -191,6 +196,7 @@ impl Proxy {
             models: Arc::default(),
             tenant_labels,
             gap: std::sync::Mutex::default(),
+            prefixes: std::sync::Mutex::default(),
         }
     }
 
@@ -338,6 +344,7 @@ impl Proxy {
                 &mut labels.model,
             )
             .await?;
+        self.volatile(&analysis, labels);
         let request = RouteRequest {
             key: analysis.key,
             chain: &analysis.chain,
@@ -784,6 +791,35 @@ impl Proxy {
         }
     }
 
+    /// Looks for a volatile prefix in a routed request (see
+    /// [`prefixes`](crate::prefixes)) and counts one.
+    fn volatile(&self, analysis: &Analysis, labels: &Labels) {
+        let mut v = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(d) = v.observe(&analysis.chain, &analysis.contents) else {
+            return;
+        };
+        v.record(
+            &d,
+            analysis.block_tokens as usize,
+            &labels.model,
+            &labels.tenant,
+        );
+        drop(v);
+        self.metrics.inc(
+            "kvroute_volatile_prefix_requests_total",
+            &[("model", labels.model.as_str()), ("tenant", &labels.tenant)],
+            1.0,
+        );
+    }
+
+    /// The recurring volatile prefixes, most frequent first.
+    pub fn volatile_prefixes(&self) -> Vec<Offender> {
+        self.prefixes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .offenders()
+    }
+
     /// What the endpoints serve (see [`Models`]).
     pub async fn models(self: &Arc<Self>) -> Arc<ModelList> {
         self.models
@@ -941,6 +977,7 @@ fn analyze(
         block_tokens: settings.hasher.config().block_size as u64,
         lora: lora.map(|l| l.name.clone()),
         tokens: prompt.all,
+        contents: prompt.contents,
     })
 }
 

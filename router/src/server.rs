@@ -272,6 +272,10 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
             get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.pool.status()) }),
         )
         .route("/debug/explain", axum::routing::post(explain))
+        .route(
+            "/debug/prefixes",
+            get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.volatile_prefixes()) }),
+        )
         .layer(axum::middleware::from_fn(
             move |request: Request, next: axum::middleware::Next| {
                 let token = token.clone();
