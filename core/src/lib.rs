@@ -9,6 +9,7 @@
 //!
 //! Not here: networking, clocks beyond `std::time`, Kubernetes, async runtimes.
 
+pub mod contract;
 pub mod hash;
 pub mod index;
 pub mod keys;

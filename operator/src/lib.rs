@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod api;
 pub mod convert;
+pub mod engines;
 pub mod grpc;
 pub mod index;
 pub mod lease;

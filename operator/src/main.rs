@@ -164,6 +164,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         metrics.clone(),
         stopped(),
     ));
+    let engines = tokio::spawn(kvroute_operator::engines::run(index.clone()));
     let writer = StatusWriter::new(client, index.clone(), metrics.clone(), identity);
     let writer = tokio::spawn(writer.run(leader.clone(), ready.clone()));
 
@@ -209,6 +210,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
     }
     writer.abort();
     watchers.abort();
+    engines.abort();
     match admin.await {
         Ok(Err(error)) => tracing::error!(%error, "the admin server failed"),
         Err(error) => tracing::error!(%error, "the admin server task failed"),

@@ -133,31 +133,41 @@ pub fn policy_status_patch(
 ) -> Option<Value> {
     let old = existing.map_or(&[][..], |s| &s.conditions[..]);
     let generation = status.observed_generation;
+    let mut conditions = vec![
+        condition(
+            old,
+            policy_conditions::ACCEPTED,
+            &status.accepted,
+            generation,
+            &now,
+        ),
+        condition(
+            old,
+            policy_conditions::TARGET_FOUND,
+            &status.target_found,
+            generation,
+            &now,
+        ),
+        condition(
+            old,
+            policy_conditions::CONFLICTED,
+            &status.conflicted,
+            generation,
+            &now,
+        ),
+    ];
+    if let Some(engines) = &status.engines {
+        conditions.push(condition(
+            old,
+            policy_conditions::ENGINES_CONSISTENT,
+            engines,
+            generation,
+            &now,
+        ));
+    }
     let updated = CacheRoutingPolicyStatus {
         observed_generation: Some(generation),
-        conditions: vec![
-            condition(
-                old,
-                policy_conditions::ACCEPTED,
-                &status.accepted,
-                generation,
-                &now,
-            ),
-            condition(
-                old,
-                policy_conditions::TARGET_FOUND,
-                &status.target_found,
-                generation,
-                &now,
-            ),
-            condition(
-                old,
-                policy_conditions::CONFLICTED,
-                &status.conflicted,
-                generation,
-                &now,
-            ),
-        ],
+        conditions,
         ready_endpoints: Some(i32::try_from(status.ready_endpoints).unwrap_or(i32::MAX)),
     };
     if existing == Some(&updated) {

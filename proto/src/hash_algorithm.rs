@@ -1,6 +1,8 @@
 //! Conversions between the wire's `HashAlgorithm` and the core's
-//! [`HashAlgo`].
+//! [`HashAlgo`], and from an engine's `CacheConfig` to the core's
+//! [`EngineCache`].
 
+use kvroute_core::contract::EngineCache;
 use kvroute_core::hash::HashAlgo;
 
 use crate::{Error, v1};
@@ -37,6 +39,17 @@ pub fn hash_algo_from_i32(value: i32) -> Result<HashAlgo, Error> {
     v1::HashAlgorithm::try_from(value)
         .map_err(|_| Error::UnknownHashAlgorithm(value))?
         .try_into()
+}
+
+impl From<&v1::CacheConfig> for EngineCache {
+    fn from(c: &v1::CacheConfig) -> Self {
+        EngineCache {
+            block_size: c.block_size,
+            hash_algo: hash_algo_from_i32(c.hash_algorithm).ok(),
+            hash_seed_set: c.hash_seed_set,
+            none_hash: c.none_hash,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! Not here: deciding which engines to watch (the pool spawns and aborts
 //! these tasks as discovery changes the endpoint set), and judging the
 //! engine's cache configuration (the pool checks it, see
-//! [`contract`](crate::contract)): a snapshot's blocks are applied through
+//! [`kvroute_core::contract`]): a snapshot's blocks are applied through
 //! [`Pool::apply_snapshot`] with it.
 
 use std::net::SocketAddr;

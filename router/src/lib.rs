@@ -9,7 +9,6 @@
 
 pub mod cache_watch;
 pub mod config;
-pub mod contract;
 pub mod discovery;
 pub mod errors;
 pub mod features;

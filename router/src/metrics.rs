@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
-use crate::contract::Contract;
 use crate::pool::Pool;
+use kvroute_core::contract::Contract;
 
 /// Metric names with their type and help text.
 const FAMILIES: &[(&str, &str, &str)] = &[

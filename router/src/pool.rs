@@ -19,10 +19,10 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::Resilience;
-use crate::contract::{Contract, EngineCache, Mismatch};
 use crate::health::{self, Event, Fault, Outlier};
 use crate::metrics::Metrics;
 use crate::settings::Settings;
+use kvroute_core::contract::{Contract, EngineCache, Mismatch};
 
 /// The clock the health state machine is given: tokio's, so tests can
 /// pause it.

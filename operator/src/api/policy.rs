@@ -49,6 +49,9 @@ pub mod conditions {
     /// Another policy targets the same pool and takes precedence (the older
     /// one wins).
     pub const CONFLICTED: &str = "Conflicted";
+    /// The target's engines that the operator probed hash their blocks as
+    /// the policy says; present once one was probed.
+    pub const ENGINES_CONSISTENT: &str = "EnginesConsistent";
 }
 
 /// Desired routing of one `InferencePool`.

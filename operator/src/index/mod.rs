@@ -31,6 +31,10 @@ mod store;
 #[cfg(test)]
 mod tests;
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use kvroute_core::contract::EngineCache;
 use kvroute_proto::v1::PoolState;
 use tokio::sync::watch;
 
@@ -58,6 +62,21 @@ pub struct Index {
     /// Bumped on every change that can alter a status.
     changes: watch::Sender<u64>,
     clock: Clock,
+    /// Each pod's engine cache settings, as its WatchCache stream reported
+    /// them (the operator's probes), by namespace and pod.
+    engines: HashMap<(String, String), EngineCache>,
+}
+
+/// A pod whose engine the operator should probe: it serves in a pool whose
+/// policy names a WatchCache port.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineTarget {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// Its WatchCache address.
+    pub addr: SocketAddr,
 }
 
 impl Default for Index {
@@ -84,6 +103,7 @@ impl Index {
             states: Namespaced::default(),
             changes: watch::Sender::new(0),
             clock,
+            engines: HashMap::new(),
         }
     }
 
@@ -120,6 +140,48 @@ impl Index {
     /// Pod `namespace/name`, if the index has it.
     pub fn pod(&self, namespace: &str, name: &str) -> Option<&PodInfo> {
         self.pods.get(namespace, name)
+    }
+
+    /// Records what pod `namespace/pod`'s engine reported of its cache.
+    pub fn set_engine(&mut self, namespace: &str, pod: &str, engine: EngineCache) {
+        let key = (namespace.to_owned(), pod.to_owned());
+        if self.engines.get(&key) != Some(&engine) {
+            self.engines.insert(key, engine);
+            self.changes.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// What pod `namespace/pod`'s engine reported, if it was probed.
+    pub fn engine(&self, namespace: &str, pod: &str) -> Option<&EngineCache> {
+        self.engines.get(&(namespace.to_owned(), pod.to_owned()))
+    }
+
+    /// The engines to probe: each serving pod of each pool whose policy
+    /// names a WatchCache port, once, sorted.
+    pub fn engine_targets(&self) -> Vec<EngineTarget> {
+        let mut out: Vec<EngineTarget> = self
+            .pools()
+            .flat_map(|pool| {
+                let port = self
+                    .attached_policy(&pool.namespace, &pool.name)
+                    .and_then(|p| p.cache_port)
+                    .unwrap_or(0);
+                self.pods
+                    .in_namespace(&pool.namespace)
+                    .map(|(_, pod)| pod)
+                    .filter(move |pod| port > 0 && pod.serves() && pool.selects(pod))
+                    .filter_map(move |pod| {
+                        Some(EngineTarget {
+                            namespace: pod.namespace.clone(),
+                            pod: pod.name.clone(),
+                            addr: SocketAddr::new(pod.ip?, port),
+                        })
+                    })
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Every pool, by namespace and name.
@@ -181,6 +243,8 @@ impl Index {
 
     /// Removes a pod.
     pub fn delete_pod(&mut self, namespace: &str, name: &str) {
+        self.engines
+            .remove(&(namespace.to_owned(), name.to_owned()));
         if let Some(old) = self.pods.remove(namespace, name) {
             let affected = self.pools_selecting(namespace, [Some(&old), None]);
             self.refresh_each(namespace, affected);
@@ -196,6 +260,7 @@ impl Index {
             let name = item.name.clone();
             self.pods.insert(namespace, &name, item);
         }
+        self.forget_gone_engines();
         self.refresh_all();
     }
 
@@ -205,6 +270,7 @@ impl Index {
             .into_iter()
             .map(|p| (p.namespace.clone(), p.name.clone(), p))
             .collect();
+        self.forget_gone_engines();
         self.refresh_all();
     }
 
@@ -245,6 +311,13 @@ impl Index {
             .map(|p| (p.namespace.clone(), p.name.clone(), p))
             .collect();
         self.refresh_all();
+    }
+
+    /// Drops the engines of pods the index no longer has.
+    fn forget_gone_engines(&mut self) {
+        let pods = &self.pods;
+        self.engines
+            .retain(|(ns, pod), _| pods.get(ns, pod).is_some());
     }
 
     /// The pools of `namespace` that select any of `pods`.

@@ -10,7 +10,7 @@
 //! Not here: converting the `CacheRoutingPolicy` object (the watchers do
 //! that), or writing its status ([`super::status`] computes it).
 
-use kvroute_core::hash::HashAlgo;
+use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
 use kvroute_core::keys::KeyMode;
 use kvroute_core::load::PrefillModel;
 use kvroute_core::policy::{KvrouteConfig, PolicyConfig};
@@ -103,6 +103,18 @@ pub struct PolicySpec {
 }
 
 impl PolicySpec {
+    /// The block hashing the policy tells routers to use; `None` when its
+    /// block size is invalid.
+    pub fn hasher(&self) -> Option<BlockHasher> {
+        BlockHasher::new(HashConfig {
+            algo: self.hash_algorithm.unwrap_or(DEFAULT_HASH_ALGORITHM),
+            block_size: self.block_size.unwrap_or(DEFAULT_BLOCK_SIZE) as usize,
+            seed: self.hash_seed.clone(),
+            ..HashConfig::default()
+        })
+        .ok()
+    }
+
     /// Why the policy cannot take effect, naming the field and its value.
     pub fn validate(&self) -> Result<(), String> {
         if let Some(name) = &self.policy

@@ -5,6 +5,8 @@
 //! Not here: writing status to the API (the status writer), condition
 //! timestamps or Kubernetes condition types.
 
+use kvroute_core::contract::Contract;
+
 use super::{Index, PolicySpec, PoolSpec};
 
 /// Why a condition has its status. The names follow Gateway API policy
@@ -25,6 +27,11 @@ pub enum Reason {
     NoConflict,
     /// Everything the pool refers to is resolved.
     ResolvedRefs,
+    /// Every probed engine of the target hashes as the policy says.
+    EnginesConsistent,
+    /// Some probed engine hashes otherwise: routers give it no cache
+    /// credit.
+    EnginesInconsistent,
 }
 
 impl Reason {
@@ -38,6 +45,8 @@ impl Reason {
             Reason::Conflicted => "Conflicted",
             Reason::NoConflict => "NoConflict",
             Reason::ResolvedRefs => "ResolvedRefs",
+            Reason::EnginesConsistent => "EnginesConsistent",
+            Reason::EnginesInconsistent => "EnginesInconsistent",
         }
     }
 }
@@ -104,6 +113,11 @@ pub struct PolicyStatus {
     /// Ready endpoints of the pool the policy is in effect for; 0 when it is
     /// not in effect.
     pub ready_endpoints: u32,
+    /// `EnginesConsistent`: whether the serving engines of the target that
+    /// the operator probed hash their blocks as the policy says (block
+    /// size, algorithm, seed). `None` while the policy is not in effect or
+    /// no engine was probed.
+    pub engines: Option<Condition>,
 }
 
 impl Index {
@@ -194,10 +208,10 @@ impl Index {
             }
             Ok(()) => Condition::new(true, Reason::Accepted, format!("applies to {target}")),
         };
-        let ready_endpoints = if accepted.status {
-            self.ready_endpoints(ns, target)
+        let (ready_endpoints, engines) = if accepted.status {
+            (self.ready_endpoints(ns, target), self.engines_of(policy))
         } else {
-            0
+            (0, None)
         };
         PolicyStatus {
             namespace: ns.clone(),
@@ -207,7 +221,52 @@ impl Index {
             target_found,
             conflicted,
             ready_endpoints,
+            engines,
         }
+    }
+
+    /// The `EnginesConsistent` condition of `policy`, in effect for its
+    /// target: each probed, serving pod's engine checked against the
+    /// policy's hashing. The message names up to five differing pods.
+    fn engines_of(&self, policy: &PolicySpec) -> Option<Condition> {
+        const NAMED: usize = 5;
+        let pool = self.pools.get(&policy.namespace, &policy.target_pool)?;
+        let hasher = policy.hasher()?;
+        let mut probed = 0;
+        let mut differ = Vec::new();
+        for (_, pod) in self.pods.in_namespace(&policy.namespace) {
+            let Some(engine) = self
+                .engine(&pod.namespace, &pod.name)
+                .filter(|_| pod.serves() && pool.selects(pod))
+            else {
+                continue;
+            };
+            probed += 1;
+            if let Contract::Mismatch(fields) = Contract::check(engine, &hasher) {
+                let fields: Vec<String> = fields
+                    .iter()
+                    .map(|m| format!("{} {} (policy {})", m.field, m.engine, m.router))
+                    .collect();
+                differ.push(format!("{}: {}", pod.name, fields.join(", ")));
+            }
+        }
+        if probed == 0 {
+            return None;
+        }
+        if differ.is_empty() {
+            let message =
+                format!("all {probed} probed engines hash their blocks as this policy says");
+            return Some(Condition::new(true, Reason::EnginesConsistent, message));
+        }
+        let mut message = format!(
+            "{} of {probed} probed engines hash their blocks otherwise, so routers give them no cache credit: {}",
+            differ.len(),
+            differ[..differ.len().min(NAMED)].join("; ")
+        );
+        if differ.len() > NAMED {
+            message.push_str(&format!("; and {} more", differ.len() - NAMED));
+        }
+        Some(Condition::new(false, Reason::EnginesInconsistent, message))
     }
 
     /// Ready, non-draining endpoints in pool `namespace/name`'s published

@@ -4,6 +4,7 @@
 
 mod builders;
 mod endpoints;
+mod engines;
 mod policies;
 mod publishing;
 

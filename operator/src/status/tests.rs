@@ -43,6 +43,7 @@ fn policy_status() -> index::PolicyStatus {
         target_found: cond(true, Reason::TargetFound, "InferencePool llama exists"),
         conflicted: cond(false, Reason::NoConflict, "no other policy wins the target"),
         ready_endpoints: 2,
+        engines: None,
     }
 }
 
@@ -274,6 +275,27 @@ fn a_ready_count_change_is_patched_with_the_same_times() {
         applied(&policy_status_patch(Some(&existing), &status, at(T2)).unwrap());
     assert_eq!(updated.ready_endpoints, Some(5));
     assert_eq!(updated.conditions, existing.conditions);
+}
+
+#[test]
+fn engines_consistent_appears_once_probed_and_flips_with_its_own_time() {
+    let existing: CacheRoutingPolicyStatus =
+        applied(&policy_status_patch(None, &policy_status(), at(T1)).unwrap());
+    let mut status = policy_status();
+    let message = "1 of 2 probed engines hash their blocks otherwise, so routers give them no cache credit: b: blockSize 32 (policy 16)";
+    status.engines = Some(cond(false, Reason::EnginesInconsistent, message));
+    let patch = policy_status_patch(Some(&existing), &status, at(T2)).unwrap();
+    let updated: CacheRoutingPolicyStatus = applied(&patch);
+    assert_eq!(
+        summary(&updated.conditions),
+        [
+            row("Accepted", "True", "Accepted", T1),
+            row("TargetFound", "True", "TargetFound", T1),
+            row("Conflicted", "False", "NoConflict", T1),
+            row("EnginesConsistent", "False", "EnginesInconsistent", T2),
+        ]
+    );
+    assert_eq!(patch["status"]["conditions"][3]["message"], message);
 }
 
 #[test]

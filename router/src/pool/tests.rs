@@ -141,7 +141,7 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
     // Generation 1 is a's watcher. A snapshot from another generation is
     // ignored; its own applies.
     let hasher = p.settings().hasher.clone();
-    let engine = crate::contract::EngineCache {
+    let engine = kvroute_core::contract::EngineCache {
         block_size: hasher.config().block_size as u32,
         hash_algo: Some(hasher.config().algo),
         hash_seed_set: false,

@@ -1,39 +1,27 @@
-//! The engine contract: the cache settings an engine reports in the first
-//! message of its WatchCache stream, checked against the router's block
+//! The engine contract: the cache settings an engine reports (the first
+//! message of its WatchCache stream), checked against a router's block
 //! hashing. A router whose block size, algorithm or seed differs from an
 //! engine's computes hashes the engine never holds; every prefix looks cold
-//! while routing reports itself cache-aware. The pool gives a mismatched
-//! engine no cache credit (it routes as cold, by rendezvous) and says which
-//! fields differ.
+//! while routing reports itself cache-aware. The router gives a mismatched
+//! engine no cache credit and the operator reports it on the policy; both
+//! check with [`Contract::check`].
 //!
 //! Pure: no I/O, no clock.
 
-use kvroute_core::hash::{BlockHasher, HashAlgo};
-use kvroute_proto::v1;
+use crate::hash::{BlockHasher, HashAlgo};
 
 /// An engine's reported cache settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineCache {
     /// Tokens per block.
     pub block_size: u32,
-    /// Its hash algorithm; `None` when the engine named one the router does
-    /// not know.
+    /// Its hash algorithm; `None` when the engine named one this build
+    /// does not know.
     pub hash_algo: Option<HashAlgo>,
     /// Whether its hash seed is set.
     pub hash_seed_set: bool,
     /// Its `NONE_HASH` in `u64` form, when it reports one.
     pub none_hash: Option<u64>,
-}
-
-impl From<&v1::CacheConfig> for EngineCache {
-    fn from(c: &v1::CacheConfig) -> Self {
-        EngineCache {
-            block_size: c.block_size,
-            hash_algo: kvroute_proto::hash_algo_from_i32(c.hash_algorithm).ok(),
-            hash_seed_set: c.hash_seed_set,
-            none_hash: c.none_hash,
-        }
-    }
 }
 
 /// One field on which an engine and the router differ.
@@ -131,7 +119,7 @@ impl Contract {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_core::hash::HashConfig;
+    use crate::hash::HashConfig;
 
     fn hasher(block_size: usize, algo: HashAlgo, seed: Option<&str>) -> BlockHasher {
         BlockHasher::new(HashConfig {
