@@ -5,7 +5,7 @@
 use std::process::{Command, Output};
 
 use kvroute_engine_sim::Config as SimConfig;
-use kvroute_router::config::{Config, StaticDiscovery};
+use kvroute_router::config::{Config, Discovery, StaticDiscovery};
 
 async fn kvroute(args: Vec<String>) -> Output {
     tokio::task::spawn_blocking(move || {
@@ -40,7 +40,7 @@ async fn explains_a_request_to_a_running_router() {
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
-    config.discovery.static_file = Some(StaticDiscovery {
+    config.discovery = Discovery::Static(StaticDiscovery {
         file: dir.join("endpoints.yaml"),
         reload_ms: 100,
     });

@@ -16,7 +16,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_router::config::{Config, StaticDiscovery};
+use kvroute_router::config::{Config, Discovery, StaticDiscovery};
 use serde_json::json;
 
 const SMALL: usize = 1000;
@@ -178,10 +178,7 @@ async fn start_router(endpoints: String, mib: usize) -> std::net::SocketAddr {
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
-    config.discovery.static_file = Some(StaticDiscovery {
-        file: dir.join("endpoints.yaml"),
-        reload_ms: 2000,
-    });
+    config.discovery = Discovery::Static(StaticDiscovery::file(dir.join("endpoints.yaml")));
     config.limits.max_body_bytes = (mib + 1) << 20;
     // The worst case: large prompts are tokenized, not skipped.
     config.limits.max_tokenize_bytes = config.limits.max_body_bytes;

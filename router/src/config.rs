@@ -100,27 +100,66 @@ impl Default for Config {
     }
 }
 
-/// Where the endpoint set comes from: exactly one of `static` and
-/// `operator`.
+/// Where the endpoint set comes from: one source, written as a map of one
+/// key, `static` or `operator`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Discovery {
+#[serde(try_from = "DiscoveryMap", into = "DiscoveryMap")]
+pub enum Discovery {
     /// A YAML file listing endpoints, re-read when it changes.
-    #[serde(rename = "static", skip_serializing_if = "Option::is_none")]
-    pub static_file: Option<StaticDiscovery>,
+    Static(StaticDiscovery),
     /// The kvroute operator's `EndpointDiscovery.WatchPool` stream.
+    Operator(OperatorDiscovery),
+}
+
+/// [`Discovery`] as written.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct DiscoveryMap {
+    #[serde(rename = "static", skip_serializing_if = "Option::is_none")]
+    static_file: Option<StaticDiscovery>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub operator: Option<OperatorDiscovery>,
+    operator: Option<OperatorDiscovery>,
+}
+
+impl TryFrom<DiscoveryMap> for Discovery {
+    type Error = &'static str;
+
+    fn try_from(map: DiscoveryMap) -> Result<Self, Self::Error> {
+        match (map.static_file, map.operator) {
+            (Some(s), None) => Ok(Discovery::Static(s)),
+            (None, Some(o)) => Ok(Discovery::Operator(o)),
+            _ => Err("discovery: set exactly one of static and operator"),
+        }
+    }
+}
+
+impl From<Discovery> for DiscoveryMap {
+    fn from(d: Discovery) -> Self {
+        match d {
+            Discovery::Static(s) => DiscoveryMap {
+                static_file: Some(s),
+                operator: None,
+            },
+            Discovery::Operator(o) => DiscoveryMap {
+                static_file: None,
+                operator: Some(o),
+            },
+        }
+    }
 }
 
 impl Default for Discovery {
     fn default() -> Self {
-        Discovery {
-            static_file: Some(StaticDiscovery {
-                file: "endpoints.yaml".into(),
-                reload_ms: default_reload_ms(),
-            }),
-            operator: None,
+        Discovery::Static(StaticDiscovery::file("endpoints.yaml".into()))
+    }
+}
+
+impl StaticDiscovery {
+    /// Endpoints from `file`, checked at the default interval.
+    pub fn file(file: PathBuf) -> Self {
+        StaticDiscovery {
+            file,
+            reload_ms: default_reload_ms(),
         }
     }
 }
@@ -517,17 +556,6 @@ impl Config {
             value: value.to_string(),
             reason,
         };
-        match (&self.discovery.static_file, &self.discovery.operator) {
-            (Some(_), Some(_)) => {
-                return Err(invalid(
-                    "discovery",
-                    &"static and operator",
-                    "set only one source",
-                ));
-            }
-            (None, None) => return Err(invalid("discovery", &"none", "set static or operator")),
-            _ => {}
-        }
         if let Err(reason) = self.routing.policy.validate() {
             return Err(ConfigError::Policy(reason));
         }
@@ -646,7 +674,7 @@ impl Config {
                 "set both or neither",
             ));
         }
-        if let Some(o) = &self.discovery.operator {
+        if let Discovery::Operator(o) = &self.discovery {
             let https = o.url.starts_with("https://");
             if https != self.grpc_tls.is_some() {
                 return Err(invalid(
@@ -734,7 +762,26 @@ telemetry: {logFormat: json, endpointHeader: ""}
         c.validate().unwrap();
         assert_eq!(c.routing.block_size, 32);
         assert_eq!(c.tenancy.client_salt, ClientSalt::Overwrite);
-        assert!(c.discovery.operator.is_some());
+        assert!(matches!(c.discovery, Discovery::Operator(_)));
+    }
+
+    #[test]
+    fn discovery_is_one_source() {
+        let c: Config = serde_yaml::from_str("discovery: {static: {file: e.yaml}}").unwrap();
+        assert_eq!(
+            c.discovery,
+            Discovery::Static(StaticDiscovery::file("e.yaml".into()))
+        );
+        for two in [
+            "discovery: {static: {file: e.yaml}, operator: {url: 'http://o', namespace: n, pool: p}}",
+            "discovery: {}",
+        ] {
+            let err = serde_yaml::from_str::<Config>(two).unwrap_err().to_string();
+            assert!(
+                err.starts_with("discovery: set exactly one of static and operator"),
+                "{two}: {err}"
+            );
+        }
     }
 
     #[test]

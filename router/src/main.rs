@@ -42,13 +42,9 @@ async fn main() -> anyhow::Result<()> {
         config.admin_listen = admin;
     }
     if let Some(file) = cli.endpoints {
-        config.discovery = kvroute_router::config::Discovery {
-            static_file: Some(kvroute_router::config::StaticDiscovery {
-                file,
-                reload_ms: 2000,
-            }),
-            operator: None,
-        };
+        config.discovery = kvroute_router::config::Discovery::Static(
+            kvroute_router::config::StaticDiscovery::file(file),
+        );
     }
     if let Some(format) = cli.log_format {
         config.telemetry.log_format = format;

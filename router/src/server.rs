@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, ConfigError, TenancyMode};
+use crate::config::{Config, ConfigError, Discovery, TenancyMode};
 use crate::errors::ApiError;
 use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
@@ -182,8 +182,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config.limits.endpoint_concurrency,
         Some(cache_watch::spawner(grpc_tls.clone())),
     );
-    let discovery = match (&config.discovery.static_file, &config.discovery.operator) {
-        (Some(s), _) => {
+    let discovery = match &config.discovery {
+        Discovery::Static(s) => {
             pool.set_endpoints(discovery::static_file::load(&s.file)?);
             tokio::spawn(discovery::static_file::run(
                 pool.clone(),
@@ -191,14 +191,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 Duration::from_millis(s.reload_ms),
             ))
         }
-        (None, Some(o)) => tokio::spawn(discovery::operator::run(
+        Discovery::Operator(o) => tokio::spawn(discovery::operator::run(
             pool.clone(),
             o.url.clone(),
             grpc_tls,
             o.namespace.clone(),
             o.pool.clone(),
         )),
-        (None, None) => unreachable!("validated: one discovery source"),
     };
 
     let health = tokio::spawn(crate::health_checks::run(

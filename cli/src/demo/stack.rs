@@ -77,13 +77,10 @@ impl Fleet {
         let config = RouterConfig {
             listen,
             admin_listen,
-            discovery: Discovery {
-                static_file: Some(StaticDiscovery {
-                    file,
-                    reload_ms: 1000,
-                }),
-                operator: None,
-            },
+            discovery: Discovery::Static(StaticDiscovery {
+                file,
+                reload_ms: 1000,
+            }),
             routing: Routing {
                 policy,
                 ..defaults.routing

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use kvroute_engine_sim::{Config as SimConfig, Sim};
-use kvroute_router::config::{Config, StaticDiscovery};
+use kvroute_router::config::{Config, Discovery, StaticDiscovery};
 use kvroute_router::{Running, start};
 use serde_json::{Value, json};
 
@@ -24,7 +24,7 @@ pub fn router_config(dir: &std::path::Path) -> Config {
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
-    c.discovery.static_file = Some(StaticDiscovery {
+    c.discovery = Discovery::Static(StaticDiscovery {
         file: dir.join("endpoints.yaml"),
         reload_ms: 100,
     });
