@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use axum::http::HeaderName;
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::KeyConfig;
 use kvroute_core::policy::PolicyConfig;
@@ -192,6 +193,35 @@ fn default_reload_ms() -> u64 {
     2000
 }
 
+/// A header name, checked when the configuration is read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Header(pub HeaderName);
+
+impl Header {
+    /// A header name known to be valid (panics otherwise, like
+    /// [`HeaderName::from_static`]).
+    pub fn from_static(name: &'static str) -> Self {
+        Header(HeaderName::from_static(name))
+    }
+}
+
+impl TryFrom<String> for Header {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Self, String> {
+        HeaderName::from_bytes(name.as_bytes())
+            .map(Header)
+            .map_err(|_| format!("{name:?} is not a valid header name"))
+    }
+}
+
+impl From<Header> for String {
+    fn from(h: Header) -> String {
+        h.0.as_str().to_owned()
+    }
+}
+
 /// The default `routing.conversationHeader`.
 pub const DEFAULT_CONVERSATION_HEADER: &str = "x-conversation-id";
 
@@ -205,7 +235,7 @@ pub struct Routing {
     pub key: KeyConfig,
     /// Header carrying a conversation key, besides the body's
     /// `prompt_cache_key`. Default: `x-conversation-id`.
-    pub conversation_header: String,
+    pub conversation_header: Header,
     /// The engines' KV block size, tokens. Default: 16 (vLLM's).
     pub block_size: usize,
     /// The engines' `--prefix-caching-hash-algo`. Default: sha256.
@@ -229,7 +259,7 @@ impl Default for Routing {
         Routing {
             policy: PolicyConfig::default(),
             key: KeyConfig::default(),
-            conversation_header: DEFAULT_CONVERSATION_HEADER.into(),
+            conversation_header: Header::from_static(DEFAULT_CONVERSATION_HEADER),
             block_size: kvroute_core::hash::DEFAULT_BLOCK_SIZE,
             hash_algo: kvroute_core::hash::DEFAULT_HASH_ALGO,
             hash_seed: None,
@@ -273,7 +303,7 @@ pub struct Tenancy {
     /// source and trusted as is (an authenticating gateway sets it; clients
     /// must not reach the router directly). With `apiKeysFile` it may only
     /// repeat the key's tenant: another tenant is 403.
-    pub tenant_header: Option<String>,
+    pub tenant_header: Option<Header>,
     /// A YAML map of API key → tenant (a mounted Secret); the key comes
     /// from `Authorization: Bearer <key>`. When set, every request needs a
     /// valid key (401 without one) and its tenant is the key's.
@@ -684,28 +714,11 @@ impl Config {
                 ));
             }
         }
-        if let Some(h) = &self.tenancy.tenant_header
-            && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
-        {
-            return Err(invalid(
-                "tenancy.tenantHeader",
-                h,
-                "is not a valid header name",
-            ));
-        }
         let header = &self.telemetry.endpoint_header;
         if !header.is_empty() && axum::http::HeaderName::from_bytes(header.as_bytes()).is_err() {
             return Err(invalid(
                 "telemetry.endpointHeader",
                 header,
-                "is not a valid header name",
-            ));
-        }
-        if axum::http::HeaderName::from_bytes(self.routing.conversation_header.as_bytes()).is_err()
-        {
-            return Err(invalid(
-                "routing.conversationHeader",
-                &self.routing.conversation_header,
                 "is not a valid header name",
             ));
         }
@@ -763,6 +776,28 @@ telemetry: {logFormat: json, endpointHeader: ""}
         assert_eq!(c.routing.block_size, 32);
         assert_eq!(c.tenancy.client_salt, ClientSalt::Overwrite);
         assert!(matches!(c.discovery, Discovery::Operator(_)));
+    }
+
+    #[test]
+    fn header_names_are_checked_while_parsing() {
+        for (yaml, field) in [
+            (
+                "tenancy: {tenantHeader: 'x tenant'}",
+                "tenancy: \"x tenant\"",
+            ),
+            ("routing: {conversationHeader: 'a:b'}", "routing: \"a:b\""),
+        ] {
+            let err = serde_yaml::from_str::<Config>(yaml)
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with(field), "{err}");
+            assert!(err.contains("is not a valid header name"), "{err}");
+        }
+        let c: Config = serde_yaml::from_str("tenancy: {tenantHeader: X-Tenant}").unwrap();
+        assert_eq!(
+            c.tenancy.tenant_header,
+            Some(Header::from_static("x-tenant"))
+        );
     }
 
     #[test]

@@ -130,8 +130,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         hasher,
         tokenizer: Arc::new(tokenizer),
         template: Arc::new(template),
-        conversation_header: axum::http::HeaderName::from_bytes(r.conversation_header.as_bytes())
-            .expect("validated"),
+        conversation_header: r.conversation_header.0.clone(),
         policy: r.policy.clone(),
         lora_adapters: r
             .lora_adapters

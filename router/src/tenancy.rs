@@ -96,10 +96,7 @@ impl Tenancy {
         }
         Ok(Tenancy {
             mode: config.mode,
-            header: config
-                .tenant_header
-                .as_deref()
-                .and_then(|h| HeaderName::from_bytes(h.as_bytes()).ok()),
+            header: config.tenant_header.as_ref().map(|h| h.0.clone()),
             api_keys,
             secret,
             client_salt: config.client_salt,

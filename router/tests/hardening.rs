@@ -136,7 +136,7 @@ async fn a_tenant_header_cannot_override_the_api_key() {
         |_| {},
         |c| {
             c.tenancy.mode = TenancyMode::Salted;
-            c.tenancy.tenant_header = Some("x-tenant".into());
+            c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
             c.tenancy.api_keys_file = Some(keys.clone());
             c.tenancy.secret_file = Some(dir.join("secret"));
         },
@@ -205,7 +205,7 @@ async fn salted_mode_refuses_bodies_it_cannot_read_on_every_path() {
     std::fs::write(dir.join("secret"), "s3cret").unwrap();
     let mut config = router_config(&dir);
     config.tenancy.mode = TenancyMode::Salted;
-    config.tenancy.tenant_header = Some("x-tenant".into());
+    config.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
     config.tenancy.secret_file = Some(dir.join("secret"));
     config.resilience.health_check = None;
     let router = kvroute_router::start(config).await.unwrap();
@@ -248,7 +248,8 @@ async fn private_and_connection_named_headers_are_not_forwarded() {
     let keys = keys_file(&dir);
     let start = |forward: bool| {
         let mut config = router_config(&dir);
-        config.tenancy.tenant_header = Some("x-tenant".into());
+        config.tenancy.tenant_header =
+            Some(kvroute_router::config::Header::from_static("x-tenant"));
         config.tenancy.api_keys_file = Some(keys.clone());
         config.resilience.health_check = None;
         config.proxy.forward_authorization = forward;

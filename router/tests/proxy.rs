@@ -98,7 +98,7 @@ async fn salted_tenants_never_share_cached_blocks() {
         |_| {},
         |c| {
             c.tenancy.mode = kvroute_router::config::TenancyMode::Salted;
-            c.tenancy.tenant_header = Some("x-tenant".into());
+            c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
             c.tenancy.secret_file = Some(secret.clone());
         },
     )

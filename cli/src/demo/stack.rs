@@ -18,7 +18,7 @@ use kvroute_engine_sim::engine::CacheBody;
 use kvroute_engine_sim::{Config as SimConfig, Sim};
 use kvroute_router::Running;
 use kvroute_router::config::{
-    Config as RouterConfig, Discovery, Routing, StaticDiscovery, Tenancy,
+    Config as RouterConfig, Discovery, Header, Routing, StaticDiscovery, Tenancy,
 };
 
 /// Engines behind the router.
@@ -86,7 +86,7 @@ impl Fleet {
                 ..defaults.routing
             },
             tenancy: Tenancy {
-                tenant_header: Some(TENANT_HEADER.to_owned()),
+                tenant_header: Some(Header::from_static(TENANT_HEADER)),
                 ..defaults.tenancy
             },
             ..defaults

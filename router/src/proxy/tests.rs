@@ -15,7 +15,7 @@ fn tenancy(mode: TenancyMode, client_salt: ClientSalt) -> Tenancy {
     std::fs::write(&secret, "s3cret").unwrap();
     let tenancy = Tenancy::load(&config::Tenancy {
         mode,
-        tenant_header: Some("x-tenant".into()),
+        tenant_header: Some(crate::config::Header::from_static("x-tenant")),
         secret_file: Some(secret.clone()),
         client_salt,
         ..config::Tenancy::default()
