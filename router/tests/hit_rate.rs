@@ -11,12 +11,7 @@ use support::*;
 async fn engines(stack: &Stack, family: &str) -> f64 {
     let mut total = 0.0;
     for sim in &stack.sims {
-        let text = reqwest::get(format!("http://{}/metrics", sim.http_addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = get_text(&format!("http://{}/metrics", sim.http_addr)).await;
         total += sum_of(&text, family);
     }
     total

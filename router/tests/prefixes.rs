@@ -17,12 +17,7 @@ fn timestamped(i: usize) -> String {
 }
 
 async fn get(stack: &Stack, path: &str) -> Value {
-    reqwest::get(format!("http://{}{path}", stack.router.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(&format!("http://{}{path}", stack.router.admin_addr)).await
 }
 
 #[tokio::test]

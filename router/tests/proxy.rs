@@ -22,12 +22,7 @@ async fn proxies_chat_and_names_the_endpoint() {
     assert!(endpoint.starts_with("sim-"));
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["usage"]["completion_tokens"], 4);
-    let models: Value = reqwest::get(stack.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = get_json(&stack.url("/v1/models")).await;
     assert_eq!(models["data"][0]["id"], "kvroute-sim");
     let ready = reqwest::get(stack.url("/readyz")).await.unwrap();
     assert_eq!(ready.status(), 200);
@@ -289,12 +284,7 @@ async fn requests_naming_a_lora_adapter_hit_its_blocks() {
     )
     .await;
     stack.wait_live().await;
-    let models: Value = reqwest::get(stack.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = get_json(&stack.url("/v1/models")).await;
     assert_eq!(models["data"][1]["id"], "sql-lora");
     assert_eq!(models["data"][1]["parent"], "kvroute-sim");
 

@@ -150,12 +150,7 @@ impl Stack {
     }
 
     pub async fn metrics(&self) -> String {
-        reqwest::get(format!("http://{}/metrics", self.router.admin_addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        get_text(&format!("http://{}/metrics", self.router.admin_addr)).await
     }
 
     pub async fn stop(self) {
@@ -230,6 +225,16 @@ pub fn header_of(head: &str, header: &str) -> Option<String> {
         let (k, v) = l.split_once(':')?;
         k.eq_ignore_ascii_case(header).then(|| v.trim().to_owned())
     })
+}
+
+/// GET `url`'s body as JSON.
+pub async fn get_json(url: &str) -> Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
+/// GET `url`'s body as text.
+pub async fn get_text(url: &str) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
 }
 
 /// The sum of every series of `family` in a Prometheus text `exposition`
