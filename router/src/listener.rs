@@ -29,7 +29,7 @@ use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
 use crate::config::Limits;
-use crate::metrics::Metrics;
+use crate::metrics::{ListenerReason, Metrics};
 
 /// File descriptors kept free for upstream connections, WatchCache streams,
 /// files and the admin port when fitting `maxConnections` to the process
@@ -140,21 +140,13 @@ pub async fn serve(
                 // Out of descriptors, most likely: back off instead of
                 // spinning; the connections that hold them time out.
                 tracing::warn!(listener = name, error = %e, "accept failed");
-                metrics.inc(
-                    "kvroute_connections_refused_total",
-                    &[("listener", name), ("reason", "accept_error")],
-                    1.0,
-                );
+                refused(&metrics, name, "accept_error");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
-            metrics.inc(
-                "kvroute_connections_refused_total",
-                &[("listener", name), ("reason", "max_connections")],
-                1.0,
-            );
+            refused(&metrics, name, "max_connections");
             drop(tcp);
             continue;
         };
@@ -179,11 +171,7 @@ pub async fn serve(
                             "tls_handshake"
                         };
                         tracing::debug!(listener = name, reason, "TLS handshake failed");
-                        metrics.inc(
-                            "kvroute_connections_refused_total",
-                            &[("listener", name), ("reason", reason)],
-                            1.0,
-                        );
+                        refused(&metrics, name, reason);
                     }
                 },
             }
@@ -192,6 +180,13 @@ pub async fn serve(
     }
     // Every connection holds a slot until it closes.
     let _ = slots.acquire_many(max).await;
+}
+
+fn refused(metrics: &Metrics, listener: &'static str, reason: &'static str) {
+    metrics
+        .connections_refused
+        .get_or_create(&ListenerReason { listener, reason })
+        .inc();
 }
 
 /// One connection, closed gracefully when idle for `idle` or when the

@@ -1,330 +1,421 @@
-//! The router's Prometheus metrics, in the text exposition format.
-//! Counters and histograms are kept here; per-endpoint gauges are read from
-//! the pool at scrape time.
+//! The router's Prometheus metrics: typed families on `prometheus-client`,
+//! exposed in the OpenMetrics text format. Each metric is a field of
+//! [`Metrics`], named once where it is registered; label sets are structs.
+//! Per-endpoint gauges are read from the pool at scrape time.
+//!
+//! Bounded: `model` comes from the served models, `tenant` from a
+//! configured list, `endpoint` from the pool; the failure series of an
+//! endpoint that left the pool are dropped at the next scrape.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
+use std::collections::BTreeSet;
 use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
 
-use crate::pool::Pool;
 use kvroute_core::contract::Contract;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
-/// Metric names with their type and help text.
-const FAMILIES: &[(&str, &str, &str)] = &[
-    (
-        "kvroute_requests_total",
-        "counter",
-        "Requests answered, by model (a served model, else unknown) and status: the HTTP status, stream_error when the engine's stream broke mid-way, 499 when the client left first.",
-    ),
-    (
-        "kvroute_prompts_not_tokenized_total",
-        "counter",
-        "Requests whose body exceeded limits.maxTokenizeBytes: routed without reading the prompt.",
-    ),
-    (
-        "kvroute_ejections_total",
-        "counter",
-        "Endpoints ejected, by the fault that tipped them: connect, status, timeout, stream, health_check.",
-    ),
-    (
-        "kvroute_ejections_refused_total",
-        "counter",
-        "Ejections not made because resilience.maxEjectedPercent of the endpoints were already ejected, by fault.",
-    ),
-    (
-        "kvroute_restorations_total",
-        "counter",
-        "Ejected endpoints restored, by reason: expired (on probation) or health_check.",
-    ),
-    (
-        "kvroute_connections_refused_total",
-        "counter",
-        "Client connections closed before serving a request, by listener and reason: max_connections, accept_error, tls_handshake, tls_timeout.",
-    ),
-    (
-        "kvroute_routing_decisions_total",
-        "counter",
-        "Routing decisions by reason: warm (longest cached prefix), cold (no cached prefix; rendezvous first choice), spill (first choice over its load bound), retry (a later attempt).",
-    ),
-    (
-        "kvroute_first_choice_total",
-        "counter",
-        "Requests served by the policy's first choice.",
-    ),
-    (
-        "kvroute_routed_total",
-        "counter",
-        "Requests sent to an endpoint (first attempts).",
-    ),
-    (
-        "kvroute_prompt_tokens_total",
-        "counter",
-        "Prompt tokens of routed requests, as the router computed them, by model and tenant.",
-    ),
-    (
-        "kvroute_expected_cached_tokens_total",
-        "counter",
-        "Prompt tokens the router expected the chosen endpoint to hold cached, by model and tenant. Divided by kvroute_prompt_tokens_total: the expected hit rate.",
-    ),
-    (
-        "kvroute_observed_prompt_tokens_total",
-        "counter",
-        "Prompt tokens the engines reported (usage.prompt_tokens) in responses that reported cached tokens, by model and tenant.",
-    ),
-    (
-        "kvroute_observed_cached_tokens_total",
-        "counter",
-        "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens), by model and tenant. Divided by kvroute_observed_prompt_tokens_total: the observed hit rate.",
-    ),
-    (
-        "kvroute_hit_rate_gap",
-        "gauge",
-        "Expected minus observed hit rate over the model's last 500 requests that reported cached tokens.",
-    ),
-    (
-        "kvroute_hit_rate_gap_alerts_total",
-        "counter",
-        "Times a model's hit-rate gap was sustained (at least 0.2 over 50 or more requests; at most one per 5 minutes), each logged with an example response id.",
-    ),
-    (
-        "kvroute_volatile_prefix_requests_total",
-        "counter",
-        "Requests whose chain was new from an early block although most of their later blocks' contents were seen recently (a timestamp or id early in the prompt), by model and tenant; see /debug/prefixes.",
-    ),
-    (
-        "kvroute_upstream_failures_total",
-        "counter",
-        "Failed attempts by endpoint and kind (connect, status, timeout, stream).",
-    ),
-    (
-        "kvroute_decision_seconds",
-        "histogram",
-        "Time to parse, tokenize, hash and rank a request.",
-    ),
-    (
-        "kvroute_upstream_ttft_seconds",
-        "histogram",
-        "From sending a request to the engine to its first response body byte.",
-    ),
-    (
-        "kvroute_endpoint_in_flight",
-        "gauge",
-        "Requests in flight per endpoint.",
-    ),
-    (
-        "kvroute_endpoint_prefill_tokens",
-        "gauge",
-        "Estimated uncached prompt tokens not yet past prefill, per endpoint.",
-    ),
-    (
-        "kvroute_endpoint_cached_blocks",
-        "gauge",
-        "Blocks the occupancy index holds per endpoint.",
-    ),
-    (
-        "kvroute_endpoint_queue_seconds",
-        "gauge",
-        "Predicted prefill queue per endpoint: how long a new request would wait for its prefill to start (fleet-wide when the engine reports load).",
-    ),
-    (
-        "kvroute_endpoint_load_report_age_seconds",
-        "gauge",
-        "Age of the engine's last WatchCache load report per endpoint.",
-    ),
-    (
-        "kvroute_endpoint_ejected",
-        "gauge",
-        "1 while an endpoint is ejected for failures.",
-    ),
-    (
-        "kvroute_endpoint_routable",
-        "gauge",
-        "1 when an endpoint is ready, not draining and not ejected.",
-    ),
-    (
-        "kvroute_watch_cache_stream",
-        "gauge",
-        "WatchCache stream state per endpoint (1 for the current state).",
-    ),
-    (
-        "kvroute_endpoint_contract",
-        "gauge",
-        "Engine contract per endpoint (1 for the current state): whether the engine's block size, hash algorithm and seed match the routing settings.",
-    ),
-    (
-        "kvroute_index_entries",
-        "gauge",
-        "(block, endpoint) entries in the occupancy index.",
-    ),
-];
+use crate::pool::{EndpointStatus, Pool};
 
+/// The HTTP content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Histogram buckets, seconds.
 const BUCKETS: [f64; 16] = [
     0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0,
 ];
 
-#[derive(Debug, Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    sum: f64,
-    count: u64,
+/// Every `kind` of `kvroute_upstream_failures_total`.
+const FAILURE_KINDS: [&str; 6] = [
+    "connect",
+    "status",
+    "timeout",
+    "stream",
+    "health_check",
+    "transport",
+];
+
+/// `{model, status}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelStatus {
+    /// A served model, or `unknown`.
+    pub model: String,
+    /// The HTTP status, `stream_error` or `499`.
+    pub status: String,
 }
 
-type Key = (&'static str, String);
-
-#[derive(Debug, Default)]
-struct Registry {
-    counters: BTreeMap<Key, f64>,
-    histograms: BTreeMap<Key, Histogram>,
+/// `{model, tenant}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelTenant {
+    /// A served model, or `unknown`.
+    pub model: String,
+    /// A listed tenant, `none` or `other`.
+    pub tenant: String,
 }
 
-/// The router's counters and histograms.
-#[derive(Debug, Default)]
+/// `{model}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Model {
+    /// A served model, or `unknown`.
+    pub model: String,
+}
+
+/// `{reason}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Why {
+    /// The reason.
+    pub reason: &'static str,
+}
+
+/// `{listener, reason}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerReason {
+    /// `api` or `admin`.
+    pub listener: &'static str,
+    /// Why the connection was closed.
+    pub reason: &'static str,
+}
+
+/// `{endpoint, kind}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointKind {
+    /// The endpoint's name.
+    pub endpoint: String,
+    /// One of [`FAILURE_KINDS`].
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabel {
+    endpoint: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointState {
+    endpoint: String,
+    state: &'static str,
+}
+
+/// The router's counters and histograms. See the module docs.
 pub struct Metrics {
-    registry: Mutex<Registry>,
+    registry: Registry,
+    /// `kvroute_requests_total{model,status}`.
+    pub requests: Family<ModelStatus, Counter>,
+    /// `kvroute_prompts_not_tokenized_total`.
+    pub prompts_not_tokenized: Counter,
+    /// `kvroute_ejections_total{reason}`.
+    pub ejections: Family<Why, Counter>,
+    /// `kvroute_ejections_refused_total{reason}`.
+    pub ejections_refused: Family<Why, Counter>,
+    /// `kvroute_restorations_total{reason}`.
+    pub restorations: Family<Why, Counter>,
+    /// `kvroute_connections_refused_total{listener,reason}`.
+    pub connections_refused: Family<ListenerReason, Counter>,
+    /// `kvroute_routing_decisions_total{reason}`.
+    pub routing_decisions: Family<Why, Counter>,
+    /// `kvroute_first_choice_total`.
+    pub first_choice: Counter,
+    /// `kvroute_routed_total`.
+    pub routed: Counter,
+    /// `kvroute_prompt_tokens_total{model,tenant}`.
+    pub prompt_tokens: Family<ModelTenant, Counter>,
+    /// `kvroute_expected_cached_tokens_total{model,tenant}`.
+    pub expected_cached_tokens: Family<ModelTenant, Counter>,
+    /// `kvroute_observed_prompt_tokens_total{model,tenant}`.
+    pub observed_prompt_tokens: Family<ModelTenant, Counter>,
+    /// `kvroute_observed_cached_tokens_total{model,tenant}`.
+    pub observed_cached_tokens: Family<ModelTenant, Counter>,
+    /// `kvroute_hit_rate_gap{model}`.
+    pub hit_rate_gap: Family<Model, Gauge<f64, AtomicU64>>,
+    /// `kvroute_hit_rate_gap_alerts_total{model}`.
+    pub hit_rate_gap_alerts: Family<Model, Counter>,
+    /// `kvroute_volatile_prefix_requests_total{model,tenant}`.
+    pub volatile_prefix_requests: Family<ModelTenant, Counter>,
+    /// `kvroute_upstream_failures_total{endpoint,kind}`; use
+    /// [`Metrics::upstream_failure`], which keeps the series bounded.
+    upstream_failures: Family<EndpointKind, Counter>,
+    /// Endpoints with failure series.
+    failed_endpoints: Mutex<BTreeSet<String>>,
+    /// `kvroute_decision_seconds`.
+    pub decision_seconds: Histogram,
+    /// `kvroute_upstream_ttft_seconds`.
+    pub upstream_ttft_seconds: Histogram,
 }
 
-fn labels(pairs: &[(&str, &str)]) -> String {
-    pairs
-        .iter()
-        .map(|(k, v)| {
-            let v = v
-                .replace('\\', "\\\\")
-                .replace('"', "\\\"")
-                .replace('\n', "\\n");
-            format!("{k}=\"{v}\"")
-        })
-        .collect::<Vec<_>>()
-        .join(",")
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut m = Metrics {
+            registry: Registry::default(),
+            requests: Family::default(),
+            prompts_not_tokenized: Counter::default(),
+            ejections: Family::default(),
+            ejections_refused: Family::default(),
+            restorations: Family::default(),
+            connections_refused: Family::default(),
+            routing_decisions: Family::default(),
+            first_choice: Counter::default(),
+            routed: Counter::default(),
+            prompt_tokens: Family::default(),
+            expected_cached_tokens: Family::default(),
+            observed_prompt_tokens: Family::default(),
+            observed_cached_tokens: Family::default(),
+            hit_rate_gap: Family::default(),
+            hit_rate_gap_alerts: Family::default(),
+            volatile_prefix_requests: Family::default(),
+            upstream_failures: Family::default(),
+            failed_endpoints: Mutex::default(),
+            decision_seconds: Histogram::new(BUCKETS.iter().copied()),
+            upstream_ttft_seconds: Histogram::new(BUCKETS.iter().copied()),
+        };
+        let r = &mut m.registry;
+        // Counters are registered without `_total`, which the encoder adds.
+        r.register(
+            "kvroute_requests",
+            "Requests answered, by model (a served model, else unknown) and status: the HTTP status, stream_error when the engine's stream broke mid-way, 499 when the client left first",
+            m.requests.clone(),
+        );
+        r.register(
+            "kvroute_prompts_not_tokenized",
+            "Requests whose body exceeded limits.maxTokenizeBytes: routed without reading the prompt",
+            m.prompts_not_tokenized.clone(),
+        );
+        r.register(
+            "kvroute_ejections",
+            "Endpoints ejected, by the fault that tipped them: connect, status, timeout, stream, health_check",
+            m.ejections.clone(),
+        );
+        r.register(
+            "kvroute_ejections_refused",
+            "Ejections not made because resilience.maxEjectedPercent of the endpoints were already ejected, by fault",
+            m.ejections_refused.clone(),
+        );
+        r.register(
+            "kvroute_restorations",
+            "Ejected endpoints restored, by reason: expired (on probation) or health_check",
+            m.restorations.clone(),
+        );
+        r.register(
+            "kvroute_connections_refused",
+            "Client connections closed before serving a request, by listener and reason: max_connections, accept_error, tls_handshake, tls_timeout",
+            m.connections_refused.clone(),
+        );
+        r.register(
+            "kvroute_routing_decisions",
+            "Routing decisions by reason: warm (longest cached prefix), cold (no cached prefix; rendezvous first choice), spill (first choice over its load bound), retry (a later attempt)",
+            m.routing_decisions.clone(),
+        );
+        r.register(
+            "kvroute_first_choice",
+            "Requests served by the policy's first choice",
+            m.first_choice.clone(),
+        );
+        r.register(
+            "kvroute_routed",
+            "Requests sent to an endpoint (first attempts)",
+            m.routed.clone(),
+        );
+        r.register(
+            "kvroute_prompt_tokens",
+            "Prompt tokens of routed requests, as the router computed them, by model and tenant",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "kvroute_expected_cached_tokens",
+            "Prompt tokens the router expected the chosen endpoint to hold cached, by model and tenant. Divided by kvroute_prompt_tokens_total: the expected hit rate",
+            m.expected_cached_tokens.clone(),
+        );
+        r.register(
+            "kvroute_observed_prompt_tokens",
+            "Prompt tokens the engines reported (usage.prompt_tokens) in responses that reported cached tokens, by model and tenant",
+            m.observed_prompt_tokens.clone(),
+        );
+        r.register(
+            "kvroute_observed_cached_tokens",
+            "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens), by model and tenant. Divided by kvroute_observed_prompt_tokens_total: the observed hit rate",
+            m.observed_cached_tokens.clone(),
+        );
+        r.register(
+            "kvroute_hit_rate_gap",
+            "Expected minus observed hit rate over the model's last 500 requests that reported cached tokens",
+            m.hit_rate_gap.clone(),
+        );
+        r.register(
+            "kvroute_hit_rate_gap_alerts",
+            "Times a model's hit-rate gap was sustained (at least 0.2 over 50 or more requests; at most one per 5 minutes), each logged with an example response id",
+            m.hit_rate_gap_alerts.clone(),
+        );
+        r.register(
+            "kvroute_volatile_prefix_requests",
+            "Requests whose chain was new from an early block although most of their later blocks' contents were seen recently (a timestamp or id early in the prompt), by model and tenant; see /debug/prefixes",
+            m.volatile_prefix_requests.clone(),
+        );
+        r.register(
+            "kvroute_upstream_failures",
+            "Failed attempts by endpoint and kind (connect, status, timeout, stream, transport)",
+            m.upstream_failures.clone(),
+        );
+        r.register(
+            "kvroute_decision_seconds",
+            "Time to parse, tokenize, hash and rank a request",
+            m.decision_seconds.clone(),
+        );
+        r.register(
+            "kvroute_upstream_ttft_seconds",
+            "From sending a request to the engine to its first response body byte",
+            m.upstream_ttft_seconds.clone(),
+        );
+        m
+    }
 }
 
 impl Metrics {
-    /// Adds `by` to a counter.
-    pub fn inc(&self, name: &'static str, pairs: &[(&str, &str)], by: f64) {
-        let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        *r.counters.entry((name, labels(pairs))).or_default() += by;
-    }
-
-    /// Sets a gauge.
-    pub fn set(&self, name: &'static str, pairs: &[(&str, &str)], value: f64) {
-        let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        r.counters.insert((name, labels(pairs)), value);
-    }
-
-    /// Records a histogram observation, in seconds.
-    pub fn observe(&self, name: &'static str, pairs: &[(&str, &str)], seconds: f64) {
-        let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        let h = r.histograms.entry((name, labels(pairs))).or_default();
-        for (bucket, count) in BUCKETS.iter().zip(&mut h.counts) {
-            if seconds <= *bucket {
-                *count += 1;
-            }
-        }
-        h.sum += seconds;
-        h.count += 1;
+    /// Counts a failed attempt at `endpoint`.
+    pub fn upstream_failure(&self, endpoint: &str, kind: &'static str) {
+        self.failed_endpoints
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(endpoint.to_owned());
+        self.upstream_failures
+            .get_or_create(&EndpointKind {
+                endpoint: endpoint.to_owned(),
+                kind,
+            })
+            .inc();
     }
 
     /// The exposition text, with the pool's gauges.
     pub fn render(&self, pool: &Pool) -> String {
-        let mut samples: BTreeMap<&str, Vec<String>> = BTreeMap::new();
         let endpoints = pool.status();
         {
-            let mut r = self.registry.lock().unwrap_or_else(|e| e.into_inner());
             // Series of endpoints that left the pool go with them.
-            let present: Vec<String> = endpoints
-                .iter()
-                .map(|e| labels(&[("endpoint", &e.name)]))
-                .collect();
-            r.counters.retain(|(_, l), _| {
-                !l.starts_with("endpoint=")
-                    || present.iter().any(|p| {
-                        l == p
-                            || l.strip_prefix(p.as_str())
-                                .is_some_and(|t| t.starts_with(','))
-                    })
+            let mut failed = self
+                .failed_endpoints
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            failed.retain(|name| {
+                let present = endpoints.iter().any(|e| &e.name == name);
+                if !present {
+                    for kind in FAILURE_KINDS {
+                        self.upstream_failures.remove(&EndpointKind {
+                            endpoint: name.clone(),
+                            kind,
+                        });
+                    }
+                }
+                present
             });
-            for ((name, l), v) in &r.counters {
-                samples
-                    .entry(name)
-                    .or_default()
-                    .push(format!("{name}{{{l}}} {v}"));
-            }
-            for ((name, l), h) in &r.histograms {
-                let out = samples.entry(name).or_default();
-                let sep = if l.is_empty() { "" } else { "," };
-                for (bucket, count) in BUCKETS.iter().zip(&h.counts) {
-                    out.push(format!("{name}_bucket{{{l}{sep}le=\"{bucket}\"}} {count}"));
-                }
-                out.push(format!("{name}_bucket{{{l}{sep}le=\"+Inf\"}} {}", h.count));
-                let l = if l.is_empty() {
-                    String::new()
-                } else {
-                    format!("{{{l}}}")
-                };
-                out.push(format!("{name}_sum{l} {}", h.sum));
-                out.push(format!("{name}_count{l} {}", h.count));
-            }
         }
-        for e in endpoints {
-            let l = labels(&[("endpoint", &e.name)]);
-            let mut gauge = |name: &'static str, v: String| {
-                samples
-                    .entry(name)
-                    .or_default()
-                    .push(format!("{name}{{{l}}} {v}"));
-            };
-            gauge("kvroute_endpoint_in_flight", e.in_flight.to_string());
-            gauge(
-                "kvroute_endpoint_prefill_tokens",
-                e.prefill_tokens.to_string(),
-            );
-            gauge(
-                "kvroute_endpoint_cached_blocks",
-                e.cached_blocks.to_string(),
-            );
-            gauge(
-                "kvroute_endpoint_queue_seconds",
-                e.queue_seconds.to_string(),
-            );
-            if let Some(age) = e.load_report_age_seconds {
-                gauge("kvroute_endpoint_load_report_age_seconds", age.to_string());
-            }
-            gauge("kvroute_endpoint_ejected", u8::from(e.ejected).to_string());
-            let routable = e.ready && !e.draining && !e.ejected;
-            gauge("kvroute_endpoint_routable", u8::from(routable).to_string());
-            for state in ["none", "connecting", "live"] {
-                let l = labels(&[("endpoint", &e.name), ("state", state)]);
-                let v = u8::from(e.stream == state);
-                samples
-                    .entry("kvroute_watch_cache_stream")
-                    .or_default()
-                    .push(format!("kvroute_watch_cache_stream{{{l}}} {v}"));
-            }
-            for state in Contract::STATES {
-                let l = labels(&[("endpoint", &e.name), ("state", state)]);
-                let v = u8::from(e.contract == state);
-                samples
-                    .entry("kvroute_endpoint_contract")
-                    .or_default()
-                    .push(format!("kvroute_endpoint_contract{{{l}}} {v}"));
-            }
-        }
-        samples
-            .entry("kvroute_index_entries")
-            .or_default()
-            .push(format!("kvroute_index_entries {}", pool.index_entries()));
-
         let mut out = String::new();
-        for (name, kind, help) in FAMILIES {
-            if let Some(lines) = samples.get(name) {
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-                for line in lines {
-                    let _ = writeln!(out, "{line}");
-                }
-            }
-        }
+        // Writing to a String cannot fail.
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &pool_gauges(&endpoints, pool.index_entries()));
+        let _ = encode_eof(&mut out);
         out
     }
+}
+
+/// The pool's gauges as of now, in a registry of their own.
+fn pool_gauges(endpoints: &[EndpointStatus], index_entries: usize) -> Registry {
+    let mut r = Registry::default();
+    let mut per_endpoint =
+        |name: &str, help: &str, value: &dyn Fn(&EndpointStatus) -> Option<f64>| {
+            let family = Family::<EndpointLabel, Gauge<f64, AtomicU64>>::default();
+            for e in endpoints {
+                if let Some(v) = value(e) {
+                    family
+                        .get_or_create(&EndpointLabel {
+                            endpoint: e.name.clone(),
+                        })
+                        .set(v);
+                }
+            }
+            r.register(name, help, family);
+        };
+    let flag = |b: bool| f64::from(u8::from(b));
+    per_endpoint(
+        "kvroute_endpoint_in_flight",
+        "Requests in flight per endpoint",
+        &|e| Some(f64::from(e.in_flight)),
+    );
+    per_endpoint(
+        "kvroute_endpoint_prefill_tokens",
+        "Estimated uncached prompt tokens not yet past prefill, per endpoint",
+        &|e| Some(e.prefill_tokens as f64),
+    );
+    per_endpoint(
+        "kvroute_endpoint_cached_blocks",
+        "Blocks the occupancy index holds per endpoint",
+        &|e| Some(e.cached_blocks as f64),
+    );
+    per_endpoint(
+        "kvroute_endpoint_queue_seconds",
+        "Predicted prefill queue per endpoint: how long a new request would wait for its prefill to start (fleet-wide when the engine reports load)",
+        &|e| Some(e.queue_seconds),
+    );
+    per_endpoint(
+        "kvroute_endpoint_load_report_age_seconds",
+        "Age of the engine's last WatchCache load report per endpoint",
+        &|e| e.load_report_age_seconds,
+    );
+    per_endpoint(
+        "kvroute_endpoint_ejected",
+        "1 while an endpoint is ejected for failures",
+        &|e| Some(flag(e.ejected)),
+    );
+    per_endpoint(
+        "kvroute_endpoint_routable",
+        "1 when an endpoint is ready, not draining and not ejected",
+        &|e| Some(flag(e.ready && !e.draining && !e.ejected)),
+    );
+    let mut per_state = |name: &str,
+                         help: &str,
+                         states: &[&'static str],
+                         current: &dyn Fn(&EndpointStatus) -> &str| {
+        let family = Family::<EndpointState, Gauge>::default();
+        for e in endpoints {
+            for &state in states {
+                family
+                    .get_or_create(&EndpointState {
+                        endpoint: e.name.clone(),
+                        state,
+                    })
+                    .set(i64::from(current(e) == state));
+            }
+        }
+        r.register(name, help, family);
+    };
+    per_state(
+        "kvroute_watch_cache_stream",
+        "WatchCache stream state per endpoint (1 for the current state)",
+        &["none", "connecting", "live"],
+        &|e| e.stream,
+    );
+    per_state(
+        "kvroute_endpoint_contract",
+        "Engine contract per endpoint (1 for the current state): whether the engine's block size, hash algorithm and seed match the routing settings",
+        &Contract::STATES,
+        &|e| e.contract,
+    );
+    let entries = Gauge::<i64>::default();
+    entries.set(i64::try_from(index_entries).unwrap_or(i64::MAX));
+    r.register(
+        "kvroute_index_entries",
+        "(block, endpoint) entries in the occupancy index",
+        entries,
+    );
+    r
 }
 
 #[cfg(test)]
@@ -358,11 +449,7 @@ mod tests {
         };
         pool.set_endpoints(vec![spec("a"), spec("ab")]);
         for e in ["a", "ab"] {
-            m.inc(
-                "kvroute_upstream_failures_total",
-                &[("endpoint", e), ("kind", "connect")],
-                1.0,
-            );
+            m.upstream_failure(e, "connect");
         }
         assert!(m.render(&pool).contains("endpoint=\"a\",kind"));
         pool.set_endpoints(vec![spec("ab")]);
@@ -374,17 +461,13 @@ mod tests {
     #[test]
     fn renders_counters_histograms_and_pool_gauges() {
         let m = Metrics::default();
-        m.inc(
-            "kvroute_requests_total",
-            &[("model", "m\"x"), ("status", "200")],
-            1.0,
-        );
-        m.inc(
-            "kvroute_requests_total",
-            &[("model", "m\"x"), ("status", "200")],
-            1.0,
-        );
-        m.observe("kvroute_decision_seconds", &[], 0.002);
+        let labels = ModelStatus {
+            model: "m\"x".into(),
+            status: "200".into(),
+        };
+        m.requests.get_or_create(&labels).inc();
+        m.requests.get_or_create(&labels).inc();
+        m.decision_seconds.observe(0.002);
         let pool = pool();
         let text = m.render(&pool);
         assert!(
@@ -400,6 +483,9 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("# TYPE kvroute_decision_seconds histogram"));
-        assert!(text.contains("kvroute_index_entries 0\n"));
+        assert!(text.contains("# TYPE kvroute_requests counter"));
+        assert!(text.contains("kvroute_index_entries 0\n"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "one exposition: {text}");
+        assert_eq!(text.matches("# EOF").count(), 1);
     }
 }

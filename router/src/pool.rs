@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::Resilience;
 use crate::health::{self, Event, Fault, Outlier};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Why};
 use crate::settings::Settings;
 use kvroute_core::contract::{Contract, EngineCache, Mismatch};
 
@@ -646,27 +646,24 @@ impl Pool {
                     ejected = true;
                     let ms = duration.map(|d| d.as_millis() as u64);
                     tracing::warn!(%endpoint, reason = fault.as_str(), ejected_for_ms = ms, "endpoint ejected");
-                    self.metrics.inc(
-                        "kvroute_ejections_total",
-                        &[("reason", fault.as_str())],
-                        1.0,
-                    );
+                    let reason = fault.as_str();
+                    self.metrics.ejections.get_or_create(&Why { reason }).inc();
                 }
                 Event::Refused { endpoint, fault } => {
                     tracing::warn!(%endpoint, reason = fault.as_str(), "endpoint not ejected: the ejected share is at resilience.maxEjectedPercent");
-                    self.metrics.inc(
-                        "kvroute_ejections_refused_total",
-                        &[("reason", fault.as_str())],
-                        1.0,
-                    );
+                    let reason = fault.as_str();
+                    self.metrics
+                        .ejections_refused
+                        .get_or_create(&Why { reason })
+                        .inc();
                 }
                 Event::Restored { endpoint, why } => {
                     tracing::info!(%endpoint, reason = why.as_str(), "endpoint restored");
-                    self.metrics.inc(
-                        "kvroute_restorations_total",
-                        &[("reason", why.as_str())],
-                        1.0,
-                    );
+                    let reason = why.as_str();
+                    self.metrics
+                        .restorations
+                        .get_or_create(&Why { reason })
+                        .inc();
                 }
             }
         }

@@ -34,7 +34,7 @@ use crate::errors::ApiError;
 use crate::features::{self, Api};
 use crate::health::Fault;
 use crate::hit_rate::{Gap, Usage, UsageScan};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Model, ModelStatus, ModelTenant, Why};
 use crate::models::{ModelList, Models};
 use crate::pool::{InFlight, Plan, Pool, Target};
 use crate::prefixes::{Offender, Volatility};
@@ -132,6 +132,14 @@ impl Labels {
             self.proxy.count(&self.model, status);
         }
         first
+    }
+
+    /// `{model, tenant}` for the token counters.
+    fn model_tenant(&self) -> ModelTenant {
+        ModelTenant {
+            model: self.model.clone(),
+            tenant: self.tenant.clone(),
+        }
     }
 
     /// Hands the count over to the response body.
@@ -238,11 +246,11 @@ impl Proxy {
     }
 
     fn count(&self, model: &str, status: &str) {
-        self.metrics.inc(
-            "kvroute_requests_total",
-            &[("model", model), ("status", status)],
-            1.0,
-        );
+        let labels = ModelStatus {
+            model: model.to_owned(),
+            status: status.to_owned(),
+        };
+        self.metrics.requests.get_or_create(&labels).inc();
     }
 
     /// Reserves `kib` more of the body budget, or refuses at once.
@@ -351,11 +359,9 @@ impl Proxy {
             prompt_tokens: analysis.prompt_tokens,
         };
         let plan = self.plan(&request, analysis.readable).await?;
-        self.metrics.observe(
-            "kvroute_decision_seconds",
-            &[],
-            decision_start.elapsed().as_secs_f64(),
-        );
+        self.metrics
+            .decision_seconds
+            .observe(decision_start.elapsed().as_secs_f64());
         self.forward(
             parts,
             analysis.bytes,
@@ -388,8 +394,7 @@ impl Proxy {
             .map(str::to_owned);
         let tokenize = bytes.len() <= self.limits.max_tokenize_bytes;
         if !tokenize {
-            self.metrics
-                .inc("kvroute_prompts_not_tokenized_total", &[], 1.0);
+            self.metrics.prompts_not_tokenized.inc();
         }
         let known = self.models().await;
         let input = Input {
@@ -508,13 +513,12 @@ impl Proxy {
         // always computed.
         let hit_cap = request.prompt_tokens.saturating_sub(1) / block_tokens * block_tokens;
         let expected_cached = (u64::from(plan.cached_blocks) * block_tokens).min(hit_cap);
-        self.metrics.inc("kvroute_routed_total", &[], 1.0);
-        let by = [("model", labels.model.as_str()), ("tenant", &labels.tenant)];
-        self.metrics.inc(
-            "kvroute_prompt_tokens_total",
-            &by,
-            request.prompt_tokens as f64,
-        );
+        self.metrics.routed.inc();
+        let by = labels.model_tenant();
+        self.metrics
+            .prompt_tokens
+            .get_or_create(&by)
+            .inc_by(request.prompt_tokens);
         let mut last_error = ApiError::Upstream("no attempt was made".into());
         let mut last_response: Option<Response<Incoming>> = None;
         // Fewer targets than attempts (endpoints ejected or full): the
@@ -526,11 +530,10 @@ impl Proxy {
             } else {
                 ("retry", 0)
             };
-            self.metrics.inc(
-                "kvroute_routing_decisions_total",
-                &[("reason", reason)],
-                1.0,
-            );
+            self.metrics
+                .routing_decisions
+                .get_or_create(&Why { reason })
+                .inc();
             // Counted until dropped: whether this attempt fails, the
             // client goes away while it waits, or the response ends.
             let load = self
@@ -554,12 +557,11 @@ impl Proxy {
                 }
                 Ok(response) => {
                     if attempt == 0 {
-                        self.metrics.inc("kvroute_first_choice_total", &[], 1.0);
-                        self.metrics.inc(
-                            "kvroute_expected_cached_tokens_total",
-                            &by,
-                            cached as f64,
-                        );
+                        self.metrics.first_choice.inc();
+                        self.metrics
+                            .expected_cached_tokens
+                            .get_or_create(&by)
+                            .inc_by(cached);
                     }
                     let expected = Expected {
                         cached,
@@ -597,12 +599,8 @@ impl Proxy {
         }
     }
 
-    fn failure(&self, target: &Target, kind: &str) {
-        self.metrics.inc(
-            "kvroute_upstream_failures_total",
-            &[("endpoint", &target.name), ("kind", kind)],
-            1.0,
-        );
+    fn failure(&self, target: &Target, kind: &'static str) {
+        self.metrics.upstream_failure(&target.name, kind);
     }
 
     /// Sends one attempt. An error carries the engine's [`Fault`] when it is
@@ -749,18 +747,14 @@ impl Proxy {
     /// Counts what the engine reported of a request against what the
     /// router expected, and logs a sustained gap.
     fn observed(&self, labels: &Labels, expected: Expected, usage: Usage, id: Option<String>) {
-        let by = [("model", labels.model.as_str()), ("tenant", &labels.tenant)];
+        let by = labels.model_tenant();
         let m = &self.metrics;
-        m.inc(
-            "kvroute_observed_prompt_tokens_total",
-            &by,
-            usage.prompt_tokens as f64,
-        );
-        m.inc(
-            "kvroute_observed_cached_tokens_total",
-            &by,
-            usage.cached_tokens as f64,
-        );
+        m.observed_prompt_tokens
+            .get_or_create(&by)
+            .inc_by(usage.prompt_tokens);
+        m.observed_cached_tokens
+            .get_or_create(&by)
+            .inc_by(usage.cached_tokens);
         let mut gap = self.gap.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now().into_std();
         let model = labels.model.as_str();
@@ -774,15 +768,14 @@ impl Proxy {
         );
         let value = gap.gaps().into_iter().find(|(m, _)| m == model);
         drop(gap);
+        let label = Model {
+            model: model.to_owned(),
+        };
         if let Some((_, value)) = value {
-            m.set("kvroute_hit_rate_gap", &[("model", model)], value);
+            m.hit_rate_gap.get_or_create(&label).set(value);
         }
         if let Some(a) = alert {
-            m.inc(
-                "kvroute_hit_rate_gap_alerts_total",
-                &[("model", model)],
-                1.0,
-            );
+            m.hit_rate_gap_alerts.get_or_create(&label).inc();
             tracing::warn!(model = %a.model, gap = a.gap, requests = a.requests,
                 example = %a.example.as_deref().unwrap_or("-"),
                 "the engines report far fewer cached tokens than the router expects: \
@@ -805,11 +798,10 @@ impl Proxy {
             &labels.tenant,
         );
         drop(v);
-        self.metrics.inc(
-            "kvroute_volatile_prefix_requests_total",
-            &[("model", labels.model.as_str()), ("tenant", &labels.tenant)],
-            1.0,
-        );
+        self.metrics
+            .volatile_prefix_requests
+            .get_or_create(&labels.model_tenant())
+            .inc();
     }
 
     /// The recurring volatile prefixes, most frequent first.
@@ -1066,11 +1058,10 @@ impl Guard {
     fn first_byte(&mut self) {
         self.first = false;
         self.load.first_token();
-        self.proxy.metrics.observe(
-            "kvroute_upstream_ttft_seconds",
-            &[],
-            self.sent.elapsed().as_secs_f64(),
-        );
+        self.proxy
+            .metrics
+            .upstream_ttft_seconds
+            .observe(self.sent.elapsed().as_secs_f64());
     }
 
     fn done(&mut self) {
@@ -1087,11 +1078,7 @@ impl Guard {
     fn broke(&mut self, error: &str) {
         tracing::warn!(endpoint = %self.name, error, "upstream stream broke");
         self.proxy.pool.failed(&self.name, Fault::Stream);
-        self.proxy.metrics.inc(
-            "kvroute_upstream_failures_total",
-            &[("endpoint", &self.name), ("kind", "stream")],
-            1.0,
-        );
+        self.proxy.metrics.upstream_failure(&self.name, "stream");
         self.labels.count("stream_error");
     }
 }

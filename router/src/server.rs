@@ -294,10 +294,7 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
             "/metrics",
             get(|State(p): State<Arc<Proxy>>| async move {
                 (
-                    [(
-                        header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4; charset=utf-8",
-                    )],
+                    [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
                     p.metrics.render(&p.pool),
                 )
             }),
