@@ -251,7 +251,7 @@ impl Engine {
             incarnation: new_incarnation(),
             sequence: 0,
             subscribers: Vec::new(),
-            metrics: Metrics::default(),
+            metrics: Metrics::new(&config.model),
         };
         Ok(Arc::new(Engine {
             config,

@@ -118,7 +118,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            kvroute_telemetry::metrics::CONTENT_TYPE,
         )],
         app.engine.metrics_text(),
     )

@@ -1,7 +1,15 @@
-//! vLLM's Prometheus metrics, by vLLM's names, in the text exposition
-//! format: what a router or a dashboard reads from a real pod.
+//! vLLM's Prometheus metrics, by vLLM's names (on `prometheus-client`, in
+//! the OpenMetrics text format): what a router or a dashboard reads from a
+//! real pod. The engine keeps the counts; each scrape encodes them.
 
-use std::fmt::Write;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 use crate::config::Config;
 use crate::engine::LoadReport;
@@ -12,8 +20,32 @@ const TTFT_BUCKETS: [f64; 22] = [
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelName {
+    model_name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Finished {
+    model_name: String,
+    finished_reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheConfigInfo {
+    block_size: String,
+    cache_dtype: &'static str,
+    enable_prefix_caching: &'static str,
+    num_gpu_blocks: String,
+    prefix_caching_hash_algo: String,
+}
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(TTFT_BUCKETS.iter().copied())
+}
+
 /// Counters the engine keeps.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
     /// Prompt tokens processed.
     pub prompt_tokens: u64,
@@ -21,21 +53,27 @@ pub struct Metrics {
     pub generation_tokens: u64,
     /// Requests that generated all their tokens.
     pub requests_finished: u64,
-    ttft_counts: [u64; TTFT_BUCKETS.len()],
-    ttft_sum: f64,
-    ttft_count: u64,
+    model: ModelName,
+    ttft: Family<ModelName, Histogram, fn() -> Histogram>,
 }
 
 impl Metrics {
+    /// No counts yet, for an engine serving `model`.
+    pub fn new(model: &str) -> Self {
+        Metrics {
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            requests_finished: 0,
+            model: ModelName {
+                model_name: model.to_owned(),
+            },
+            ttft: Family::new_with_constructor(ttft_histogram),
+        }
+    }
+
     /// Records one time to first token.
     pub fn observe_ttft(&mut self, seconds: f64) {
-        for (bucket, count) in TTFT_BUCKETS.iter().zip(&mut self.ttft_counts) {
-            if seconds <= *bucket {
-                *count += 1;
-            }
-        }
-        self.ttft_sum += seconds;
-        self.ttft_count += 1;
+        self.ttft.get_or_create(&self.model).observe(seconds);
     }
 
     /// The exposition text; `prefix` is (queries, hits) in tokens.
@@ -46,110 +84,94 @@ impl Metrics {
         prefix: (u64, u64),
         cached_blocks: usize,
     ) -> String {
-        let model = escape(&config.model);
-        let l = format!("model_name=\"{model}\"");
-        let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{value}");
+        let model = &self.model;
+        let mut r = Registry::default();
+        let gauge = |v: f64| {
+            let family = Family::<ModelName, Gauge<f64, AtomicU64>>::default();
+            family.get_or_create(model).set(v);
+            family
         };
-        metric(
+        let counter = |v: u64| {
+            let family = Family::<ModelName, Counter>::default();
+            family.get_or_create(model).inc_by(v);
+            family
+        };
+        r.register(
             "vllm:num_requests_running",
-            "gauge",
-            "Number of requests in model execution batches.",
-            format!("vllm:num_requests_running{{{l}}} {}", load.running),
+            "Number of requests in model execution batches",
+            gauge(f64::from(load.running)),
         );
-        metric(
+        r.register(
             "vllm:num_requests_waiting",
-            "gauge",
-            "Number of requests waiting to be processed.",
-            format!("vllm:num_requests_waiting{{{l}}} {}", load.waiting),
+            "Number of requests waiting to be processed",
+            gauge(f64::from(load.waiting)),
         );
-        metric(
+        r.register(
             "vllm:kv_cache_usage_perc",
-            "gauge",
-            "KV-cache usage. 1 means 100 percent usage.",
-            format!("vllm:kv_cache_usage_perc{{{l}}} {}", load.kv_usage),
+            "KV-cache usage. 1 means 100 percent usage",
+            gauge(f64::from(load.kv_usage)),
         );
-        metric(
-            "vllm:prefix_cache_queries_total",
-            "counter",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            format!("vllm:prefix_cache_queries_total{{{l}}} {}", prefix.0),
+        // Counters are registered without `_total`, which the encoder adds.
+        r.register(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens",
+            counter(prefix.0),
         );
-        metric(
-            "vllm:prefix_cache_hits_total",
-            "counter",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            format!("vllm:prefix_cache_hits_total{{{l}}} {}", prefix.1),
+        r.register(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens",
+            counter(prefix.1),
         );
-        metric(
-            "vllm:prompt_tokens_total",
-            "counter",
-            "Number of prefill tokens processed.",
-            format!("vllm:prompt_tokens_total{{{l}}} {}", self.prompt_tokens),
+        r.register(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed",
+            counter(self.prompt_tokens),
         );
-        metric(
-            "vllm:generation_tokens_total",
-            "counter",
-            "Number of generation tokens processed.",
-            format!(
-                "vllm:generation_tokens_total{{{l}}} {}",
-                self.generation_tokens
-            ),
+        r.register(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed",
+            counter(self.generation_tokens),
         );
-        metric(
-            "vllm:request_success_total",
-            "counter",
-            "Count of successfully processed requests.",
-            format!(
-                "vllm:request_success_total{{{l},finished_reason=\"length\"}} {}",
-                self.requests_finished
-            ),
+        let success = Family::<Finished, Counter>::default();
+        success
+            .get_or_create(&Finished {
+                model_name: config.model.clone(),
+                finished_reason: "length",
+            })
+            .inc_by(self.requests_finished);
+        r.register(
+            "vllm:request_success",
+            "Count of successfully processed requests",
+            success,
         );
-        let mut histogram = String::new();
-        for (bucket, count) in TTFT_BUCKETS.iter().zip(&self.ttft_counts) {
-            let _ = writeln!(
-                histogram,
-                "vllm:time_to_first_token_seconds_bucket{{{l},le=\"{bucket}\"}} {count}"
-            );
-        }
-        let _ = write!(
-            histogram,
-            "vllm:time_to_first_token_seconds_bucket{{{l},le=\"+Inf\"}} {n}\n\
-             vllm:time_to_first_token_seconds_sum{{{l}}} {sum}\n\
-             vllm:time_to_first_token_seconds_count{{{l}}} {n}",
-            n = self.ttft_count,
-            sum = self.ttft_sum
-        );
-        metric(
+        // Present from the start, as vLLM's.
+        drop(self.ttft.get_or_create(model));
+        r.register(
             "vllm:time_to_first_token_seconds",
-            "histogram",
-            "Histogram of time to first token in seconds.",
-            histogram,
+            "Histogram of time to first token in seconds",
+            self.ttft.clone(),
         );
-        metric(
+        r.register(
             "kvroute_sim_cached_blocks",
-            "gauge",
-            "Blocks in the prefix cache (the simulator's own metric).",
-            format!("kvroute_sim_cached_blocks{{{l}}} {cached_blocks}"),
+            "Blocks in the prefix cache (the simulator's own metric)",
+            gauge(cached_blocks as f64),
         );
-        metric(
+        let info = Family::<CacheConfigInfo, Gauge<f64, AtomicU64>>::default();
+        info.get_or_create(&CacheConfigInfo {
+            block_size: config.block_size.to_string(),
+            cache_dtype: "auto",
+            enable_prefix_caching: "True",
+            num_gpu_blocks: config.num_gpu_blocks.to_string(),
+            prefix_caching_hash_algo: config.hash_algo.to_string(),
+        })
+        .set(1.0);
+        r.register(
             "vllm:cache_config_info",
-            "gauge",
             "Information of the LLMEngine CacheConfig",
-            format!(
-                "vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"{}\"}} 1.0",
-                config.block_size, config.num_gpu_blocks, config.hash_algo
-            ),
+            info,
         );
-        out
+        kvroute_telemetry::metrics::encode(&[&r])
     }
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -158,7 +180,7 @@ mod tests {
 
     #[test]
     fn renders_vllm_names_and_a_cumulative_histogram() {
-        let mut m = Metrics::default();
+        let mut m = Metrics::new("kvroute-sim");
         m.observe_ttft(0.03);
         m.observe_ttft(3.0);
         let load = LoadReport {
@@ -171,16 +193,16 @@ mod tests {
         };
         let text = m.render(&Config::test(), &load, (100, 48), 7);
         for line in [
-            "vllm:num_requests_running{model_name=\"kvroute-sim\"} 5",
-            "vllm:num_requests_waiting{model_name=\"kvroute-sim\"} 2",
+            "vllm:num_requests_running{model_name=\"kvroute-sim\"} 5.0",
+            "vllm:num_requests_waiting{model_name=\"kvroute-sim\"} 2.0",
             "vllm:kv_cache_usage_perc{model_name=\"kvroute-sim\"} 0.25",
             "vllm:prefix_cache_queries_total{model_name=\"kvroute-sim\"} 100",
             "vllm:prefix_cache_hits_total{model_name=\"kvroute-sim\"} 48",
-            "vllm:time_to_first_token_seconds_bucket{model_name=\"kvroute-sim\",le=\"0.04\"} 1",
-            "vllm:time_to_first_token_seconds_bucket{model_name=\"kvroute-sim\",le=\"5\"} 2",
+            "vllm:time_to_first_token_seconds_bucket{le=\"0.04\",model_name=\"kvroute-sim\"} 1",
+            "vllm:time_to_first_token_seconds_bucket{le=\"5.0\",model_name=\"kvroute-sim\"} 2",
             "vllm:time_to_first_token_seconds_count{model_name=\"kvroute-sim\"} 2",
             "# TYPE vllm:time_to_first_token_seconds histogram",
-            "kvroute_sim_cached_blocks{model_name=\"kvroute-sim\"} 7",
+            "kvroute_sim_cached_blocks{model_name=\"kvroute-sim\"} 7.0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

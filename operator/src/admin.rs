@@ -69,7 +69,7 @@ async fn metrics(State(admin): State<Admin>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            kvroute_telemetry::metrics::CONTENT_TYPE,
         )],
         text,
     )

@@ -1,82 +1,96 @@
-//! The operator's Prometheus metrics, in the text exposition format (0.0.4).
-//! Counters live here and are bumped by the status writer, the watchers, the
-//! lease and the event publisher; gauges (pools, ready endpoints, WatchPool
-//! subscribers, leadership, readiness) are read by the caller at scrape time
-//! and passed to [`Metrics::render`], so they can never go stale.
+//! The operator's Prometheus metrics: typed families on
+//! `prometheus-client`, in the OpenMetrics text format. Counters live here
+//! and are bumped by the status writer, the watchers, the lease and the
+//! event publisher; gauges (pools, ready endpoints, WatchPool subscribers,
+//! leadership, readiness) are read by the caller at scrape time and passed
+//! to [`Metrics::render`], so they can never go stale.
 //!
 //! Not here: serving the text ([`crate::admin`]) or deciding when the
 //! operator is ready.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
-const RECONCILES: &str = "kvroute_operator_reconciles_total";
-const ERRORS: &str = "kvroute_operator_errors_total";
-const STATUS_PATCHES: &str = "kvroute_operator_status_patches_total";
-const WATCH_RESTARTS: &str = "kvroute_operator_watch_restarts_total";
-const EVENTS: &str = "kvroute_operator_events_total";
-const POOLS: &str = "kvroute_operator_pools";
-const READY_ENDPOINTS: &str = "kvroute_operator_ready_endpoints";
-const SUBSCRIBERS: &str = "kvroute_operator_watchpool_subscribers";
-const LEADER: &str = "kvroute_operator_leader";
-const READY: &str = "kvroute_operator_ready";
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct What {
+    what: &'static str,
+}
 
-/// Metric names with their type and help text, in the order they render.
-const FAMILIES: &[(&str, &str, &str)] = &[
-    (
-        RECONCILES,
-        "counter",
-        "Passes of the status writer over every pool and policy.",
-    ),
-    (
-        ERRORS,
-        "counter",
-        "Failed API calls by what was attempted (status_patch, event, lease, watch), and watched objects kvroute could not read (decode).",
-    ),
-    (
-        STATUS_PATCHES,
-        "counter",
-        "Status patches sent, by kind (InferencePool, CacheRoutingPolicy).",
-    ),
-    (
-        WATCH_RESTARTS,
-        "counter",
-        "Watches relisted after their first list or failed, by kind (InferencePool, CacheRoutingPolicy, Pod).",
-    ),
-    (EVENTS, "counter", "Kubernetes Events published, by reason."),
-    (POOLS, "gauge", "InferencePools the operator knows."),
-    (
-        READY_ENDPOINTS,
-        "gauge",
-        "Ready endpoints per InferencePool, as sent to routers.",
-    ),
-    (
-        SUBSCRIBERS,
-        "gauge",
-        "Routers subscribed over EndpointDiscovery.WatchPool.",
-    ),
-    (
-        LEADER,
-        "gauge",
-        "1 while this replica holds the lease and writes status.",
-    ),
-    (
-        READY,
-        "gauge",
-        "1 once the initial lists of pools, policies and pods are in.",
-    ),
-];
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Kind {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    namespace: String,
+    pool: String,
+}
 
 /// The operator's counters. Cheap to bump from any task; render at scrape
 /// time with the current [`Gauges`].
-#[derive(Debug, Default)]
 pub struct Metrics {
-    // Unlabelled, so it is kept apart and always rendered, even at 0.
-    reconciles: AtomicU64,
-    // (family, rendered labels) -> count; a BTreeMap keeps output stable.
-    labelled: Mutex<BTreeMap<(&'static str, String), u64>>,
+    registry: Registry,
+    reconciles: Counter,
+    errors: Family<What, Counter>,
+    status_patches: Family<Kind, Counter>,
+    watch_restarts: Family<Kind, Counter>,
+    events: Family<Reason, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let m = Metrics {
+            registry: Registry::default(),
+            reconciles: Counter::default(),
+            errors: Family::default(),
+            status_patches: Family::default(),
+            watch_restarts: Family::default(),
+            events: Family::default(),
+        };
+        let mut registry = Registry::default();
+        // Counters are registered without `_total`, which the encoder adds.
+        registry.register(
+            "kvroute_operator_reconciles",
+            "Passes of the status writer over every pool and policy",
+            m.reconciles.clone(),
+        );
+        registry.register(
+            "kvroute_operator_errors",
+            "Failed API calls by what was attempted (status_patch, event, lease, watch), and watched objects kvroute could not read (decode)",
+            m.errors.clone(),
+        );
+        registry.register(
+            "kvroute_operator_status_patches",
+            "Status patches sent, by kind (InferencePool, CacheRoutingPolicy)",
+            m.status_patches.clone(),
+        );
+        registry.register(
+            "kvroute_operator_watch_restarts",
+            "Watches relisted after their first list or failed, by kind (InferencePool, CacheRoutingPolicy, Pod)",
+            m.watch_restarts.clone(),
+        );
+        registry.register(
+            "kvroute_operator_events",
+            "Kubernetes Events published, by reason",
+            m.events.clone(),
+        );
+        Metrics { registry, ..m }
+    }
 }
 
 /// Values read at scrape time.
@@ -103,114 +117,80 @@ pub struct PoolGauge {
     pub ready_endpoints: u32,
 }
 
-/// Renders `name{k="v",...}`, escaping values as the format requires, or
-/// just `name` without labels.
-fn series(name: &str, pairs: &[(&str, &str)]) -> String {
-    if pairs.is_empty() {
-        return name.to_owned();
-    }
-    let labels: Vec<String> = pairs
-        .iter()
-        .map(|(k, v)| {
-            let v = v
-                .replace('\\', "\\\\")
-                .replace('"', "\\\"")
-                .replace('\n', "\\n");
-            format!("{k}=\"{v}\"")
-        })
-        .collect();
-    format!("{name}{{{}}}", labels.join(","))
-}
-
 impl Metrics {
     /// One pass of the status writer over every pool and policy.
     pub fn reconcile(&self) {
-        self.reconciles.fetch_add(1, Ordering::Relaxed);
+        self.reconciles.inc();
     }
 
     /// A failed API call, or an object that could not be read; `what` is
     /// one of "status_patch", "event", "lease", "watch", "decode".
     pub fn error(&self, what: &'static str) {
-        self.inc(ERRORS, "what", what);
+        self.errors.get_or_create(&What { what }).inc();
     }
 
     /// A status patch sent; kind is "InferencePool" or "CacheRoutingPolicy".
     pub fn status_patch(&self, kind: &'static str) {
-        self.inc(STATUS_PATCHES, "kind", kind);
+        self.status_patches.get_or_create(&Kind { kind }).inc();
     }
 
     /// A watch of `kind` (InferencePool, CacheRoutingPolicy, Pod) restarted:
     /// relisted after the first list, or failed.
     pub fn watch_restart(&self, kind: &'static str) {
-        self.inc(WATCH_RESTARTS, "kind", kind);
+        self.watch_restarts.get_or_create(&Kind { kind }).inc();
     }
 
-    /// An Event published; `reason` is the event's reason.
+    /// An Event published; `reason` is the event's reason (one of the
+    /// operator's own, so the label stays bounded).
     pub fn event(&self, reason: &str) {
-        self.inc(EVENTS, "reason", reason);
-    }
-
-    fn inc(&self, family: &'static str, label: &str, value: &str) {
-        // A panic elsewhere while holding the lock leaves the counts valid.
-        let mut labelled = self.labelled.lock().unwrap_or_else(|e| e.into_inner());
-        *labelled
-            .entry((family, series(family, &[(label, value)])))
-            .or_default() += 1;
+        let reason = reason.to_owned();
+        self.events.get_or_create(&Reason { reason }).inc();
     }
 
     /// The exposition text. Gauges are passed in at scrape time.
     pub fn render(&self, gauges: &Gauges) -> String {
-        let mut samples: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-        let mut sample = |family: &'static str, series: String, value: String| {
-            samples
-                .entry(family)
-                .or_default()
-                .push(format!("{series} {value}"));
+        let mut r = Registry::default();
+        let gauge = |v: usize| {
+            let g = Gauge::<i64>::default();
+            g.set(i64::try_from(v).unwrap_or(i64::MAX));
+            g
         };
-        let reconciles = self.reconciles.load(Ordering::Relaxed);
-        sample(RECONCILES, RECONCILES.to_owned(), reconciles.to_string());
-        {
-            let labelled = self.labelled.lock().unwrap_or_else(|e| e.into_inner());
-            for ((family, series), count) in labelled.iter() {
-                sample(family, series.clone(), count.to_string());
-            }
-        }
-        sample(POOLS, POOLS.to_owned(), gauges.pools.len().to_string());
-        let mut pools: Vec<&PoolGauge> = gauges.pools.iter().collect();
-        pools.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        for p in pools {
-            let labels = [
-                ("namespace", p.namespace.as_str()),
-                ("pool", p.name.as_str()),
-            ];
-            sample(
-                READY_ENDPOINTS,
-                series(READY_ENDPOINTS, &labels),
-                p.ready_endpoints.to_string(),
-            );
-        }
-        sample(
-            SUBSCRIBERS,
-            SUBSCRIBERS.to_owned(),
-            gauges.subscribers.to_string(),
+        r.register(
+            "kvroute_operator_pools",
+            "InferencePools the operator knows",
+            gauge(gauges.pools.len()),
         );
-        sample(
-            LEADER,
-            LEADER.to_owned(),
-            u8::from(gauges.leader).to_string(),
-        );
-        sample(READY, READY.to_owned(), u8::from(gauges.ready).to_string());
-
-        let mut out = String::new();
-        for (name, kind, help) in FAMILIES {
-            if let Some(lines) = samples.get(name) {
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-                for line in lines {
-                    let _ = writeln!(out, "{line}");
-                }
-            }
+        let ready = Family::<PoolLabels, Gauge>::default();
+        for p in &gauges.pools {
+            let labels = PoolLabels {
+                namespace: p.namespace.clone(),
+                pool: p.name.clone(),
+            };
+            ready
+                .get_or_create(&labels)
+                .set(i64::from(p.ready_endpoints));
         }
-        out
+        r.register(
+            "kvroute_operator_ready_endpoints",
+            "Ready endpoints per InferencePool, as sent to routers",
+            ready,
+        );
+        r.register(
+            "kvroute_operator_watchpool_subscribers",
+            "Routers subscribed over EndpointDiscovery.WatchPool",
+            gauge(gauges.subscribers),
+        );
+        r.register(
+            "kvroute_operator_leader",
+            "1 while this replica holds the lease and writes status",
+            gauge(usize::from(gauges.leader)),
+        );
+        r.register(
+            "kvroute_operator_ready",
+            "1 once the initial lists of pools, policies and pods are in",
+            gauge(usize::from(gauges.ready)),
+        );
+        kvroute_telemetry::metrics::encode(&[&self.registry, &r])
     }
 }
 
@@ -227,28 +207,23 @@ mod tests {
     }
 
     #[test]
-    fn a_fresh_operator_shows_zero_reconciles_and_its_gauges_only() {
+    fn a_fresh_operator_shows_zero_reconciles_and_its_gauges() {
         let text = Metrics::default().render(&Gauges::default());
-        assert_eq!(
-            text,
-            "\
-# HELP kvroute_operator_reconciles_total Passes of the status writer over every pool and policy.
-# TYPE kvroute_operator_reconciles_total counter
-kvroute_operator_reconciles_total 0
-# HELP kvroute_operator_pools InferencePools the operator knows.
-# TYPE kvroute_operator_pools gauge
-kvroute_operator_pools 0
-# HELP kvroute_operator_watchpool_subscribers Routers subscribed over EndpointDiscovery.WatchPool.
-# TYPE kvroute_operator_watchpool_subscribers gauge
-kvroute_operator_watchpool_subscribers 0
-# HELP kvroute_operator_leader 1 while this replica holds the lease and writes status.
-# TYPE kvroute_operator_leader gauge
-kvroute_operator_leader 0
-# HELP kvroute_operator_ready 1 once the initial lists of pools, policies and pods are in.
-# TYPE kvroute_operator_ready gauge
-kvroute_operator_ready 0
-"
-        );
+        for line in [
+            "# TYPE kvroute_operator_reconciles counter",
+            "kvroute_operator_reconciles_total 0",
+            "kvroute_operator_pools 0",
+            "kvroute_operator_watchpool_subscribers 0",
+            "kvroute_operator_leader 0",
+            "kvroute_operator_ready 0",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(!text.contains("kvroute_operator_errors_total"), "{text}");
     }
 
     #[test]
@@ -287,10 +262,6 @@ kvroute_operator_ready 0
                 "missing {line:?} in\n{text}"
             );
         }
-        // Sorted by namespace, then name, whatever order they came in.
-        let dev = text.find("namespace=\"dev\"").unwrap();
-        let prod = text.find("namespace=\"prod\"").unwrap();
-        assert!(dev < prod, "{text}");
     }
 
     #[test]
@@ -312,33 +283,5 @@ kvroute_operator_ready 0
             ),
             "{text}"
         );
-    }
-
-    #[test]
-    fn help_and_type_appear_once_per_family_before_its_samples() {
-        let m = Metrics::default();
-        for reason in ["A", "B", "C"] {
-            m.event(reason);
-        }
-        m.error("event");
-        m.error("status_patch");
-        let text = m.render(&Gauges {
-            pools: vec![pool("a", "x", 1), pool("b", "y", 2)],
-            ..Gauges::default()
-        });
-        let mut typed = Vec::new();
-        for line in text.lines() {
-            if let Some(rest) = line.strip_prefix("# TYPE ") {
-                let name = rest.split(' ').next().unwrap();
-                assert!(!typed.contains(&name), "TYPE twice for {name}:\n{text}");
-                typed.push(name);
-            } else if !line.starts_with("# HELP ") {
-                let name = line.split(['{', ' ']).next().unwrap();
-                assert_eq!(typed.last(), Some(&name), "{line:?} outside its family");
-            }
-        }
-        let helps = text.lines().filter(|l| l.starts_with("# HELP ")).count();
-        assert_eq!(helps, typed.len(), "{text}");
-        assert!(typed.contains(&EVENTS) && typed.contains(&READY_ENDPOINTS));
     }
 }

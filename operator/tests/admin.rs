@@ -106,7 +106,7 @@ async fn metrics_show_the_counters_and_the_gauges_read_at_scrape_time() {
     assert!(
         content_type
             .as_deref()
-            .is_some_and(|t| t.starts_with("text/plain; version=0.0.4")),
+            .is_some_and(|t| t.starts_with("application/openmetrics-text")),
         "{content_type:?}"
     );
     for line in [

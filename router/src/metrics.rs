@@ -13,7 +13,6 @@ use std::sync::atomic::AtomicU64;
 
 use kvroute_core::contract::Contract;
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -21,9 +20,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::pool::{EndpointStatus, Pool};
-
-/// The HTTP content type of [`Metrics::render`]'s text.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Histogram buckets, seconds.
 const BUCKETS: [f64; 16] = [
@@ -317,12 +313,8 @@ impl Metrics {
                 present
             });
         }
-        let mut out = String::new();
-        // Writing to a String cannot fail.
-        let _ = encode_registry(&mut out, &self.registry);
-        let _ = encode_registry(&mut out, &pool_gauges(&endpoints, pool.index_entries()));
-        let _ = encode_eof(&mut out);
-        out
+        let gauges = pool_gauges(&endpoints, pool.index_entries());
+        kvroute_telemetry::metrics::encode(&[&self.registry, &gauges])
     }
 }
 

@@ -294,7 +294,10 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
             "/metrics",
             get(|State(p): State<Arc<Proxy>>| async move {
                 (
-                    [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+                    [(
+                        header::CONTENT_TYPE,
+                        kvroute_telemetry::metrics::CONTENT_TYPE,
+                    )],
                     p.metrics.render(&p.pool),
                 )
             }),

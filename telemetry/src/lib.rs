@@ -6,9 +6,14 @@
 //! [`shutdown_signal`] is every binary's signal to stop: Ctrl-C, or SIGTERM
 //! as Kubernetes sends a pod it stops.
 //!
+//! [`metrics`] is what every binary's `/metrics` shares: the OpenMetrics
+//! encoding of `prometheus-client` registries.
+//!
 //! Not here: reading or writing trace context on requests (each server owns
-//! its header adapters), metrics, and configuration files; callers pass the
-//! three settings they parsed.
+//! its header adapters), each binary's metrics, and configuration files;
+//! callers pass the three settings they parsed.
+
+pub mod metrics;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
