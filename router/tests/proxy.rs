@@ -137,7 +137,19 @@ async fn salted_tenants_never_share_cached_blocks() {
 
 #[tokio::test]
 async fn a_hot_prefix_spills_instead_of_piling_up() {
-    let stack = Stack::start("hot", 4, true, |c| c.itl_ms = 100.0, |_| {}).await;
+    // Two sequences at a time: the rest wait in the engine's queue, which
+    // its load reports show.
+    let stack = Stack::start(
+        "hot",
+        4,
+        true,
+        |c| {
+            c.itl_ms = 100.0;
+            c.max_num_seqs = 2;
+        },
+        |_| {},
+    )
+    .await;
     stack.wait_live().await;
     let system = long_text(9);
     // Warm one endpoint first.
