@@ -10,12 +10,15 @@
 //! resubscribes after a jittered exponential [`Backoff`] for a fresh
 //! snapshot.
 //!
-//! Not here: deciding which engines to watch (the pool spawns and aborts
-//! these tasks as discovery changes the endpoint set), and judging the
+//! Discovery owns the tasks ([`Watchers`]) and starts and stops them as the
+//! pool says when the endpoint set or the settings change ([`Streams`]).
+//!
+//! Not here: deciding which engines to watch (the pool does), and judging the
 //! engine's cache configuration (the pool checks it, see
 //! [`kvroute_core::contract`]): a snapshot's blocks are applied through
 //! [`Pool::apply_snapshot`] with it.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
@@ -25,9 +28,10 @@ use kvroute_core::load::EngineLoad;
 use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
 use kvroute_proto::v1::{CacheUpdate, LoadReport, WatchCacheRequest, cache_update::Update};
 use kvroute_proto::{ResyncReason, SequenceCheck, Verdict};
+use tokio::task::JoinHandle;
 use tonic::transport::ClientTlsConfig;
 
-use crate::pool::{Pool, StreamState, WatcherSpawner};
+use crate::pool::{Pool, Stream, StreamState, Streams};
 
 /// How the router names itself to engines.
 const SUBSCRIBER: &str = "kvroute-router";
@@ -104,20 +108,53 @@ impl Backoff {
     }
 }
 
-/// Starts watchers of WatchCache servers, over TLS when `tls` is given.
-/// Each watches the server at `addr` for the pool member `(name,
-/// generation)` and runs until it is aborted (the pool does so when the
-/// endpoint leaves or changes) or the pool is dropped.
-pub fn spawner(tls: Option<ClientTlsConfig>) -> WatcherSpawner {
-    Arc::new(
-        move |pool: Arc<Pool>, name: String, generation: u64, addr: SocketAddr| {
-            // A weak reference: the pool owns this task's handle, so a strong
-            // one would keep a dropped pool alive forever.
-            let pool = Arc::downgrade(&pool);
-            let tls = tls.clone();
-            tokio::spawn(async move { run(pool, name, generation, addr, tls).await })
-        },
-    )
+/// The watcher tasks of one pool, owned by its discovery: it applies the
+/// [`Streams`] each pool change returns. Dropping it stops every watcher.
+#[derive(Debug)]
+pub struct Watchers {
+    tls: Option<ClientTlsConfig>,
+    tasks: HashMap<String, JoinHandle<()>>,
+}
+
+impl Watchers {
+    /// No watchers yet; they will dial over TLS when `tls` is given.
+    pub fn new(tls: Option<ClientTlsConfig>) -> Self {
+        Watchers {
+            tls,
+            tasks: HashMap::new(),
+        }
+    }
+
+    /// Stops and starts watchers as `streams` says. Each watches its
+    /// member's server until stopped, replaced, or the pool is dropped.
+    pub fn apply(&mut self, pool: &Arc<Pool>, streams: Streams) {
+        for name in streams.stop {
+            if let Some(task) = self.tasks.remove(&name) {
+                task.abort();
+            }
+        }
+        for Stream {
+            name,
+            generation,
+            addr,
+        } in streams.start
+        {
+            // A weak reference, so a dropped pool ends its watchers.
+            let (pool, tls) = (Arc::downgrade(pool), self.tls.clone());
+            let task = tokio::spawn(run(pool, name.clone(), generation, addr, tls));
+            if let Some(old) = self.tasks.insert(name, task) {
+                old.abort();
+            }
+        }
+    }
+}
+
+impl Drop for Watchers {
+    fn drop(&mut self) {
+        for task in self.tasks.values() {
+            task.abort();
+        }
+    }
 }
 
 /// Why a stream ended.

@@ -424,7 +424,6 @@ mod tests {
             &Resilience::default(),
             Default::default(),
             8,
-            None,
         )
     }
 

@@ -4,9 +4,14 @@
 //! endpoint set and the settings; cache watchers apply engine updates; the
 //! proxy asks for a ranked plan and reports outcomes.
 //!
+//! The pool runs no tasks: a change that needs WatchCache streams started
+//! or stopped returns them as [`Streams`], and discovery, which owns the
+//! watcher tasks ([`crate::cache_watch::Watchers`]), runs them.
+//!
 //! Everything sits behind one mutex, held for microseconds: a routing
 //! decision, an applied update, a counter change. No I/O happens under it.
 
+use kvroute_core::contract::{Contract, EngineCache, Mismatch};
 use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
 use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, Reason, Request};
@@ -16,13 +21,11 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{Notify, watch};
-use tokio::task::JoinHandle;
 
 use crate::config::Resilience;
 use crate::health::{self, Event, Fault, Outlier};
 use crate::metrics::{Metrics, Why};
 use crate::settings::Settings;
-use kvroute_core::contract::{Contract, EngineCache, Mismatch};
 
 /// The clock the health state machine is given: tokio's, so tests can
 /// pause it.
@@ -76,20 +79,11 @@ struct Member {
     /// Distinguishes this member's watcher from an older one of the same
     /// name.
     generation: u64,
-    watcher: Option<JoinHandle<()>>,
     /// The cache settings of its last snapshot.
     engine: Option<EngineCache>,
     /// Those checked against the routing settings; a mismatched engine
     /// gets no cache credit (its updates are not indexed).
     contract: Contract,
-}
-
-impl Drop for Member {
-    fn drop(&mut self) {
-        if let Some(w) = self.watcher.take() {
-            w.abort();
-        }
-    }
 }
 
 /// One endpoint in a routing plan.
@@ -155,9 +149,25 @@ pub struct ExplainedEndpoint {
     pub predicted_ttft_seconds: f64,
 }
 
-/// Spawns a WatchCache watcher for `(name, generation)` at `addr`.
-pub type WatcherSpawner =
-    Arc<dyn Fn(Arc<Pool>, String, u64, SocketAddr) -> JoinHandle<()> + Send + Sync>;
+/// The WatchCache streams a change starts and stops.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Streams {
+    /// Streams to start, each replacing any stream of the same endpoint.
+    pub start: Vec<Stream>,
+    /// Endpoints whose stream stops.
+    pub stop: Vec<String>,
+}
+
+/// One WatchCache stream: pool member `(name, generation)`'s, at `addr`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stream {
+    /// The endpoint's name.
+    pub name: String,
+    /// Its generation: updates from an older one are ignored.
+    pub generation: u64,
+    /// Its WatchCache address.
+    pub addr: SocketAddr,
+}
 
 #[derive(Debug)]
 struct Inner {
@@ -181,7 +191,6 @@ pub struct Pool {
     inner: Mutex<Inner>,
     metrics: Arc<Metrics>,
     concurrency: u32,
-    spawner: Option<WatcherSpawner>,
     ready: watch::Sender<usize>,
     /// Signalled whenever a request ends, for requests queued on full
     /// endpoints.
@@ -228,14 +237,12 @@ pub struct EndpointStatus {
 }
 
 impl Pool {
-    /// An empty pool. `spawner` starts WatchCache watchers (none in tests
-    /// that feed the index by hand).
+    /// An empty pool.
     pub fn new(
         settings: Settings,
         resilience: &Resilience,
         metrics: Arc<Metrics>,
         concurrency: u32,
-        spawner: Option<WatcherSpawner>,
     ) -> Arc<Self> {
         let outlier = Outlier::new(health::Config {
             eject_after_failures: resilience.eject_after_failures,
@@ -262,7 +269,6 @@ impl Pool {
             }),
             metrics,
             concurrency,
-            spawner,
             ready: watch::channel(0).0,
             released: Notify::new(),
         })
@@ -298,8 +304,8 @@ impl Pool {
     /// policy starts without the old one's learned state (the index is
     /// kept); every engine's contract is checked again: one that no longer
     /// matches loses its entries, one that matches again resubscribes for
-    /// a fresh snapshot.
-    pub fn update_settings(self: &Arc<Self>, f: impl FnOnce(&Settings) -> Settings) {
+    /// a fresh snapshot (returned in [`Streams::start`]).
+    pub fn update_settings(&self, f: impl FnOnce(&Settings) -> Settings) -> Streams {
         let mut inner = self.lock();
         let settings = Arc::new(f(&inner.settings));
         if settings.policy != inner.settings.policy {
@@ -308,6 +314,7 @@ impl Pool {
         inner.settings = settings;
         let names: Vec<String> = inner.members.keys().cloned().collect();
         let mut changes = Vec::new();
+        let mut streams = Streams::default();
         for name in names {
             let Some(m) = inner.members.get(&name) else {
                 continue;
@@ -322,7 +329,7 @@ impl Pool {
             }
             if now == Contract::Match {
                 // Its updates were not indexed: start over from a snapshot.
-                self.restart_watcher(&mut inner, &name);
+                streams.start.extend(restart_stream(&mut inner, &name));
             } else {
                 let slot = m.slot;
                 inner.index.remove_endpoint(slot);
@@ -336,31 +343,15 @@ impl Pool {
         for (name, contract) in changes {
             log_contract(&name, &contract);
         }
+        streams
     }
 
-    /// Gives `name` a new generation and watcher.
-    fn restart_watcher(self: &Arc<Self>, inner: &mut Inner, name: &str) {
-        inner.generations += 1;
-        let generation = inner.generations;
-        let Some(m) = inner.members.get_mut(name) else {
-            return;
-        };
-        if let Some(w) = m.watcher.take() {
-            w.abort();
-        }
-        m.generation = generation;
-        m.engine = None;
-        m.contract = Contract::Unknown;
-        if let (Some(addr), Some(spawn)) = (m.spec.cache, &self.spawner) {
-            m.stream = StreamState::Connecting;
-            m.watcher = Some(spawn(self.clone(), name.to_owned(), generation, addr));
-        }
-    }
-
-    /// Replaces the endpoint set: new endpoints get a slot (and a watcher),
-    /// changed ones are updated, missing ones are forgotten everywhere.
-    pub fn set_endpoints(self: &Arc<Self>, specs: Vec<EndpointSpec>) {
+    /// Replaces the endpoint set: new endpoints get a slot (and a stream,
+    /// in [`Streams::start`]), changed ones are updated, missing ones are
+    /// forgotten everywhere (their streams in [`Streams::stop`]).
+    pub fn set_endpoints(&self, specs: Vec<EndpointSpec>) -> Streams {
         let mut inner = self.lock();
+        let mut streams = Streams::default();
         let wanted: BTreeMap<String, EndpointSpec> =
             specs.into_iter().map(|s| (s.name.clone(), s)).collect();
         let gone: Vec<String> = inner
@@ -371,6 +362,7 @@ impl Pool {
             .collect();
         for name in gone {
             self.forget(&mut inner, &name);
+            streams.stop.push(name);
         }
         for (name, spec) in wanted {
             // Same addresses: only readiness changed. Else (re)start it.
@@ -379,18 +371,22 @@ impl Pool {
                     m.spec = spec;
                     continue;
                 }
-                Some(_) => self.forget(&mut inner, &name),
+                Some(_) => {
+                    self.forget(&mut inner, &name);
+                    streams.stop.push(name.clone());
+                }
                 None => {}
             }
             let slot = inner.slots.assign(&name);
             inner.generations += 1;
             let generation = inner.generations;
-            let watcher = match (spec.cache, &self.spawner) {
-                (Some(addr), Some(spawn)) => {
-                    Some(spawn(self.clone(), name.clone(), generation, addr))
-                }
-                _ => None,
-            };
+            if let Some(addr) = spec.cache {
+                streams.start.push(Stream {
+                    name: name.clone(),
+                    generation,
+                    addr,
+                });
+            }
             let stream = if spec.cache.is_some() {
                 StreamState::Connecting
             } else {
@@ -404,7 +400,6 @@ impl Pool {
                     slot,
                     stream,
                     generation,
-                    watcher,
                     engine: None,
                     contract: Contract::Unknown,
                 },
@@ -416,6 +411,7 @@ impl Pool {
         } = &mut *inner;
         outlier.set_endpoints(members.keys().map(String::as_str));
         self.publish_ready(&inner);
+        streams
     }
 
     fn forget(&self, inner: &mut Inner, name: &str) {
@@ -811,6 +807,24 @@ impl Pool {
     pub fn addresses(&self) -> Vec<SocketAddr> {
         self.lock().members.values().map(|m| m.spec.http).collect()
     }
+}
+
+/// Gives member `name` a new generation, forgetting its engine, and
+/// returns the stream to start for it.
+fn restart_stream(inner: &mut Inner, name: &str) -> Option<Stream> {
+    inner.generations += 1;
+    let generation = inner.generations;
+    let m = inner.members.get_mut(name)?;
+    m.generation = generation;
+    m.engine = None;
+    m.contract = Contract::Unknown;
+    let addr = m.spec.cache?;
+    m.stream = StreamState::Connecting;
+    Some(Stream {
+        name: name.to_owned(),
+        generation,
+        addr,
+    })
 }
 
 /// Logs a change of an engine's contract: once per change, so a

@@ -18,7 +18,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::cache_watch::Watchers;
 use crate::config::{Config, ConfigError, Discovery, TenancyMode};
+use crate::discovery;
 use crate::errors::ApiError;
 use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
@@ -26,7 +28,6 @@ use crate::pool::Pool;
 use crate::proxy::Proxy;
 use crate::settings::Settings;
 use crate::tenancy::Tenancy;
-use crate::{cache_watch, discovery};
 
 /// Why the router could not start.
 #[derive(Debug, thiserror::Error)]
@@ -83,10 +84,9 @@ impl Running {
         for task in self.tasks {
             let _ = task.await;
         }
+        // Discovery owns the cache watchers: they stop with it.
         self.discovery.abort();
         self.health.abort();
-        // Dropping the pool's members stops their cache watchers.
-        self.pool.set_endpoints(Vec::new());
     }
 }
 
@@ -179,15 +179,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         &config.resilience,
         metrics.clone(),
         config.limits.endpoint_concurrency,
-        Some(cache_watch::spawner(grpc_tls.clone())),
     );
+    // Discovery owns the WatchCache watchers; aborting it stops them.
+    let mut watchers = Watchers::new(grpc_tls.clone());
     let discovery = match &config.discovery {
         Discovery::Static(s) => {
-            pool.set_endpoints(discovery::static_file::load(&s.file)?);
+            let streams = pool.set_endpoints(discovery::static_file::load(&s.file)?);
+            watchers.apply(&pool, streams);
             tokio::spawn(discovery::static_file::run(
                 pool.clone(),
                 s.file.clone(),
                 Duration::from_millis(s.reload_ms),
+                watchers,
             ))
         }
         Discovery::Operator(o) => tokio::spawn(discovery::operator::run(
@@ -196,6 +199,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             grpc_tls,
             o.namespace.clone(),
             o.pool.clone(),
+            watchers,
         )),
     };
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvroute_core::policy::PolicyConfig;
 use kvroute_engine_sim::{Config, Sim, start};
+use kvroute_router::cache_watch::Watchers;
 use kvroute_router::config::Resilience;
 use kvroute_router::pool::{EndpointSpec, EndpointStatus, Pool};
 use kvroute_router::settings::Settings;
@@ -19,7 +20,6 @@ fn pool() -> Arc<Pool> {
         &Resilience::default(),
         Default::default(),
         256,
-        Some(kvroute_router::cache_watch::spawner(None)),
     )
 }
 
@@ -84,7 +84,11 @@ async fn watchers_mirror_engines_through_restarts_and_shutdowns() {
         start(Config::test()).await.unwrap(),
     );
     let pool = pool();
-    pool.set_endpoints(vec![spec("a", &a), spec("b", &b)]);
+    let mut watchers = Watchers::new(None);
+    watchers.apply(
+        &pool,
+        pool.set_endpoints(vec![spec("a", &a), spec("b", &b)]),
+    );
     warm(&a, "rivers").await;
     warm(&b, "mountains").await;
     assert!(!a.engine.resident().is_empty() && !b.engine.resident().is_empty());
@@ -131,10 +135,11 @@ async fn watchers_mirror_engines_through_restarts_and_shutdowns() {
 async fn removing_an_endpoint_stops_its_watcher() {
     let sim = start(Config::test()).await.unwrap();
     let pool = pool();
-    pool.set_endpoints(vec![spec("a", &sim)]);
+    let mut watchers = Watchers::new(None);
+    watchers.apply(&pool, pool.set_endpoints(vec![spec("a", &sim)]));
     eventually("the stream is live", || status(&pool, "a").stream == "live").await;
     assert_eq!(sim.engine.subscribers(), 1);
-    pool.set_endpoints(Vec::new());
+    watchers.apply(&pool, pool.set_endpoints(Vec::new()));
     // The engine notices a gone subscriber at its next load report.
     eventually("the engine has no subscriber", || {
         sim.engine.subscribers() == 0
@@ -147,9 +152,25 @@ async fn removing_an_endpoint_stops_its_watcher() {
 async fn dropping_the_pool_stops_its_watchers() {
     let sim = start(Config::test()).await.unwrap();
     let pool = pool();
-    pool.set_endpoints(vec![spec("a", &sim)]);
+    let mut watchers = Watchers::new(None);
+    watchers.apply(&pool, pool.set_endpoints(vec![spec("a", &sim)]));
     eventually("the stream is live", || status(&pool, "a").stream == "live").await;
     drop(pool);
+    eventually("the engine has no subscriber", || {
+        sim.engine.subscribers() == 0
+    })
+    .await;
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn dropping_the_watchers_stops_them() {
+    let sim = start(Config::test()).await.unwrap();
+    let pool = pool();
+    let mut watchers = Watchers::new(None);
+    watchers.apply(&pool, pool.set_endpoints(vec![spec("a", &sim)]));
+    eventually("the stream is live", || status(&pool, "a").stream == "live").await;
+    drop(watchers);
     eventually("the engine has no subscriber", || {
         sim.engine.subscribers() == 0
     })
@@ -181,7 +202,11 @@ async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_ag
         assert!(!s.engine.resident().is_empty());
     }
     let pool = pool();
-    pool.set_endpoints(sims.iter().map(|(n, s)| spec(n, s)).collect());
+    let mut watchers = Watchers::new(None);
+    watchers.apply(
+        &pool,
+        pool.set_endpoints(sims.iter().map(|(n, s)| spec(n, s)).collect()),
+    );
     eventually("every contract is known", || {
         sims.iter()
             .all(|(n, _)| status(&pool, n).contract != "unknown")
@@ -205,7 +230,7 @@ async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_ag
 
     // The settings move to block size 32: that engine resyncs and counts,
     // the others stop.
-    pool.update_settings(|s| {
+    let streams = pool.update_settings(|s| {
         let mut new = Settings::builtin(s.policy.clone());
         new.hasher = kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig {
             block_size: 32,
@@ -214,6 +239,7 @@ async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_ag
         .unwrap();
         new
     });
+    watchers.apply(&pool, streams);
     eventually("block32 matches and is mirrored", || {
         status(&pool, "block32").contract == "match" && mirrors(&pool, "block32", &block32)
     })

@@ -15,6 +15,7 @@ use kvroute_core::keys::{KeyMode, RoutingKey};
 use kvroute_core::policy::{PolicyConfig, Request};
 use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
 use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
+use kvroute_router::cache_watch::Watchers;
 use kvroute_router::config::Resilience;
 use kvroute_router::discovery::{DiscoveryError, operator, static_file};
 use kvroute_router::pool::Pool;
@@ -31,7 +32,6 @@ fn pool() -> Arc<Pool> {
         &Resilience::default(),
         Default::default(),
         256,
-        None,
     )
 }
 
@@ -126,6 +126,7 @@ async fn static_file_edits_apply_and_a_broken_edit_keeps_the_last_set() {
         pool.clone(),
         path.clone(),
         Duration::from_millis(20),
+        Watchers::new(None),
     ));
     eventually("the file is applied", || names(&pool) == ["a"]).await;
 
@@ -322,6 +323,7 @@ fn watch_operator(pool: &Arc<Pool>, addr: SocketAddr) -> JoinHandle<()> {
         None,
         "ml".into(),
         "llama".into(),
+        Watchers::new(None),
     ))
 }
 
@@ -499,6 +501,7 @@ async fn the_operator_stream_runs_over_mutual_tls() {
         Some(client_tls),
         "ml".into(),
         "llama".into(),
+        Watchers::new(None),
     ));
     eventually("the state arrives over TLS", || names(&pool) == ["a:8000"]).await;
     task.abort();

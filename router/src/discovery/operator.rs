@@ -26,8 +26,8 @@ use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
 
 use tonic::transport::ClientTlsConfig;
 
-use crate::cache_watch::{BACKOFF_RESET_AFTER, Backoff, error_chain};
-use crate::pool::{EndpointSpec, Pool};
+use crate::cache_watch::{BACKOFF_RESET_AFTER, Backoff, Watchers, error_chain};
+use crate::pool::{EndpointSpec, Pool, Streams};
 use crate::settings::Settings;
 
 /// How the router names itself to the operator.
@@ -40,13 +40,15 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Watches pool `namespace/pool_name` at the operator `url` (e.g.
 /// `http://kvroute-operator.kvroute:9443`) and applies its states to
-/// `pool`. Runs until aborted; never gives up on the operator.
+/// `pool`, starting and stopping the pool's WatchCache `watchers` as the
+/// states say. Runs until aborted; never gives up on the operator.
 pub async fn run(
     pool: Arc<Pool>,
     url: String,
     tls: Option<ClientTlsConfig>,
     namespace: String,
     pool_name: String,
+    watchers: Watchers,
 ) {
     let mut backoff = Backoff::new(&url);
     let mut watcher = Watcher {
@@ -56,6 +58,7 @@ pub async fn run(
         namespace,
         pool_name,
         version: None,
+        watchers,
     };
     loop {
         let mut connected_at = None;
@@ -95,6 +98,7 @@ struct Watcher {
     namespace: String,
     pool_name: String,
     version: Option<u64>,
+    watchers: Watchers,
 }
 
 impl Watcher {
@@ -161,7 +165,8 @@ impl Watcher {
                 version = state.version,
                 "the InferencePool does not exist; no endpoints"
             );
-            self.pool.set_endpoints(Vec::new());
+            let streams = self.pool.set_endpoints(Vec::new());
+            self.watchers.apply(&self.pool, streams);
             return;
         }
         let policy = state.policy.clone().unwrap_or_else(|| {
@@ -178,11 +183,13 @@ impl Watcher {
             ready = specs.iter().filter(|s| s.ready && !s.draining).count(),
             "applying the operator's pool state"
         );
-        self.pool.set_endpoints(specs);
+        let streams = self.pool.set_endpoints(specs);
+        self.watchers.apply(&self.pool, streams);
         if state.policy.is_none() {
             return;
         }
-        update_settings(&self.pool, &policy);
+        let streams = update_settings(&self.pool, &policy);
+        self.watchers.apply(&self.pool, streams);
     }
 }
 
@@ -292,7 +299,8 @@ fn hasher(policy: &RoutingPolicy, current: &HashConfig) -> Result<Option<BlockHa
 
 /// Replaces the pool's settings when the operator's policy changes the
 /// policy, the key or the hashing; a part it gets wrong is kept as it was.
-fn update_settings(pool: &Arc<Pool>, policy: &RoutingPolicy) {
+/// Returns the streams to restart.
+fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
     let current = pool.settings();
     let config = policy_config(policy).unwrap_or_else(|| {
         tracing::warn!(policy = %policy.policy,
@@ -310,7 +318,7 @@ fn update_settings(pool: &Arc<Pool>, policy: &RoutingPolicy) {
         }
     };
     if key == current.key && hasher.is_none() && config == current.policy {
-        return;
+        return Streams::default();
     }
     tracing::info!(policy = ?config, key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
         "routing settings from the operator");
@@ -322,7 +330,7 @@ fn update_settings(pool: &Arc<Pool>, policy: &RoutingPolicy) {
         conversation_header: cur.conversation_header.clone(),
         policy: config,
         lora_adapters: cur.lora_adapters.clone(),
-    });
+    })
 }
 
 #[cfg(test)]

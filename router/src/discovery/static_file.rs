@@ -26,6 +26,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::DiscoveryError;
+use crate::cache_watch::Watchers;
 use crate::pool::{EndpointSpec, Pool};
 
 /// The whole file.
@@ -153,7 +154,7 @@ fn resolve(address: &str) -> Result<SocketAddr, String> {
 /// and applies it again when its content changed. A file that cannot be
 /// read or is invalid is logged as an error and the last good set stays.
 /// Runs until aborted.
-pub async fn run(pool: Arc<Pool>, path: PathBuf, reload: Duration) {
+pub async fn run(pool: Arc<Pool>, path: PathBuf, reload: Duration, mut watchers: Watchers) {
     let mut tick = tokio::time::interval(reload);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The content last seen (applied or refused), or the last read error,
@@ -185,7 +186,7 @@ pub async fn run(pool: Arc<Pool>, path: PathBuf, reload: Duration) {
             Ok(Ok(specs)) => {
                 tracing::info!(file = %path.display(), endpoints = specs.len(),
                     "applying the endpoints file");
-                pool.set_endpoints(specs);
+                watchers.apply(&pool, pool.set_endpoints(specs));
             }
             Ok(Err(e)) => tracing::error!(error = %e,
                 "invalid endpoints file; keeping the last good endpoints"),

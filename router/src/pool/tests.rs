@@ -29,7 +29,6 @@ fn pool(concurrency: u32) -> Arc<Pool> {
         },
         Arc::new(Metrics::default()),
         concurrency,
-        None,
     )
 }
 
@@ -171,7 +170,6 @@ async fn unreadable_requests_go_to_the_least_loaded() {
         &Resilience::default(),
         Arc::new(Metrics::default()),
         8,
-        None,
     );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
     let busy = p
@@ -199,7 +197,6 @@ async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
         },
         metrics.clone(),
         8,
-        None,
     );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2), spec("c", 3), spec("d", 4)]);
     for name in ["a", "b", "c", "d"] {
