@@ -27,7 +27,6 @@ use std::time::Duration;
 
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use kvroute_proto::v1::cache_reporter_server::CacheReporterServer;
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -64,14 +63,8 @@ pub enum StartError {
     #[error("WatchCache TLS: {0}")]
     Tls(#[from] kvroute_proto::tls::TlsError),
     /// An address could not be bound.
-    #[error("binding {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Listen(#[from] kvroute_telemetry::ListenError),
 }
 
 /// A running simulator.
@@ -112,12 +105,6 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, StartError> {
     })
 }
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, source })
-}
-
 /// Starts an engine with its HTTP and WatchCache servers.
 pub async fn start(config: Config) -> Result<Sim, StartError> {
     config.validate().map_err(StartError::Config)?;
@@ -136,16 +123,8 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
             .tls_config(tls)
             .map_err(|e| kvroute_proto::tls::TlsError::Invalid(e.to_string()))?;
     }
-    let http = bind(config.listen).await?;
-    let cache = bind(config.cache_listen).await?;
-    let http_addr = http.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
-    let cache_addr = cache.local_addr().map_err(|source| StartError::Bind {
-        addr: config.cache_listen,
-        source,
-    })?;
+    let (http, http_addr) = kvroute_telemetry::listen(config.listen).await?;
+    let (cache, cache_addr) = kvroute_telemetry::listen(config.cache_listen).await?;
     let load_interval = Duration::from_millis(config.load_interval_ms);
     let engine = Engine::new(config)?;
     let (stop, stopped) = watch::channel(false);

@@ -124,14 +124,15 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         ),
         _ => None,
     };
-    let grpc = bind(config.grpc_listen, "--grpc-listen").await?;
-    let admin_listener = bind(config.admin_listen, "--admin-listen").await?;
+    let (grpc, grpc_addr) = kvroute_telemetry::listen(config.grpc_listen)
+        .await
+        .context("--grpc-listen")?;
+    let (admin_listener, admin_addr) = kvroute_telemetry::listen(config.admin_listen)
+        .await
+        .context("--admin-listen")?;
     // Tests read the ports from these lines, so they go to stdout, whole.
-    println!("kvroute-operator: WatchPool on {}", grpc.local_addr()?);
-    println!(
-        "kvroute-operator: admin on {}",
-        admin_listener.local_addr()?
-    );
+    println!("kvroute-operator: WatchPool on {grpc_addr}");
+    println!("kvroute-operator: admin on {admin_addr}");
     tracing::info!(%identity, "starting");
 
     let index = Arc::new(Mutex::new(Index::new()));
@@ -217,10 +218,4 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         Ok(Ok(())) => {}
     }
     served.context("serve WatchPool")
-}
-
-async fn bind(addr: SocketAddr, flag: &str) -> anyhow::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("listen on {flag} {addr}"))
 }

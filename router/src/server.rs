@@ -14,7 +14,6 @@ use axum::routing::{get, post};
 use kvroute_core::hash::{BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use serde_json::json;
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -51,14 +50,8 @@ pub enum StartError {
     #[error("discovery: {0}")]
     Discovery(#[from] discovery::DiscoveryError),
     /// A listener could not be bound.
-    #[error("binding {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{0}")]
+    Listen(#[from] kvroute_telemetry::ListenError),
 }
 
 /// A running router.
@@ -95,12 +88,6 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
         path: path.display().to_string(),
         source,
     })
-}
-
-async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, source })
 }
 
 /// Starts the router.
@@ -171,8 +158,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         None => None,
     };
     // Bind first: a taken port must fail before any task starts.
-    let api = bind(config.listen).await?;
-    let admin = bind(config.admin_listen).await?;
+    let (api, addr) = kvroute_telemetry::listen(config.listen).await?;
+    let (admin, admin_addr) = kvroute_telemetry::listen(config.admin_listen).await?;
     let metrics = Arc::new(Metrics::default());
     let pool = Pool::new(
         settings,
@@ -208,14 +195,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config.resilience.health_check.clone(),
     ));
     let proxy = Arc::new(Proxy::new(pool.clone(), metrics.clone(), tenancy, &config));
-    let addr = api.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
-        addr: config.admin_listen,
-        source,
-    })?;
+
     let (stop, stopped) = watch::channel(false);
     let tasks = vec![
         tokio::spawn(listener::serve(

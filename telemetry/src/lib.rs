@@ -7,7 +7,8 @@
 //! as Kubernetes sends a pod it stops.
 //!
 //! [`metrics`] is what every binary's `/metrics` shares: the OpenMetrics
-//! encoding of `prometheus-client` registries.
+//! encoding of `prometheus-client` registries. [`listen`] binds every
+//! binary's listeners, with one error that names the address.
 //!
 //! Not here: reading or writing trace context on requests (each server owns
 //! its header adapters), each binary's metrics, and configuration files;
@@ -113,6 +114,28 @@ fn tracer_provider(service_name: &'static str, endpoint: &str) -> Result<SdkTrac
                 .build(),
         )
         .build())
+}
+
+/// A listener that could not be bound, or whose address cannot be read.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {addr}: {source}")]
+pub struct ListenError {
+    /// The address asked for.
+    pub addr: std::net::SocketAddr,
+    /// Why.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Binds `addr` (port 0 picks a free port) and returns the listener with
+/// the address it got.
+pub async fn listen(
+    addr: std::net::SocketAddr,
+) -> Result<(tokio::net::TcpListener, std::net::SocketAddr), ListenError> {
+    let error = |source| ListenError { addr, source };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(error)?;
+    let local = listener.local_addr().map_err(error)?;
+    Ok((listener, local))
 }
 
 /// Completes on Ctrl-C or, on Unix, SIGTERM (what Kubernetes sends a pod it
