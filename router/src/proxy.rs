@@ -171,7 +171,6 @@ impl Proxy {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
-        let endpoint_header = &config.telemetry.endpoint_header;
         let mut private_headers = Vec::new();
         if !config.proxy.forward_authorization {
             private_headers.push(header::AUTHORIZATION);
@@ -191,9 +190,12 @@ impl Proxy {
             metrics,
             tenancy,
             attempts: config.resilience.attempts,
-            endpoint_header: (!endpoint_header.is_empty())
-                .then(|| HeaderName::from_bytes(endpoint_header.as_bytes()).ok())
-                .flatten(),
+            endpoint_header: config
+                .telemetry
+                .endpoint_header
+                .0
+                .as_ref()
+                .map(|h| h.0.clone()),
             allowed_paths: config.proxy.allowed_paths.iter().cloned().collect(),
             private_headers,
             client,

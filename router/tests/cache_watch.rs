@@ -227,6 +227,14 @@ async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_ag
         assert_eq!(fields, [field], "{name}");
     }
     assert_eq!(status(&pool, "block32").contract_mismatches[0].engine, "32");
+    let metrics = kvroute_router::metrics::Metrics::default().render(&pool);
+    for line in [
+        "kvroute_endpoint_contract{endpoint=\"block32\",state=\"mismatch\"} 1",
+        "kvroute_endpoint_contract{endpoint=\"same\",state=\"match\"} 1",
+        "kvroute_endpoint_contract{endpoint=\"same\",state=\"mismatch\"} 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in {metrics}");
+    }
 
     // The settings move to block size 32: that engine resyncs and counts,
     // the others stop.
