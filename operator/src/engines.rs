@@ -9,8 +9,8 @@
 //! probe is retried every [`RETRY`]. At most [`CONCURRENCY`] probes run at
 //! once, each within [`TIMEOUT`].
 //!
-//! Not here: TLS to the engines (a probe of an engine that serves TLS
-//! fails and is logged; its pods get no verdict).
+//! Over TLS (and mTLS) when the operator is given the engines' CA
+//! (`--engine-tls-*`), as routers dial them with `grpcTls`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -20,6 +20,7 @@ use futures_util::StreamExt;
 use kvroute_core::contract::EngineCache;
 use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
 use kvroute_proto::v1::{WatchCacheRequest, cache_update::Update};
+use tonic::transport::ClientTlsConfig;
 
 use crate::index::{EngineTarget, Index};
 
@@ -34,8 +35,9 @@ pub const CONCURRENCY: usize = 16;
 /// Largest message read: the snapshot carries every resident block.
 const MAX_MESSAGE_BYTES: usize = 256 << 20;
 
-/// Probes engines as the index's pools and pods change, until aborted.
-pub async fn run(index: Arc<Mutex<Index>>) {
+/// Probes engines as the index's pools and pods change, until aborted;
+/// over TLS when `tls` is given.
+pub async fn run(index: Arc<Mutex<Index>>, tls: Option<ClientTlsConfig>) {
     let mut changes = index
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -56,9 +58,12 @@ pub async fn run(index: Arc<Mutex<Index>>) {
             })
             .collect();
         let results: Vec<_> = futures_util::stream::iter(due)
-            .map(|t| async move {
-                let result = probe(&t).await;
-                (t, result)
+            .map(|t| {
+                let tls = tls.clone();
+                async move {
+                    let result = probe(&t, tls).await;
+                    (t, result)
+                }
             })
             .buffer_unordered(CONCURRENCY)
             .collect()
@@ -86,11 +91,20 @@ pub async fn run(index: Arc<Mutex<Index>>) {
 }
 
 /// Reads the cache settings from the first message of `target`'s
-/// WatchCache stream.
-pub async fn probe(target: &EngineTarget) -> Result<EngineCache, String> {
+/// WatchCache stream, over TLS when `tls` is given.
+pub async fn probe(
+    target: &EngineTarget,
+    tls: Option<ClientTlsConfig>,
+) -> Result<EngineCache, String> {
     let read = async {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", target.addr))
-            .map_err(|e| e.to_string())?
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint =
+            tonic::transport::Endpoint::from_shared(format!("{scheme}://{}", target.addr))
+                .map_err(|e| e.to_string())?;
+        if let Some(tls) = tls {
+            endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+        }
+        let channel = endpoint
             .connect()
             .await
             .map_err(|e| format!("connecting: {e}"))?;

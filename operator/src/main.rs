@@ -95,6 +95,35 @@ struct RunConfig {
     /// it signed (mTLS).
     #[arg(long, env = "KVROUTE_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
     tls_client_ca_file: Option<PathBuf>,
+
+    /// PEM CA of the engines' WatchCache servers: the engine probes dial
+    /// them over TLS. Unset: plaintext.
+    #[arg(long, env = "KVROUTE_ENGINE_TLS_CA_FILE")]
+    engine_tls_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate for engines that require one (mTLS).
+    #[arg(
+        long,
+        env = "KVROUTE_ENGINE_TLS_CERT_FILE",
+        requires_all = ["engine_tls_key_file", "engine_tls_ca_file"]
+    )]
+    engine_tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of `--engine-tls-cert-file`.
+    #[arg(
+        long,
+        env = "KVROUTE_ENGINE_TLS_KEY_FILE",
+        requires = "engine_tls_cert_file"
+    )]
+    engine_tls_key_file: Option<PathBuf>,
+
+    /// The name in the engines' certificates (they are dialled by pod IP).
+    #[arg(
+        long,
+        env = "KVROUTE_ENGINE_TLS_SERVER_NAME",
+        requires = "engine_tls_ca_file"
+    )]
+    engine_tls_server_name: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -124,6 +153,18 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         ),
         _ => None,
     };
+    let engine_tls = config
+        .engine_tls_ca_file
+        .as_deref()
+        .map(|ca| {
+            let identity = config
+                .engine_tls_cert_file
+                .as_deref()
+                .zip(config.engine_tls_key_file.as_deref());
+            kvroute_proto::tls::client(ca, identity, config.engine_tls_server_name.as_deref())
+        })
+        .transpose()
+        .context("--engine-tls-ca-file / --engine-tls-cert-file / --engine-tls-key-file")?;
     let (grpc, grpc_addr) = kvroute_telemetry::listen(config.grpc_listen)
         .await
         .context("--grpc-listen")?;
@@ -165,7 +206,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         metrics.clone(),
         stopped(),
     ));
-    let engines = tokio::spawn(kvroute_operator::engines::run(index.clone()));
+    let engines = tokio::spawn(kvroute_operator::engines::run(index.clone(), engine_tls));
     let writer = StatusWriter::new(client, index.clone(), metrics.clone(), identity);
     let writer = tokio::spawn(writer.run(leader.clone(), ready.clone()));
 

@@ -57,7 +57,7 @@ async fn probes_report_engines_that_hash_otherwise() {
             ..PolicySpec::default()
         });
     }
-    let probes = tokio::spawn(kvroute_operator::engines::run(index.clone()));
+    let probes = tokio::spawn(kvroute_operator::engines::run(index.clone(), None));
     let engines = || {
         index
             .lock()
@@ -89,4 +89,38 @@ async fn probes_report_engines_that_hash_otherwise() {
     probes.abort();
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// The router crate's test certificates: one set for the workspace.
+fn tls_fixture(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../router/tests/fixtures/tls")
+        .join(name)
+}
+
+#[tokio::test]
+async fn probes_dial_engines_over_mutual_tls() {
+    let mut c = SimConfig::test();
+    c.tls_cert_file = Some(tls_fixture("server.crt"));
+    c.tls_key_file = Some(tls_fixture("server.key"));
+    c.tls_client_ca_file = Some(tls_fixture("ca.crt"));
+    let sim = kvroute_engine_sim::start(c).await.unwrap();
+    let target = kvroute_operator::index::EngineTarget {
+        namespace: "ml".into(),
+        pod: "a".into(),
+        addr: sim.cache_addr,
+    };
+    let tls = kvroute_proto::tls::client(
+        &tls_fixture("ca.crt"),
+        Some((&tls_fixture("client.crt"), &tls_fixture("client.key"))),
+        Some("localhost"),
+    )
+    .unwrap();
+    let engine = kvroute_operator::engines::probe(&target, Some(tls))
+        .await
+        .unwrap();
+    assert_eq!(engine.block_size, 16);
+    let plain = kvroute_operator::engines::probe(&target, None).await;
+    assert!(plain.is_err(), "a plaintext probe of a TLS engine fails");
+    sim.shutdown().await;
 }
