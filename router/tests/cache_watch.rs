@@ -149,33 +149,24 @@ async fn removing_an_endpoint_stops_its_watcher() {
 }
 
 #[tokio::test]
-async fn dropping_the_pool_stops_its_watchers() {
-    let sim = start(Config::test()).await.unwrap();
-    let pool = pool();
-    let mut watchers = Watchers::new(None);
-    watchers.apply(&pool, pool.set_endpoints(vec![spec("a", &sim)]));
-    eventually("the stream is live", || status(&pool, "a").stream == "live").await;
-    drop(pool);
-    eventually("the engine has no subscriber", || {
-        sim.engine.subscribers() == 0
-    })
-    .await;
-    sim.shutdown().await;
-}
-
-#[tokio::test]
-async fn dropping_the_watchers_stops_them() {
-    let sim = start(Config::test()).await.unwrap();
-    let pool = pool();
-    let mut watchers = Watchers::new(None);
-    watchers.apply(&pool, pool.set_endpoints(vec![spec("a", &sim)]));
-    eventually("the stream is live", || status(&pool, "a").stream == "live").await;
-    drop(watchers);
-    eventually("the engine has no subscriber", || {
-        sim.engine.subscribers() == 0
-    })
-    .await;
-    sim.shutdown().await;
+async fn dropping_the_pool_or_the_watchers_stops_them() {
+    for drop_pool in [true, false] {
+        let sim = start(Config::test()).await.unwrap();
+        let pool = pool();
+        let mut watchers = Watchers::new(None);
+        watchers.apply(&pool, pool.set_endpoints(vec![spec("a", &sim)]));
+        eventually("the stream is live", || status(&pool, "a").stream == "live").await;
+        if drop_pool {
+            drop(pool);
+        } else {
+            drop(watchers);
+        }
+        eventually("the engine has no subscriber", || {
+            sim.engine.subscribers() == 0
+        })
+        .await;
+        sim.shutdown().await;
+    }
 }
 
 #[tokio::test]
