@@ -3,11 +3,13 @@
 //! deployment: a static YAML file re-read when it changes
 //! ([`static_file`]), or the kvroute operator's `WatchPool` stream
 //! ([`operator`]). Both replace the pool's whole endpoint set with
-//! [`Pool::set_endpoints`](crate::pool::Pool::set_endpoints) and keep the
-//! last good set when their source breaks.
+//! [`Pool::set_endpoints`](crate::pool::Pool::set_endpoints), keep the
+//! last good set when their source breaks, and own the pool's WatchCache
+//! watcher tasks ([`Watchers`](crate::cache_watch::Watchers)), starting and
+//! stopping them as each change says.
 //!
-//! Not here: health checking, ejection or WatchCache (the pool and
-//! [`crate::cache_watch`] do those).
+//! Not here: health checking, ejection, or what a watcher does (the pool
+//! and [`crate::cache_watch`] do those).
 
 pub mod operator;
 pub mod static_file;
