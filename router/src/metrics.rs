@@ -83,7 +83,7 @@ pub struct ListenerReason {
 pub struct EndpointKind {
     /// The endpoint's name.
     pub endpoint: String,
-    /// One of [`FAILURE_KINDS`].
+    /// connect, status, timeout, stream, health_check or transport.
     pub kind: &'static str,
 }
 
