@@ -119,3 +119,27 @@ fn the_positional_sample_decodes_to_its_meaning() {
         check(e, w);
     }
 }
+
+#[test]
+fn the_tagged_sample_rebuilds_the_engines_set() {
+    use kvroute_agent::events::Batch;
+    use kvroute_agent::resident::Resident;
+    let v = vectors();
+    let s = &v["kv_event_sample_vllm_0_33_0"];
+    let b = decode_batch(&hex(s["frame2_payload_hex"].as_str().unwrap())).unwrap();
+    // Before the final reset: request B's one block, A's two evicted.
+    let (last, before) = b.events.split_last().unwrap();
+    let mut r = Resident::default();
+    r.apply(&Batch {
+        events: before.to_vec(),
+        ..b.clone()
+    });
+    let b_hash =
+        u64::from_str_radix(&s["reqB_block_hashes_hex"][0].as_str().unwrap()[48..], 16).unwrap();
+    assert_eq!(r.blocks("GPU").collect::<Vec<_>>(), [b_hash]);
+    r.apply(&Batch {
+        events: vec![last.clone()],
+        ..b
+    });
+    assert!(r.counts().is_empty());
+}
