@@ -140,9 +140,9 @@ pub struct Gap {
 impl Gap {
     /// Records a request to `model` the router expected `expected_cached`
     /// of `prompt_tokens` cached for, and the engine's `usage`; `id` names
-    /// the response. Returns an alert when the gap is sustained: a full
-    /// enough window, at least [`ALERT_GAP`], not reported for `model` in
-    /// the last [`ALERT_EVERY`].
+    /// the response. Returns the model's gap now, and an alert when it is
+    /// sustained: a full enough window, at least [`ALERT_GAP`], not reported
+    /// for `model` in the last [`ALERT_EVERY`].
     pub fn record(
         &mut self,
         model: &str,
@@ -151,7 +151,7 @@ impl Gap {
         usage: Usage,
         id: Option<String>,
         now: Instant,
-    ) -> Option<Alert> {
+    ) -> (f64, Option<Alert>) {
         let w = self.windows.entry(model.to_owned()).or_default();
         if w.seen.len() == WINDOW {
             w.seen.pop_front();
@@ -170,22 +170,15 @@ impl Gap {
             .is_none_or(|t| now.duration_since(t) >= ALERT_EVERY);
         if w.seen.len() >= MIN_REQUESTS && gap >= ALERT_GAP && quiet {
             w.alerted = Some(now);
-            return Some(Alert {
+            let alert = Alert {
                 model: model.to_owned(),
                 gap,
                 requests: w.seen.len(),
                 example: w.example.clone(),
-            });
+            };
+            return (gap, Some(alert));
         }
-        None
-    }
-
-    /// The gap per model.
-    pub fn gaps(&self) -> Vec<(String, f64)> {
-        self.windows
-            .iter()
-            .map(|(m, w)| (m.clone(), w.gap()))
-            .collect()
+        (gap, None)
     }
 }
 
@@ -263,32 +256,31 @@ mod tests {
             prompt_tokens: 100,
             cached_tokens: 80,
         };
-        // As expected: no alert however long it runs.
+        // As expected: no gap, no alert, however long it runs.
         for i in 0..200 {
-            assert_eq!(g.record("m", 80, 100, warm, None, t0), None, "{i}");
+            let (gap, alert) = g.record("m", 80, 100, warm, None, t0);
+            assert!(gap.abs() < 1e-9 && alert.is_none(), "{i}");
         }
-        assert!(g.gaps()[0].1.abs() < 1e-9);
         // Expected 80 %, observed 0: the window turns.
         let mut alerts = Vec::new();
+        let mut last = 0.0;
         for i in 0..WINDOW {
             let id = Some(format!("r{i}"));
-            alerts.extend(g.record("m", 80, 100, cold, id, t0));
+            let (gap, alert) = g.record("m", 80, 100, cold, id, t0);
+            alerts.extend(alert);
+            last = gap;
         }
         assert_eq!(alerts.len(), 1);
         let a = &alerts[0];
         assert!(a.gap >= ALERT_GAP && a.requests >= MIN_REQUESTS, "{a:?}");
         assert!(a.example.as_deref().unwrap().starts_with('r'));
-        assert!((g.gaps()[0].1 - 0.8).abs() < 1e-9);
+        assert!((last - 0.8).abs() < 1e-9, "{last}");
         // Quiet until the period has passed.
-        assert_eq!(
-            g.record("m", 80, 100, cold, None, t0 + ALERT_EVERY / 2),
-            None
-        );
-        assert!(
-            g.record("m", 80, 100, cold, None, t0 + ALERT_EVERY)
-                .is_some()
-        );
+        let half = t0 + ALERT_EVERY / 2;
+        assert!(g.record("m", 80, 100, cold, None, half).1.is_none());
+        let full = t0 + ALERT_EVERY;
+        assert!(g.record("m", 80, 100, cold, None, full).1.is_some());
         // Another model has its own window.
-        assert_eq!(g.record("other", 80, 100, cold, None, t0), None);
+        assert!(g.record("other", 80, 100, cold, None, t0).1.is_none());
     }
 }

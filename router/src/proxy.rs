@@ -760,7 +760,7 @@ impl Proxy {
         let mut gap = self.gap.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now().into_std();
         let model = labels.model.as_str();
-        let alert = gap.record(
+        let (value, alert) = gap.record(
             model,
             expected.cached,
             expected.prompt_tokens,
@@ -768,14 +768,11 @@ impl Proxy {
             id,
             now,
         );
-        let value = gap.gaps().into_iter().find(|(m, _)| m == model);
         drop(gap);
         let label = Model {
             model: model.to_owned(),
         };
-        if let Some((_, value)) = value {
-            m.hit_rate_gap.get_or_create(&label).set(value);
-        }
+        m.hit_rate_gap.get_or_create(&label).set(value);
         if let Some(a) = alert {
             m.hit_rate_gap_alerts.get_or_create(&label).inc();
             tracing::warn!(model = %a.model, gap = a.gap, requests = a.requests,
