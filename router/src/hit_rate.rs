@@ -91,15 +91,44 @@ struct Seen {
     usage: Usage,
 }
 
+impl Seen {
+    /// Expected cached, prompt, observed cached, observed prompt.
+    fn counts(&self) -> [u64; 4] {
+        [
+            self.expected_cached,
+            self.prompt_tokens,
+            self.usage.cached_tokens,
+            self.usage.prompt_tokens,
+        ]
+    }
+}
+
 #[derive(Debug, Default)]
 struct Window {
     seen: VecDeque<Seen>,
+    /// [`Seen::counts`] summed over `seen`.
+    sums: [u64; 4],
     /// An example of a request that saw less than expected.
     example: Option<String>,
     alerted: Option<Instant>,
 }
 
 impl Window {
+    /// Adds `s`, dropping the oldest when the window is full.
+    fn push(&mut self, s: Seen) {
+        if self.seen.len() == WINDOW
+            && let Some(old) = self.seen.pop_front()
+        {
+            for (sum, c) in self.sums.iter_mut().zip(old.counts()) {
+                *sum -= c;
+            }
+        }
+        for (sum, c) in self.sums.iter_mut().zip(s.counts()) {
+            *sum += c;
+        }
+        self.seen.push_back(s);
+    }
+
     /// Expected share minus observed share.
     fn gap(&self) -> f64 {
         let share = |cached: u64, total: u64| {
@@ -109,12 +138,8 @@ impl Window {
                 cached as f64 / total as f64
             }
         };
-        let sum = |f: fn(&Seen) -> u64| self.seen.iter().map(f).sum::<u64>();
-        share(sum(|s| s.expected_cached), sum(|s| s.prompt_tokens))
-            - share(
-                sum(|s| s.usage.cached_tokens),
-                sum(|s| s.usage.prompt_tokens),
-            )
+        let [expected, prompt, cached, observed_prompt] = self.sums;
+        share(expected, prompt) - share(cached, observed_prompt)
     }
 }
 
@@ -153,10 +178,7 @@ impl Gap {
         now: Instant,
     ) -> (f64, Option<Alert>) {
         let w = self.windows.entry(model.to_owned()).or_default();
-        if w.seen.len() == WINDOW {
-            w.seen.pop_front();
-        }
-        w.seen.push_back(Seen {
+        w.push(Seen {
             expected_cached,
             prompt_tokens,
             usage,

@@ -442,28 +442,9 @@ impl Pool {
     pub fn plan(&self, request: &Request<'_>, readable: bool) -> Plan {
         let mut inner = self.lock();
         let now = now();
-        let candidates: Vec<(Endpoint, Target)> = inner
-            .members
-            .values()
-            .filter(|m| inner.is_routable(m, now))
-            .map(|m| {
-                (
-                    Endpoint {
-                        slot: m.slot,
-                        id: m.id,
-                        load: inner.load.load(m.slot),
-                    },
-                    Target {
-                        name: m.spec.name.clone(),
-                        http: m.spec.http,
-                        slot: m.slot,
-                        id: m.id,
-                    },
-                )
-            })
-            .collect();
-        let endpoints: Vec<Endpoint> = candidates.iter().map(|(e, _)| *e).collect();
+        let (endpoints, candidates) = inner.candidates(now);
         let inner = &mut *inner;
+        // Field by field: the policy is borrowed mutably beside it.
         let cx = Context {
             index: inner.exact.then_some(&inner.index),
             block_tokens: inner.settings.hasher.config().block_size as u64,
@@ -483,7 +464,7 @@ impl Pool {
                 full += usize::from(!under);
                 under
             })
-            .map(|&i| candidates[i].1.clone())
+            .map(|&i| candidates[i].clone())
             .collect();
         Plan {
             targets,
@@ -499,31 +480,18 @@ impl Pool {
     pub fn explain(&self, request: &Request<'_>, readable: bool) -> Explained {
         let inner = self.lock();
         let now = now();
-        let settings = &inner.settings;
-        let prefill = settings.policy.prefill_model();
-        let block_tokens = settings.hasher.config().block_size as u64;
-        let mut leading = Vec::new();
-        if inner.exact {
-            inner.index.longest_prefix(request.chain, &mut leading);
-        }
-        let routable: Vec<&Member> = inner
-            .members
-            .values()
-            .filter(|m| inner.is_routable(m, now))
-            .collect();
-        let endpoints: Vec<Endpoint> = routable
-            .iter()
-            .map(|m| Endpoint {
-                slot: m.slot,
-                id: m.id,
-                load: inner.load.load(m.slot),
-            })
-            .collect();
+        let prefill = inner.settings.policy.prefill_model();
+        let block_tokens = inner.settings.hasher.config().block_size as u64;
         let cx = Context {
             index: inner.exact.then_some(&inner.index),
             block_tokens,
             now,
         };
+        let mut leading = Vec::new();
+        if inner.exact {
+            inner.index.longest_prefix(request.chain, &mut leading);
+        }
+        let (endpoints, targets) = inner.candidates(now);
         let mut policy = if readable {
             inner.policy.boxed_clone()
         } else {
@@ -533,7 +501,7 @@ impl Pool {
         let ranked = decision
             .ranked
             .iter()
-            .map(|&i| routable[i].spec.name.clone())
+            .map(|&i| targets[i].name.clone())
             .collect();
         let explained_endpoints = inner
             .members
@@ -544,6 +512,7 @@ impl Pool {
                 let uncached = request
                     .prompt_tokens
                     .saturating_sub(u64::from(cached) * block_tokens);
+                let queued = prefill.queued_s(&load, now);
                 ExplainedEndpoint {
                     name: m.spec.name.clone(),
                     routable: inner.is_routable(m, now),
@@ -551,8 +520,8 @@ impl Pool {
                     contract: m.contract.as_str(),
                     cached_blocks: cached,
                     in_flight: load.in_flight,
-                    queue_seconds: prefill.queued_s(&load, now),
-                    predicted_ttft_seconds: prefill.ttft_s(&load, uncached, now),
+                    queue_seconds: queued,
+                    predicted_ttft_seconds: queued + prefill.prefill_s(&load, uncached),
                 }
             })
             .collect();
@@ -846,6 +815,28 @@ fn log_contract(name: &str, contract: &Contract) {
 }
 
 impl Inner {
+    /// The routable endpoints as the policy sees them, and as targets.
+    fn candidates(&self, now: std::time::Instant) -> (Vec<Endpoint>, Vec<Target>) {
+        self.members
+            .values()
+            .filter(|m| self.is_routable(m, now))
+            .map(|m| {
+                let endpoint = Endpoint {
+                    slot: m.slot,
+                    id: m.id,
+                    load: self.load.load(m.slot),
+                };
+                let target = Target {
+                    name: m.spec.name.clone(),
+                    http: m.spec.http,
+                    slot: m.slot,
+                    id: m.id,
+                };
+                (endpoint, target)
+            })
+            .unzip()
+    }
+
     fn is_routable(&self, m: &Member, now: std::time::Instant) -> bool {
         m.spec.ready && !m.spec.draining && !self.outlier.is_ejected(&m.spec.name, now)
     }

@@ -336,11 +336,7 @@ impl Proxy {
     ) -> Result<Response<Body>, ApiError> {
         let decision_start = Instant::now();
         let path = parts.uri.path();
-        if !self.allowed_paths.contains(path) {
-            return Err(ApiError::NotFound(format!(
-                "{path} is not proxied; see proxy.allowedPaths"
-            )));
-        }
+        self.allowed(path)?;
         let tenant = self.tenancy.tenant(&parts.headers)?;
         labels.tenant = self.tenant_label(tenant.as_deref());
         let (bytes, _budget) = self.read_body(parts, body).await?;
@@ -442,11 +438,7 @@ impl Proxy {
         headers: &HeaderMap,
         body: Bytes,
     ) -> Result<Explanation, ApiError> {
-        if !self.allowed_paths.contains(path) {
-            return Err(ApiError::NotFound(format!(
-                "{path} is not proxied; see proxy.allowedPaths"
-            )));
-        }
+        self.allowed(path)?;
         let tenant = self.tenancy.tenant(headers)?;
         let mut label = String::new();
         let a = self
@@ -457,21 +449,32 @@ impl Proxy {
             chain: &a.chain,
             prompt_tokens: a.prompt_tokens,
         };
+        let decision = self.pool.explain(&request, a.readable);
         let settings = self.pool.settings();
         let hashing = settings.hasher.config();
         Ok(Explanation {
             path: path.to_owned(),
-            model: a.model.clone(),
-            lora: a.lora.clone(),
             key: format!("{:016x}", a.key.0),
             prompt_tokens: a.prompt_tokens,
             tokenized: a.readable,
-            tokens: a.tokens.clone(),
             block_size: hashing.block_size,
             hash_algo: hashing.algo.as_str(),
             chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),
-            decision: self.pool.explain(&request, a.readable),
+            model: a.model,
+            lora: a.lora,
+            tokens: a.tokens,
+            decision,
         })
+    }
+
+    /// Refuses a path that is not proxied.
+    fn allowed(&self, path: &str) -> Result<(), ApiError> {
+        if self.allowed_paths.contains(path) {
+            return Ok(());
+        }
+        Err(ApiError::NotFound(format!(
+            "{path} is not proxied; see proxy.allowedPaths"
+        )))
     }
 
     /// A plan with at least one target, waiting in the bounded queue while
@@ -705,7 +708,9 @@ impl Proxy {
                         if guard.first {
                             guard.first_byte();
                         }
-                        guard.usage.push(data);
+                        if guard.status.is_success() {
+                            guard.usage.push(data);
+                        }
                     }
                     // A sized body may not be polled past its last byte.
                     if hyper::body::Body::is_end_stream(&incoming) {

@@ -15,7 +15,7 @@ use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 
 /// What the request path uses to turn a request into tokens, a block
 /// chain and a routing key.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Settings {
     /// How keys are made.
     pub key: KeyConfig,

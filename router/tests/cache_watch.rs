@@ -229,14 +229,13 @@ async fn engines_that_hash_differently_get_no_cache_credit_until_the_settings_ag
 
     // The settings move to block size 32: that engine resyncs and counts,
     // the others stop.
-    let streams = pool.update_settings(|s| {
-        let mut new = Settings::builtin(s.policy.clone());
-        new.hasher = kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig {
+    let streams = pool.update_settings(|s| Settings {
+        hasher: kvroute_core::hash::BlockHasher::new(kvroute_core::hash::HashConfig {
             block_size: 32,
             ..s.hasher.config().clone()
         })
-        .unwrap();
-        new
+        .unwrap(),
+        ..s.clone()
     });
     watchers.apply(&pool, streams);
     eventually("block32 matches and is mirrored", || {

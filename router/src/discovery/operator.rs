@@ -325,11 +325,8 @@ fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
     pool.update_settings(|cur| Settings {
         key,
         hasher: hasher.unwrap_or_else(|| cur.hasher.clone()),
-        tokenizer: cur.tokenizer.clone(),
-        template: cur.template.clone(),
-        conversation_header: cur.conversation_header.clone(),
         policy: config,
-        lora_adapters: cur.lora_adapters.clone(),
+        ..cur.clone()
     })
 }
 
