@@ -22,6 +22,10 @@ pub struct EngineCache {
     pub hash_seed_set: bool,
     /// Its `NONE_HASH` in `u64` form, when it reports one.
     pub none_hash: Option<u64>,
+    /// Whether hashes recomputed from the engine's own tokens differed from
+    /// the ones it reported (the agent checks vLLM's events): its real
+    /// algorithm or seed is not the one reported.
+    pub hashes_unverified: bool,
 }
 
 /// One field on which an engine and the router differ.
@@ -91,6 +95,13 @@ impl Contract {
                 _ => {}
             }
         }
+        if engine.hashes_unverified {
+            field(
+                "hashes",
+                "differ from hashes recomputed from its tokens".into(),
+                format!("{} with the configured seed", router.algo),
+            );
+        }
         if differ.is_empty() {
             Contract::Match
         } else {
@@ -137,6 +148,7 @@ mod tests {
             hash_algo: Some(h.config().algo),
             hash_seed_set: h.config().seed.is_some(),
             none_hash: Some(h.none_hash().to_u64()),
+            hashes_unverified: false,
         }
     }
 
@@ -186,6 +198,16 @@ mod tests {
                 router: "set".into()
             }]
         );
+    }
+
+    #[test]
+    fn hashes_that_failed_verification_are_a_mismatch() {
+        let h = hasher(16, HashAlgo::Sha256, None);
+        let mut engine = engine_of(&h);
+        engine.hashes_unverified = true;
+        let c = Contract::check(&engine, &h);
+        assert_eq!(c.mismatches().len(), 1);
+        assert_eq!(c.mismatches()[0].field, "hashes");
     }
 
     #[test]

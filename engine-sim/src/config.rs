@@ -106,6 +106,29 @@ pub struct Config {
     #[arg(long, env = "SIM_EXTRA_LATENCY_MS", default_value_t = 0)]
     pub extra_latency_ms: u64,
 
+    /// Also publish vLLM's KV cache events (ZMQ PUB) on this address, as
+    /// vLLM's `--kv-events-config` `endpoint` does (`tcp://*:5557`), for
+    /// `kvroute-agent`.
+    #[arg(long, env = "SIM_KV_EVENTS_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+
+    /// Serve vLLM's KV events replay (ZMQ ROUTER) on this address, as
+    /// vLLM's `replay_endpoint` (`tcp://*:5558`).
+    #[arg(
+        long,
+        env = "SIM_KV_EVENTS_REPLAY_ENDPOINT",
+        requires = "kv_events_endpoint"
+    )]
+    pub kv_events_replay_endpoint: Option<String>,
+
+    /// The KV events topic frame (vLLM's `topic`).
+    #[arg(long, env = "SIM_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
+
+    /// KV event batches kept for replay (vLLM's `buffer_steps`).
+    #[arg(long, env = "SIM_KV_EVENTS_BUFFER_STEPS", default_value_t = 10_000)]
+    pub kv_events_buffer_steps: usize,
+
     /// PEM certificate chain of the WatchCache server; with
     /// `--tls-key-file` it serves TLS. Unset: plaintext.
     #[arg(long, env = "SIM_TLS_CERT_FILE", requires = "tls_key_file")]
@@ -165,6 +188,12 @@ impl Config {
                     .to_owned(),
             );
         }
+        if self.kv_events_replay_endpoint.is_some() && self.kv_events_endpoint.is_none() {
+            return Err("--kv-events-replay-endpoint needs --kv-events-endpoint".to_owned());
+        }
+        if self.kv_events_buffer_steps == 0 {
+            return Err("--kv-events-buffer-steps must be ≥ 1, got 0".to_owned());
+        }
         if self.max_model_len == 0 {
             return Err("--max-model-len must be ≥ 1, got 0".to_owned());
         }
@@ -196,6 +225,10 @@ impl Config {
             fail_rate: 0.0,
             stop_after: None,
             extra_latency_ms: 0,
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+            kv_events_topic: String::new(),
+            kv_events_buffer_steps: 10_000,
             tls_cert_file: None,
             tls_key_file: None,
             tls_client_ca_file: None,

@@ -15,13 +15,16 @@ use std::time::Duration;
 
 use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::Tokenizer;
+use kvroute_proto::feed::{self, Feed, Source};
+use kvroute_proto::v1::{self, cache_update::Update};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::Instant;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::config::Config;
+use crate::kv_events::{self, Publisher};
 use crate::metrics::Metrics;
-use crate::pool::{BlockPool, PoolEvent};
+use crate::pool::{BlockPool, Content, PoolEvent};
 
 /// The engine's own load, as WatchCache reports it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -42,40 +45,18 @@ pub struct LoadReport {
     pub prefill_tokens_per_s: Option<f64>,
 }
 
-/// A message on a WatchCache stream (mapped to protobuf by the server).
-#[derive(Clone, Debug)]
-pub struct CacheMessage {
-    /// The cache's incarnation.
-    pub incarnation: Arc<str>,
-    /// Sequence number of the last cache change this message includes.
-    pub sequence: u64,
-    /// What happened.
-    pub body: CacheBody,
-}
-
-/// The content of a [`CacheMessage`].
-#[derive(Clone, Debug)]
-pub enum CacheBody {
-    /// Everything resident, and the load.
-    Snapshot {
-        /// Every cached block.
-        hashes: Arc<[BlockHash]>,
-        /// Current load.
-        load: LoadReport,
-    },
-    /// Blocks cached, in chain order.
-    Stored {
-        /// The blocks.
-        hashes: Arc<[BlockHash]>,
-        /// The block before the first, if any.
-        parent: Option<BlockHash>,
-    },
-    /// Blocks evicted.
-    Removed(Arc<[BlockHash]>),
-    /// The whole cache dropped.
-    Cleared,
-    /// A periodic load report.
-    Load(LoadReport),
+impl LoadReport {
+    /// As WatchCache sends it.
+    pub fn to_proto(self) -> v1::LoadReport {
+        v1::LoadReport {
+            waiting: self.waiting,
+            running: self.running,
+            kv_usage: self.kv_usage,
+            used_blocks: self.used_blocks,
+            queued_prefill_tokens: Some(self.queued_prefill_tokens),
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+        }
+    }
 }
 
 /// Why a request was refused.
@@ -162,10 +143,6 @@ struct Admission {
     prefill_end: Instant,
 }
 
-struct Subscriber {
-    tx: mpsc::Sender<CacheMessage>,
-}
-
 struct State {
     pool: BlockPool,
     waiting: VecDeque<Waiter>,
@@ -176,9 +153,9 @@ struct State {
     /// Admitted prefills not yet finished, in FIFO order: (start, end,
     /// uncached tokens).
     prefills: VecDeque<(Instant, Instant, u64)>,
-    incarnation: Arc<str>,
-    sequence: u64,
-    subscribers: Vec<Subscriber>,
+    feed: Feed,
+    /// vLLM-format KV events, when the engine publishes them.
+    kv_events: Option<Publisher>,
     metrics: Metrics,
 }
 
@@ -221,17 +198,6 @@ fn word_ids() -> &'static [u32; 32] {
     })
 }
 
-fn new_incarnation() -> Arc<str> {
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    let id = xxh3_64(format!("{nanos}/{}/{n}", std::process::id()).as_bytes());
-    format!("{id:016x}").into()
-}
-
 impl Engine {
     /// An engine for `config` (validated by the caller).
     pub fn new(config: Config) -> Result<Arc<Self>, kvroute_core::hash::HashError> {
@@ -248,9 +214,8 @@ impl Engine {
             reserved: 0,
             prefill_free_at: Instant::now(),
             prefills: VecDeque::new(),
-            incarnation: new_incarnation(),
-            sequence: 0,
-            subscribers: Vec::new(),
+            feed: Feed::new(config.subscriber_buffer as usize),
+            kv_events: None,
             metrics: Metrics::new(&config.model),
         };
         Ok(Arc::new(Engine {
@@ -416,7 +381,8 @@ impl Engine {
             let mut state = self.lock();
             let mut parent = cached_blocks.checked_sub(1).map(|i| hashes[i]);
             for (i, &hash) in hashes.iter().enumerate().skip(cached_blocks) {
-                state.pool.cache(run.blocks[i], hash, parent);
+                let content = self.content(&job, i, &job.prompt[i * bs..(i + 1) * bs]);
+                state.pool.cache(run.blocks[i], hash, parent, content);
                 parent = Some(hash);
             }
             state
@@ -456,9 +422,14 @@ impl Engine {
                         .hasher
                         .block_digest(&parent, i, &tokens[i * bs..], extras);
                     let parent_hash = i.checked_sub(1).map(|p| digests[p].to_u64());
+                    let content = Content {
+                        tokens: &tokens[i * bs..],
+                        lora: self.lora_id(job.lora.as_ref()),
+                        salt: None,
+                    };
                     state
                         .pool
-                        .cache(run.blocks[i], digest.to_u64(), parent_hash);
+                        .cache(run.blocks[i], digest.to_u64(), parent_hash, content);
                     digests.push(digest);
                     self.publish(&mut state);
                 }
@@ -476,24 +447,61 @@ impl Engine {
         self.lock().metrics.requests_finished += 1;
     }
 
-    /// Sends the pool's pending events to every subscriber, in order.
+    /// vLLM's `lora_id` and name of an adapter: its position among the
+    /// served adapters, from 1.
+    fn lora_id<'a>(&self, lora: Option<&'a Lora>) -> Option<(u64, &'a str)> {
+        let lora = lora?;
+        let modules = &self.config.lora_modules;
+        let id = modules.iter().position(|l| l.name == lora.name);
+        Some((id.map_or(0, |i| i as u64 + 1), lora.name.as_str()))
+    }
+
+    /// What block `i` of `job`'s prompt, `tokens`, holds besides its hash.
+    fn content<'a>(&self, job: &'a Job, i: usize, tokens: &'a [u32]) -> Content<'a> {
+        Content {
+            tokens,
+            lora: self.lora_id(job.lora.as_ref()),
+            salt: if i == 0 {
+                job.cache_salt.as_deref()
+            } else {
+                None
+            },
+        }
+    }
+
+    /// Sends the pool's pending events to every subscriber, in order, and
+    /// publishes them as one vLLM event batch.
     fn publish(&self, state: &mut State) {
-        for event in state.pool.take_events() {
-            state.sequence += 1;
-            let body = match event {
-                PoolEvent::Stored { hashes, parent } => CacheBody::Stored {
-                    hashes: hashes.into(),
-                    parent,
-                },
-                PoolEvent::Removed(hashes) => CacheBody::Removed(hashes.into()),
-                PoolEvent::Cleared => CacheBody::Cleared,
+        let events = state.pool.take_events();
+        if events.is_empty() {
+            return;
+        }
+        if let Some(kv) = &state.kv_events {
+            let ts = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64();
+            kv.send(kv_events::encode_batch(
+                ts,
+                &events,
+                self.config.block_size,
+                0,
+            ));
+        }
+        for event in events {
+            let update = match event {
+                PoolEvent::Stored { hashes, parent, .. } => Update::Stored(v1::BlocksStored {
+                    block_hashes: hashes,
+                    parent_block_hash: parent,
+                    medium: String::new(),
+                }),
+                PoolEvent::Removed(hashes) => Update::Removed(v1::BlocksRemoved {
+                    block_hashes: hashes,
+                    medium: String::new(),
+                }),
+                PoolEvent::Cleared => Update::Cleared(v1::AllBlocksCleared::default()),
             };
-            let message = CacheMessage {
-                incarnation: state.incarnation.clone(),
-                sequence: state.sequence,
-                body,
-            };
-            send_all(state, &message);
+            state.feed.change(update);
         }
     }
 
@@ -533,60 +541,58 @@ impl Engine {
         }
     }
 
-    /// A new WatchCache subscriber: its first message is a snapshot, then
-    /// every change in order. The stream ends if it falls
-    /// `subscriber_buffer` messages behind.
-    pub fn subscribe(&self) -> mpsc::Receiver<CacheMessage> {
-        let (tx, rx) = mpsc::channel(self.config.subscriber_buffer as usize);
-        let mut state = self.lock();
-        let snapshot = CacheMessage {
-            incarnation: state.incarnation.clone(),
-            sequence: state.sequence,
-            body: CacheBody::Snapshot {
-                hashes: state.pool.resident().collect(),
-                load: self.load(&mut state),
-            },
-        };
-        if tx.try_send(snapshot).is_ok() {
-            state.subscribers.push(Subscriber { tx });
+    /// The cache's configuration, as WatchCache reports it.
+    pub fn cache_config(&self) -> v1::CacheConfig {
+        let c = &self.config;
+        v1::CacheConfig {
+            block_size: c.block_size,
+            hash_algorithm: v1::HashAlgorithm::from(c.hash_algo).into(),
+            hash_seed_set: c.hash_seed.is_some(),
+            capacity_blocks: c.num_gpu_blocks,
+            model: c.model.clone(),
+            none_hash: Some(self.hasher.none_hash().to_u64()),
+            hash_verification_failed: false,
         }
-        rx
     }
 
-    /// Sends a load report to every subscriber.
+    /// Starts publishing vLLM's KV events (the engine's changes from now
+    /// on) through `publisher`.
+    pub fn publish_kv_events(&self, publisher: Publisher) {
+        self.lock().kv_events = Some(publisher);
+    }
+
     /// Resolves once a request has arrived since the last call.
     pub async fn arrival(&self) {
         self.arrived.notified().await;
     }
 
+    /// Sends a load report to every subscriber.
     pub fn report_load(&self) {
         let mut state = self.lock();
-        let message = CacheMessage {
-            incarnation: state.incarnation.clone(),
-            sequence: state.sequence,
-            body: CacheBody::Load(self.load(&mut state)),
-        };
-        send_all(&mut state, &message);
+        let load = self.load(&mut state).to_proto();
+        state.feed.load(load);
     }
 
     /// Ends every WatchCache stream (on shutdown).
     pub fn end_streams(&self) {
-        self.lock().subscribers.clear();
+        self.lock().feed.end_streams();
     }
 
     /// Subscribers connected.
     pub fn subscribers(&self) -> usize {
-        self.lock().subscribers.len()
+        self.lock().feed.subscribers()
     }
 
     /// Restarts the cache: a new incarnation with nothing cached; every
-    /// subscriber's stream ends (they resubscribe for a snapshot).
+    /// subscriber's stream ends (they resubscribe for a snapshot), and KV
+    /// event numbering starts over, as when vLLM restarts.
     pub fn restart_cache(&self) {
         let mut state = self.lock();
         state.pool.forget();
-        state.incarnation = new_incarnation();
-        state.sequence = 0;
-        state.subscribers.clear();
+        state.feed.restart();
+        if let Some(kv) = &state.kv_events {
+            kv.restart();
+        }
     }
 
     /// vLLM's `reset_prefix_cache`: drops every cached block; refused while
@@ -604,9 +610,9 @@ impl Engine {
     }
 
     /// The incarnation and the sequence of the last change.
-    pub fn position(&self) -> (Arc<str>, u64) {
+    pub fn position(&self) -> (String, u64) {
         let state = self.lock();
-        (state.incarnation.clone(), state.sequence)
+        (state.feed.incarnation().to_owned(), state.feed.sequence())
     }
 
     /// Prometheus text exposition of vLLM's metrics.
@@ -622,12 +628,20 @@ impl Engine {
     }
 }
 
-/// Sends `message` to every subscriber; one that is full or gone is
-/// dropped, which ends its stream.
-fn send_all(state: &mut State, message: &CacheMessage) {
-    state
-        .subscribers
-        .retain(|s| s.tx.try_send(message.clone()).is_ok());
+impl Source for Engine {
+    /// A new WatchCache subscriber: its first message is a snapshot, then
+    /// every change in order. The stream ends if it falls
+    /// `subscriber_buffer` messages behind.
+    fn subscribe(&self) -> mpsc::Receiver<feed::Message> {
+        let mut state = self.lock();
+        let snapshot = v1::CacheSnapshot {
+            config: Some(self.cache_config()),
+            block_hashes: state.pool.resident().collect(),
+            load: Some(self.load(&mut state).to_proto()),
+            offloaded: Vec::new(),
+        };
+        state.feed.subscribe(snapshot)
+    }
 }
 
 fn bytes_of(tokens: &[u32]) -> Vec<u8> {

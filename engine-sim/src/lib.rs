@@ -2,7 +2,9 @@
 //! concerned. A real prefix block cache with vLLM's hashing and eviction
 //! order ([`pool`]), FIFO admission and simulated prefill and decode timing
 //! ([`engine`]), vLLM's OpenAI-compatible API, metrics and errors
-//! ([`http`]), and a live WatchCache occupancy stream ([`grpc`]).
+//! ([`http`]), a live WatchCache occupancy stream (served with
+//! [`kvroute_proto::feed`]), and optionally vLLM's own ZMQ KV events
+//! ([`kv_events`]) for `kvroute-agent` to bridge.
 //!
 //! Run it as a binary, or in-process from tests with [`start`]:
 //!
@@ -16,8 +18,8 @@
 
 pub mod config;
 pub mod engine;
-pub mod grpc;
 pub mod http;
+pub mod kv_events;
 pub mod metrics;
 pub mod pool;
 
@@ -26,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+use kvroute_proto::feed::Reporter;
 use kvroute_proto::v1::cache_reporter_server::CacheReporterServer;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -65,6 +68,9 @@ pub enum StartError {
     /// An address could not be bound.
     #[error(transparent)]
     Listen(#[from] kvroute_telemetry::ListenError),
+    /// A KV events socket could not be bound.
+    #[error(transparent)]
+    KvEvents(#[from] kv_events::BindError),
 }
 
 /// A running simulator.
@@ -76,6 +82,9 @@ pub struct Sim {
     pub cache_addr: SocketAddr,
     /// The engine, for tests that look inside or inject faults.
     pub engine: Arc<Engine>,
+    /// vLLM's KV events publisher, when enabled: its bound addresses, and
+    /// fault injection for tests.
+    pub kv_events: Option<kv_events::Publisher>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -126,7 +135,22 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     let (http, http_addr) = kvroute_telemetry::listen(config.listen).await?;
     let (cache, cache_addr) = kvroute_telemetry::listen(config.cache_listen).await?;
     let load_interval = Duration::from_millis(config.load_interval_ms);
+    let kv_events = match &config.kv_events_endpoint {
+        Some(endpoint) => Some(
+            kv_events::Publisher::start(kv_events::Endpoints {
+                endpoint: endpoint.clone(),
+                replay_endpoint: config.kv_events_replay_endpoint.clone(),
+                topic: config.kv_events_topic.clone(),
+                buffer_steps: config.kv_events_buffer_steps,
+            })
+            .await?,
+        ),
+        None => None,
+    };
     let engine = Engine::new(config)?;
+    if let Some(publisher) = &kv_events {
+        engine.publish_kv_events(publisher.clone());
+    }
     let (stop, stopped) = watch::channel(false);
 
     let app = http::App::new(engine.clone(), tokenizer, template);
@@ -144,7 +168,7 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
         }
     });
 
-    let reporter = CacheReporterServer::new(grpc::Reporter::new(engine.clone()))
+    let reporter = CacheReporterServer::new(Reporter::new(engine.clone()))
         .max_encoding_message_size(usize::MAX);
     let mut until_stop = stopped.clone();
     let grpc_task = tokio::spawn(async move {
@@ -186,6 +210,7 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
         http_addr,
         cache_addr,
         engine,
+        kv_events,
         stop,
         tasks: vec![http_task, grpc_task, load_task],
     })

@@ -42,11 +42,29 @@ pub enum PoolEvent {
         hashes: Vec<BlockHash>,
         /// The hash of the block before the first, if any.
         parent: Option<BlockHash>,
+        /// Their tokens, block after block.
+        token_ids: Vec<u32>,
+        /// Each block's extra keys as vLLM's events list them: the LoRA
+        /// adapter's name, then the cache salt on block 0.
+        extra_keys: Vec<Vec<String>>,
+        /// The LoRA adapter (vLLM's `lora_id` and `lora_name`), if any.
+        lora: Option<(u64, String)>,
     },
     /// Blocks evicted.
     Removed(Vec<BlockHash>),
     /// Every cached block dropped.
     Cleared,
+}
+
+/// What vLLM's `BlockStored` event says of a block besides its hash.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Content<'a> {
+    /// The block's tokens.
+    pub tokens: &'a [u32],
+    /// The request's LoRA adapter: vLLM's `lora_id` and name.
+    pub lora: Option<(u64, &'a str)>,
+    /// The request's cache salt, given for block 0 only.
+    pub salt: Option<&'a str>,
 }
 
 /// Blocks handed to a request.
@@ -191,19 +209,42 @@ impl BlockPool {
     /// Caches `block`, now full, under `hash`; `parent` is the hash of the
     /// block before it in its sequence. Does nothing if the hash is already
     /// cached.
-    pub fn cache(&mut self, block: u32, hash: BlockHash, parent: Option<BlockHash>) {
+    pub fn cache(
+        &mut self,
+        block: u32,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        content: Content<'_>,
+    ) {
         if self.cached.contains_key(&hash) || self.blocks[block as usize].hash.is_some() {
             return;
         }
         self.blocks[block as usize].hash = Some(hash);
         self.cached.insert(hash, block);
+        let keys: Vec<String> = content
+            .lora
+            .map(|(_, name)| name)
+            .into_iter()
+            .chain(content.salt)
+            .map(str::to_owned)
+            .collect();
         match self.events.last_mut() {
-            Some(PoolEvent::Stored { hashes, .. }) if hashes.last().copied() == parent => {
-                hashes.push(hash)
+            Some(PoolEvent::Stored {
+                hashes,
+                token_ids,
+                extra_keys,
+                ..
+            }) if hashes.last().copied() == parent => {
+                hashes.push(hash);
+                token_ids.extend_from_slice(content.tokens);
+                extra_keys.push(keys);
             }
             _ => self.events.push(PoolEvent::Stored {
                 hashes: vec![hash],
                 parent,
+                token_ids: content.tokens.to_vec(),
+                extra_keys: vec![keys],
+                lora: content.lora.map(|(id, name)| (id, name.to_owned())),
             }),
         }
     }
@@ -313,7 +354,7 @@ mod tests {
         let a = pool.allocate(hashes, tokens, 0).unwrap();
         let mut parent = None;
         for (i, &h) in hashes.iter().enumerate() {
-            pool.cache(a.blocks[i], h, parent);
+            pool.cache(a.blocks[i], h, parent, Content::default());
             parent = Some(h);
         }
         a
@@ -377,12 +418,15 @@ mod tests {
             pool.take_events(),
             vec![PoolEvent::Stored {
                 hashes: vec![1, 2],
-                parent: None
+                parent: None,
+                token_ids: Vec::new(),
+                extra_keys: vec![Vec::new(), Vec::new()],
+                lora: None,
             }]
         );
         // A duplicate hash is not cached twice.
         let b = pool.allocate(&[5], 5, 0).unwrap();
-        pool.cache(b.blocks[0], 1, None);
+        pool.cache(b.blocks[0], 1, None, Content::default());
         assert!(pool.take_events().is_empty());
         pool.free(&a.blocks);
         pool.free(&b.blocks);

@@ -48,6 +48,7 @@ impl From<&v1::CacheConfig> for EngineCache {
             hash_algo: hash_algo_from_i32(c.hash_algorithm).ok(),
             hash_seed_set: c.hash_seed_set,
             none_hash: c.none_hash,
+            hashes_unverified: c.hash_verification_failed,
         }
     }
 }

@@ -11,10 +11,12 @@
 //! - [`SequenceCheck`], the incarnation and sequence rules a `WatchCache`
 //!   subscriber applies to every update.
 //!
+//! - [`feed`]: serving `WatchCache` — numbering an engine's cache changes
+//!   and fanning them out, for every reporter alike.
 //! - [`tls`]: loading the streams' mutual-TLS files, for servers and clients.
 //!
-//! Not here: serving or consuming the streams (the engine simulator, the
-//! operator and the router own their tasks); applying updates to an index.
+//! Not here: consuming the streams (the router owns that), WatchPool's
+//! server (the operator's); applying updates to an index.
 //!
 //! The generated code is checked in (`src/gen/`), so building this crate needs
 //! no protobuf compiler; `tests/bootstrap.rs` regenerates it and fails when the
@@ -22,6 +24,7 @@
 
 #![warn(missing_docs)]
 
+pub mod feed;
 mod hash_algorithm;
 mod sequence;
 pub mod tls;

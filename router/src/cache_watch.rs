@@ -301,6 +301,13 @@ impl Watcher<'_> {
                 live_since.get_or_insert_with(Instant::now);
                 return Ok(());
             }
+            // Only the GPU cache (empty medium) is indexed so far: offloaded
+            // blocks are not routed to and do not count against capacity.
+            Some(Update::Stored(s)) if !s.medium.is_empty() => return Ok(()),
+            Some(Update::Removed(r)) if !r.medium.is_empty() => return Ok(()),
+            Some(Update::Cleared(c)) if c.medium.as_deref().is_some_and(|m| !m.is_empty()) => {
+                return Ok(());
+            }
             Some(Update::Stored(s)) => CacheEvent::Stored(&s.block_hashes),
             Some(Update::Removed(r)) => CacheEvent::Removed(&r.block_hashes),
             Some(Update::Cleared(_)) => CacheEvent::Cleared,

@@ -14,8 +14,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use kvroute_core::policy::PolicyConfig;
-use kvroute_engine_sim::engine::CacheBody;
 use kvroute_engine_sim::{Config as SimConfig, Sim};
+use kvroute_proto::feed::Source as _;
+use kvroute_proto::v1::cache_update::Update;
 use kvroute_router::Running;
 use kvroute_router::config::{
     Config as RouterConfig, Discovery, Header, Routing, StaticDiscovery, Tenancy,
@@ -161,8 +162,8 @@ fn count_evictions(sim: &Sim, counter: Arc<AtomicU64>) {
     let mut events = sim.engine.subscribe();
     tokio::spawn(async move {
         while let Some(message) = events.recv().await {
-            if let CacheBody::Removed(hashes) = message.body {
-                counter.fetch_add(hashes.len() as u64, Ordering::Relaxed);
+            if let Some(Update::Removed(r)) = &message.update {
+                counter.fetch_add(r.block_hashes.len() as u64, Ordering::Relaxed);
             }
         }
     });

@@ -196,8 +196,8 @@ async fn rejects_what_can_never_run() {
 /// checking incarnation and sequence, resubscribing when the stream ends.
 struct Mirror {
     index: OccupancyIndex,
-    rx: mpsc::Receiver<CacheMessage>,
-    position: Option<(Arc<str>, u64)>,
+    rx: mpsc::Receiver<feed::Message>,
+    position: Option<(String, u64)>,
     resyncs: u32,
 }
 
@@ -211,32 +211,33 @@ impl Mirror {
         }
     }
 
-    fn apply(&mut self, m: CacheMessage, capacity: usize) {
+    fn apply(&mut self, m: feed::Message, capacity: usize) {
         let slot = Slot(0);
-        if let CacheBody::Snapshot { hashes, .. } = &m.body {
+        let update = m.update.as_ref().expect("always set");
+        if let Update::Snapshot(snapshot) = update {
             self.index
                 .apply(
                     slot,
                     CacheEvent::Snapshot {
                         capacity,
-                        blocks: hashes,
+                        blocks: &snapshot.block_hashes,
                     },
                 )
                 .unwrap();
-            self.position = Some((m.incarnation, m.sequence));
+            self.position = Some((m.incarnation.clone(), m.sequence));
             return;
         }
         let (incarnation, last) = self.position.clone().expect("a snapshot comes first");
         assert_eq!(incarnation, m.incarnation);
-        let event = match &m.body {
-            CacheBody::Load(_) => {
+        let event = match update {
+            Update::Load(_) => {
                 assert_eq!(m.sequence, last, "a load report does not advance");
                 return;
             }
-            CacheBody::Stored { hashes, .. } => CacheEvent::Stored(hashes),
-            CacheBody::Removed(hashes) => CacheEvent::Removed(hashes),
-            CacheBody::Cleared => CacheEvent::Cleared,
-            CacheBody::Snapshot { .. } => unreachable!(),
+            Update::Stored(s) => CacheEvent::Stored(&s.block_hashes),
+            Update::Removed(r) => CacheEvent::Removed(&r.block_hashes),
+            Update::Cleared(_) => CacheEvent::Cleared,
+            Update::Snapshot(_) => unreachable!(),
         };
         assert_eq!(m.sequence, last + 1, "no gap");
         self.index.apply(slot, event).unwrap();

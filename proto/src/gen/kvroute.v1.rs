@@ -37,6 +37,13 @@ pub struct CacheConfig {
     /// cannot say; a router then compares `hash_seed_set` only.
     #[prost(uint64, optional, tag = "6")]
     pub none_hash: ::core::option::Option<u64>,
+    /// Set when the reporter recomputed block hashes from the engine's own
+    /// tokens (the agent beside vLLM does, from `BlockStored` events that carry
+    /// `token_ids`) and they differ from the hashes the engine reported: the
+    /// engine's algorithm or seed is not the one this config names. A router
+    /// treats the engine as mismatched, whatever the other fields say.
+    #[prost(bool, tag = "7")]
+    pub hash_verification_failed: bool,
 }
 /// How busy an engine is. Set by the engine at the moment it is sent.
 #[derive(Clone, Copy, PartialEq, ::prost::Message)]
@@ -70,14 +77,31 @@ pub struct CacheSnapshot {
     /// The cache's configuration. Always set.
     #[prost(message, optional, tag = "1")]
     pub config: ::core::option::Option<CacheConfig>,
-    /// The hash of every resident block, in no particular order. A hash listed
-    /// twice is two physical blocks with the same content; each is removed by
-    /// its own `BlocksRemoved` entry.
+    /// The hash of every block resident in the GPU cache (the medium whose
+    /// size `capacity_blocks` is), in no particular order. A hash listed twice
+    /// is two physical blocks with the same content; each is removed by its
+    /// own `BlocksRemoved` entry.
     #[prost(fixed64, repeated, tag = "2")]
     pub block_hashes: ::prost::alloc::vec::Vec<u64>,
     /// The engine's load when the snapshot was taken. Always set.
     #[prost(message, optional, tag = "3")]
     pub load: ::core::option::Option<LoadReport>,
+    /// Blocks resident on other media (vLLM's KV offloading: `CPU`, ...), one
+    /// group per medium. Not counted against `capacity_blocks`.
+    #[prost(message, repeated, tag = "4")]
+    pub offloaded: ::prost::alloc::vec::Vec<MediumBlocks>,
+}
+/// The blocks resident on one medium other than the GPU cache.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct MediumBlocks {
+    /// The medium's name as the engine gives it (vLLM: `CPU`, ...). Not empty
+    /// and never `GPU`.
+    #[prost(string, tag = "1")]
+    pub medium: ::prost::alloc::string::String,
+    /// The hashes of its blocks, in no particular order; a hash listed twice
+    /// is two physical blocks.
+    #[prost(fixed64, repeated, tag = "2")]
+    pub block_hashes: ::prost::alloc::vec::Vec<u64>,
 }
 /// Blocks that became resident in the cache: one chain of consecutive blocks
 /// of a single sequence.
@@ -91,6 +115,10 @@ pub struct BlocksStored {
     /// the chain starts at block 0 of its sequence.
     #[prost(fixed64, optional, tag = "2")]
     pub parent_block_hash: ::core::option::Option<u64>,
+    /// Where the blocks are: empty for the GPU cache, else the medium's name
+    /// (vLLM: `CPU`, ...), as in `MediumBlocks`.
+    #[prost(string, tag = "3")]
+    pub medium: ::prost::alloc::string::String,
 }
 /// Blocks that were evicted from the cache.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -99,11 +127,18 @@ pub struct BlocksRemoved {
     /// twice removes two physical blocks. Not empty.
     #[prost(fixed64, repeated, tag = "1")]
     pub block_hashes: ::prost::alloc::vec::Vec<u64>,
+    /// Where they were: empty for the GPU cache, else the medium's name.
+    #[prost(string, tag = "2")]
+    pub medium: ::prost::alloc::string::String,
 }
 /// Every block was evicted from the cache (for example vLLM's
 /// `reset_prefix_cache`). The incarnation stays the same.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
-pub struct AllBlocksCleared {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct AllBlocksCleared {
+    /// The medium cleared (empty: the GPU cache); absent: every medium.
+    #[prost(string, optional, tag = "1")]
+    pub medium: ::core::option::Option<::prost::alloc::string::String>,
+}
 /// One message of a `WatchCache` stream. Set by the engine.
 ///
 /// `incarnation` names one lifetime of an engine's cache. A new

@@ -16,6 +16,7 @@ fn snapshot(incarnation: &str, sequence: u64) -> CacheUpdate {
         config: Some(CacheConfig::default()),
         block_hashes: vec![1, 2, 3],
         load: Some(LoadReport::default()),
+        ..Default::default()
     };
     update(incarnation, sequence, Some(Update::Snapshot(snapshot)))
 }
@@ -24,6 +25,7 @@ fn stored(incarnation: &str, sequence: u64) -> CacheUpdate {
     let stored = BlocksStored {
         block_hashes: vec![4, 5],
         parent_block_hash: Some(3),
+        ..Default::default()
     };
     update(incarnation, sequence, Some(Update::Stored(stored)))
 }
@@ -31,6 +33,7 @@ fn stored(incarnation: &str, sequence: u64) -> CacheUpdate {
 fn removed(incarnation: &str, sequence: u64) -> CacheUpdate {
     let removed = BlocksRemoved {
         block_hashes: vec![5],
+        ..Default::default()
     };
     update(incarnation, sequence, Some(Update::Removed(removed)))
 }
@@ -39,7 +42,7 @@ fn cleared(incarnation: &str, sequence: u64) -> CacheUpdate {
     update(
         incarnation,
         sequence,
-        Some(Update::Cleared(AllBlocksCleared {})),
+        Some(Update::Cleared(AllBlocksCleared::default())),
     )
 }
 

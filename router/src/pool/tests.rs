@@ -145,6 +145,7 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
         hash_algo: Some(hasher.config().algo),
         hash_seed_set: false,
         none_hash: Some(hasher.none_hash().to_u64()),
+        hashes_unverified: false,
     };
     p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2])
         .unwrap();

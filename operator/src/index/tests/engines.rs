@@ -14,6 +14,7 @@ fn engine(policy: &PolicySpec, block_size: u32) -> EngineCache {
         hash_algo: Some(hasher.config().algo),
         hash_seed_set: false,
         none_hash: Some(hasher.none_hash().to_u64()),
+        hashes_unverified: false,
     }
 }
 
