@@ -3,12 +3,16 @@
 //! subscriber feeds it decoded messages and acts on its verdicts (ask for a
 //! replay, start a new incarnation).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use crate::events::{Batch, Event};
 
 /// The medium vLLM names when an event gives none: the GPU cache.
 pub const DEFAULT_MEDIUM: &str = "GPU";
+
+/// Media kept apart; events naming a further one are skipped (medium names
+/// label metrics, and come from the engine).
+pub const MAX_MEDIA: usize = 8;
 
 /// What a live batch's sequence number says about the stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,56 +70,158 @@ impl Sequence {
     }
 }
 
+/// The resident blocks of one medium: a multiset of hashes (vLLM can hold
+/// two physical blocks with the same hash, each stored and removed on its
+/// own).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Medium {
+    blocks: HashMap<u64, u32>,
+    physical: usize,
+}
+
+/// A change to the resident set, as applied: only what changed it (a
+/// removal of a block not held is dropped, as the subscriber's index would
+/// refuse it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Blocks stored on `medium`, in chain order.
+    Stored {
+        /// The medium.
+        medium: String,
+        /// The blocks.
+        hashes: Vec<u64>,
+        /// The parent of the first.
+        parent: Option<u64>,
+    },
+    /// Blocks removed from `medium`.
+    Removed {
+        /// The medium.
+        medium: String,
+        /// The blocks.
+        hashes: Vec<u64>,
+    },
+    /// Every block of `medium` (all media when `None`) dropped.
+    Cleared {
+        /// The medium.
+        medium: Option<String>,
+    },
+}
+
 /// The resident block hashes per medium.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Resident {
-    media: BTreeMap<String, HashSet<u64>>,
+    media: BTreeMap<String, Medium>,
+}
+
+/// The medium's name, `GPU` when the event names none.
+pub fn medium_name(medium: Option<&str>) -> &str {
+    medium.unwrap_or(DEFAULT_MEDIUM)
 }
 
 impl Resident {
-    /// Applies a batch's events in order.
-    pub fn apply(&mut self, batch: &Batch) {
+    /// Applies a batch's events in order; returns what changed, and how
+    /// many events were skipped for naming a medium beyond [`MAX_MEDIA`].
+    pub fn apply(&mut self, batch: &Batch) -> (Vec<Change>, usize) {
+        let mut changes = Vec::with_capacity(batch.events.len());
+        let mut skipped = 0;
         for event in &batch.events {
+            if let Event::Stored(s) = event
+                && self.media.len() >= MAX_MEDIA
+                && !self.media.contains_key(medium_name(s.medium.as_deref()))
+            {
+                skipped += 1;
+                continue;
+            }
             match event {
                 Event::Stored(s) => {
-                    self.set(s.medium.as_deref())
-                        .extend(s.block_hashes.iter().copied());
+                    let medium = medium_name(s.medium.as_deref());
+                    let set = self.medium(medium);
+                    for &h in &s.block_hashes {
+                        *set.blocks.entry(h).or_insert(0) += 1;
+                    }
+                    set.physical += s.block_hashes.len();
+                    if !s.block_hashes.is_empty() {
+                        changes.push(Change::Stored {
+                            medium: medium.to_owned(),
+                            hashes: s.block_hashes.clone(),
+                            parent: s.parent_block_hash,
+                        });
+                    }
                 }
                 Event::Removed {
                     block_hashes,
                     medium,
                 } => {
-                    let set = self.set(medium.as_deref());
-                    for h in block_hashes {
-                        set.remove(h);
+                    let medium = medium_name(medium.as_deref());
+                    let Some(set) = self.media.get_mut(medium) else {
+                        continue;
+                    };
+                    let mut removed = Vec::with_capacity(block_hashes.len());
+                    for &h in block_hashes {
+                        if let Some(n) = set.blocks.get_mut(&h) {
+                            *n -= 1;
+                            if *n == 0 {
+                                set.blocks.remove(&h);
+                            }
+                            set.physical -= 1;
+                            removed.push(h);
+                        }
+                    }
+                    if !removed.is_empty() {
+                        changes.push(Change::Removed {
+                            medium: medium.to_owned(),
+                            hashes: removed,
+                        });
                     }
                 }
-                Event::Cleared { medium: Some(m) } => {
-                    self.media.remove(m);
+                Event::Cleared { medium } => {
+                    match medium {
+                        Some(m) => {
+                            self.media.remove(m);
+                        }
+                        None => self.media.clear(),
+                    }
+                    changes.push(Change::Cleared {
+                        medium: medium.clone(),
+                    });
                 }
-                Event::Cleared { medium: None } => self.media.clear(),
             }
         }
-        self.media.retain(|_, set| !set.is_empty());
+        self.media.retain(|_, set| set.physical > 0);
+        (changes, skipped)
     }
 
-    fn set(&mut self, medium: Option<&str>) -> &mut HashSet<u64> {
-        self.media
-            .entry(medium.unwrap_or(DEFAULT_MEDIUM).to_owned())
-            .or_default()
+    fn medium(&mut self, medium: &str) -> &mut Medium {
+        self.media.entry(medium.to_owned()).or_default()
     }
 
-    /// The blocks on `medium`.
+    /// The blocks on `medium`, each copy once.
     pub fn blocks(&self, medium: &str) -> impl Iterator<Item = u64> + '_ {
-        self.media.get(medium).into_iter().flatten().copied()
+        self.media.get(medium).into_iter().flat_map(|set| {
+            set.blocks
+                .iter()
+                .flat_map(|(&h, &n)| std::iter::repeat_n(h, n as usize))
+        })
     }
 
-    /// Blocks per medium.
+    /// The media holding blocks, in name order.
+    pub fn media(&self) -> impl Iterator<Item = &str> {
+        self.media.keys().map(String::as_str)
+    }
+
+    /// Physical blocks per medium.
     pub fn counts(&self) -> BTreeMap<&str, usize> {
         self.media
             .iter()
-            .map(|(m, set)| (m.as_str(), set.len()))
+            .map(|(m, set)| (m.as_str(), set.physical))
             .collect()
+    }
+
+    /// Whether `medium` holds `hash`.
+    pub fn holds(&self, medium: &str, hash: u64) -> bool {
+        self.media
+            .get(medium)
+            .is_some_and(|set| set.blocks.contains_key(&hash))
     }
 
     /// Forgets every block.
@@ -153,17 +259,25 @@ mod tests {
     #[test]
     fn events_build_the_set_per_medium() {
         let mut r = Resident::default();
-        r.apply(&batch(vec![
-            stored(&[1, 2, 3], None),
+        let (changes, _) = r.apply(&batch(vec![
+            stored(&[1, 2, 3, 3], None),
             stored(&[9], Some("CPU")),
             Event::Removed {
-                block_hashes: vec![2, 42],
+                block_hashes: vec![2, 42, 3],
                 medium: Some("GPU".into()),
             },
         ]));
+        assert_eq!(
+            changes[2],
+            Change::Removed {
+                medium: "GPU".into(),
+                hashes: vec![2, 3]
+            },
+            "a block not held is not passed on"
+        );
         let mut gpu: Vec<u64> = r.blocks("GPU").collect();
         gpu.sort_unstable();
-        assert_eq!(gpu, [1, 3]);
+        assert_eq!(gpu, [1, 3], "one copy of 3 is left");
         assert_eq!(r.counts(), BTreeMap::from([("CPU", 1), ("GPU", 2)]));
         r.apply(&batch(vec![Event::Cleared {
             medium: Some("CPU".into()),

@@ -632,7 +632,7 @@ impl Source for Engine {
     /// A new WatchCache subscriber: its first message is a snapshot, then
     /// every change in order. The stream ends if it falls
     /// `subscriber_buffer` messages behind.
-    fn subscribe(&self) -> mpsc::Receiver<feed::Message> {
+    fn subscribe(&self) -> Result<mpsc::Receiver<feed::Message>, tonic::Status> {
         let mut state = self.lock();
         let snapshot = v1::CacheSnapshot {
             config: Some(self.cache_config()),
@@ -640,7 +640,7 @@ impl Source for Engine {
             load: Some(self.load(&mut state).to_proto()),
             offloaded: Vec::new(),
         };
-        state.feed.subscribe(snapshot)
+        Ok(state.feed.subscribe(snapshot))
     }
 }
 

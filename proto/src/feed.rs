@@ -143,8 +143,9 @@ impl Feed {
 
 /// Anything that hands out `WatchCache` streams (a [`Feed`]'s owner).
 pub trait Source: Send + Sync + 'static {
-    /// A new stream: a snapshot, then every change in order.
-    fn subscribe(&self) -> mpsc::Receiver<Message>;
+    /// A new stream: a snapshot, then every change in order; or why the
+    /// source cannot serve one now.
+    fn subscribe(&self) -> Result<mpsc::Receiver<Message>, Status>;
 }
 
 /// Serves `CacheReporter.WatchCache` from a [`Source`].
@@ -172,7 +173,7 @@ impl<S: Source> v1::cache_reporter_server::CacheReporter for Reporter<S> {
     ) -> Result<Response<Self::WatchCacheStream>, Status> {
         tracing::debug!(subscriber = %request.get_ref().subscriber, "WatchCache subscriber");
         let stream =
-            ReceiverStream::new(self.source.subscribe()).map(|m| Ok(Arc::unwrap_or_clone(m)));
+            ReceiverStream::new(self.source.subscribe()?).map(|m| Ok(Arc::unwrap_or_clone(m)));
         Ok(Response::new(Box::pin(stream)))
     }
 }

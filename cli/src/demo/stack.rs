@@ -159,7 +159,9 @@ impl Fleet {
 /// Adds the blocks `sim` evicts to `counter`, from its own cache event
 /// stream (the one the router follows), until the sim stops.
 fn count_evictions(sim: &Sim, counter: Arc<AtomicU64>) {
-    let mut events = sim.engine.subscribe();
+    let Ok(mut events) = sim.engine.subscribe() else {
+        return; // the simulator always serves
+    };
     tokio::spawn(async move {
         while let Some(message) = events.recv().await {
             if let Some(Update::Removed(r)) = &message.update {

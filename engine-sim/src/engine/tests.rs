@@ -205,7 +205,7 @@ impl Mirror {
     fn new(engine: &Engine) -> Self {
         Mirror {
             index: OccupancyIndex::new(),
-            rx: engine.subscribe(),
+            rx: engine.subscribe().unwrap(),
             position: None,
             resyncs: 0,
         }
@@ -253,7 +253,7 @@ impl Mirror {
                 Err(mpsc::error::TryRecvError::Empty) => return,
                 Err(mpsc::error::TryRecvError::Disconnected) => {
                     self.index.remove_endpoint(Slot(0));
-                    self.rx = engine.subscribe();
+                    self.rx = engine.subscribe().unwrap();
                     self.position = None;
                     self.resyncs += 1;
                 }

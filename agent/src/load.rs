@@ -1,0 +1,304 @@
+//! The engine's load and cache size, from vLLM's `/metrics`, and its
+//! restarts, from `/health`.
+//!
+//! Read per scrape (per rank: samples with an `engine` label are that
+//! rank's when vLLM runs data-parallel):
+//! - `vllm:num_requests_waiting`, `vllm:num_requests_running`;
+//! - `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before vLLM
+//!   0.10), times the capacity for the blocks in use;
+//! - `vllm:cache_config_info`'s `num_gpu_blocks` (the capacity) and
+//!   `block_size` (checked against `--block-size`);
+//! - queued prefill work: the waiting requests times the mean prompt length
+//!   (`vllm:request_prompt_tokens` histogram), when vLLM exports it;
+//! - the prefill rate: prompt tokens per second of prefill time, from the
+//!   growth of `vllm:prompt_tokens_total` and of
+//!   `vllm:request_prefill_time_seconds`' sum between scrapes. An estimate:
+//!   concurrent prefills overlap, so it is a lower bound of the engine's
+//!   rate. Absent until both have grown.
+//!
+//! The Prometheus text format is parsed here, for the sample lines only: the
+//! maintained parser crates build a full model of the exposition with
+//! timestamps (pulling in `chrono` and another `itertools`), where the
+//! agent needs a handful of values every 200 ms.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_proto::v1;
+use tokio::sync::watch;
+
+use crate::metrics::Metrics;
+use crate::rank::Rank;
+
+/// One sample line: `name{label="value",...} value [timestamp]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample<'a> {
+    /// The metric's name (with any `_total`, `_sum`, `_count` suffix).
+    pub name: &'a str,
+    /// Its labels, unescaped.
+    pub labels: Vec<(&'a str, String)>,
+    /// Its value.
+    pub value: f64,
+}
+
+impl Sample<'_> {
+    /// Label `name`'s value.
+    pub fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Parses one line; `None` for comments, blank and malformed lines.
+pub fn parse_line(line: &str) -> Option<Sample<'_>> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if let Some(mut l) = rest.strip_prefix('{') {
+        loop {
+            l = l.trim_start_matches([',', ' ']);
+            if let Some(after) = l.strip_prefix('}') {
+                rest = after;
+                break;
+            }
+            let eq = l.find('=')?;
+            let key = l[..eq].trim();
+            let mut chars = l[eq + 1..].trim_start().strip_prefix('"')?.char_indices();
+            let mut value = String::new();
+            let end = loop {
+                match chars.next()? {
+                    (i, '"') => break i,
+                    (_, '\\') => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        c => value.push(c),
+                    },
+                    (_, c) => value.push(c),
+                }
+            };
+            let quoted = l[eq + 1..].trim_start();
+            labels.push((key, value));
+            l = &quoted[1 + end + 1..];
+        }
+    }
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// What one scrape says of one rank.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scraped {
+    /// Requests waiting.
+    pub waiting: f64,
+    /// Requests running.
+    pub running: f64,
+    /// The share of the cache in use.
+    pub kv_usage: f64,
+    /// `num_gpu_blocks`, if reported.
+    pub capacity: Option<u64>,
+    /// `block_size`, if reported.
+    pub block_size: Option<u32>,
+    /// Prompt tokens processed so far.
+    pub prompt_tokens: Option<f64>,
+    /// Seconds spent in prefill so far.
+    pub prefill_seconds: Option<f64>,
+    /// Mean prompt length, if known.
+    pub mean_prompt: Option<f64>,
+}
+
+/// Reads rank `rank`'s values from an exposition (`dp` ranks in all).
+pub fn scrape(text: &str, rank: u32, dp: u32) -> Scraped {
+    let mut s = Scraped::default();
+    let (mut prompt_sum, mut prompt_count) = (None, None);
+    let engine = rank.to_string();
+    for sample in text.lines().filter_map(parse_line) {
+        if dp > 1 && sample.label("engine").is_some_and(|e| e != engine) {
+            continue;
+        }
+        let v = sample.value;
+        match sample.name {
+            "vllm:num_requests_waiting" => s.waiting += v,
+            "vllm:num_requests_running" => s.running += v,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => s.kv_usage = v,
+            "vllm:cache_config_info" => {
+                s.capacity = sample.label("num_gpu_blocks").and_then(|n| n.parse().ok());
+                s.block_size = sample.label("block_size").and_then(|n| n.parse().ok());
+            }
+            "vllm:prompt_tokens_total" => *s.prompt_tokens.get_or_insert(0.0) += v,
+            "vllm:request_prefill_time_seconds_sum" => *s.prefill_seconds.get_or_insert(0.0) += v,
+            "vllm:request_prompt_tokens_sum" => *prompt_sum.get_or_insert(0.0) += v,
+            "vllm:request_prompt_tokens_count" => *prompt_count.get_or_insert(0.0) += v,
+            _ => {}
+        }
+    }
+    if let (Some(sum), Some(count)) = (prompt_sum, prompt_count)
+        && count > 0.0
+    {
+        s.mean_prompt = Some(sum / count);
+    }
+    s
+}
+
+/// The prefill rate between two scrapes, if both counters grew.
+fn prefill_rate(before: &Scraped, now: &Scraped) -> Option<f64> {
+    let tokens = now.prompt_tokens? - before.prompt_tokens?;
+    let seconds = now.prefill_seconds? - before.prefill_seconds?;
+    (tokens > 0.0 && seconds > 0.0).then(|| tokens / seconds)
+}
+
+/// The load report of a scrape.
+pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport {
+    let count = |v: f64| v.max(0.0).min(f64::from(u32::MAX)) as u32;
+    let kv_usage = now.kv_usage.clamp(0.0, 1.0);
+    v1::LoadReport {
+        waiting: count(now.waiting),
+        running: count(now.running),
+        kv_usage: kv_usage as f32,
+        used_blocks: (kv_usage * capacity as f64).round() as u64,
+        queued_prefill_tokens: now
+            .mean_prompt
+            .map(|mean| (mean * now.waiting.max(0.0)).round() as u64),
+        prefill_tokens_per_s: rate,
+    }
+}
+
+/// Scrapes `engine_url` every `interval` until `stop`, feeding every rank;
+/// a `/health` that fails and then recovers is a restart.
+pub async fn poll(
+    engine_url: String,
+    ranks: Vec<Arc<Rank>>,
+    metrics: Arc<Metrics>,
+    interval: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let client = reqwest::Client::builder()
+        .timeout(interval.max(Duration::from_secs(1)))
+        .build()
+        .expect("a client without TLS always builds");
+    let base = engine_url.trim_end_matches('/').to_owned();
+    let dp = ranks.len() as u32;
+    let mut previous: Vec<Option<Scraped>> = vec![None; ranks.len()];
+    let mut rates: Vec<Option<f64>> = vec![None; ranks.len()];
+    let mut was_down = false;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let healthy = matches!(
+            client.get(format!("{base}/health")).send().await,
+            Ok(r) if r.status().is_success()
+        );
+        if !healthy {
+            if !was_down {
+                tracing::warn!(url = %base, "the engine's /health fails");
+            }
+            was_down = true;
+            for r in &ranks {
+                metrics.scrape(r.rank, false);
+            }
+            continue;
+        }
+        if was_down {
+            tracing::warn!(url = %base, "the engine's /health recovered: treating it as a restart");
+            for r in &ranks {
+                r.restart("health recovered");
+            }
+            previous.fill(None);
+            was_down = false;
+        }
+        let text = match client.get(format!("{base}/metrics")).send().await {
+            Ok(r) if r.status().is_success() => r.text().await.ok(),
+            _ => None,
+        };
+        for (i, r) in ranks.iter().enumerate() {
+            metrics.scrape(r.rank, text.is_some());
+            let Some(text) = &text else { continue };
+            let now = scrape(text, r.rank, dp);
+            if let Some(capacity) = now.capacity {
+                r.engine_config(capacity, now.block_size);
+            }
+            if let Some(before) = &previous[i]
+                && let Some(rate) = prefill_rate(before, &now)
+            {
+                rates[i] = Some(rate);
+            }
+            r.report_load(report(&now, now.capacity.unwrap_or(0), rates[i]));
+            previous[i] = Some(now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_lines_parse_with_escapes_and_both_formats() {
+        let s = parse_line(
+            r#"vllm:cache_config_info{block_size="16",x="a\"b\\c",num_gpu_blocks="4096"} 1.0"#,
+        )
+        .unwrap();
+        assert_eq!(s.name, "vllm:cache_config_info");
+        assert_eq!(s.label("x"), Some(r#"a"b\c"#));
+        assert_eq!(s.label("num_gpu_blocks"), Some("4096"));
+        assert_eq!(
+            parse_line("vllm:x_total 12 1700000000").unwrap().value,
+            12.0
+        );
+        assert_eq!(
+            parse_line("le_bucket{le=\"+Inf\"} +Inf").unwrap().value,
+            f64::INFINITY
+        );
+        for bad in ["# HELP x y", "", "x{a=\"1\" 2", "x notanumber", "x{a=1} 2"] {
+            assert_eq!(parse_line(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_vllm_exposition_becomes_a_load_report() {
+        let text = r#"
+# HELP vllm:num_requests_waiting Number of requests waiting.
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 9.0
+vllm:num_requests_running{engine="0",model_name="m"} 5.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 5000.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.0
+vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 5000.0
+vllm:request_prompt_tokens_count{engine="0",model_name="m"} 10.0
+"#;
+        let now = scrape(text, 0, 2);
+        assert_eq!((now.waiting, now.running), (3.0, 5.0));
+        assert_eq!((now.capacity, now.block_size), (Some(1000), Some(16)));
+        let before = Scraped {
+            prompt_tokens: Some(1000.0),
+            prefill_seconds: Some(1.0),
+            ..now.clone()
+        };
+        let rate = prefill_rate(&before, &now);
+        assert_eq!(rate, Some(4000.0));
+        let r = report(&now, 1000, rate);
+        assert_eq!((r.waiting, r.running, r.used_blocks), (3, 5, 250));
+        assert_eq!(r.queued_prefill_tokens, Some(1500));
+        assert_eq!(scrape(text, 1, 2).waiting, 9.0, "rank 1's own samples");
+    }
+}

@@ -1,0 +1,357 @@
+//! One data-parallel rank of the engine, as the agent serves it: vLLM's
+//! event batches go in (live, or replayed after a gap), the resident set
+//! and a WatchCache [`Feed`] come out. No I/O: the subscriber loop
+//! ([`crate::zmq`]) and the scraper ([`crate::load`]) drive it.
+//!
+//! The rules:
+//! - a batch with the next sequence number is applied; its effective
+//!   changes go to subscribers as deltas;
+//! - a gap asks for a replay ([`Step::Replay`]); replayed batches are
+//!   applied in order, then the batch that revealed the gap; if the gap is
+//!   still there, the set is cleared and a new incarnation starts, so
+//!   routers resync from an empty (cold, never wrong) snapshot;
+//! - a sequence number at or below the last applied means vLLM restarted:
+//!   cleared, new incarnation;
+//! - a `BlockStored` whose block size is not the configured one is a fault:
+//!   the rank stops serving (a clear error on WatchCache and `/readyz`),
+//!   since every hash a router computes would be wrong;
+//! - a hash recomputed from the event's tokens that differs from the
+//!   reported one sets `hash_verification_failed` in the config (and sends
+//!   every subscriber a new snapshot), which routers' contract check reads.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvroute_core::hash::BlockHasher;
+use kvroute_proto::feed::{Feed, Message, Source};
+use kvroute_proto::v1::{self, cache_update::Update};
+use tokio::sync::mpsc;
+
+use crate::events::{Batch, Event, Message as Batched};
+use crate::metrics::Metrics;
+use crate::resident::{Change, DEFAULT_MEDIUM, Resident, Sequence, Verdict};
+use crate::verify::Verifier;
+
+/// What the caller must do after a live batch.
+#[derive(Debug)]
+pub enum Step {
+    /// Nothing: applied.
+    Done,
+    /// Ask vLLM's replay socket for batches `from` on, feed them to
+    /// [`Rank::replayed`], then call [`Rank::after_replay`] with `pending`.
+    Replay {
+        /// The first missing sequence number.
+        from: u64,
+        /// The batch that revealed the gap.
+        pending: Batched,
+    },
+}
+
+struct State {
+    resident: Resident,
+    sequence: Sequence,
+    feed: Feed,
+    verifier: Verifier,
+    config: v1::CacheConfig,
+    load: v1::LoadReport,
+    /// Why the rank does not serve, when it does not.
+    fault: Option<String>,
+    /// A batch or a replay arrived, or the stream was quiet long enough.
+    synced: bool,
+}
+
+/// One rank's state. Cheap to share behind an `Arc`.
+pub struct Rank {
+    /// The rank's number.
+    pub rank: u32,
+    state: Mutex<State>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Rank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rank")
+            .field("rank", &self.rank)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rank {
+    /// A rank whose engine hashes as `hasher` says (the agent's flags), with
+    /// `config` as its WatchCache config (capacity 0 until known).
+    pub fn new(
+        rank: u32,
+        hasher: BlockHasher,
+        config: v1::CacheConfig,
+        buffer: usize,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Rank {
+            rank,
+            state: Mutex::new(State {
+                resident: Resident::default(),
+                sequence: Sequence::default(),
+                feed: Feed::new(buffer),
+                verifier: Verifier::new(hasher),
+                config,
+                load: v1::LoadReport::default(),
+                fault: None,
+                synced: false,
+            }),
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A batch from the live stream.
+    pub fn live(&self, message: Batched) -> Step {
+        let mut state = self.lock();
+        match state.sequence.judge(message.seq) {
+            Verdict::Next => {}
+            Verdict::Restart => self.restart_locked(&mut state, "sequence reset"),
+            Verdict::Gap { from, to } => {
+                self.metrics.gap(self.rank, to - from + 1);
+                return Step::Replay {
+                    from,
+                    pending: message,
+                };
+            }
+        }
+        self.apply(&mut state, message.seq, &message.batch);
+        Step::Done
+    }
+
+    /// A batch from a replay; applied if it is the next one (replies may
+    /// repeat batches already applied).
+    pub fn replayed(&self, seq: u64, batch: &Batch) {
+        let mut state = self.lock();
+        if state.sequence.is_next(seq) {
+            self.apply(&mut state, seq, batch);
+        }
+    }
+
+    /// After a replay: applies `pending` if the gap is filled; otherwise
+    /// starts over (cleared, new incarnation) from `pending`.
+    pub fn after_replay(&self, pending: Batched) {
+        let mut state = self.lock();
+        let filled = matches!(state.sequence.judge(pending.seq), Verdict::Next);
+        self.metrics.replay(self.rank, filled);
+        if !filled {
+            self.restart_locked(&mut state, "unfillable gap");
+        }
+        self.apply(&mut state, pending.seq, &pending.batch);
+    }
+
+    /// The engine restarted (seen from outside, e.g. `/health`): cleared,
+    /// new incarnation.
+    pub fn restart(&self, reason: &'static str) {
+        let mut state = self.lock();
+        self.restart_locked(&mut state, reason);
+    }
+
+    fn restart_locked(&self, state: &mut State, reason: &'static str) {
+        tracing::warn!(
+            rank = self.rank,
+            reason,
+            "starting a new incarnation: the resident set is cleared"
+        );
+        self.metrics.restart(self.rank, reason);
+        state.resident.clear();
+        state.sequence.reset();
+        state.verifier.clear();
+        state.feed.restart();
+    }
+
+    fn apply(&self, state: &mut State, seq: u64, batch: &Batch) {
+        state.sequence.applied(seq);
+        state.synced = true;
+        self.metrics.batch(self.rank, &batch.events);
+        let block_size = state.config.block_size;
+        let mut mismatch = None;
+        for event in &batch.events {
+            let Event::Stored(s) = event else { continue };
+            if s.block_size != block_size && state.fault.is_none() {
+                let fault = format!(
+                    "vLLM stores blocks of {} tokens but the agent was started with --block-size {block_size}: \
+                     start it (and the routers) with vLLM's block size",
+                    s.block_size
+                );
+                tracing::error!(rank = self.rank, "{fault}");
+                state.fault = Some(fault);
+                state.feed.end_streams();
+            }
+            if s.block_size == block_size {
+                let checked = state.verifier.check(s);
+                self.metrics.verified(self.rank, &checked);
+                mismatch = mismatch.or(checked.mismatched);
+            }
+        }
+        if let Some((reported, recomputed)) = mismatch
+            && !state.config.hash_verification_failed
+        {
+            tracing::error!(
+                rank = self.rank,
+                reported = format_args!("{reported:#018x}"),
+                recomputed = format_args!("{recomputed:#018x}"),
+                "vLLM's block hashes differ from those recomputed from its tokens: \
+                 --prefix-caching-hash-algo or PYTHONHASHSEED is not what vLLM runs with"
+            );
+            state.config.hash_verification_failed = true;
+            let snapshot = snapshot(state);
+            state.feed.resnapshot(snapshot);
+        }
+        let (changes, skipped) = state.resident.apply(batch);
+        for _ in 0..skipped {
+            self.metrics.malformed(self.rank, "too_many_media");
+        }
+        for change in changes {
+            let update = match change {
+                Change::Stored {
+                    medium,
+                    hashes,
+                    parent,
+                } => Update::Stored(v1::BlocksStored {
+                    block_hashes: hashes,
+                    parent_block_hash: parent,
+                    medium: wire_medium(medium),
+                }),
+                Change::Removed { medium, hashes } => {
+                    for &h in &hashes {
+                        if !state.resident.holds(&medium, h) {
+                            state.verifier.forget(h);
+                        }
+                    }
+                    Update::Removed(v1::BlocksRemoved {
+                        block_hashes: hashes,
+                        medium: wire_medium(medium),
+                    })
+                }
+                Change::Cleared { medium } => Update::Cleared(v1::AllBlocksCleared {
+                    medium: medium.map(wire_medium),
+                }),
+            };
+            state.feed.change(update);
+        }
+    }
+
+    /// The stream was quiet since subscribing: nothing to wait for.
+    pub fn quiet(&self) {
+        self.lock().synced = true;
+    }
+
+    /// The engine's capacity (`num_gpu_blocks`) and block size as its
+    /// metrics report them; a new capacity sends every subscriber a new
+    /// snapshot.
+    pub fn engine_config(&self, capacity: u64, block_size: Option<u32>) {
+        let mut state = self.lock();
+        if let Some(bs) = block_size
+            && bs != state.config.block_size
+            && state.fault.is_none()
+        {
+            let fault = format!(
+                "vLLM's cache_config_info says block_size {bs} but the agent was started with \
+                 --block-size {}: start it (and the routers) with vLLM's block size",
+                state.config.block_size
+            );
+            tracing::error!(rank = self.rank, "{fault}");
+            state.fault = Some(fault);
+            state.feed.end_streams();
+        }
+        if capacity != state.config.capacity_blocks {
+            state.config.capacity_blocks = capacity;
+            let snapshot = snapshot(&state);
+            state.feed.resnapshot(snapshot);
+        }
+    }
+
+    /// The engine's load now.
+    pub fn report_load(&self, load: v1::LoadReport) {
+        let mut state = self.lock();
+        state.load = load;
+        state.feed.load(load);
+    }
+
+    /// Why the rank cannot serve yet, if it cannot.
+    pub fn not_ready(&self) -> Option<String> {
+        let state = self.lock();
+        if let Some(fault) = &state.fault {
+            Some(fault.clone())
+        } else if state.config.capacity_blocks == 0 {
+            Some(
+                "the engine's capacity (num_gpu_blocks in vllm:cache_config_info) is not known yet"
+                    .into(),
+            )
+        } else if !state.synced {
+            Some("no KV event batch received yet".into())
+        } else {
+            None
+        }
+    }
+
+    /// Physical blocks per medium, and the subscribers connected.
+    pub fn stats(&self) -> (Vec<(String, usize)>, usize) {
+        let state = self.lock();
+        let counts = state
+            .resident
+            .counts()
+            .into_iter()
+            .map(|(m, n)| (m.to_owned(), n))
+            .collect();
+        (counts, state.feed.subscribers())
+    }
+
+    /// The incarnation and the last change's sequence.
+    pub fn position(&self) -> (String, u64) {
+        let state = self.lock();
+        (state.feed.incarnation().to_owned(), state.feed.sequence())
+    }
+
+    /// Ends every stream (on shutdown).
+    pub fn end_streams(&self) {
+        self.lock().feed.end_streams();
+    }
+}
+
+/// The proto's name of a medium: empty for the GPU cache.
+fn wire_medium(medium: String) -> String {
+    if medium == DEFAULT_MEDIUM {
+        String::new()
+    } else {
+        medium
+    }
+}
+
+fn snapshot(state: &State) -> v1::CacheSnapshot {
+    v1::CacheSnapshot {
+        config: Some(state.config.clone()),
+        block_hashes: state.resident.blocks(DEFAULT_MEDIUM).collect(),
+        load: Some(state.load),
+        offloaded: state
+            .resident
+            .media()
+            .filter(|m| *m != DEFAULT_MEDIUM)
+            .map(|m| v1::MediumBlocks {
+                medium: m.to_owned(),
+                block_hashes: state.resident.blocks(m).collect(),
+            })
+            .collect(),
+    }
+}
+
+impl Source for Rank {
+    fn subscribe(&self) -> Result<mpsc::Receiver<Message>, tonic::Status> {
+        if let Some(reason) = self.not_ready() {
+            let fault = self.lock().fault.is_some();
+            return Err(if fault {
+                tonic::Status::failed_precondition(reason)
+            } else {
+                tonic::Status::unavailable(reason)
+            });
+        }
+        let mut state = self.lock();
+        let snapshot = snapshot(&state);
+        Ok(state.feed.subscribe(snapshot))
+    }
+}
