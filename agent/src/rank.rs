@@ -110,6 +110,7 @@ impl Rank {
         let mut state = self.lock();
         match state.sequence.judge(message.seq) {
             Verdict::Next => {}
+            Verdict::Duplicate => return Step::Done,
             Verdict::Restart => self.restart_locked(&mut state, "sequence reset"),
             Verdict::Gap { from, to } => {
                 self.metrics.gap(self.rank, to - from + 1);
@@ -132,12 +133,18 @@ impl Rank {
         }
     }
 
-    /// After a replay: applies `pending` if the gap is filled; otherwise
-    /// starts over (cleared, new incarnation) from `pending`.
+    /// After a replay: applies `pending` if the gap is filled (or finds it
+    /// applied by the replay); otherwise starts over (cleared, new
+    /// incarnation) from `pending`.
     pub fn after_replay(&self, pending: Batched) {
         let mut state = self.lock();
-        let filled = matches!(state.sequence.judge(pending.seq), Verdict::Next);
+        let applied = state.sequence.has(pending.seq);
+        let filled = applied || matches!(state.sequence.judge(pending.seq), Verdict::Next);
         self.metrics.replay(self.rank, filled);
+        if applied {
+            state.sequence.replayed_after(pending.seq);
+            return;
+        }
         if !filled {
             self.restart_locked(&mut state, "unfillable gap");
         }

@@ -26,6 +26,9 @@ pub enum Verdict {
         /// The last missing one.
         to: u64,
     },
+    /// Already applied from a replay (which brings everything up to the
+    /// moment it ran, so the live stream repeats some of it): skip it.
+    Duplicate,
     /// At or below the last one applied: vLLM numbers batches from 0 and
     /// never repeats one while it runs, so the engine restarted. Clear and
     /// start a new incarnation.
@@ -37,11 +40,19 @@ pub enum Verdict {
 pub struct Sequence {
     /// The last batch applied.
     last: Option<u64>,
+    /// Live batches in `(lo, hi]` were applied from a replay.
+    replayed: Option<(u64, u64)>,
 }
 
 impl Sequence {
     /// Judges batch `seq` from the live stream.
     pub fn judge(&self, seq: u64) -> Verdict {
+        if let Some((lo, hi)) = self.replayed
+            && seq > lo
+            && seq <= hi
+        {
+            return Verdict::Duplicate;
+        }
         match self.last {
             None => Verdict::Next,
             Some(last) if seq <= last => Verdict::Restart,
@@ -59,14 +70,33 @@ impl Sequence {
         self.last.is_none_or(|last| seq == last + 1)
     }
 
+    /// Whether batch `seq` has been applied (by a replay, say).
+    pub fn has(&self, seq: u64) -> bool {
+        self.last.is_some_and(|last| seq <= last)
+    }
+
+    /// A replay ran after live batch `seq` revealed a gap, and applied
+    /// through [`has`](Self::has): live batches after `seq` up to there are
+    /// duplicates.
+    pub fn replayed_after(&mut self, seq: u64) {
+        if let Some(last) = self.last
+            && last > seq
+        {
+            self.replayed = Some((seq, last));
+        }
+    }
+
     /// Batch `seq` was applied.
     pub fn applied(&mut self, seq: u64) {
         self.last = Some(seq);
+        if self.replayed.is_some_and(|(_, hi)| seq > hi) {
+            self.replayed = None;
+        }
     }
 
     /// Forgets everything (a restart, or a gap that cannot be filled).
     pub fn reset(&mut self) {
-        self.last = None;
+        *self = Sequence::default();
     }
 }
 
@@ -299,6 +329,12 @@ mod tests {
             !s.is_next(8) && s.is_next(9),
             "a replay repeats 8, then brings 9"
         );
+        s.applied(9);
+        s.applied(10);
+        s.applied(11);
+        s.replayed_after(11 - 2);
+        assert_eq!(s.judge(10), Verdict::Duplicate, "replayed, then live");
+        assert_eq!(s.judge(12), Verdict::Next);
         assert_eq!(s.judge(0), Verdict::Restart, "numbering started over");
         assert_eq!(s.judge(8), Verdict::Restart);
         s.reset();

@@ -143,3 +143,41 @@ fn the_tagged_sample_rebuilds_the_engines_set() {
     });
     assert!(r.counts().is_empty());
 }
+
+/// vLLM's own hashes verify under the flags it ran with (sha256_cbor, no
+/// PYTHONHASHSEED, block size 4) and fail under others: the LoRA and
+/// salted request A is unverifiable, plain request B is checked.
+#[test]
+fn the_tagged_sample_verifies_under_vllms_flags_only() {
+    use kvroute_agent::verify::Verifier;
+    use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
+    let v = vectors();
+    let s = &v["kv_event_sample_vllm_0_33_0"];
+    let b = decode_batch(&hex(s["frame2_payload_hex"].as_str().unwrap())).unwrap();
+    let stored: Vec<_> = b
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Stored(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let hasher = |algo, seed: Option<&str>| {
+        BlockHasher::new(HashConfig {
+            algo,
+            block_size: 4,
+            seed: seed.map(str::to_owned),
+            ..HashConfig::default()
+        })
+        .unwrap()
+    };
+    let mut right = Verifier::new(hasher(HashAlgo::Sha256Cbor, None));
+    let a = right.check(stored[0]);
+    assert_eq!((a.matched, a.unverifiable, a.mismatched), (0, 2, None));
+    let b = right.check(stored[1]);
+    assert_eq!((b.matched, b.mismatched), (1, None));
+    for (algo, seed) in [(HashAlgo::Sha256, None), (HashAlgo::Sha256Cbor, Some("0"))] {
+        let c = Verifier::new(hasher(algo, seed)).check(stored[1]);
+        assert!(c.mismatched.is_some(), "{algo} {seed:?}");
+    }
+}
