@@ -294,3 +294,46 @@ fn a_randomized_workload_ends_with_the_sims_set_across_gaps_and_restarts() {
         )
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_block_size_other_than_vllms_stops_serving_with_a_clear_error() {
+    let mut config = kvroute_engine_sim::Config::test();
+    config.block_size = 4;
+    config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
+    let sim = kvroute_engine_sim::start(config).await.unwrap();
+    let events = sim.kv_events.as_ref().unwrap().bound.0.clone();
+    // The agent is told 16, vLLM's default; the engine runs 4.
+    let agent = kvroute_agent::start(kvroute_agent::Config::test(
+        events,
+        format!("http://{}", sim.http_addr),
+    ))
+    .await
+    .unwrap();
+    let readyz = || async {
+        let r = reqwest::get(format!("http://{}/readyz", agent.admin_addr))
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    for _ in 0..500 {
+        let (status, body) = readyz().await;
+        if status == 503 && body.contains("block_size 4") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, body) = readyz().await;
+    assert_eq!(status, 503);
+    assert!(body.contains("--block-size 16"), "{body}");
+    let mut client = CacheReporterClient::connect(format!("http://{}", agent.cache_addrs[0]))
+        .await
+        .unwrap();
+    let err = client
+        .watch_cache(WatchCacheRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("block_size 4"), "{}", err.message());
+    agent.shutdown().await;
+    sim.shutdown().await;
+}
