@@ -362,3 +362,106 @@ impl Source for Rank {
         Ok(state.feed.subscribe(snapshot))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_core::hash::HashConfig;
+
+    use super::*;
+    use crate::events::Stored;
+
+    fn rank() -> Rank {
+        let hasher = BlockHasher::new(HashConfig::default()).unwrap();
+        let config = v1::CacheConfig {
+            block_size: 16,
+            capacity_blocks: 100,
+            ..Default::default()
+        };
+        Rank::new(0, hasher, config, 64, Arc::new(Metrics::new()))
+    }
+
+    fn batch(seq: u64, events: Vec<Event>) -> Batched {
+        Batched {
+            topic: Vec::new(),
+            seq,
+            batch: Batch {
+                ts: 0.0,
+                events,
+                dp_rank: None,
+            },
+        }
+    }
+
+    fn stored(hashes: &[u64], medium: &str) -> Event {
+        Event::Stored(Stored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 16,
+            lora_id: None,
+            medium: Some(medium.into()),
+            lora_name: None,
+            extra_keys: None,
+        })
+    }
+
+    #[test]
+    fn media_reach_subscribers_apart_from_the_gpu_cache() {
+        let r = rank();
+        assert!(matches!(
+            r.live(batch(0, vec![stored(&[1, 2], "GPU"), stored(&[3], "CPU")])),
+            Step::Done
+        ));
+        let mut rx = r.subscribe().unwrap();
+        let first = rx.try_recv().unwrap();
+        let Some(Update::Snapshot(s)) = &first.update else {
+            panic!("{first:?}")
+        };
+        let mut gpu = s.block_hashes.clone();
+        gpu.sort_unstable();
+        assert_eq!(gpu, [1, 2]);
+        assert_eq!(
+            s.offloaded,
+            [v1::MediumBlocks {
+                medium: "CPU".into(),
+                block_hashes: vec![3]
+            }]
+        );
+        r.live(batch(
+            1,
+            vec![Event::Removed {
+                block_hashes: vec![3, 1],
+                medium: Some("CPU".into()),
+            }],
+        ));
+        let next = rx.try_recv().unwrap();
+        assert_eq!(
+            next.update,
+            Some(Update::Removed(v1::BlocksRemoved {
+                block_hashes: vec![3],
+                medium: "CPU".into()
+            })),
+            "1 is not on the CPU: not passed on"
+        );
+        assert_eq!(next.sequence, first.sequence + 1);
+    }
+
+    #[test]
+    fn a_gap_asks_for_a_replay_and_an_unfilled_one_starts_over() {
+        let r = rank();
+        r.live(batch(0, vec![stored(&[1], "GPU")]));
+        let (incarnation, _) = r.position();
+        let Step::Replay { from, pending } = r.live(batch(3, vec![stored(&[4], "GPU")])) else {
+            panic!("a gap")
+        };
+        assert_eq!(from, 1);
+        r.replayed(1, &batch(1, vec![stored(&[2], "GPU")]).batch);
+        r.after_replay(pending);
+        assert_ne!(r.position().0, incarnation, "batch 2 never came");
+        assert_eq!(
+            r.stats().0,
+            [("GPU".to_owned(), 1)],
+            "only block 4 is known"
+        );
+    }
+}

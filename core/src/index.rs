@@ -28,6 +28,20 @@
 //! Forgetting an endpoint (or replacing its contents with a new snapshot)
 //! scans the table once: rare (an engine restart or a lost stream) and a few
 //! milliseconds at a million entries.
+//!
+//! ## Offloaded blocks
+//!
+//! Blocks an engine keeps on another medium than its GPU cache (vLLM's KV
+//! offloading to CPU memory or disk) live in a second table of the same
+//! shape, one tier for every such medium. They do not count against the
+//! capacity, which is the GPU cache's. A request's prefix is served from
+//! the GPU as far as the GPU holds it, then loaded back from the offloaded
+//! tier as far as either holds it; loading is cheaper than computing but not
+//! free, so [`longest_prefix`](OccupancyIndex::longest_prefix) counts each
+//! offloaded block of the prefix as [`offload_weight`] of a GPU block
+//! (`policy.offloadWeight`, default [`DEFAULT_OFFLOAD_WEIGHT`]).
+//!
+//! [`offload_weight`]: OccupancyIndex::set_offload_weight
 
 use std::collections::HashMap;
 
@@ -51,9 +65,22 @@ pub enum CacheEvent<'a> {
     Stored(&'a [BlockHash]),
     /// Blocks evicted.
     Removed(&'a [BlockHash]),
-    /// The engine dropped its whole cache (vLLM `AllBlocksCleared`).
+    /// The engine dropped its whole cache, offloaded blocks included (vLLM
+    /// `AllBlocksCleared`).
     Cleared,
+    /// Blocks newly kept on an offload medium (added to any GPU copies).
+    Offloaded(&'a [BlockHash]),
+    /// Blocks dropped from an offload medium.
+    OffloadRemoved(&'a [BlockHash]),
+    /// Every offloaded block dropped (the GPU cache stays).
+    OffloadCleared,
+    /// Every GPU block dropped (the offloaded ones stay).
+    GpuCleared,
 }
+
+/// How much an offloaded block of a prefix counts, as a share of a GPU
+/// block: loading it back costs less than computing it, more than nothing.
+pub const DEFAULT_OFFLOAD_WEIGHT: f32 = 0.5;
 
 /// Why an event was refused. A refused event changes nothing.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -145,25 +172,106 @@ impl Holders {
 #[derive(Clone, Debug)]
 struct EndpointBlocks {
     capacity: usize,
-    /// Physical blocks held, copies included.
+    /// Physical GPU blocks held, copies included.
     physical: usize,
-    /// Distinct blocks held.
-    distinct: usize,
+    /// Distinct blocks held, per tier (GPU, offloaded).
+    distinct: [usize; 2],
 }
 
-/// Which endpoints of one pool hold which blocks. See the module docs.
+/// One tier's table: block → holders, and copies beyond the first.
 #[derive(Clone, Debug, Default)]
-pub struct OccupancyIndex {
+struct Table {
     blocks: HashMap<BlockHash, Holders, RandomState>,
     /// (block, slot) → copies beyond the first.
     copies: HashMap<(BlockHash, u32), u32, RandomState>,
+}
+
+impl Table {
+    /// Adds one copy of each block to `slot`; returns the new distinct ones.
+    fn store(&mut self, slot: Slot, blocks: &[BlockHash]) -> usize {
+        let mut new = 0;
+        for &block in blocks {
+            let holders = self.blocks.entry(block).or_insert(Holders::Small(0));
+            if holders.test(slot.index()) {
+                *self.copies.entry((block, slot.0)).or_insert(0) += 1;
+            } else {
+                holders.set(slot.index());
+                new += 1;
+            }
+        }
+        new
+    }
+
+    /// Removes one copy of `block` from `slot`: `None` if it holds none,
+    /// else whether that was the last copy.
+    fn remove(&mut self, slot: Slot, block: BlockHash) -> Option<bool> {
+        let holders = self.blocks.get_mut(&block)?;
+        if !holders.test(slot.index()) {
+            return None;
+        }
+        let mut last_copy = true;
+        if !self.copies.is_empty()
+            && let Some(extra) = self.copies.get_mut(&(block, slot.0))
+        {
+            *extra -= 1;
+            if *extra == 0 {
+                self.copies.remove(&(block, slot.0));
+            }
+            last_copy = false;
+        }
+        if last_copy && holders.clear(slot.index()) {
+            self.blocks.remove(&block);
+        }
+        Some(last_copy)
+    }
+
+    /// Forgets `slot`'s blocks (`distinct` of them, some with copies).
+    fn remove_slot(&mut self, slot: Slot, distinct: usize) {
+        if distinct > 0 {
+            self.blocks
+                .retain(|_, holders| !holders.clear(slot.index()));
+        }
+        if !self.copies.is_empty() {
+            self.copies.retain(|&(_, s), _| s != slot.0);
+        }
+    }
+}
+
+const GPU: usize = 0;
+const OFFLOADED: usize = 1;
+
+/// Which endpoints of one pool hold which blocks. See the module docs.
+#[derive(Clone, Debug)]
+pub struct OccupancyIndex {
+    tiers: [Table; 2],
     endpoints: Vec<Option<EndpointBlocks>>,
+    offload_weight: f32,
+}
+
+impl Default for OccupancyIndex {
+    fn default() -> Self {
+        OccupancyIndex {
+            tiers: Default::default(),
+            endpoints: Vec::new(),
+            offload_weight: DEFAULT_OFFLOAD_WEIGHT,
+        }
+    }
 }
 
 impl OccupancyIndex {
     /// An empty index.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// How much an offloaded block counts against a GPU one, clamped to
+    /// `0..=1`.
+    pub fn set_offload_weight(&mut self, weight: f32) {
+        self.offload_weight = if weight.is_finite() {
+            weight.clamp(0.0, 1.0)
+        } else {
+            DEFAULT_OFFLOAD_WEIGHT
+        };
     }
 
     /// Applies one event to `slot`'s blocks. On error nothing changes.
@@ -180,29 +288,55 @@ impl OccupancyIndex {
                         would_hold,
                     });
                 }
-                self.store(slot, blocks);
+                self.store(slot, GPU, blocks);
                 Ok(())
             }
-            CacheEvent::Removed(blocks) => {
+            CacheEvent::Offloaded(blocks) => {
                 self.endpoint(slot)?;
-                for (i, &block) in blocks.iter().enumerate() {
-                    if !self.remove(slot, block) {
-                        // Put back what this event removed, so a refused
-                        // event changes nothing.
-                        self.store(slot, &blocks[..i]);
-                        return Err(IndexError::NotHeld {
-                            slot: slot.0,
-                            block,
-                        });
-                    }
-                }
+                self.store(slot, OFFLOADED, blocks);
                 Ok(())
             }
+            CacheEvent::Removed(blocks) => self.remove_all(slot, GPU, blocks),
+            CacheEvent::OffloadRemoved(blocks) => self.remove_all(slot, OFFLOADED, blocks),
             CacheEvent::Cleared => {
                 let capacity = self.endpoint(slot)?.capacity;
                 self.snapshot(slot, capacity, &[])
             }
+            CacheEvent::OffloadCleared => self.clear_tier(slot, OFFLOADED),
+            CacheEvent::GpuCleared => self.clear_tier(slot, GPU),
         }
+    }
+
+    fn clear_tier(&mut self, slot: Slot, tier: usize) -> Result<(), IndexError> {
+        let distinct = self.endpoint(slot)?.distinct[tier];
+        self.tiers[tier].remove_slot(slot, distinct);
+        let ep = self.endpoint_mut(slot);
+        ep.distinct[tier] = 0;
+        if tier == GPU {
+            ep.physical = 0;
+        }
+        Ok(())
+    }
+
+    fn remove_all(
+        &mut self,
+        slot: Slot,
+        tier: usize,
+        blocks: &[BlockHash],
+    ) -> Result<(), IndexError> {
+        self.endpoint(slot)?;
+        for (i, &block) in blocks.iter().enumerate() {
+            if !self.remove(slot, tier, block) {
+                // Put back what this event removed, so a refused event
+                // changes nothing.
+                self.store(slot, tier, &blocks[..i]);
+                return Err(IndexError::NotHeld {
+                    slot: slot.0,
+                    block,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn endpoint(&self, slot: Slot) -> Result<&EndpointBlocks, IndexError> {
@@ -238,54 +372,35 @@ impl OccupancyIndex {
         self.endpoints[slot.index()] = Some(EndpointBlocks {
             capacity,
             physical: 0,
-            distinct: 0,
+            distinct: [0, 0],
         });
-        self.blocks.reserve(blocks.len());
-        self.store(slot, blocks);
+        self.tiers[GPU].blocks.reserve(blocks.len());
+        self.store(slot, GPU, blocks);
         Ok(())
     }
 
-    /// Adds one copy of each block to `slot` (capacity already checked).
-    fn store(&mut self, slot: Slot, blocks: &[BlockHash]) {
-        let mut new = 0;
-        for &block in blocks {
-            let holders = self.blocks.entry(block).or_insert(Holders::Small(0));
-            if holders.test(slot.index()) {
-                *self.copies.entry((block, slot.0)).or_insert(0) += 1;
-            } else {
-                holders.set(slot.index());
-                new += 1;
-            }
-        }
+    /// Adds one copy of each block to `slot`'s `tier` (capacity already
+    /// checked).
+    fn store(&mut self, slot: Slot, tier: usize, blocks: &[BlockHash]) {
+        let new = self.tiers[tier].store(slot, blocks);
         let ep = self.endpoint_mut(slot);
-        ep.physical += blocks.len();
-        ep.distinct += new;
+        if tier == GPU {
+            ep.physical += blocks.len();
+        }
+        ep.distinct[tier] += new;
     }
 
-    /// Removes one copy of `block` from `slot`; false if it holds none.
-    fn remove(&mut self, slot: Slot, block: BlockHash) -> bool {
-        let Some(holders) = self.blocks.get_mut(&block) else {
+    /// Removes one copy of `block` from `slot`'s `tier`; false if it holds
+    /// none.
+    fn remove(&mut self, slot: Slot, tier: usize, block: BlockHash) -> bool {
+        let Some(last_copy) = self.tiers[tier].remove(slot, block) else {
             return false;
         };
-        if !holders.test(slot.index()) {
-            return false;
-        }
-        let mut last_copy = true;
-        if !self.copies.is_empty()
-            && let Some(extra) = self.copies.get_mut(&(block, slot.0))
-        {
-            *extra -= 1;
-            if *extra == 0 {
-                self.copies.remove(&(block, slot.0));
-            }
-            last_copy = false;
-        }
-        if last_copy && holders.clear(slot.index()) {
-            self.blocks.remove(&block);
-        }
         let ep = self.endpoint_mut(slot);
-        ep.physical -= 1;
-        ep.distinct -= usize::from(last_copy);
+        if tier == GPU {
+            ep.physical -= 1;
+        }
+        ep.distinct[tier] -= usize::from(last_copy);
         true
     }
 
@@ -295,31 +410,60 @@ impl OccupancyIndex {
         let Some(ep) = self.endpoints.get_mut(slot.index()).and_then(Option::take) else {
             return;
         };
-        if ep.distinct > 0 {
-            self.blocks
-                .retain(|_, holders| !holders.clear(slot.index()));
-        }
-        if ep.physical > ep.distinct {
-            self.copies.retain(|&(_, s), _| s != slot.0);
+        for (tier, table) in self.tiers.iter_mut().enumerate() {
+            table.remove_slot(slot, ep.distinct[tier]);
         }
     }
 
     /// For each slot, how many leading blocks of `chain` it holds, written to
     /// `out[slot]` (`out` is resized to cover every slot; slots without a
     /// snapshot get 0). One pass over the chain, stopping once no slot is
-    /// still matching.
+    /// still matching. Where offloaded blocks extend a slot's GPU prefix,
+    /// each counts as the offload weight of a block (rounded down).
     pub fn longest_prefix(&self, chain: &[BlockHash], out: &mut Vec<u32>) {
+        self.depths(chain, false, out);
+        if self.tiers[OFFLOADED].blocks.is_empty() || self.offload_weight == 0.0 {
+            return;
+        }
+        let mut either = Vec::new();
+        self.depths(chain, true, &mut either);
+        for (gpu, any) in out.iter_mut().zip(either) {
+            *gpu += ((any - *gpu) as f32 * self.offload_weight) as u32;
+        }
+    }
+
+    /// Leading blocks of `chain` per slot, held on the GPU (or, with
+    /// `either`, on the GPU or offloaded).
+    fn depths(&self, chain: &[BlockHash], either: bool, out: &mut Vec<u32>) {
         out.clear();
         out.resize(self.endpoints.len(), 0);
-        let Some(first) = chain.first().and_then(|b| self.blocks.get(b)) else {
+        let words = self.endpoints.len().div_ceil(64).max(1);
+        let tier = |t: usize, block: &BlockHash| {
+            self.tiers[t]
+                .blocks
+                .get(block)
+                .map_or(&[][..], Holders::words)
+        };
+        let held = |block: &BlockHash| {
+            let gpu = tier(GPU, block);
+            let offloaded = if either { tier(OFFLOADED, block) } else { &[] };
+            move |w: usize| {
+                gpu.get(w).copied().unwrap_or(0) | offloaded.get(w).copied().unwrap_or(0)
+            }
+        };
+        let Some(first) = chain.first() else {
             return;
         };
-        let mut active: Vec<u64> = first.words().to_vec();
+        let first = held(first);
+        let mut active: Vec<u64> = (0..words).map(first).collect();
+        if active.iter().all(|&w| w == 0) {
+            return;
+        }
         for (depth, block) in chain.iter().enumerate().skip(1) {
-            let held = self.blocks.get(block).map_or(&[][..], Holders::words);
+            let held = held(block);
             let mut any = false;
             for (w, word) in active.iter_mut().enumerate() {
-                let keep = *word & held.get(w).copied().unwrap_or(0);
+                let keep = *word & held(w);
                 record(*word & !keep, w, depth as u32, out);
                 *word = keep;
                 any |= keep != 0;
@@ -333,23 +477,25 @@ impl OccupancyIndex {
         }
     }
 
-    /// Whether `slot` holds `block`.
+    /// Whether `slot` holds `block` in its GPU cache.
     pub fn holds(&self, slot: Slot, block: BlockHash) -> bool {
-        self.blocks
+        self.tiers[GPU]
+            .blocks
             .get(&block)
             .is_some_and(|h| h.test(slot.index()))
     }
 
-    /// The distinct blocks `slot` holds (a scan of the whole index: for
+    /// The distinct GPU blocks `slot` holds (a scan of the whole index: for
     /// tests and debugging, not the request path).
     pub fn blocks_of(&self, slot: Slot) -> impl Iterator<Item = BlockHash> + '_ {
-        self.blocks
+        self.tiers[GPU]
+            .blocks
             .iter()
             .filter(move |(_, h)| h.test(slot.index()))
             .map(|(&b, _)| b)
     }
 
-    /// Physical blocks `slot` holds, and its capacity; `None` without a
+    /// Physical GPU blocks `slot` holds, and its capacity; `None` without a
     /// snapshot.
     pub fn usage(&self, slot: Slot) -> Option<(usize, usize)> {
         self.endpoint(slot)
@@ -357,14 +503,23 @@ impl OccupancyIndex {
             .map(|ep| (ep.physical, ep.capacity))
     }
 
-    /// (block, endpoint) entries in the index.
-    pub fn entries(&self) -> usize {
-        self.endpoints.iter().flatten().map(|ep| ep.distinct).sum()
+    /// Distinct offloaded blocks `slot` holds.
+    pub fn offloaded(&self, slot: Slot) -> usize {
+        self.endpoint(slot).map_or(0, |ep| ep.distinct[OFFLOADED])
     }
 
-    /// Distinct blocks held by any endpoint.
+    /// (block, endpoint) entries in the index, GPU tier.
+    pub fn entries(&self) -> usize {
+        self.endpoints
+            .iter()
+            .flatten()
+            .map(|ep| ep.distinct[GPU])
+            .sum()
+    }
+
+    /// Distinct blocks held by any endpoint's GPU cache.
     pub fn distinct_blocks(&self) -> usize {
-        self.blocks.len()
+        self.tiers[GPU].blocks.len()
     }
 }
 

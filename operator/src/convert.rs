@@ -109,6 +109,7 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
         prefix_tokens: Some(u32::try_from(spec.routing_key.prefix_tokens).unwrap_or(0)),
         load_bound: spec.load_bound,
         latency_slack: Some(spec.latency_slack),
+        offload_weight: spec.offload_weight,
         prefill_tokens_per_second: Some(spec.engine.prefill_tokens_per_second),
         prefill_overhead_ms: Some(spec.engine.prefill_overhead_ms),
         block_size: Some(u32::try_from(spec.engine.block_size).unwrap_or(0)),

@@ -286,12 +286,15 @@ impl Watcher<'_> {
                     ?config,
                     "WatchCache snapshot"
                 );
+                let offloaded: Vec<&[u64]> =
+                    s.offloaded.iter().map(|m| &m.block_hashes[..]).collect();
                 pool.apply_snapshot(
                     name,
                     generation,
                     config.into(),
                     config.capacity_blocks as usize,
                     &s.block_hashes,
+                    &offloaded,
                 )
                 .map_err(Broken::Index)?;
                 if let Some(load) = &s.load {
@@ -301,16 +304,17 @@ impl Watcher<'_> {
                 live_since.get_or_insert_with(Instant::now);
                 return Ok(());
             }
-            // Only the GPU cache (empty medium) is indexed so far: offloaded
-            // blocks are not routed to and do not count against capacity.
-            Some(Update::Stored(s)) if !s.medium.is_empty() => return Ok(()),
-            Some(Update::Removed(r)) if !r.medium.is_empty() => return Ok(()),
-            Some(Update::Cleared(c)) if c.medium.as_deref().is_some_and(|m| !m.is_empty()) => {
-                return Ok(());
-            }
-            Some(Update::Stored(s)) => CacheEvent::Stored(&s.block_hashes),
-            Some(Update::Removed(r)) => CacheEvent::Removed(&r.block_hashes),
-            Some(Update::Cleared(_)) => CacheEvent::Cleared,
+            // An empty medium is the GPU cache; every other medium is one
+            // offloaded tier (a medium's clear drops that whole tier).
+            Some(Update::Stored(s)) if s.medium.is_empty() => CacheEvent::Stored(&s.block_hashes),
+            Some(Update::Stored(s)) => CacheEvent::Offloaded(&s.block_hashes),
+            Some(Update::Removed(r)) if r.medium.is_empty() => CacheEvent::Removed(&r.block_hashes),
+            Some(Update::Removed(r)) => CacheEvent::OffloadRemoved(&r.block_hashes),
+            Some(Update::Cleared(c)) => match c.medium.as_deref() {
+                None => CacheEvent::Cleared,
+                Some("") => CacheEvent::GpuCleared,
+                Some(_) => CacheEvent::OffloadCleared,
+            },
             Some(Update::Load(load)) => {
                 pool.report_load(name, generation, engine_load(load));
                 return Ok(());

@@ -274,6 +274,10 @@ pub struct Routing {
     /// `--lora-modules name=path`); adapters the engines list in
     /// `/v1/models` need no entry. Default: none.
     pub lora_adapters: BTreeMap<String, String>,
+    /// What a block the engine keeps offloaded (vLLM KV offloading to CPU
+    /// or disk) is worth in a cached prefix, as a share of a GPU block,
+    /// 0 to 1. Default: 0.5.
+    pub offload_weight: f32,
 }
 
 impl Default for Routing {
@@ -288,6 +292,7 @@ impl Default for Routing {
             tokenizer: None,
             tokenizer_config: None,
             lora_adapters: BTreeMap::new(),
+            offload_weight: kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
         }
     }
 }
@@ -746,6 +751,14 @@ impl Config {
                 "routing.loraAdapters",
                 name,
                 "needs a name and a path",
+            ));
+        }
+        let weight = self.routing.offload_weight;
+        if !(0.0..=1.0).contains(&weight) {
+            return Err(invalid(
+                "routing.offloadWeight",
+                &weight.to_string(),
+                "must be within 0..=1",
             ));
         }
         Ok(())

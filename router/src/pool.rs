@@ -254,11 +254,13 @@ impl Pool {
                 .as_ref()
                 .map_or(u32::MAX, |c| c.unhealthy_threshold),
         });
+        let mut index = OccupancyIndex::new();
+        index.set_offload_weight(settings.offload_weight);
         Arc::new(Pool {
             inner: Mutex::new(Inner {
                 members: BTreeMap::new(),
                 slots: Slots::default(),
-                index: OccupancyIndex::new(),
+                index,
                 load: LoadTracker::new(),
                 policy: settings.policy.build(),
                 settings: Arc::new(settings),
@@ -311,6 +313,7 @@ impl Pool {
         if settings.policy != inner.settings.policy {
             inner.policy = settings.policy.build();
         }
+        inner.index.set_offload_weight(settings.offload_weight);
         inner.settings = settings;
         let names: Vec<String> = inner.members.keys().cloned().collect();
         let mut changes = Vec::new();
@@ -647,6 +650,7 @@ impl Pool {
         engine: EngineCache,
         capacity: usize,
         blocks: &[u64],
+        offloaded: &[&[u64]],
     ) -> Result<(), IndexError> {
         let mut inner = self.lock();
         let contract = Contract::check(&engine, &inner.settings.hasher);
@@ -662,9 +666,14 @@ impl Pool {
         m.contract = contract.clone();
         let slot = m.slot;
         let applied = if contract == Contract::Match {
-            inner
-                .index
+            let index = &mut inner.index;
+            index
                 .apply(slot, CacheEvent::Snapshot { capacity, blocks })
+                .and_then(|()| {
+                    offloaded
+                        .iter()
+                        .try_for_each(|b| index.apply(slot, CacheEvent::Offloaded(b)))
+                })
         } else {
             inner.index.remove_endpoint(slot);
             Ok(())

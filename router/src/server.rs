@@ -124,6 +124,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .iter()
             .map(|(name, path)| (name.clone(), Lora::new(name, path)))
             .collect(),
+        offload_weight: r.offload_weight,
     };
     let tenancy = Tenancy::load(&config.tenancy)?;
     let tls = config

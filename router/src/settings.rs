@@ -32,6 +32,8 @@ pub struct Settings {
     /// LoRA adapters by served name (`routing.loraAdapters`); others are
     /// learned from the engines' `/v1/models`.
     pub lora_adapters: BTreeMap<String, Lora>,
+    /// An offloaded block's worth against a GPU block, 0 to 1.
+    pub offload_weight: f32,
 }
 
 impl Settings {
@@ -49,6 +51,7 @@ impl Settings {
             ),
             policy,
             lora_adapters: BTreeMap::new(),
+            offload_weight: kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
         }
     }
 

@@ -279,6 +279,7 @@ fn policy(name: &str) -> RoutingPolicy {
         latency_slack: None,
         prefill_tokens_per_second: None,
         prefill_overhead_ms: None,
+        offload_weight: None,
     }
 }
 

@@ -249,3 +249,53 @@ proptest! {
         prop_assert_eq!(index.distinct_blocks(), distinct.len());
     }
 }
+
+#[test]
+fn offloaded_blocks_extend_a_prefix_at_their_weight_and_never_fill_capacity() {
+    let mut index = OccupancyIndex::new();
+    snap(&mut index, 0, 2, &[1, 2]);
+    snap(&mut index, 1, 2, &[1]);
+    // Offloaded blocks do not count against the GPU capacity of 2.
+    index
+        .apply(Slot(0), CacheEvent::Offloaded(&[3, 4, 5, 6]))
+        .unwrap();
+    index
+        .apply(Slot(1), CacheEvent::Offloaded(&[2, 3, 4, 5, 6]))
+        .unwrap();
+    assert_eq!(index.usage(Slot(0)), Some((2, 2)));
+    assert_eq!(index.offloaded(Slot(1)), 5);
+    // Slot 0: 2 on the GPU, then 4 offloaded at 0.5 = 4. Slot 1: 1, then 5.
+    assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5, 6]), vec![4, 3]);
+    index.set_offload_weight(1.0);
+    assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5, 6]), vec![6, 6]);
+    index.set_offload_weight(0.0);
+    assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5, 6]), vec![2, 1]);
+    index.set_offload_weight(1.0);
+    // A prefix may start offloaded: vLLM loads it back.
+    assert_eq!(prefixes(&index, &[2, 3]), vec![2, 2]);
+    index
+        .apply(Slot(1), CacheEvent::OffloadRemoved(&[4]))
+        .unwrap();
+    assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5]), vec![5, 3]);
+    assert!(
+        index
+            .apply(Slot(1), CacheEvent::OffloadRemoved(&[4]))
+            .is_err(),
+        "no longer held"
+    );
+    index.apply(Slot(1), CacheEvent::GpuCleared).unwrap();
+    assert_eq!(index.usage(Slot(1)), Some((0, 2)));
+    assert_eq!(
+        prefixes(&index, &[2, 3]),
+        vec![2, 2],
+        "1's offloaded tier stays"
+    );
+    index.apply(Slot(1), CacheEvent::Stored(&[1])).unwrap();
+    index.apply(Slot(0), CacheEvent::OffloadCleared).unwrap();
+    assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5]), vec![2, 3]);
+    assert_eq!(index.usage(Slot(0)), Some((2, 2)), "the GPU tier stays");
+    // Forgetting the endpoint forgets both tiers.
+    index.remove_endpoint(Slot(1));
+    assert_eq!(prefixes(&index, &[1, 2, 3]), vec![2, 0]);
+    assert_eq!(index.distinct_blocks(), 2);
+}

@@ -137,6 +137,14 @@ pub struct CacheRoutingPolicySpec {
     #[schemars(range(min = 0.0, max = 10.0))]
     pub load_bound: Option<f64>,
 
+    /// What a block an engine keeps offloaded (vLLM KV offloading to CPU
+    /// memory or disk) is worth in a cached prefix, as a share of a block in
+    /// its GPU cache: loading it back is cheaper than computing it, not
+    /// free. 0 to 1; absent: 0.5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub offload_weight: Option<f64>,
+
     /// How the engines lay out and hash their prefix cache; must match the
     /// engines' own configuration.
     #[serde(default)]
@@ -483,6 +491,9 @@ impl CacheRoutingPolicySpec {
         )?;
         if let Some(bound) = self.load_bound {
             check_range("spec.loadBound", bound, 0.0, MAX_LOAD_BOUND)?;
+        }
+        if let Some(weight) = self.offload_weight {
+            check_range("spec.offloadWeight", weight, 0.0, 1.0)?;
         }
         check_range(
             "spec.engine.prefillTokensPerSecond",

@@ -81,6 +81,8 @@ pub struct PolicySpec {
     pub load_bound: Option<f64>,
     /// The kvroute policy's latency slack; at least 0.
     pub latency_slack: Option<f64>,
+    /// An offloaded block's worth against a GPU block; 0 to 1.
+    pub offload_weight: Option<f64>,
     /// The engines' prefill rate, tokens per second; positive.
     pub prefill_tokens_per_second: Option<f64>,
     /// The engines' fixed cost per prefill, milliseconds; at least 0.
@@ -155,6 +157,11 @@ impl PolicySpec {
         if self.block_size == Some(0) {
             return Err("block size 0: must be at least 1".to_owned());
         }
+        if let Some(w) = self.offload_weight
+            && !(0.0..=1.0).contains(&w)
+        {
+            return Err(format!("offload weight {w}: must be within 0 to 1"));
+        }
         if self.cache_port == Some(0) {
             return Err("cache port 0: must be 1 to 65535 (omit it for no cache)".to_owned());
         }
@@ -182,6 +189,10 @@ impl PolicySpec {
             prefill_overhead_ms: Some(
                 self.prefill_overhead_ms
                     .unwrap_or(PrefillModel::default().prefill_overhead_ms),
+            ),
+            offload_weight: Some(
+                self.offload_weight
+                    .unwrap_or(f64::from(kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT)),
             ),
             block_size: self.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
             hash_algorithm: v1::HashAlgorithm::from(

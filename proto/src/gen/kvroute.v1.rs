@@ -690,6 +690,11 @@ pub struct RoutingPolicy {
     /// The engines' fixed cost per prefill, milliseconds. Absent: the default.
     #[prost(double, optional, tag = "13")]
     pub prefill_overhead_ms: ::core::option::Option<f64>,
+    /// What a block an engine keeps offloaded (KV offloading to CPU memory or
+    /// disk) is worth in a cached prefix, as a share of a GPU block, 0 to 1.
+    /// Absent: the default (0.5).
+    #[prost(double, optional, tag = "14")]
+    pub offload_weight: ::core::option::Option<f64>,
 }
 /// What a routing key is derived from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]

@@ -317,15 +317,31 @@ fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
             None
         }
     };
-    if key == current.key && hasher.is_none() && config == current.policy {
+    let offload_weight = match policy.offload_weight {
+        Some(w) if (0.0..=1.0).contains(&w) => w as f32,
+        Some(w) => {
+            tracing::warn!(
+                offload_weight = w,
+                "invalid offload weight from the operator; keeping the current one"
+            );
+            current.offload_weight
+        }
+        None => kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
+    };
+    if key == current.key
+        && hasher.is_none()
+        && config == current.policy
+        && offload_weight == current.offload_weight
+    {
         return Streams::default();
     }
     tracing::info!(policy = ?config, key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
-        "routing settings from the operator");
+        offload_weight, "routing settings from the operator");
     pool.update_settings(|cur| Settings {
         key,
         hasher: hasher.unwrap_or_else(|| cur.hasher.clone()),
         policy: config,
+        offload_weight,
         ..cur.clone()
     })
 }

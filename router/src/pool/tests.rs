@@ -147,14 +147,14 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
         none_hash: Some(hasher.none_hash().to_u64()),
         hashes_unverified: false,
     };
-    p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2])
+    p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2], &[])
         .unwrap();
     p.apply_cache("a", 99, CacheEvent::Stored(&[3])).unwrap();
     assert_eq!(p.index_entries(), 0);
     // Changes before a snapshot has checked the contract are not indexed.
     p.apply_cache("a", 1, CacheEvent::Stored(&[3])).unwrap();
     assert_eq!(p.index_entries(), 0);
-    p.apply_snapshot("a", 1, engine, 8, &[1, 2]).unwrap();
+    p.apply_snapshot("a", 1, engine, 8, &[1, 2], &[]).unwrap();
     p.set_stream("a", 1, StreamState::Live);
     assert_eq!(p.index_entries(), 2);
     assert_eq!(p.status()[0].contract, "match");

@@ -26,6 +26,7 @@ fn a_pool_without_a_policy_gets_the_documented_defaults() {
             latency_slack: Some(1.0),
             prefill_tokens_per_second: Some(10_000.0),
             prefill_overhead_ms: Some(20.0),
+            offload_weight: Some(0.5),
         }
     );
 }
@@ -208,6 +209,7 @@ fn a_policy_may_set_every_field() {
         prefix_tokens: Some(64),
         load_bound: Some(0.25),
         latency_slack: Some(3.0),
+        offload_weight: Some(0.25),
         prefill_tokens_per_second: Some(40_000.0),
         prefill_overhead_ms: Some(5.0),
         block_size: Some(32),
@@ -235,6 +237,7 @@ fn a_policy_may_set_every_field() {
             latency_slack: Some(3.0),
             prefill_tokens_per_second: Some(40_000.0),
             prefill_overhead_ms: Some(5.0),
+            offload_weight: Some(0.25),
         }
     );
 }

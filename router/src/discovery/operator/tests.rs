@@ -17,6 +17,7 @@ fn policy() -> RoutingPolicy {
         latency_slack: None,
         prefill_tokens_per_second: None,
         prefill_overhead_ms: None,
+        offload_weight: None,
     }
 }
 
