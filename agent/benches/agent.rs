@@ -217,10 +217,10 @@ async fn main() {
     }
     let elapsed = start.elapsed().as_secs_f64();
     let text = metrics(&admin).await;
-    let events = counter(&text, "kvroute_agent_events_total");
-    let resident = counter(&text, "kvroute_agent_resident_blocks");
-    let missed = counter(&text, "kvroute_agent_missed_batches_total");
-    let verified = counter(&text, "kvroute_agent_hash_verification_blocks_total");
+    let events = counter(&text, "kvroute_agent_events_total") as u64;
+    let resident = counter(&text, "kvroute_agent_resident_blocks") as u64;
+    let missed = counter(&text, "kvroute_agent_missed_batches_total") as u64;
+    let verified = counter(&text, "kvroute_agent_hash_verification_blocks_total") as u64;
     let after_kb = rss_kb(pid);
     println!(
         "kvroute-agent: {seq} batches, {events} events ({} blocks stored) in {elapsed:.2} s",
