@@ -228,7 +228,7 @@ async fn main() {
     );
     println!(
         "  events applied per second: {:.0} ({:.0} blocks/s); batches missed: {missed}",
-        events / elapsed,
+        events as f64 / elapsed,
         (seq * per_batch) as f64 / elapsed
     );
     println!("  blocks checked by hash verification: {verified}");
