@@ -139,8 +139,9 @@ pub struct Config {
 }
 
 impl Config {
-    /// Settings for tests: loopback on free ports, fast polling.
-    pub fn test(kv_events_endpoint: String, engine_url: String) -> Self {
+    /// Loopback on free ports, fast polling: for tests and agents run
+    /// in-process (the demo).
+    pub fn loopback(kv_events_endpoint: String, engine_url: String) -> Self {
         Config {
             kv_events_endpoint,
             kv_events_replay_endpoint: None,

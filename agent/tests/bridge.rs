@@ -28,7 +28,7 @@ async fn stack(replay: bool) -> (Sim, Agent) {
     config.kv_events_replay_endpoint = replay.then(|| "tcp://127.0.0.1:0".into());
     let sim = kvroute_engine_sim::start(config).await.unwrap();
     let (events, replay) = sim.kv_events.as_ref().unwrap().bound.clone();
-    let mut config = kvroute_agent::Config::test(events, format!("http://{}", sim.http_addr));
+    let mut config = kvroute_agent::Config::loopback(events, format!("http://{}", sim.http_addr));
     config.kv_events_replay_endpoint = replay;
     config.block_size = BLOCK_SIZE as u32;
     let agent = kvroute_agent::start(config).await.unwrap();
@@ -303,7 +303,7 @@ async fn a_block_size_other_than_vllms_stops_serving_with_a_clear_error() {
     let sim = kvroute_engine_sim::start(config).await.unwrap();
     let events = sim.kv_events.as_ref().unwrap().bound.0.clone();
     // The agent is told 16, vLLM's default; the engine runs 4.
-    let agent = kvroute_agent::start(kvroute_agent::Config::test(
+    let agent = kvroute_agent::start(kvroute_agent::Config::loopback(
         events,
         format!("http://{}", sim.http_addr),
     ))

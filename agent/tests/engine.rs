@@ -91,7 +91,7 @@ async fn load_comes_from_metrics_and_a_health_recovery_is_a_restart() {
     // A publisher that stays quiet: the quiet period makes the rank ready.
     let mut publisher = zeromq::PubSocket::new();
     let endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
-    let agent = kvroute_agent::start(kvroute_agent::Config::test(endpoint.to_string(), url))
+    let agent = kvroute_agent::start(kvroute_agent::Config::loopback(endpoint.to_string(), url))
         .await
         .unwrap();
     ready(&agent).await;
@@ -177,7 +177,7 @@ fn stored(hashes: &[u64]) -> Bytes {
 async fn each_data_parallel_rank_is_its_own_endpoint() {
     let url = fake_vllm(Arc::new(AtomicBool::new(true))).await;
     let (mut publishers, base, listen) = consecutive().await;
-    let mut config = kvroute_agent::Config::test(format!("tcp://127.0.0.1:{base}"), url);
+    let mut config = kvroute_agent::Config::loopback(format!("tcp://127.0.0.1:{base}"), url);
     config.data_parallel_size = 2;
     config.listen = format!("127.0.0.1:{listen}").parse().unwrap();
     let agent = kvroute_agent::start(config).await.unwrap();

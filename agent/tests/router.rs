@@ -15,7 +15,7 @@ async fn pair(agent_seed: Option<&str>) -> (Sim, Agent) {
     config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
     let sim = kvroute_engine_sim::start(config).await.unwrap();
     let events = sim.kv_events.as_ref().unwrap().bound.0.clone();
-    let mut config = kvroute_agent::Config::test(events, format!("http://{}", sim.http_addr));
+    let mut config = kvroute_agent::Config::loopback(events, format!("http://{}", sim.http_addr));
     config.python_hash_seed = agent_seed.map(str::to_owned);
     let agent = kvroute_agent::start(config).await.unwrap();
     (sim, agent)

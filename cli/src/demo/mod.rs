@@ -39,6 +39,12 @@ pub struct DemoArgs {
     /// Exit after the comparison instead of serving.
     #[arg(long)]
     once: bool,
+
+    /// The engines report their caches as vLLM does (ZMQ KV events),
+    /// bridged to the router by a kvroute-agent each, instead of over
+    /// WatchCache directly.
+    #[arg(long)]
+    vllm_events: bool,
 }
 
 /// The comparison's policies, the baseline first.
@@ -84,7 +90,7 @@ async fn demo(args: &DemoArgs, out: &mut impl Write) -> anyhow::Result<()> {
         let step = format!("[{}/{}] {name}", i + 1, POLICIES.len());
         writeln!(out, "{step}: starting {ENGINES} fresh engines and a router")?;
         let policy = PolicyConfig::by_name(name).expect("a known policy");
-        let fleet = Fleet::start(policy, loopback, loopback).await?;
+        let fleet = Fleet::start(policy, loopback, loopback, args.vllm_events).await?;
         writeln!(out, "{step}: sending {} requests", workload.requests())?;
         let t = Instant::now();
         let samples = workload
@@ -154,6 +160,7 @@ async fn serve(args: &DemoArgs, out: &mut impl Write) -> anyhow::Result<()> {
         PolicyConfig::default(),
         args.listen,
         admin_addr(args.listen),
+        args.vllm_events,
     )
     .await?;
     let api = reachable(fleet.addr());

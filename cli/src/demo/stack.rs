@@ -1,7 +1,9 @@
 //! The demo's fleet: engine sims with realistic (optionally sped-up)
 //! timing, and a kvroute router in front of them that reads a static
 //! endpoints file naming each sim's WatchCache port, so routing sees the
-//! engines' exact cache contents. All in this process.
+//! engines' exact cache contents. With vLLM's events, each sim publishes
+//! ZMQ KV events instead and a `kvroute-agent` bridges them, as beside a
+//! real vLLM. All in this process.
 //!
 //! Not here: what is sent to the fleet ([`super::workload`]) or what is made
 //! of the answers ([`super::report`]).
@@ -47,32 +49,57 @@ pub fn sim_config() -> SimConfig {
 #[derive(Debug)]
 pub struct Fleet {
     sims: Vec<Sim>,
+    agents: Vec<kvroute_agent::Agent>,
     router: Running,
     dir: PathBuf,
     evicted: Arc<AtomicU64>,
 }
 
 impl Fleet {
-    /// Starts [`ENGINES`] sims on free loopback ports and a router with
-    /// `policy` on `listen` and `admin_listen`, and waits until the router
-    /// follows every engine's cache.
+    /// Starts [`ENGINES`] sims on free loopback ports (with an agent each
+    /// when `vllm_events`) and a router with `policy` on `listen` and
+    /// `admin_listen`, and waits until the router follows every engine's
+    /// cache.
     pub async fn start(
         policy: PolicyConfig,
         listen: SocketAddr,
         admin_listen: SocketAddr,
+        vllm_events: bool,
     ) -> anyhow::Result<Fleet> {
         let mut sims = Vec::with_capacity(ENGINES);
+        let mut agents = Vec::new();
+        let mut endpoints = Vec::new();
         let evicted = Arc::new(AtomicU64::new(0));
         for _ in 0..ENGINES {
-            let sim = kvroute_engine_sim::start(sim_config())
+            let mut config = sim_config();
+            if vllm_events {
+                config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
+                config.kv_events_replay_endpoint = Some("tcp://127.0.0.1:0".into());
+            }
+            let sim = kvroute_engine_sim::start(config)
                 .await
                 .context("starting an engine sim")?;
             count_evictions(&sim, evicted.clone());
+            let mut cache_port = sim.cache_addr.port();
+            if let Some(kv) = &sim.kv_events {
+                let mut config = kvroute_agent::Config::loopback(
+                    kv.bound.0.clone(),
+                    format!("http://{}", sim.http_addr),
+                );
+                config.kv_events_replay_endpoint = kv.bound.1.clone();
+                config.load_interval_ms = 100;
+                let agent = kvroute_agent::start(config)
+                    .await
+                    .context("starting a kvroute-agent")?;
+                cache_port = agent.cache_addrs[0].port();
+                agents.push(agent);
+            }
+            endpoints.push((sim.http_addr, cache_port));
             sims.push(sim);
         }
         let dir = temp_dir()?;
         let file = dir.join("endpoints.yaml");
-        std::fs::write(&file, endpoints_yaml(&sims))
+        std::fs::write(&file, endpoints_yaml(&endpoints))
             .with_context(|| format!("writing {}", file.display()))?;
         let defaults = RouterConfig::default();
         let config = RouterConfig {
@@ -95,6 +122,9 @@ impl Fleet {
         let router = match kvroute_router::start(config).await {
             Ok(router) => router,
             Err(e) => {
+                for agent in agents {
+                    agent.shutdown().await;
+                }
                 for sim in sims {
                     sim.shutdown().await;
                 }
@@ -104,6 +134,7 @@ impl Fleet {
         };
         let fleet = Fleet {
             sims,
+            agents,
             router,
             dir,
             evicted,
@@ -149,6 +180,9 @@ impl Fleet {
     /// Stops the router (letting in-flight streams finish), then the sims.
     pub async fn stop(self) {
         self.router.shutdown().await;
+        for agent in self.agents {
+            agent.shutdown().await;
+        }
         for sim in self.sims {
             sim.shutdown().await;
         }
@@ -172,15 +206,11 @@ fn count_evictions(sim: &Sim, counter: Arc<AtomicU64>) {
 }
 
 /// The static endpoints file: `sim-<i>` at each sim's HTTP address, with
-/// its WatchCache port.
-fn endpoints_yaml(sims: &[Sim]) -> String {
+/// its WatchCache port (the sim's, or its agent's).
+fn endpoints_yaml(endpoints: &[(SocketAddr, u16)]) -> String {
     let mut yaml = String::from("endpoints:\n");
-    for (i, s) in sims.iter().enumerate() {
-        yaml += &format!(
-            "  - name: sim-{i}\n    address: {}\n    cachePort: {}\n",
-            s.http_addr,
-            s.cache_addr.port()
-        );
+    for (i, (http, cache_port)) in endpoints.iter().enumerate() {
+        yaml += &format!("  - name: sim-{i}\n    address: {http}\n    cachePort: {cache_port}\n");
     }
     yaml
 }
