@@ -17,7 +17,9 @@
 //! the `rmp` family): the events are a union of shapes across vLLM
 //! versions, so they are matched field by field rather than through a
 //! fixed schema, and anything unexpected is an error naming it, never a
-//! panic.
+//! panic. An event of a type this build does not know decodes as
+//! [`Event::Unknown`], so a newer vLLM's additions skip that event, not the
+//! batch.
 
 use rmpv::Value;
 
@@ -60,6 +62,9 @@ pub enum Event {
         /// Which medium, if given.
         medium: Option<String>,
     },
+    /// An event type this build does not know (a newer vLLM's): skipped,
+    /// and counted, by whoever applies the batch.
+    Unknown(String),
 }
 
 /// A `BlockStored` event.
@@ -213,9 +218,9 @@ impl<'a> Fields<'a> {
                     "BlockStored" => &STORED_FIELDS,
                     "BlockRemoved" => &REMOVED_FIELDS,
                     "AllBlocksCleared" => &CLEARED_FIELDS,
-                    other => return Err(format!("unknown event type {other:?}")),
+                    _ => &[],
                 };
-                if rest.len() > names.len() {
+                if !names.is_empty() && rest.len() > names.len() {
                     return Err(format!("{kind} has {} fields", rest.len()));
                 }
                 Ok(Fields {
@@ -328,7 +333,7 @@ fn decode_event(event: &Value) -> Result<Event, String> {
         "AllBlocksCleared" => Ok(Event::Cleared {
             medium: f.string("medium")?,
         }),
-        other => Err(format!("unknown event type {other:?}")),
+        other => Ok(Event::Unknown(other.to_owned())),
     }
 }
 
@@ -371,14 +376,26 @@ mod tests {
     }
 
     #[test]
+    fn unknown_event_types_decode_as_unknown_in_both_forms() {
+        let b = decode_batch(&batch(vec![
+            Value::Array(vec![Value::from("Teleported"), Value::from(1)]),
+            Value::Map(vec![(Value::from("type"), Value::from("BlockMoved"))]),
+        ]))
+        .unwrap();
+        assert_eq!(
+            b.events,
+            [
+                Event::Unknown("Teleported".into()),
+                Event::Unknown("BlockMoved".into())
+            ]
+        );
+    }
+
+    #[test]
     fn bad_input_is_an_error_that_names_it() {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (vec![0x93, 0xcb], "not msgpack"),
             (encode(&Value::from(3)), "not an array"),
-            (
-                batch(vec![Value::Array(vec![Value::from("Teleported")])]),
-                "unknown event type",
-            ),
             (
                 batch(vec![Value::Map(vec![(
                     Value::from("type"),

@@ -13,6 +13,11 @@
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`.
 //!
 //! [`start`] runs it all; the binary is a thin wrapper.
+//!
+//! Crates: ZMQ is `zeromq` (zmq.rs), a pure-Rust ZMTP implementation on
+//! tokio, so the image carries no libzmq (checked against libzmq by
+//! pyzmq in CI); msgpack is `rmpv`, the `rmp` family's dynamic values,
+//! because vLLM's events are a union of shapes across versions.
 
 pub mod admin;
 pub mod events;

@@ -50,7 +50,7 @@ impl Metrics {
         let mut registry = Registry::default();
         registry.register(
             "kvroute_agent_events",
-            "KV cache events applied, by type (stored, removed, cleared)",
+            "KV cache events applied, by type (stored, removed, cleared; unknown: a type this build skips)",
             m.events.clone(),
         );
         registry.register(
@@ -109,6 +109,7 @@ impl Metrics {
                 Event::Stored(_) => "stored",
                 Event::Removed { .. } => "removed",
                 Event::Cleared { .. } => "cleared",
+                Event::Unknown(_) => "unknown",
             };
             self.events.get_or_create(&RankKind { rank, kind }).inc();
         }

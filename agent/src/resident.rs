@@ -204,6 +204,7 @@ impl Resident {
                         });
                     }
                 }
+                Event::Unknown(_) => {}
                 Event::Cleared { medium } => {
                     match medium {
                         Some(m) => {

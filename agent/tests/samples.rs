@@ -71,6 +71,7 @@ fn check(event: &Event, want: &Value) {
             assert_eq!(medium.as_deref(), field("medium", 2).as_str());
         }
         Event::Cleared { .. } => assert_eq!(kind, "AllBlocksCleared"),
+        Event::Unknown(other) => panic!("the samples hold only known types, not {other}"),
     }
 }
 
