@@ -179,15 +179,11 @@ impl Rank {
         let mut mismatch = None;
         for event in &batch.events {
             let Event::Stored(s) = event else { continue };
-            if s.block_size != block_size && state.fault.is_none() {
-                let fault = format!(
-                    "vLLM stores blocks of {} tokens but the agent was started with --block-size {block_size}: \
-                     start it (and the routers) with vLLM's block size",
-                    s.block_size
+            if s.block_size != block_size {
+                self.fault(
+                    state,
+                    format!("vLLM stores blocks of {} tokens", s.block_size),
                 );
-                tracing::error!(rank = self.rank, "{fault}");
-                state.fault = Some(fault);
-                state.feed.end_streams();
             }
             if s.block_size == block_size {
                 let checked = state.verifier.check(s);
@@ -243,6 +239,22 @@ impl Rank {
         }
     }
 
+    /// The engine's block size is not the configured one: every hash a
+    /// router computes would be wrong, so the rank stops serving.
+    fn fault(&self, state: &mut State, what: String) {
+        if state.fault.is_some() {
+            return;
+        }
+        let fault = format!(
+            "{what} but the agent was started with --block-size {}: start it (and the routers) \
+             with vLLM's block size",
+            state.config.block_size
+        );
+        tracing::error!(rank = self.rank, "{fault}");
+        state.fault = Some(fault);
+        state.feed.end_streams();
+    }
+
     /// The stream was quiet since subscribing: nothing to wait for.
     pub fn quiet(&self) {
         self.lock().synced = true;
@@ -255,16 +267,11 @@ impl Rank {
         let mut state = self.lock();
         if let Some(bs) = block_size
             && bs != state.config.block_size
-            && state.fault.is_none()
         {
-            let fault = format!(
-                "vLLM's cache_config_info says block_size {bs} but the agent was started with \
-                 --block-size {}: start it (and the routers) with vLLM's block size",
-                state.config.block_size
+            self.fault(
+                &mut state,
+                format!("vLLM's cache_config_info says block_size {bs}"),
             );
-            tracing::error!(rank = self.rank, "{fault}");
-            state.fault = Some(fault);
-            state.feed.end_streams();
         }
         if capacity != state.config.capacity_blocks {
             state.config.capacity_blocks = capacity;
@@ -282,19 +289,7 @@ impl Rank {
 
     /// Why the rank cannot serve yet, if it cannot.
     pub fn not_ready(&self) -> Option<String> {
-        let state = self.lock();
-        if let Some(fault) = &state.fault {
-            Some(fault.clone())
-        } else if state.config.capacity_blocks == 0 {
-            Some(
-                "the engine's capacity (num_gpu_blocks in vllm:cache_config_info) is not known yet"
-                    .into(),
-            )
-        } else if !state.synced {
-            Some("no KV event batch received yet".into())
-        } else {
-            None
-        }
+        not_ready(&self.lock()).map(|status| status.message().to_owned())
     }
 
     /// Physical blocks per medium, and the subscribers connected.
@@ -347,17 +342,27 @@ fn snapshot(state: &State) -> v1::CacheSnapshot {
     }
 }
 
+/// Why `state` cannot be served: a fault, or not yet.
+fn not_ready(state: &State) -> Option<tonic::Status> {
+    if let Some(fault) = &state.fault {
+        Some(tonic::Status::failed_precondition(fault.clone()))
+    } else if state.config.capacity_blocks == 0 {
+        Some(tonic::Status::unavailable(
+            "the engine's capacity (num_gpu_blocks in vllm:cache_config_info) is not known yet",
+        ))
+    } else if !state.synced {
+        Some(tonic::Status::unavailable("no KV event batch received yet"))
+    } else {
+        None
+    }
+}
+
 impl Source for Rank {
     fn subscribe(&self) -> Result<mpsc::Receiver<Message>, tonic::Status> {
-        if let Some(reason) = self.not_ready() {
-            let fault = self.lock().fault.is_some();
-            return Err(if fault {
-                tonic::Status::failed_precondition(reason)
-            } else {
-                tonic::Status::unavailable(reason)
-            });
-        }
         let mut state = self.lock();
+        if let Some(status) = not_ready(&state) {
+            return Err(status);
+        }
         let snapshot = snapshot(&state);
         Ok(state.feed.subscribe(snapshot))
     }
