@@ -351,7 +351,10 @@ fn not_ready(state: &State) -> Option<tonic::Status> {
             "the engine's capacity (num_gpu_blocks in vllm:cache_config_info) is not known yet",
         ))
     } else if !state.synced {
-        Some(tonic::Status::unavailable("no KV event batch received yet"))
+        Some(tonic::Status::unavailable(
+            "waiting for vLLM's KV events: not subscribed yet, or no batch yet (an idle engine \
+             counts as in sync after the quiet period)",
+        ))
     } else {
         None
     }

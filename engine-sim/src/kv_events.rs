@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use rmpv::Value;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::pool::PoolEvent;
@@ -95,17 +95,27 @@ impl Publisher {
         let pub_addr = bind(&mut live, &endpoints.endpoint).await?;
         let buffer = Arc::new(Mutex::new(VecDeque::<(u64, Bytes)>::new()));
         let topic = Bytes::from(endpoints.topic.clone().into_bytes());
+        // Dropped when publishing ends (every handle gone): replay ends too.
+        let (publishing, published) = watch::channel(());
         let replay_addr = match &endpoints.replay_endpoint {
             Some(endpoint) => {
                 let mut replay = zeromq::RouterSocket::new();
                 let addr = bind(&mut replay, endpoint).await?;
-                tokio::spawn(serve_replay(replay, buffer.clone(), topic.clone()));
+                tokio::spawn(serve_replay(
+                    replay,
+                    buffer.clone(),
+                    topic.clone(),
+                    published,
+                ));
                 Some(addr)
             }
             None => None,
         };
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(publish(live, rx, buffer, topic, endpoints.buffer_steps));
+        tokio::spawn(async move {
+            publish(live, rx, buffer, topic, endpoints.buffer_steps).await;
+            drop(publishing);
+        });
         Ok(Publisher {
             tx,
             bound: (pub_addr, replay_addr),
@@ -195,9 +205,14 @@ async fn serve_replay(
     mut replay: zeromq::RouterSocket,
     buffer: Arc<Mutex<VecDeque<(u64, Bytes)>>>,
     topic: Bytes,
+    mut published: watch::Receiver<()>,
 ) {
     loop {
-        let request = match replay.recv().await {
+        let request = tokio::select! {
+            r = replay.recv() => r,
+            _ = published.changed() => return,
+        };
+        let request = match request {
             Ok(m) => m.into_vec(),
             Err(e) => {
                 tracing::debug!(error = %e, "replay socket");
