@@ -96,12 +96,15 @@ def main():
     buffer = {0: first, 1: second, 2: first}
     replay_requests = []
 
+    stop = threading.Event()
+
     def serve_replay():
-        while True:
-            try:
-                client, empty, start = replay.recv_multipart()
-            except zmq.ContextTerminated:
-                return
+        # The socket belongs to this thread until `stop`; ZMQ sockets are
+        # not thread-safe.
+        while not stop.is_set():
+            if not replay.poll(100):
+                continue
+            client, empty, start = replay.recv_multipart()
             start = int.from_bytes(start, "big")
             replay_requests.append(start)
             for seq in sorted(buffer):
@@ -109,7 +112,8 @@ def main():
                     replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"), buffer[seq]])
             replay.send_multipart([client] + end)
 
-    threading.Thread(target=serve_replay, daemon=True).start()
+    replayer = threading.Thread(target=serve_replay)
+    replayer.start()
 
     admin = free_port()
     agent = subprocess.Popen(
@@ -132,13 +136,11 @@ def main():
         wait("the agent is ready", lambda: get(base + "/readyz")[0] == 200)
         metrics = lambda: get(base + "/metrics")[1]
 
-        # Batch 0 live; the slow-joiner window of PUB/SUB may drop the first
-        # sends, so repeat until the agent has it.
-        def batch0():
-            pub.send_multipart([topic, (0).to_bytes(8, "big"), first])
-            return metric(metrics(), "kvroute_agent_batches_total") >= 1
-
-        wait("batch 0 is applied", batch0)
+        # Batch 0 live. Ready means subscribed a quiet period ago, so the
+        # subscription has reached the publisher (PUB drops what it sends
+        # before that).
+        pub.send_multipart([topic, (0).to_bytes(8, "big"), first])
+        wait("batch 0 is applied", lambda: metric(metrics(), "kvroute_agent_batches_total") >= 1)
         text = metrics()
         # Request A stored and evicted, B stored, then reset_prefix_cache.
         assert metric(text, "kvroute_agent_events_total", 'kind="stored"') == 2, text
@@ -167,7 +169,11 @@ def main():
     finally:
         agent.terminate()
         agent.wait(timeout=10)
-        ctx.destroy(linger=0)
+        stop.set()
+        replayer.join()
+        pub.close(linger=0)
+        replay.close(linger=0)
+        ctx.term()
         http_server.shutdown()
 
 
