@@ -14,6 +14,7 @@ mod demo;
 mod explain;
 mod hash;
 mod plot;
+mod probe;
 mod replay;
 
 /// kvroute: a cache-aware router for vLLM.
@@ -37,6 +38,9 @@ enum Command {
     /// sending it: tokens, block chain, cached blocks per endpoint,
     /// predicted latency and the decision.
     Explain(explain::ExplainArgs),
+    /// Check a running router end to end: wait for its /readyz, then send
+    /// one completion through it (for `helm test`: the image has no curl).
+    Probe(probe::ProbeArgs),
 }
 
 /// Exit code for usage errors, as clap and most Unix tools use.
@@ -63,6 +67,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::run(&args, &mut std::io::stdout().lock()),
         Command::Demo(args) => demo::run(&args, &mut std::io::stdout()),
         Command::Explain(args) => explain::run(&args, &mut std::io::stdout().lock()),
+        Command::Probe(args) => probe::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
