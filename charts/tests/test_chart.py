@@ -1,0 +1,329 @@
+"""Checks the kvroute chart and image without a cluster.
+
+    pip install -r charts/tests/requirements.txt
+    python3 charts/tests/test_chart.py target/debug
+
+- renders the chart with Helm's own library (helm-python-sdk) for the
+  defaults, a minimal set and every example values file, and lints it;
+- validates every rendered manifest of a built-in kind with
+  kubernetes-validate --strict against the oldest and newest Kubernetes the
+  chart supports, and the example custom resources against their CRDs'
+  openAPIV3Schema;
+- asserts on RBAC (equal to operator/RBAC.md), images, ports, probes and
+  security contexts, and that every value is in values.schema.json;
+- checks that bad values fail rendering with the field's name;
+- checks that the chart's CRDs are the repository's;
+- starts the router binary on every rendered router config: it must accept
+  it (the router refuses unknown or bad fields at start, naming them);
+- lints the Dockerfile (hadolint) and asserts its rules.
+"""
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHART = os.path.join(ROOT, "charts", "kvroute")
+# The Kubernetes versions the chart supports: Chart.yaml's kubeVersion, and
+# the API version the operator is built against (k8s-openapi v1_34).
+KUBE_VERSIONS = ["1.29.0", "1.34.0"]
+BUILT_IN_GROUPS = {"v1", "apps/v1", "policy/v1", "autoscaling/v2", "networking.k8s.io/v1",
+                   "rbac.authorization.k8s.io/v1"}
+
+failures = []
+
+
+def check(what, ok, detail=""):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(f"{what}: {detail}")
+
+
+def render(values, name="kv", namespace="kvroute"):
+    chart = helm.Chart.load(CHART)
+    out = chart.render(values, name=name, namespace=namespace, is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                docs.append(doc)
+    return docs
+
+
+def values_sets():
+    sets = {"defaults": {}, "minimal": {"pools": [{"name": "p"}]}}
+    for path in sorted(glob.glob(os.path.join(CHART, "examples", "values-*.yaml"))):
+        with open(path) as f:
+            sets[os.path.basename(path)] = yaml.safe_load(f)
+    return sets
+
+
+def pod_specs(docs):
+    for d in docs:
+        if d["kind"] == "Deployment":
+            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
+        elif d["kind"] == "Pod":
+            yield d["metadata"]["name"], d["spec"]
+
+
+def rbac_md_rules():
+    """The ClusterRole rules and the Lease rule of operator/RBAC.md."""
+    with open(os.path.join(ROOT, "operator", "RBAC.md")) as f:
+        text = f.read()
+    block = re.search(r"## Cluster-wide.*?```yaml\n(.*?)```", text, re.S).group(1)
+    docs = list(yaml.safe_load_all(block))
+    cluster = next(d for d in docs if d["kind"] == "ClusterRole")["rules"]
+    lease = next(d for d in docs if d["kind"] == "Role")["rules"]
+    return cluster, lease
+
+
+def crd_schemas():
+    schemas = {}
+    for path in glob.glob(os.path.join(ROOT, "crds", "*.yaml")):
+        with open(path) as f:
+            crd = yaml.safe_load(f)
+        for v in crd["spec"]["versions"]:
+            key = (f"{crd['spec']['group']}/{v['name']}", crd["spec"]["names"]["kind"])
+            schemas[key] = v["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+def schema_paths(schema, prefix=""):
+    """Every property path the values schema declares."""
+    paths = set()
+    for name, sub in schema.get("properties", {}).items():
+        path = f"{prefix}.{name}" if prefix else name
+        paths.add(path)
+        paths |= schema_paths(sub, path)
+        if sub.get("type") == "array" and isinstance(sub.get("items"), dict):
+            paths |= schema_paths(sub["items"], path + "[]")
+    return paths
+
+
+def value_paths(values, prefix=""):
+    paths = set()
+    for name, v in values.items():
+        path = f"{prefix}.{name}" if prefix else name
+        paths.add(path)
+        # Free-form maps (resources, config, selectors) stop here.
+        if isinstance(v, dict) and v and name not in ("config", "requests", "limits", "labels",
+                                                       "nodeSelector", "metricsNamespaceSelector"):
+            paths |= value_paths(v, path)
+    return paths
+
+
+def main():
+    bins = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "target", "debug")
+    print(f"helm-python-sdk {helm.helm_sdk_version()}, kubernetes-validate {kubernetes_validate.version.__version__}")
+
+    # Lint, with and without pools.
+    for name, values in values_sets().items():
+        report = helm.lint(CHART, values, strict=True, namespace="kvroute")
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        check(f"helm lint --strict ({name})", not problems, problems)
+
+    cluster_rules, lease_rules = rbac_md_rules()
+    crds = crd_schemas()
+    for name, values in values_sets().items():
+        docs = render(values)
+        kinds = sorted({d["kind"] for d in docs})
+        check(f"renders ({name}): {', '.join(kinds)}", bool(docs))
+        for d in docs:
+            what = f"{d['kind']}/{d['metadata']['name']} ({name})"
+            if d["apiVersion"] in BUILT_IN_GROUPS:
+                for version in KUBE_VERSIONS:
+                    try:
+                        kubernetes_validate.validate(d, version, strict=True)
+                    except Exception as e:  # noqa: BLE001 - report any validator failure
+                        check(f"valid for Kubernetes {version}: {what}", False, str(e)[:400])
+        valid = all(not f.startswith("valid for") for f in failures)
+        check(f"every built-in manifest validates strictly for {' and '.join(KUBE_VERSIONS)} ({name})", valid)
+
+        # RBAC is exactly operator/RBAC.md's.
+        roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
+        for role in roles:
+            want = lease_rules if role["metadata"]["name"].endswith("-leader-election") else cluster_rules
+            check(f"RBAC of {role['kind']}/{role['metadata']['name']} is operator/RBAC.md's ({name})",
+                  role["rules"] == want, role["rules"])
+        watch = values.get("operator", {}).get("watchNamespaces", [])
+        cluster_roles = [r for r in roles if r["kind"] == "ClusterRole"]
+        check(f"cluster-wide RBAC only without watchNamespaces ({name})", bool(cluster_roles) == (not watch))
+
+        tag = values.get("image", {}).get("tag") or "0.1.0"
+        for pod, spec in pod_specs(docs):
+            sc = spec.get("securityContext", {})
+            check(f"{pod}: non-root, seccomp RuntimeDefault ({name})",
+                  sc.get("runAsNonRoot") is True and sc.get("seccompProfile", {}).get("type") == "RuntimeDefault", sc)
+            uses_api = pod.endswith("-operator")
+            check(f"{pod}: service account token only where the API is used ({name})",
+                  spec.get("automountServiceAccountToken") is uses_api, spec.get("automountServiceAccountToken"))
+            for c in spec["containers"]:
+                csc = c.get("securityContext", {})
+                check(f"{pod}/{c['name']}: read-only root, no capabilities, no escalation ({name})",
+                      csc.get("readOnlyRootFilesystem") is True and csc.get("allowPrivilegeEscalation") is False
+                      and csc.get("capabilities", {}).get("drop") == ["ALL"], csc)
+                check(f"{pod}/{c['name']}: image ghcr.io/kvroute/kvroute:{tag} ({name})",
+                      c["image"] == f"ghcr.io/kvroute/kvroute:{tag}", c["image"])
+                check(f"{pod}/{c['name']}: resources set ({name})",
+                      bool(c.get("resources", {}).get("requests")) and bool(c.get("resources", {}).get("limits")))
+                if spec.get("restartPolicy") != "Never":
+                    ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+                    probes = [c.get("livenessProbe", {}), c.get("readinessProbe", {})]
+                    paths = [p.get("httpGet", {}).get("path") for p in probes]
+                    check(f"{pod}/{c['name']}: probes on /healthz and /readyz of its ports ({name})",
+                          paths == ["/healthz", "/readyz"]
+                          and all(p["httpGet"]["port"] in ports for p in probes), (paths, ports))
+
+        # Services expose what the containers listen on.
+        for svc in (d for d in docs if d["kind"] == "Service"):
+            names = sorted(p["name"] for p in svc["spec"]["ports"])
+            want = ["admin", "grpc"] if svc["metadata"]["name"].endswith("-operator") else ["admin", "http"]
+            check(f"Service/{svc['metadata']['name']} ports {names} ({name})", names == want, names)
+
+        # Router configs: the router binary accepts each, with the mounted
+        # secrets' files stood in for.
+        mounts = [m["mountPath"] for m in values.get("router", {}).get("secretMounts", [])]
+        for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+            check(f"router accepts ConfigMap/{cm['metadata']['name']} ({name})",
+                  router_accepts(bins, cm["data"]["router.yaml"], mounts))
+
+    # The examples' manifests validate: custom resources against their
+    # CRDs, the rest strictly against Kubernetes.
+    for example in sorted(glob.glob(os.path.join(CHART, "examples", "*-pool.yaml"))):
+        check_example(example, crds)
+    # ... and a wrong one does not.
+    wrong = {"apiVersion": "kvroute.dev/v1alpha1", "kind": "CacheRoutingPolicy",
+             "metadata": {"name": "x"},
+             "spec": {"targetRef": {"name": "p"}, "engine": {"blockSize": "sixteen"}}}
+    try:
+        jsonschema.validate(wrong, crds[("kvroute.dev/v1alpha1", "CacheRoutingPolicy")])
+        check("a CacheRoutingPolicy with a string blockSize fails its CRD", False, "accepted")
+    except jsonschema.ValidationError as e:
+        check("a CacheRoutingPolicy with a string blockSize fails its CRD", "sixteen" in e.message, e.message)
+
+    # Every value is in the schema.
+    with open(os.path.join(CHART, "values.schema.json")) as f:
+        schema = json.load(f)
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        defaults = yaml.safe_load(f)
+    missing = value_paths(defaults) - schema_paths(schema)
+    check("every value in values.yaml is in values.schema.json", not missing, sorted(missing))
+
+    # Bad values fail with the field's name.
+    bad = {
+        "a wrong type": ({"operator": {"replicas": "two"}}, "replicas"),
+        "an unknown key": ({"operator": {"replicaz": 2}}, "replicaz"),
+        "a negative replica count": ({"router": {"replicas": -1}}, "replicas"),
+        "a pool without a name": ({"pools": [{"namespace": "ml"}]}, "name"),
+        "a router config setting discovery": ({"router": {"config": {"discovery": {}}}}, "discovery"),
+    }
+    for what, (values, field) in bad.items():
+        try:
+            render(values)
+            check(f"{what} fails rendering", False, "rendered")
+        except helm.HelmError as e:
+            check(f"{what} fails rendering, naming {field}", field in str(e), str(e))
+
+    # The chart's CRDs are the repository's.
+    for path in glob.glob(os.path.join(ROOT, "crds", "*.yaml")):
+        twin = os.path.join(CHART, "crds", os.path.basename(path))
+        same = os.path.exists(twin) and open(path, "rb").read() == open(twin, "rb").read()
+        check(f"charts/kvroute/crds/{os.path.basename(path)} is crds/'s", same)
+    check("the chart has no other CRDs",
+          sorted(os.listdir(os.path.join(CHART, "crds"))) == sorted(os.listdir(os.path.join(ROOT, "crds"))))
+
+    check_dockerfile()
+    if failures:
+        print(f"\n{len(failures)} failed:")
+        for f in failures:
+            print("  " + f)
+        sys.exit(1)
+    print("\nchart and image checks: all passed")
+
+
+def check_example(path, crds):
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    for d in docs:
+        what = f"example {os.path.basename(path)}: {d['kind']}/{d['metadata']['name']}"
+        key = (d["apiVersion"], d["kind"])
+        if key in crds:
+            try:
+                jsonschema.validate(d, crds[key])
+                check(f"{what} matches its CRD", True)
+            except jsonschema.ValidationError as e:
+                check(f"{what} matches its CRD", False, e.message)
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+                check(f"{what} valid for Kubernetes {version}", True)
+            except Exception as e:  # noqa: BLE001 - report any validator failure
+                check(f"{what} valid for Kubernetes {version}", False, str(e)[:400])
+
+
+def router_accepts(bins, config, mounts):
+    """Starts the router on `config` (listening on loopback): a config it
+    refuses makes it exit at once with the field's name. Files under the
+    secret `mounts` are made up in a scratch directory (API keys: a YAML
+    map; anything else: a 32-byte key)."""
+    scratch = tempfile.mkdtemp()
+    for mount in mounts:
+        for path in set(re.findall(re.escape(mount.rstrip("/")) + r"/[\w.-]+", config)):
+            local = os.path.join(scratch, path.lstrip("/").replace("/", "_"))
+            with open(local, "w") as f:
+                f.write("sk-test-0123456789: tenant-a\n" if path.endswith((".yaml", ".yml")) else "0" * 64)
+            config = config.replace(path, local)
+    config_path = os.path.join(scratch, "router.yaml")
+    with open(config_path, "w") as f:
+        f.write(config)
+    proc = subprocess.Popen(
+        [os.path.join(bins, "kvroute-router"), "--config", config_path,
+         "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RUST_BACKTRACE": "0"})
+    try:
+        proc.wait(timeout=2)
+        print(proc.stderr.read().decode()[-600:])
+        return False
+    except subprocess.TimeoutExpired:
+        return True
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def check_dockerfile():
+    path = os.path.join(ROOT, "Dockerfile")
+    lint = subprocess.run(["hadolint", path], capture_output=True, text=True)
+    check("hadolint Dockerfile", lint.returncode == 0, lint.stdout + lint.stderr)
+    with open(path) as f:
+        text = f.read()
+    stages = re.findall(r"^FROM (\S+)", text, re.M)
+    check("Dockerfile: multi-stage, distroless nonroot runtime",
+          len(stages) == 2 and stages[-1].startswith("gcr.io/distroless/") and stages[-1].endswith(":nonroot"), stages)
+    runtime = text.split("FROM " + stages[-1], 1)[1]
+    check("Dockerfile: runs as a non-root user", re.search(r"^USER 65532", runtime, re.M) is not None)
+    check("Dockerfile: STOPSIGNAL SIGTERM", re.search(r"^STOPSIGNAL SIGTERM$", runtime, re.M) is not None)
+    check("Dockerfile: OCI labels", all(f"org.opencontainers.image.{k}" in runtime
+                                        for k in ("title", "source", "licenses")))
+    check("Dockerfile: release build, debug info stripped",
+          "cargo build --release --locked" in text and "strip --strip-debug" in text)
+    for binary in ("kvroute-router", "kvroute-operator", "kvroute-agent", "kvroute-engine-sim", "kvroute"):
+        check(f"Dockerfile: ships {binary}", f"/usr/local/bin/{binary} " in text or f" {binary}" in text)
+
+
+if __name__ == "__main__":
+    main()
