@@ -195,7 +195,7 @@ def main():
         # Router configs: the router binary accepts each, with the mounted
         # secrets' files stood in for.
         mounts = [m["mountPath"] for m in values.get("router", {}).get("secretMounts", [])]
-        for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+        for cm in (d for d in docs if d["kind"] == "ConfigMap" and "router.yaml" in d["data"]):
             check(f"router accepts ConfigMap/{cm['metadata']['name']} ({name})",
                   router_accepts(bins, cm["data"]["router.yaml"], mounts))
 
@@ -244,6 +244,7 @@ def main():
     check("the chart has no other CRDs",
           sorted(os.listdir(os.path.join(CHART, "crds"))) == sorted(os.listdir(os.path.join(ROOT, "crds"))))
 
+    check_dashboard()
     check_dockerfile()
     if failures:
         print(f"\n{len(failures)} failed:")
@@ -303,6 +304,22 @@ def router_accepts(bins, config, mounts):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def check_dashboard():
+    """Every metric the dashboard queries is one the router exports."""
+    with open(os.path.join(CHART, "dashboards", "kvroute.json")) as f:
+        dashboard = json.load(f)
+    source = ""
+    for path in glob.glob(os.path.join(ROOT, "router", "src", "**", "*.rs"), recursive=True):
+        with open(path) as f:
+            source += f.read()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"kvroute_[a-z_]+", target["expr"]):
+                family = re.sub(r"_(total|bucket|sum|count)$", "", metric)
+                check(f"dashboard '{panel['title']}': {metric} is exported",
+                      f'"{family}"' in source, target["expr"])
 
 
 def check_dockerfile():
