@@ -7,8 +7,10 @@
   defaults, a minimal set and every example values file, and lints it;
 - validates every rendered manifest of a built-in kind with
   kubernetes-validate --strict against the oldest and newest Kubernetes the
-  chart supports, and the example custom resources against their CRDs'
-  openAPIV3Schema;
+  chart supports, the example custom resources against their CRDs'
+  openAPIV3Schema, and the ServiceMonitor with the prometheus-operator's
+  validators generated from its CRD (node; `npm ci` in
+  charts/tests/servicemonitor first);
 - asserts on RBAC (equal to operator/RBAC.md), images, ports, probes and
   security contexts, and that every value is in values.schema.json;
 - checks that bad values fail rendering with the field's name;
@@ -186,6 +188,11 @@ def main():
                           paths == ["/healthz", "/readyz"]
                           and all(p["httpGet"]["port"] in ports for p in probes), (paths, ports))
 
+        # ServiceMonitors validate against the prometheus-operator's schema.
+        monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+        if monitors:
+            check_service_monitors(monitors, name)
+
         # Services expose what the containers listen on.
         for svc in (d for d in docs if d["kind"] == "Service"):
             names = sorted(p["name"] for p in svc["spec"]["ports"])
@@ -304,6 +311,16 @@ def router_accepts(bins, config, mounts):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def check_service_monitors(monitors, name):
+    """Validates with the prometheus-operator models' validators (generated
+    from the ServiceMonitor CRD), run by node: charts/tests/servicemonitor
+    (`npm ci` there first)."""
+    run = subprocess.run(["node", os.path.join(os.path.dirname(__file__), "servicemonitor", "validate.mjs")],
+                         input=json.dumps(monitors), capture_output=True, text=True)
+    check(f"ServiceMonitors match the ServiceMonitor CRD ({name})", run.returncode == 0,
+          run.stdout + run.stderr)
 
 
 def check_dashboard():
