@@ -14,7 +14,6 @@
 - asserts on RBAC (equal to operator/RBAC.md), images, ports, probes and
   security contexts, and that every value is in values.schema.json;
 - checks that bad values fail rendering with the field's name;
-- checks that the chart's CRDs are the repository's;
 - starts the router binary on every rendered router config: it must accept
   it (the router refuses unknown or bad fields at start, naming them);
 - lints the Dockerfile (hadolint) and asserts its rules.
@@ -242,14 +241,6 @@ def main():
             check(f"{what} fails rendering", False, "rendered")
         except helm.HelmError as e:
             check(f"{what} fails rendering, naming {field}", field in str(e), str(e))
-
-    # The chart's CRDs are the repository's.
-    for path in glob.glob(os.path.join(ROOT, "crds", "*.yaml")):
-        twin = os.path.join(CHART, "crds", os.path.basename(path))
-        same = os.path.exists(twin) and open(path, "rb").read() == open(twin, "rb").read()
-        check(f"charts/kvroute/crds/{os.path.basename(path)} is crds/'s", same)
-    check("the chart has no other CRDs",
-          sorted(os.listdir(os.path.join(CHART, "crds"))) == sorted(os.listdir(os.path.join(ROOT, "crds"))))
 
     check_dashboard()
     check_dockerfile()

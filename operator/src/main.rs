@@ -29,11 +29,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Write the CustomResourceDefinitions as YAML to a directory.
+    /// Write the CustomResourceDefinitions as YAML to directories.
     Crdgen {
-        /// Output directory.
-        #[arg(long, default_value = "crds")]
-        out: std::path::PathBuf,
+        /// Output directory; repeat for several. Default: `crds` and the
+        /// Helm chart's `charts/kvroute/crds`.
+        #[arg(long, default_values = ["crds", "charts/kvroute/crds"])]
+        out: Vec<std::path::PathBuf>,
     },
     /// Watch the cluster (from `KUBECONFIG` or the in-cluster config), serve
     /// WatchPool to routers and write status until Ctrl-C or SIGTERM.
@@ -128,7 +129,9 @@ struct RunConfig {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Crdgen { out } => kvroute_operator::api::write_crds(&out),
+        Command::Crdgen { out } => out
+            .iter()
+            .try_for_each(|dir| kvroute_operator::api::write_crds(dir)),
         Command::Run(config) => tokio::runtime::Runtime::new()
             .context("start the tokio runtime")?
             .block_on(run(*config)),

@@ -72,30 +72,36 @@ fn assert_round_trips<T: Serialize + DeserializeOwned + PartialEq + std::fmt::De
     assert_eq!(&again, object, "{name}");
 }
 
+/// Both checked-in copies: `crds/` (for `kubectl apply`) and the Helm
+/// chart's `crds/`.
+const CRD_DIRS: [&str; 2] = ["crds", "charts/kvroute/crds"];
+
 #[test]
 fn checked_in_crds_match_the_types() {
-    let dir = repo_root().join("crds");
     let generated = api::crd_files().unwrap();
-    for file in &generated {
-        let path = dir.join(&file.file_name);
-        let on_disk = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("crds/{} unreadable ({e}): {REGENERATE}", file.file_name));
+    for dir in CRD_DIRS {
+        let path = repo_root().join(dir);
+        for file in &generated {
+            let on_disk = std::fs::read_to_string(path.join(&file.file_name)).unwrap_or_else(|e| {
+                panic!("{dir}/{} unreadable ({e}): {REGENERATE}", file.file_name)
+            });
+            assert!(
+                on_disk == file.yaml,
+                "{dir}/{} differs from the Rust types: {REGENERATE}",
+                file.file_name
+            );
+        }
+        let mut stale: Vec<String> = std::fs::read_dir(&path)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml") && !generated.iter().any(|f| &f.file_name == n))
+            .collect();
+        stale.sort();
         assert!(
-            on_disk == file.yaml,
-            "crds/{} differs from the Rust types: {REGENERATE}",
-            file.file_name
+            stale.is_empty(),
+            "{dir}/ has files no type generates: {stale:?}; remove them and {REGENERATE}"
         );
     }
-    let mut stale: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") && !generated.iter().any(|f| &f.file_name == n))
-        .collect();
-    stale.sort();
-    assert!(
-        stale.is_empty(),
-        "crds/ has files no type generates: {stale:?}; remove them and {REGENERATE}"
-    );
 }
 
 #[test]
