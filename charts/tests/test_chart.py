@@ -234,6 +234,9 @@ def main():
         "a negative replica count": ({"router": {"replicas": -1}}, "replicas"),
         "a pool without a name": ({"pools": [{"namespace": "ml"}]}, "name"),
         "a router config setting discovery": ({"router": {"config": {"discovery": {}}}}, "discovery"),
+        "a misspelt router config section": ({"router": {"config": {"tenency": {}}}}, "tenency"),
+        "a misspelt router config field": ({"pools": [{"name": "p", "config": {"limits": {"maxBodyByts": 1}}}]},
+                                           "maxBodyByts"),
     }
     for what, (values, field) in bad.items():
         try:

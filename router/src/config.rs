@@ -36,7 +36,6 @@ pub struct Config {
     /// Logs, traces and headers.
     pub telemetry: Telemetry,
     /// TLS on the API listener; unset: plaintext.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub tls: Option<Tls>,
     /// A file holding a bearer token that `/debug/*` on the admin port
     /// requires (`Authorization: Bearer <token>`); `/metrics`, `/healthz`
@@ -44,7 +43,6 @@ pub struct Config {
     pub admin_token_file: Option<PathBuf>,
     /// TLS for the router's gRPC streams: WatchCache to the engines and
     /// WatchPool to the operator; unset: plaintext.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub grpc_tls: Option<GrpcTls>,
 }
 
