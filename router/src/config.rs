@@ -179,12 +179,28 @@ pub struct StaticDiscovery {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperatorDiscovery {
-    /// The operator's gRPC URL, e.g. `http://kvroute-operator.kvroute:9443`.
+    /// The operator's gRPC URL, e.g. `http://kvroute-operator.kvroute:9443`
+    /// (a Service over its replicas). Set this, `urls`, or both.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub url: String,
+    /// Operator replicas to fail over between, in order after `url`: when
+    /// the stream from one breaks, the router subscribes to the next.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub urls: Vec<String>,
     /// The InferencePool's namespace.
     pub namespace: String,
     /// The InferencePool's name.
     pub pool: String,
+}
+
+impl OperatorDiscovery {
+    /// `url`, then `urls`: the replicas to try, in order.
+    pub fn all_urls(&self) -> Vec<&str> {
+        std::iter::once(self.url.as_str())
+            .filter(|u| !u.is_empty())
+            .chain(self.urls.iter().map(String::as_str))
+            .collect()
+    }
 }
 
 fn default_reload_ms() -> u64 {
@@ -730,13 +746,22 @@ impl Config {
             ));
         }
         if let Discovery::Operator(o) = &self.discovery {
-            let https = o.url.starts_with("https://");
-            if https != self.grpc_tls.is_some() {
+            let urls = o.all_urls();
+            if urls.is_empty() {
                 return Err(invalid(
                     "discovery.operator.url",
-                    &o.url,
-                    "use https:// exactly when grpcTls is set",
+                    &"",
+                    "set url, urls or both",
                 ));
+            }
+            for url in urls {
+                if url.starts_with("https://") != self.grpc_tls.is_some() {
+                    return Err(invalid(
+                        "discovery.operator.urls",
+                        &url,
+                        "use https:// exactly when grpcTls is set",
+                    ));
+                }
             }
         }
         if let Some((name, _)) = self
@@ -801,6 +826,28 @@ telemetry: {logFormat: json, endpointHeader: ""}
         assert_eq!(c.routing.block_size, 32);
         assert_eq!(c.tenancy.client_salt, ClientSalt::Overwrite);
         assert!(matches!(c.discovery, Discovery::Operator(_)));
+    }
+
+    #[test]
+    fn operator_urls_fail_over_in_order_and_need_one() {
+        let parse = |discovery: &str| {
+            let c: Config =
+                serde_yaml::from_str(&format!("discovery:\n  operator: {discovery}\n")).unwrap();
+            c.validate().map(|()| c)
+        };
+        let c =
+            parse("{url: http://a:9443, urls: [http://b:9443], namespace: ml, pool: p}").unwrap();
+        let Discovery::Operator(o) = &c.discovery else {
+            panic!("operator discovery")
+        };
+        assert_eq!(o.all_urls(), ["http://a:9443", "http://b:9443"]);
+        assert!(parse("{urls: [http://b:9443], namespace: ml, pool: p}").is_ok());
+        let none = parse("{namespace: ml, pool: p}").unwrap_err().to_string();
+        assert!(none.contains("discovery.operator.url"), "{none}");
+        let tls = parse("{urls: [http://a:9443, https://b:9443], namespace: ml, pool: p}")
+            .unwrap_err()
+            .to_string();
+        assert!(tls.contains("https://b:9443"), "{tls}");
     }
 
     #[test]

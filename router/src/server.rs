@@ -183,7 +183,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         }
         Discovery::Operator(o) => tokio::spawn(discovery::operator::run(
             pool.clone(),
-            o.url.clone(),
+            o.all_urls().into_iter().map(str::to_owned).collect(),
             grpc_tls,
             o.namespace.clone(),
             o.pool.clone(),

@@ -318,9 +318,13 @@ fn two_firsts(pool: &Pool) -> (String, String) {
 }
 
 fn watch_operator(pool: &Arc<Pool>, addr: SocketAddr) -> JoinHandle<()> {
+    watch_operators(pool, &[addr])
+}
+
+fn watch_operators(pool: &Arc<Pool>, addrs: &[SocketAddr]) -> JoinHandle<()> {
     tokio::spawn(operator::run(
         pool.clone(),
-        format!("http://{addr}"),
+        addrs.iter().map(|a| format!("http://{a}")).collect(),
         None,
         "ml".into(),
         "llama".into(),
@@ -465,6 +469,49 @@ async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
     op.stop().await;
 }
 
+#[tokio::test]
+async fn a_router_fails_over_to_the_next_operator_replica() {
+    let (logs, _guard) = Logs::capture();
+    let a = || vec![endpoint("a:8000", "10.0.0.1", false)];
+    let ab = vec![
+        endpoint("a:8000", "10.0.0.1", false),
+        endpoint("b:8000", "10.0.0.2", false),
+    ];
+    let (first, first_addr) = FakeOperator::start(
+        "127.0.0.1:0".parse().unwrap(),
+        state(5, a(), policy("kvroute")),
+    )
+    .await;
+    let (second, second_addr) = FakeOperator::start(
+        "127.0.0.1:0".parse().unwrap(),
+        state(5, a(), policy("kvroute")),
+    )
+    .await;
+    let pool = pool();
+    let task = watch_operators(&pool, &[first_addr, second_addr]);
+    eventually("the first replica's state applies", || {
+        names(&pool) == ["a:8000"]
+    })
+    .await;
+
+    // The first replica dies; the second has a newer state by now.
+    second.publish(state(6, ab, policy("kvroute")));
+    first.stop().await;
+    eventually("the second replica's state applies", || {
+        names(&pool) == ["a:8000", "b:8000"]
+    })
+    .await;
+    assert_eq!(logs.count("operator stream lost"), 1, "{}", logs.text());
+    assert!(
+        logs.text()
+            .contains(&format!("next_url=http://{second_addr}")),
+        "{}",
+        logs.text()
+    );
+    task.abort();
+    second.stop().await;
+}
+
 fn tls_fixture(name: &str) -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/tls")
@@ -498,7 +545,7 @@ async fn the_operator_stream_runs_over_mutual_tls() {
     let pool = pool();
     let task = tokio::spawn(operator::run(
         pool.clone(),
-        format!("https://{addr}"),
+        vec![format!("https://{addr}")],
         Some(client_tls),
         "ml".into(),
         "llama".into(),

@@ -7,7 +7,9 @@
 //! States are full, not deltas, and versioned: one whose version is not
 //! higher than the last applied (a lagging operator replica) is ignored.
 //! When the stream breaks the router keeps routing on the last applied
-//! state and resubscribes with a jittered backoff ([`Backoff`]).
+//! state and subscribes to the next operator URL of its list at once; once
+//! every URL has failed without a stream, it waits a jittered backoff
+//! ([`Backoff`]) before the next round.
 //!
 //! Not here: tenancy from the policy (`tenancy`, `tenant_header`: the
 //! router's own configuration decides those).
@@ -38,42 +40,62 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest PoolState accepted; thousands of endpoints take well under 1 MiB.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-/// Watches pool `namespace/pool_name` at the operator `url` (e.g.
-/// `http://kvroute-operator.kvroute:9443`) and applies its states to
-/// `pool`, starting and stopping the pool's WatchCache `watchers` as the
-/// states say. Runs until aborted; never gives up on the operator.
+/// Watches pool `namespace/pool_name` at the operator `urls` (e.g.
+/// `http://kvroute-operator.kvroute:9443`, or each replica's) and applies
+/// its states to `pool`, starting and stopping the pool's WatchCache
+/// `watchers` as the states say. Runs until aborted; never gives up on the
+/// operator. `urls` is not empty (the configuration checks it).
 pub async fn run(
     pool: Arc<Pool>,
-    url: String,
+    urls: Vec<String>,
     tls: Option<ClientTlsConfig>,
     namespace: String,
     pool_name: String,
     watchers: Watchers,
 ) {
-    let mut backoff = Backoff::new(&url);
+    let mut backoff = Backoff::new(&urls.join(","));
     let mut watcher = Watcher {
         pool,
-        url,
+        url: urls.first().cloned().unwrap_or_default(),
         tls,
         namespace,
         pool_name,
         version: None,
         watchers,
     };
+    let mut next = 0;
+    // Whether any URL of the current round gave a stream.
+    let mut streamed = false;
     loop {
+        watcher.url = urls[next % urls.len()].clone();
         let mut connected_at = None;
         let broken = watcher.watch(&mut connected_at).await;
-        if connected_at.is_some_and(|t: Instant| t.elapsed() >= BACKOFF_RESET_AFTER) {
+        // A stream that lived a while is a working replica; one that broke
+        // at once counts as a failure, so a round of those backs off.
+        let lived = connected_at.is_some_and(|t: Instant| t.elapsed() >= BACKOFF_RESET_AFTER);
+        streamed |= lived;
+        if lived {
             backoff.reset();
         }
-        let delay = backoff.next_delay();
+        next += 1;
+        let round_over = next % urls.len() == 0;
+        let delay = if round_over && !streamed {
+            backoff.next_delay()
+        } else {
+            Duration::ZERO
+        };
+        if round_over {
+            streamed = false;
+        }
         let w = &watcher;
         tracing::warn!(
             url = %w.url, namespace = %w.namespace, pool = %w.pool_name, reason = %broken,
-            retry_in = ?delay, last_version = ?w.version,
+            next_url = %urls[next % urls.len()], retry_in = ?delay, last_version = ?w.version,
             "operator stream lost; routing continues on the last pool state"
         );
-        tokio::time::sleep(delay).await;
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
     }
 }
 
