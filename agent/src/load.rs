@@ -10,11 +10,13 @@
 //!   `block_size` (checked against `--block-size`);
 //! - queued prefill work: the waiting requests times the mean prompt length
 //!   (`vllm:request_prompt_tokens` histogram), when vLLM exports it;
-//! - the prefill rate: prompt tokens per second of prefill time, from the
-//!   growth of `vllm:prompt_tokens_total` and of
+//! - the prefill rate: computed prompt tokens per second of prefill time,
+//!   from the growth of `vllm:prompt_tokens_total` less
+//!   `vllm:prefix_cache_hits_total` (tokens served from the cache) and of
 //!   `vllm:request_prefill_time_seconds`' sum between scrapes. An estimate:
-//!   concurrent prefills overlap, so it is a lower bound of the engine's
-//!   rate. Absent until both have grown.
+//!   prefill time includes each prefill's fixed overhead, and concurrent
+//!   prefills overlap, so it is a lower bound of the engine's rate. Absent
+//!   until both have grown.
 //!
 //! The Prometheus text format is parsed here, for the sample lines only: the
 //! maintained parser crates build a full model of the exposition with
@@ -115,6 +117,8 @@ pub struct Scraped {
     pub block_size: Option<u32>,
     /// Prompt tokens processed so far.
     pub prompt_tokens: Option<f64>,
+    /// Prompt tokens served from the prefix cache so far.
+    pub prefix_hits: Option<f64>,
     /// Seconds spent in prefill so far.
     pub prefill_seconds: Option<f64>,
     /// Mean prompt length, if known.
@@ -140,6 +144,7 @@ pub fn scrape(text: &str, rank: u32, dp: u32) -> Scraped {
                 s.block_size = sample.label("block_size").and_then(|n| n.parse().ok());
             }
             "vllm:prompt_tokens_total" => *s.prompt_tokens.get_or_insert(0.0) += v,
+            "vllm:prefix_cache_hits_total" => *s.prefix_hits.get_or_insert(0.0) += v,
             "vllm:request_prefill_time_seconds_sum" => *s.prefill_seconds.get_or_insert(0.0) += v,
             "vllm:request_prompt_tokens_sum" => *prompt_sum.get_or_insert(0.0) += v,
             "vllm:request_prompt_tokens_count" => *prompt_count.get_or_insert(0.0) += v,
@@ -156,7 +161,8 @@ pub fn scrape(text: &str, rank: u32, dp: u32) -> Scraped {
 
 /// The prefill rate between two scrapes, if both counters grew.
 fn prefill_rate(before: &Scraped, now: &Scraped) -> Option<f64> {
-    let tokens = now.prompt_tokens? - before.prompt_tokens?;
+    let hits = now.prefix_hits.unwrap_or(0.0) - before.prefix_hits.unwrap_or(0.0);
+    let tokens = now.prompt_tokens? - before.prompt_tokens? - hits;
     let seconds = now.prefill_seconds? - before.prefill_seconds?;
     (tokens > 0.0 && seconds > 0.0).then(|| tokens / seconds)
 }
@@ -296,6 +302,19 @@ vllm:request_prompt_tokens_count{engine="0",model_name="m"} 10.0
         };
         let rate = prefill_rate(&before, &now);
         assert_eq!(rate, Some(4000.0));
+        let hit = Scraped {
+            prefix_hits: Some(1000.0),
+            ..now.clone()
+        };
+        let before_hits = Scraped {
+            prefix_hits: Some(0.0),
+            ..before.clone()
+        };
+        assert_eq!(
+            prefill_rate(&before_hits, &hit),
+            Some(3000.0),
+            "cached tokens took no prefill time"
+        );
         let r = report(&now, 1000, rate);
         assert_eq!((r.waiting, r.running, r.used_blocks), (3, 5, 250));
         assert_eq!(r.queued_prefill_tokens, Some(1500));

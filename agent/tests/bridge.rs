@@ -337,3 +337,44 @@ async fn a_block_size_other_than_vllms_stops_serving_with_a_clear_error() {
     agent.shutdown().await;
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sims_prefill_figures_reach_subscribers_as_load() {
+    let mut config = kvroute_engine_sim::Config::test();
+    config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
+    config.prefill_tokens_per_s = 50_000.0;
+    config.prefill_overhead_ms = 1.0;
+    let sim = kvroute_engine_sim::start(config).await.unwrap();
+    let events = sim.kv_events.as_ref().unwrap().bound.0.clone();
+    let agent = kvroute_agent::start(kvroute_agent::Config::loopback(
+        events,
+        format!("http://{}", sim.http_addr),
+    ))
+    .await
+    .unwrap();
+    ready(&agent).await;
+    let mut stream = subscribe(agent.cache_addrs[0]).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut round = 0u32;
+    let load = loop {
+        // Fresh prompts keep the prefill counters growing between scrapes.
+        generate(&sim, (0..400).map(|t| t + 1000 * round).collect()).await;
+        round += 1;
+        let next = tokio::time::timeout_at(deadline, stream.message())
+            .await
+            .expect("prefill figures within 10 s")
+            .unwrap()
+            .unwrap();
+        if let Some(Update::Load(l)) = next.update
+            && l.prefill_tokens_per_s.is_some()
+            && l.queued_prefill_tokens.is_some()
+        {
+            break l;
+        }
+    };
+    let rate = load.prefill_tokens_per_s.unwrap();
+    // 400 uncached tokens in 1 ms + 8 ms: about 44,000 tokens/s.
+    assert!(rate > 20_000.0 && rate <= 50_000.0, "{rate}");
+    agent.shutdown().await;
+    sim.shutdown().await;
+}

@@ -140,6 +140,7 @@ struct Admission {
     blocks: Vec<u32>,
     cached_blocks: usize,
     future_blocks: usize,
+    prefill_start: Instant,
     prefill_end: Instant,
 }
 
@@ -216,7 +217,7 @@ impl Engine {
             prefills: VecDeque::new(),
             feed: Feed::new(config.subscriber_buffer as usize),
             kv_events: None,
-            metrics: Metrics::new(&config.model),
+            metrics: Metrics::new(&config.model, config.max_model_len),
         };
         Ok(Arc::new(Engine {
             config,
@@ -302,7 +303,7 @@ impl Engine {
                     digests,
                     hashes,
                     admission.cached_blocks,
-                    admission.prefill_end,
+                    (admission.prefill_start, admission.prefill_end),
                     token_tx,
                 )
                 .await
@@ -349,6 +350,7 @@ impl Engine {
                 blocks: alloc.blocks,
                 cached_blocks: alloc.cached_blocks,
                 future_blocks: waiter.future_blocks,
+                prefill_start: start,
                 prefill_end: start + duration,
             };
             state.running += 1;
@@ -371,7 +373,7 @@ impl Engine {
         mut digests: Vec<BlockDigest>,
         hashes: Vec<BlockHash>,
         cached_blocks: usize,
-        prefill_end: Instant,
+        (prefill_start, prefill_end): (Instant, Instant),
         tx: mpsc::Sender<Token>,
     ) {
         let bs = self.config.block_size as usize;
@@ -388,7 +390,10 @@ impl Engine {
             state
                 .metrics
                 .observe_ttft((Instant::now() - arrival).as_secs_f64());
-            state.metrics.prompt_tokens += job.prompt.len() as u64;
+            let prefill = (prefill_end - prefill_start).as_secs_f64();
+            state
+                .metrics
+                .observe_prefill(job.prompt.len() as u64, prefill);
             self.publish(&mut state);
         }
         let extras = BlockExtras {

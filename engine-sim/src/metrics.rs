@@ -2,11 +2,12 @@
 //! the OpenMetrics text format): what a router or a dashboard reads from a
 //! real pod. The engine keeps the counts; each scrape encodes them.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
@@ -40,6 +41,30 @@ struct CacheConfigInfo {
     prefix_caching_hash_algo: String,
 }
 
+/// vLLM's request latency buckets (prefill time), seconds.
+const LATENCY_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// vLLM's prompt length buckets: 1, 2, 5, 10, 20, 50, … up to the model
+/// length.
+fn prompt_buckets(max_model_len: u64) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut decade = 1u64;
+    'outer: loop {
+        for m in [1, 2, 5] {
+            let b = m * decade;
+            if b > max_model_len {
+                break 'outer;
+            }
+            out.push(b as f64);
+        }
+        decade *= 10;
+    }
+    out
+}
+
 fn ttft_histogram() -> Histogram {
     Histogram::new(TTFT_BUCKETS.iter().copied())
 }
@@ -55,11 +80,24 @@ pub struct Metrics {
     pub requests_finished: u64,
     model: ModelName,
     ttft: Family<ModelName, Histogram, fn() -> Histogram>,
+    prompt_lengths: Family<ModelName, Histogram, Buckets>,
+    prefill_time: Family<ModelName, Histogram, Buckets>,
+}
+
+/// Makes histograms with fixed buckets.
+#[derive(Clone, Debug)]
+struct Buckets(Arc<[f64]>);
+
+impl MetricConstructor<Histogram> for Buckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(self.0.iter().copied())
+    }
 }
 
 impl Metrics {
-    /// No counts yet, for an engine serving `model`.
-    pub fn new(model: &str) -> Self {
+    /// No counts yet, for an engine serving `model` up to `max_model_len`
+    /// tokens.
+    pub fn new(model: &str, max_model_len: u64) -> Self {
         Metrics {
             prompt_tokens: 0,
             generation_tokens: 0,
@@ -68,7 +106,24 @@ impl Metrics {
                 model_name: model.to_owned(),
             },
             ttft: Family::new_with_constructor(ttft_histogram),
+            prompt_lengths: Family::new_with_constructor(Buckets(
+                prompt_buckets(max_model_len).into(),
+            )),
+            prefill_time: Family::new_with_constructor(Buckets(LATENCY_BUCKETS.into())),
         }
+    }
+
+    /// Records one request's prefill: its prompt length and the seconds
+    /// its prefill took (as vLLM's `request_prompt_tokens` and
+    /// `request_prefill_time_seconds`).
+    pub fn observe_prefill(&mut self, prompt_tokens: u64, seconds: f64) {
+        self.prompt_tokens += prompt_tokens;
+        self.prompt_lengths
+            .get_or_create(&self.model)
+            .observe(prompt_tokens as f64);
+        self.prefill_time
+            .get_or_create(&self.model)
+            .observe(seconds);
     }
 
     /// Records one time to first token.
@@ -151,6 +206,19 @@ impl Metrics {
             "Histogram of time to first token in seconds",
             self.ttft.clone(),
         );
+        // Present from the start, as vLLM's.
+        drop(self.prompt_lengths.get_or_create(model));
+        r.register(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed",
+            self.prompt_lengths.clone(),
+        );
+        drop(self.prefill_time.get_or_create(model));
+        r.register(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request",
+            self.prefill_time.clone(),
+        );
         r.register(
             "kvroute_sim_cached_blocks",
             "Blocks in the prefix cache (the simulator's own metric)",
@@ -180,7 +248,8 @@ mod tests {
 
     #[test]
     fn renders_vllm_names_and_a_cumulative_histogram() {
-        let mut m = Metrics::new("kvroute-sim");
+        let mut m = Metrics::new("kvroute-sim", 32768);
+        m.observe_prefill(100, 0.4);
         m.observe_ttft(0.03);
         m.observe_ttft(3.0);
         let load = LoadReport {
@@ -203,6 +272,10 @@ mod tests {
             "vllm:time_to_first_token_seconds_count{model_name=\"kvroute-sim\"} 2",
             "# TYPE vllm:time_to_first_token_seconds histogram",
             "kvroute_sim_cached_blocks{model_name=\"kvroute-sim\"} 7.0",
+            "vllm:request_prompt_tokens_sum{model_name=\"kvroute-sim\"} 100.0",
+            "vllm:request_prompt_tokens_bucket{le=\"100.0\",model_name=\"kvroute-sim\"} 1",
+            "vllm:request_prefill_time_seconds_bucket{le=\"0.5\",model_name=\"kvroute-sim\"} 1",
+            "vllm:prompt_tokens_total{model_name=\"kvroute-sim\"} 100",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
