@@ -12,6 +12,8 @@
 //!   routers resync from an empty (cold, never wrong) snapshot;
 //! - a sequence number at or below the last applied means vLLM restarted:
 //!   cleared, new incarnation;
+//! - more GPU blocks than the engine's capacity (removals missed) is a set
+//!   known wrong: cleared, new incarnation;
 //! - a `BlockStored` whose block size is not the configured one is a fault:
 //!   the rank stops serving (a clear error on WatchCache and `/readyz`),
 //!   since every hash a router computes would be wrong;
@@ -28,7 +30,7 @@ use tokio::sync::mpsc;
 
 use crate::events::{Batch, Event, Message as Batched};
 use crate::metrics::Metrics;
-use crate::resident::{Change, DEFAULT_MEDIUM, Resident, Sequence, Verdict};
+use crate::resident::{Change, DEFAULT_MEDIUM, MAX_OFFLOADED_BLOCKS, Resident, Sequence, Verdict};
 use crate::verify::Verifier;
 
 /// What the caller must do after a live batch.
@@ -236,6 +238,18 @@ impl Rank {
                 }),
             };
             state.feed.change(update);
+        }
+        // More blocks than the cache holds: removals were missed (lost
+        // without a gap in the numbering), so the set is known wrong.
+        let capacity = state.config.capacity_blocks as usize;
+        let over = (capacity > 0 && state.resident.count(DEFAULT_MEDIUM) > capacity)
+            || state
+                .resident
+                .counts()
+                .iter()
+                .any(|(m, &n)| *m != DEFAULT_MEDIUM && n > MAX_OFFLOADED_BLOCKS);
+        if over {
+            self.restart_locked(state, "over capacity");
         }
     }
 
@@ -452,6 +466,18 @@ mod tests {
             "1 is not on the CPU: not passed on"
         );
         assert_eq!(next.sequence, first.sequence + 1);
+    }
+
+    #[test]
+    fn more_blocks_than_the_cache_holds_starts_over() {
+        let r = rank();
+        let (incarnation, _) = r.position();
+        let blocks: Vec<u64> = (0..100).collect();
+        r.live(batch(0, vec![stored(&blocks, "GPU")]));
+        assert_eq!(r.position().0, incarnation, "100 of 100 fit");
+        r.live(batch(1, vec![stored(&[1000], "GPU")]));
+        assert_ne!(r.position().0, incarnation, "101 of 100 do not");
+        assert!(r.stats().0.is_empty(), "cleared");
     }
 
     #[test]

@@ -14,6 +14,11 @@ pub const DEFAULT_MEDIUM: &str = "GPU";
 /// label metrics, and come from the engine).
 pub const MAX_MEDIA: usize = 8;
 
+/// The most blocks one offload medium may hold (its size is not reported;
+/// 16M blocks is 256M tokens at block size 16). More means the set is
+/// wrong.
+pub const MAX_OFFLOADED_BLOCKS: usize = 1 << 24;
+
 /// What a live batch's sequence number says about the stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
@@ -246,6 +251,11 @@ impl Resident {
             .iter()
             .map(|(m, set)| (m.as_str(), set.physical))
             .collect()
+    }
+
+    /// Physical blocks on `medium`.
+    pub fn count(&self, medium: &str) -> usize {
+        self.media.get(medium).map_or(0, |set| set.physical)
     }
 
     /// Whether `medium` holds `hash`.
