@@ -92,10 +92,12 @@ fn rss_kb(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The sum of `family`'s samples, read with the agent's own parser.
 fn counter(text: &str, family: &str) -> f64 {
     text.lines()
-        .filter(|l| l.starts_with(family))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter_map(kvroute_agent::load::parse_line)
+        .filter(|s| s.name == family)
+        .map(|s| s.value)
         .sum()
 }
 

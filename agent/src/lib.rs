@@ -219,14 +219,7 @@ impl Agent {
             r.end_streams();
         }
         let _ = self.stop.send(true);
-        for mut task in self.tasks {
-            if tokio::time::timeout(Duration::from_secs(5), &mut task)
-                .await
-                .is_err()
-            {
-                task.abort();
-            }
-        }
+        kvroute_telemetry::join_or_abort(self.tasks, Duration::from_secs(5)).await;
     }
 }
 

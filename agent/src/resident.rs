@@ -149,7 +149,7 @@ pub struct Resident {
 }
 
 /// The medium's name, `GPU` when the event names none.
-pub fn medium_name(medium: Option<&str>) -> &str {
+fn medium_name(medium: Option<&str>) -> &str {
     medium.unwrap_or(DEFAULT_MEDIUM)
 }
 

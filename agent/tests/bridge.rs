@@ -20,18 +20,37 @@ use tonic::Streaming;
 
 const BLOCK_SIZE: usize = 4;
 
-async fn stack(replay: bool) -> (Sim, Agent) {
+/// A sim publishing vLLM's KV events (configured by `sim`, and with a
+/// replay socket when `replay`) and an agent following it (configured by
+/// `agent`).
+async fn sim_and_agent(
+    replay: bool,
+    sim: impl FnOnce(&mut kvroute_engine_sim::Config),
+    agent: impl FnOnce(&mut kvroute_agent::Config),
+) -> (Sim, Agent) {
     let mut config = kvroute_engine_sim::Config::test();
-    config.block_size = BLOCK_SIZE as u32;
-    config.num_gpu_blocks = 64;
     config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
     config.kv_events_replay_endpoint = replay.then(|| "tcp://127.0.0.1:0".into());
+    sim(&mut config);
     let sim = kvroute_engine_sim::start(config).await.unwrap();
     let (events, replay) = sim.kv_events.as_ref().unwrap().bound.clone();
     let mut config = kvroute_agent::Config::loopback(events, format!("http://{}", sim.http_addr));
     config.kv_events_replay_endpoint = replay;
-    config.block_size = BLOCK_SIZE as u32;
+    agent(&mut config);
     let agent = kvroute_agent::start(config).await.unwrap();
+    (sim, agent)
+}
+
+async fn stack(replay: bool) -> (Sim, Agent) {
+    let (sim, agent) = sim_and_agent(
+        replay,
+        |c| {
+            c.block_size = BLOCK_SIZE as u32;
+            c.num_gpu_blocks = 64;
+        },
+        |c| c.block_size = BLOCK_SIZE as u32,
+    )
+    .await;
     ready(&agent).await;
     (sim, agent)
 }
@@ -171,10 +190,13 @@ impl Mirror {
     }
 }
 
-fn counter(text: &str, family: &str, label: &str) -> u64 {
+/// The sum of `family`'s samples whose `kind` label is `kind`, read with
+/// the agent's own exposition parser.
+fn counter(text: &str, family: &str, kind: &str) -> u64 {
     text.lines()
-        .filter(|l| l.starts_with(family) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .filter_map(kvroute_agent::load::parse_line)
+        .filter(|s| s.name == family && s.label("kind") == Some(kind))
+        .map(|s| s.value as u64)
         .sum()
 }
 
@@ -260,7 +282,7 @@ fn a_randomized_workload_ends_with_the_sims_set_across_gaps_and_restarts() {
 
                     let text = agent_metrics(&agent).await;
                     assert!(
-                        counter(&text, "kvroute_agent_replays_total", "filled\"") >= 1,
+                        counter(&text, "kvroute_agent_replays_total", "filled") >= 1,
                         "{text}"
                     );
                     assert!(
@@ -283,7 +305,7 @@ fn a_randomized_workload_ends_with_the_sims_set_across_gaps_and_restarts() {
                         counter(
                             &text,
                             "kvroute_agent_hash_verification_blocks_total",
-                            "\"match\""
+                            "match"
                         ) > 0
                     );
                     agent.shutdown().await;
@@ -297,18 +319,8 @@ fn a_randomized_workload_ends_with_the_sims_set_across_gaps_and_restarts() {
 
 #[tokio::test]
 async fn a_block_size_other_than_vllms_stops_serving_with_a_clear_error() {
-    let mut config = kvroute_engine_sim::Config::test();
-    config.block_size = 4;
-    config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
-    let sim = kvroute_engine_sim::start(config).await.unwrap();
-    let events = sim.kv_events.as_ref().unwrap().bound.0.clone();
     // The agent is told 16, vLLM's default; the engine runs 4.
-    let agent = kvroute_agent::start(kvroute_agent::Config::loopback(
-        events,
-        format!("http://{}", sim.http_addr),
-    ))
-    .await
-    .unwrap();
+    let (sim, agent) = sim_and_agent(false, |c| c.block_size = 4, |_| {}).await;
     let readyz = || async {
         let r = reqwest::get(format!("http://{}/readyz", agent.admin_addr))
             .await
@@ -340,18 +352,15 @@ async fn a_block_size_other_than_vllms_stops_serving_with_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sims_prefill_figures_reach_subscribers_as_load() {
-    let mut config = kvroute_engine_sim::Config::test();
-    config.kv_events_endpoint = Some("tcp://127.0.0.1:0".into());
-    config.prefill_tokens_per_s = 50_000.0;
-    config.prefill_overhead_ms = 1.0;
-    let sim = kvroute_engine_sim::start(config).await.unwrap();
-    let events = sim.kv_events.as_ref().unwrap().bound.0.clone();
-    let agent = kvroute_agent::start(kvroute_agent::Config::loopback(
-        events,
-        format!("http://{}", sim.http_addr),
-    ))
-    .await
-    .unwrap();
+    let (sim, agent) = sim_and_agent(
+        false,
+        |c| {
+            c.prefill_tokens_per_s = 50_000.0;
+            c.prefill_overhead_ms = 1.0;
+        },
+        |_| {},
+    )
+    .await;
     ready(&agent).await;
     let mut stream = subscribe(agent.cache_addrs[0]).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);

@@ -138,6 +138,17 @@ pub async fn listen(
     Ok((listener, local))
 }
 
+/// Waits for each of a server's `tasks` to end, up to `grace` each, and
+/// aborts one that does not (a peer that stopped reading cannot hold a
+/// shutdown).
+pub async fn join_or_abort(tasks: Vec<tokio::task::JoinHandle<()>>, grace: std::time::Duration) {
+    for mut task in tasks {
+        if tokio::time::timeout(grace, &mut task).await.is_err() {
+            task.abort();
+        }
+    }
+}
+
 /// Completes on Ctrl-C or, on Unix, SIGTERM (what Kubernetes sends a pod it
 /// stops). The handlers are installed when this is called, not when the
 /// future is first polled, so a signal that arrives in between is not
