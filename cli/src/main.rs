@@ -13,7 +13,6 @@ use clap::{Parser, Subcommand};
 mod demo;
 mod explain;
 mod hash;
-mod plot;
 mod probe;
 mod replay;
 

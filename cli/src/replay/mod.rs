@@ -169,7 +169,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     // Fail on bad flags before any work.
     policies(args, 1)?;
     if let Some(path) = &args.plot {
-        crate::plot::format(path)?;
+        kvroute_plot::format(path)?;
     }
     let trace = Trace::load(&args.trace)?;
     let distinct = trace.distinct_blocks();

@@ -11,7 +11,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::run::PolicyResult;
-use crate::plot::{self, FONT};
+use kvroute_plot::{self as plot, FONT};
 
 /// The slack values the curve runs through (the default, 1, among them).
 pub const SWEEP: [f64; 8] = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0];

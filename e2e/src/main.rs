@@ -1,0 +1,125 @@
+//! `kvroute-e2e report --out DIR`: runs the system suite's scenarios from
+//! kvroute's real binaries and writes `DIR/report.json` and a timeline PNG
+//! per scenario. Exits non-zero when a scenario fails.
+
+mod suite;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+
+use suite::procs::Bins;
+use suite::report::{Report, Scenario};
+use suite::scenarios::{self, Ctx, NAMES};
+
+/// kvroute's system suite.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-e2e", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the scenarios and write the report.
+    Report {
+        /// Directory for report.json, the plots and every process's log.
+        #[arg(long)]
+        out: PathBuf,
+        /// Where kvroute-engine-sim, kvroute-agent, kvroute-operator and
+        /// kvroute-router are; default: beside this executable (built
+        /// first when run by `cargo run`).
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+        /// Run only these scenarios (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// Seconds of load in each scenario.
+        #[arg(long, default_value_t = 20)]
+        duration: u64,
+    },
+}
+
+/// The longest a scenario may take, start to end.
+const SCENARIO_TIMEOUT: Duration = Duration::from_secs(180);
+
+fn main() -> anyhow::Result<()> {
+    let Command::Report {
+        out,
+        bin_dir,
+        only,
+        duration,
+    } = Cli::parse().command;
+    for name in &only {
+        anyhow::ensure!(
+            NAMES.contains(&name.as_str()),
+            "no scenario {name:?}; the scenarios are {NAMES:?}"
+        );
+    }
+    anyhow::ensure!(
+        duration >= 16,
+        "--duration must be at least 16 seconds: each scenario acts 8 s in and compares the windows around it"
+    );
+    let bins = Bins::locate(bin_dir)?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let ctx = Ctx {
+        bins,
+        out: out.clone(),
+        duration: Duration::from_secs(duration),
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    let mut report = Report::default();
+    for name in NAMES
+        .iter()
+        .filter(|n| only.is_empty() || only.iter().any(|o| o == *n))
+    {
+        eprintln!("kvroute-e2e: {name} ...");
+        let mut scenario = Scenario::new(name);
+        let result = runtime.block_on(async {
+            tokio::time::timeout(SCENARIO_TIMEOUT, scenarios::run(&ctx, name, &mut scenario)).await
+        });
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => scenario.error = Some(format!("{e:#}")),
+            Err(_) => scenario.error = Some(format!("did not finish within {SCENARIO_TIMEOUT:?}")),
+        }
+        scenario.passed = scenario.error.is_none() && scenario.checks.iter().all(|c| c.passed);
+        print_scenario(&scenario);
+        report.scenarios.push(scenario);
+        suite::report::write_json(&out, &report)?;
+    }
+    let failed: Vec<&str> = report
+        .scenarios
+        .iter()
+        .filter(|s| !s.passed)
+        .map(|s| s.name.as_str())
+        .collect();
+    println!(
+        "kvroute-e2e: {} of {} scenarios passed; report in {}",
+        report.scenarios.len() - failed.len(),
+        report.scenarios.len(),
+        out.join("report.json").display()
+    );
+    anyhow::ensure!(failed.is_empty(), "failed: {}", failed.join(", "));
+    Ok(())
+}
+
+fn print_scenario(s: &Scenario) {
+    let verdict = if s.passed { "PASS" } else { "FAIL" };
+    println!("{verdict} {}", s.name);
+    for c in &s.checks {
+        println!("  [{}] {}", if c.passed { "ok" } else { "FAILED" }, c.what);
+    }
+    if let Some(e) = &s.error {
+        println!("  error: {e}");
+    }
+    let figures: Vec<String> = s
+        .figures
+        .iter()
+        .map(|(k, v)| format!("{k}={v:.3}"))
+        .collect();
+    println!("  {}", figures.join(" "));
+}

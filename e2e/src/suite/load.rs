@@ -1,0 +1,425 @@
+//! The load: users of a few assistants whose long system prompts they
+//! share (the `shared_prefix` shape of inference-perf), in sessions of one
+//! to five turns whose history grows (a conversation carries a
+//! `prompt_cache_key`; one-turn questions do not). Sessions arrive at a
+//! fixed rate, open loop; every request streams; each is measured as a
+//! client sees it. Requests go to the routers in turn, skipping a router
+//! taken out of rotation, as a Service does with a router that is not
+//! ready.
+//!
+//! The content is deterministic (a seed), so two runs send the same
+//! prompts in the same order.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt as _;
+use kvroute_core::tokenize::Tokenizer;
+use serde_json::{Value, json};
+use tokio::task::JoinSet;
+
+use super::system::{MODEL, pod_name};
+
+/// The response header naming the endpoint that served a request.
+const ENDPOINT_HEADER: &str = "x-kvroute-endpoint";
+
+/// The workload's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    /// Assistants, each with its own system prompt.
+    pub groups: usize,
+    /// Tokens of each system prompt.
+    pub system_tokens: usize,
+    /// Sessions started per second.
+    pub sessions_per_s: f64,
+    /// How long sessions keep arriving.
+    pub duration: Duration,
+    /// Output tokens per reply.
+    pub max_tokens: u64,
+    /// Seed of the content.
+    pub seed: u64,
+}
+
+impl Shape {
+    /// The suite's load for `pods` pods: 4 assistants per pod, each
+    /// with a 768-token system prompt (48 blocks of 16 tokens: the
+    /// prompts fill 75 % of the pool's cache, three times one engine's),
+    /// half a session a second per pod, one to five turns per session,
+    /// replies of 24 tokens.
+    pub fn standard(pods: usize, duration: Duration) -> Shape {
+        Shape {
+            groups: 4 * pods,
+            system_tokens: 768,
+            sessions_per_s: 0.5 * pods as f64,
+            duration,
+            max_tokens: 24,
+            seed: 7,
+        }
+    }
+}
+
+/// How a request ended, as its client saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Streamed to the end with usage.
+    Ok,
+    /// Answered with an error status before any content.
+    Refused(u16),
+    /// No answer at all (connection refused or reset before a response).
+    Failed(String),
+    /// The stream began, then ended with an error event.
+    BrokeWithError,
+    /// The stream began, then stopped without an error event or usage.
+    Truncated(String),
+}
+
+impl Outcome {
+    /// Failed before any content reached the client.
+    pub fn failed_unstarted(&self) -> bool {
+        matches!(self, Outcome::Refused(_) | Outcome::Failed(_))
+    }
+}
+
+/// One request's measurement.
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// When it was sent, seconds since the system's start.
+    pub t: f64,
+    /// The pod that served it, per the router's response header.
+    pub endpoint: Option<String>,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Prompt tokens, as the engine reported.
+    pub prompt_tokens: u64,
+    /// Cached prompt tokens, as the engine reported.
+    pub cached_tokens: u64,
+    /// Time to the first content, seconds.
+    pub ttft: Option<f64>,
+}
+
+/// Which routers take requests: a Service's ready endpoints.
+#[derive(Debug)]
+pub struct Rotation {
+    routers: Vec<SocketAddr>,
+    in_rotation: Vec<AtomicBool>,
+    next: AtomicUsize,
+}
+
+impl Rotation {
+    /// Every router in rotation.
+    pub fn new(routers: Vec<SocketAddr>) -> Arc<Rotation> {
+        let in_rotation = routers.iter().map(|_| AtomicBool::new(true)).collect();
+        Arc::new(Rotation {
+            routers,
+            in_rotation,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Takes router `i` out of rotation or puts it back.
+    pub fn set(&self, i: usize, in_rotation: bool) {
+        self.in_rotation[i].store(in_rotation, Ordering::SeqCst);
+    }
+
+    /// The next router in rotation (the first if none is).
+    fn pick(&self) -> SocketAddr {
+        let n = self.routers.len();
+        for _ in 0..n {
+            let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
+            if self.in_rotation[i].load(Ordering::SeqCst) {
+                return self.routers[i];
+            }
+        }
+        self.routers[0]
+    }
+}
+
+/// SplitMix64: enough randomness for text, with no dependency.
+#[derive(Debug)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next value.
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+const WORDS: &[&str] = &[
+    "account", "answer", "before", "billing", "branch", "budget", "cache", "check", "client",
+    "code", "contract", "data", "deploy", "detail", "error", "file", "flight", "function", "hotel",
+    "invoice", "issue", "legal", "limit", "module", "order", "owner", "policy", "price", "project",
+    "query", "refund", "release", "reply", "request", "review", "route", "rule", "service",
+    "summary", "ticket", "train", "update", "user", "value", "version",
+];
+
+/// Text of at least `tokens` built-in tokens.
+pub fn text(rng: &mut Rng, tokenizer: &Tokenizer, start: &str, tokens: usize) -> String {
+    let count = |s: &str| tokenizer.encode(s, false).map_or(s.len() / 4, |t| t.len());
+    let mut out = start.to_owned();
+    while count(&out) < tokens {
+        for _ in 0..12 {
+            out.push(' ');
+            out.push_str(WORDS[(rng.next() % WORDS.len() as u64) as usize]);
+        }
+        out.push('.');
+    }
+    out
+}
+
+/// The system prompts of `shape`.
+pub fn system_prompts(shape: &Shape) -> Vec<String> {
+    let tokenizer = Tokenizer::builtin();
+    let mut rng = Rng(shape.seed);
+    (0..shape.groups)
+        .map(|g| {
+            let start = format!("You are assistant {g}. Follow these instructions exactly.");
+            text(&mut rng, &tokenizer, &start, shape.system_tokens)
+        })
+        .collect()
+}
+
+/// Runs `shape` against the routers of `rotation`, measuring from `t0`,
+/// until every session has ended. Sessions are capped at 256 at once
+/// (arrivals wait beyond that).
+pub async fn run(shape: Shape, rotation: Arc<Rotation>, t0: Instant) -> Vec<Sample> {
+    let systems = Arc::new(system_prompts(&shape));
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("an HTTP client without TLS builds");
+    let limit = Arc::new(tokio::sync::Semaphore::new(256));
+    let mut sessions = JoinSet::new();
+    let count = (shape.sessions_per_s * shape.duration.as_secs_f64()).round() as u64;
+    let start = tokio::time::Instant::now();
+    for i in 0..count {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / shape.sessions_per_s))
+            .await;
+        let Ok(permit) = limit.clone().acquire_owned().await else {
+            break;
+        };
+        let (systems, samples, client, rotation) = (
+            systems.clone(),
+            samples.clone(),
+            client.clone(),
+            rotation.clone(),
+        );
+        sessions.spawn(async move {
+            session(shape, i, &systems, &client, &rotation, t0, &samples).await;
+            drop(permit);
+        });
+    }
+    while sessions.join_next().await.is_some() {}
+    let mut samples = std::mem::take(&mut *samples.lock().unwrap_or_else(PoisonError::into_inner));
+    samples.sort_by(|a: &Sample, b| a.t.total_cmp(&b.t));
+    samples
+}
+
+/// Session `i`: one to five turns on one system prompt, each turn's
+/// history the previous turns and replies.
+async fn session(
+    shape: Shape,
+    i: u64,
+    systems: &[String],
+    client: &reqwest::Client,
+    rotation: &Rotation,
+    t0: Instant,
+    samples: &Mutex<Vec<Sample>>,
+) {
+    let tokenizer = Tokenizer::builtin();
+    let mut rng = Rng(shape.seed ^ (i + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let system = &systems[(rng.next() % systems.len() as u64) as usize];
+    let turns = rng.range(1, 5);
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    for turn in 0..turns {
+        // A question first; later turns paste more context.
+        let words = if turn == 0 {
+            rng.range(40, 120)
+        } else {
+            rng.range(150, 400)
+        } as usize;
+        let user = text(
+            &mut rng,
+            &tokenizer,
+            &format!("Question {i}.{turn}:"),
+            words,
+        );
+        messages.push(json!({"role": "user", "content": user}));
+        let mut body = json!({
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": shape.max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if turns > 1 {
+            body["prompt_cache_key"] = json!(format!("conversation-{}-{i}", shape.seed));
+        }
+        let addr = rotation.pick();
+        let (sample, reply) = chat(client, addr, &body, &[], t0).await;
+        let ok = sample.outcome == Outcome::Ok;
+        samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(sample);
+        if !ok {
+            return;
+        }
+        messages.push(json!({"role": "assistant", "content": reply}));
+    }
+}
+
+/// Sends one streaming chat completion to `addr` with `headers` and reads
+/// it to the end: the measurement and the reply's text.
+pub async fn chat(
+    client: &reqwest::Client,
+    addr: SocketAddr,
+    body: &Value,
+    headers: &[(&str, &str)],
+    t0: Instant,
+) -> (Sample, String) {
+    let sent = Instant::now();
+    let mut sample = Sample {
+        t: sent.duration_since(t0).as_secs_f64(),
+        endpoint: None,
+        outcome: Outcome::Ok,
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        ttft: None,
+    };
+    let mut request = client
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(body);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = match request.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            sample.outcome = Outcome::Failed(e.to_string());
+            return (sample, String::new());
+        }
+    };
+    sample.endpoint = response
+        .headers()
+        .get(ENDPOINT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(|e| pod_name(e).to_owned());
+    if !response.status().is_success() {
+        sample.outcome = Outcome::Refused(response.status().as_u16());
+        return (sample, String::new());
+    }
+    let mut events = Events::default();
+    let mut bytes = response.bytes_stream();
+    let mut ended = None;
+    while let Some(chunk) = bytes.next().await {
+        match chunk {
+            Ok(chunk) => events.feed(&chunk, sent),
+            Err(e) => {
+                ended = Some(format!("reading the stream: {e}"));
+                break;
+            }
+        }
+    }
+    sample.ttft = events.ttft.map(|d| d.as_secs_f64());
+    sample.outcome = match (events.error, events.usage, ended) {
+        (true, _, _) => Outcome::BrokeWithError,
+        (false, Some((prompt, cached)), None) => {
+            sample.prompt_tokens = prompt;
+            sample.cached_tokens = cached;
+            Outcome::Ok
+        }
+        (false, _, ended) if events.any => Outcome::Truncated(
+            ended.unwrap_or_else(|| "the stream ended without usage or an error event".into()),
+        ),
+        (false, _, ended) => {
+            Outcome::Failed(ended.unwrap_or_else(|| "an empty response body".into()))
+        }
+    };
+    (sample, events.reply)
+}
+
+/// What a chat completion's server-sent events carried so far.
+#[derive(Debug, Default)]
+struct Events {
+    pending: Vec<u8>,
+    any: bool,
+    reply: String,
+    ttft: Option<Duration>,
+    usage: Option<(u64, u64)>,
+    error: bool,
+}
+
+impl Events {
+    /// Takes more bytes; handles every complete event in them.
+    fn feed(&mut self, bytes: &[u8], sent: Instant) {
+        self.any |= !bytes.is_empty();
+        self.pending.extend_from_slice(bytes);
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+            let event = String::from_utf8_lossy(&event);
+            for data in event.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue; // [DONE]
+                };
+                self.error |= v.get("error").is_some();
+                let content = v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+                if !content.is_empty() {
+                    self.ttft.get_or_insert_with(|| sent.elapsed());
+                    self.reply.push_str(content);
+                }
+                if let Some(prompt) = v["usage"]["prompt_tokens"].as_u64() {
+                    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                    self.usage = Some((prompt, cached));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_classify_a_stream() {
+        let sent = Instant::now();
+        let mut e = Events::default();
+        let token = r#"data: {"choices":[{"index":0,"delta":{"content":" the"}}]}"#;
+        let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        let all = format!("{token}\n\n{usage}\n\ndata: [DONE]\n\n");
+        let (a, b) = all.as_bytes().split_at(17);
+        e.feed(a, sent);
+        e.feed(b, sent);
+        assert!(e.ttft.is_some() && !e.error);
+        assert_eq!((e.reply.as_str(), e.usage), (" the", Some((40, 32))));
+        e.feed(b"data: {\"error\": {\"message\": \"x\"}}\n\n", sent);
+        assert!(e.error);
+    }
+
+    #[test]
+    fn system_prompts_are_deterministic_and_long_enough() {
+        let shape = Shape::standard(4, Duration::from_secs(1));
+        let a = system_prompts(&shape);
+        assert_eq!(a, system_prompts(&shape));
+        let tokenizer = Tokenizer::builtin();
+        for s in &a {
+            let n = tokenizer.encode(s, false).unwrap().len();
+            assert!((768..868).contains(&n), "{n}");
+        }
+    }
+}

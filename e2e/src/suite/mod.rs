@@ -1,0 +1,8 @@
+//! The system suite: kvroute's real binaries on loopback, under load,
+//! through scale-out and failures (see `README.md`, "The system suite").
+
+pub mod load;
+pub mod procs;
+pub mod report;
+pub mod scenarios;
+pub mod system;

@@ -1,0 +1,147 @@
+//! The binaries under test and the processes started from them: each
+//! process writes its stdout and stderr to its own log file, and is killed
+//! when its [`Proc`] is dropped, so a failing scenario leaves nothing
+//! running.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context as _, bail};
+
+/// The binaries the suite starts.
+pub const BINARIES: [&str; 4] = [
+    "kvroute-engine-sim",
+    "kvroute-agent",
+    "kvroute-operator",
+    "kvroute-router",
+];
+
+/// Where the binaries are.
+#[derive(Clone, Debug)]
+pub struct Bins {
+    dir: PathBuf,
+}
+
+impl Bins {
+    /// `dir`, or else the directory of this executable. Run by `cargo run`
+    /// without `dir`, the binaries are built first, in this executable's
+    /// profile (cargo builds only this package's binaries for `cargo run`).
+    pub fn locate(dir: Option<PathBuf>) -> anyhow::Result<Bins> {
+        let dir = match dir {
+            Some(dir) => dir,
+            None => {
+                let exe = std::env::current_exe().context("locating this executable")?;
+                let dir = exe
+                    .parent()
+                    .context("this executable's directory")?
+                    .to_owned();
+                if let Some(cargo) = std::env::var_os("CARGO") {
+                    build(&cargo, &dir)?;
+                }
+                dir
+            }
+        };
+        for name in BINARIES {
+            let path = dir.join(name);
+            if !path.is_file() {
+                bail!(
+                    "{} is missing: build the binaries (cargo build -p kvroute-engine-sim -p kvroute-agent -p kvroute-operator -p kvroute-router) or pass --bin-dir",
+                    path.display()
+                );
+            }
+        }
+        Ok(Bins { dir })
+    }
+
+    /// The path of binary `name`.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+/// `cargo build` of [`BINARIES`] in the profile whose directory is `dir`.
+fn build(cargo: &std::ffi::OsStr, dir: &Path) -> anyhow::Result<()> {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let mut command = Command::new(cargo);
+    command.arg("build").arg("--manifest-path").arg(&manifest);
+    if dir.file_name().is_some_and(|n| n == "release") {
+        command.arg("--release");
+    }
+    for name in BINARIES {
+        command.args(["--bin", name]);
+    }
+    eprintln!("kvroute-e2e: building the binaries under test");
+    let status = command.status().context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build of the binaries under test failed: {status}");
+    }
+    Ok(())
+}
+
+/// A running process, killed on drop.
+#[derive(Debug)]
+pub struct Proc {
+    name: String,
+    child: Child,
+}
+
+impl Proc {
+    /// Starts `bin` with `args` and `env`, its output appended to
+    /// `logs/<name>.log`.
+    pub fn spawn(
+        bins: &Bins,
+        logs: &Path,
+        name: &str,
+        bin: &str,
+        args: &[String],
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Proc> {
+        let path = logs.join(format!("{name}.log"));
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let child = Command::new(bins.path(bin))
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .env("RUST_LOG", "info")
+            .env_remove("RUST_BACKTRACE")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().context("duplicating a log file")?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {bin} ({name})"))?;
+        Ok(Proc {
+            name: name.to_owned(),
+            child,
+        })
+    }
+
+    /// Its name in the logs.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether it has exited.
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGKILL, as a node failure or the OOM killer does, and reaps it.
+    pub fn kill(mut self) {
+        self.reap();
+    }
+
+    fn reap(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.reap();
+    }
+}

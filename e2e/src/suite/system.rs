@@ -1,0 +1,644 @@
+//! The system under test, on loopback: the fake API server (in this
+//! process), two `kvroute-operator` replicas sharing a Lease, two
+//! `kvroute-router`s discovering the pool from them (each given both
+//! operators as a failover list), and pods, each an engine-sim publishing
+//! vLLM's ZMQ KV events and a `kvroute-agent` bridging them to WatchCache.
+//!
+//! Every pod has its own loopback address (`127.A.B.2`, `127.A.B.3`, …,
+//! with `A.B` from this process's id so concurrent runs do not meet) and
+//! the same ports, as an InferencePool's ports are pool-wide. Pods are Pod
+//! objects whose status the scenario writes; the InferencePool and the
+//! CacheRoutingPolicy are applied as YAML.
+//!
+//! Not here: the load ([`super::load`]) or what a scenario does with the
+//! system ([`super::scenarios`]).
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use kvroute_e2e::FakeApiServer;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::procs::{Bins, Proc};
+
+/// The model the sims serve.
+pub const MODEL: &str = "kvroute-sim";
+/// The header a gateway sets to the authenticated tenant.
+pub const TENANT_HEADER: &str = "x-tenant";
+/// The pool's namespace and name (the policy has the same name).
+const NAMESPACE: &str = "default";
+const POOL: &str = "llama";
+/// The Lease the operators share.
+const LEASE: &str = "kvroute-operator";
+
+/// Each engine's KV cache, blocks of 16 tokens: 4,096 tokens, a third of
+/// the workload's shared prefixes at 4 pods, a sixth at 8 (see
+/// [`super::load::Shape::standard`]).
+pub const NUM_GPU_BLOCKS: u32 = 256;
+/// Engine timing: prefill at this many uncached tokens per second ...
+pub const PREFILL_TOKENS_PER_S: u32 = 20_000;
+/// ... plus this much per prefill ...
+pub const PREFILL_OVERHEAD_MS: u32 = 5;
+/// ... and this much per output token.
+pub const ITL_MS: u32 = 20;
+/// The hash seed of the pod that disagrees with the policy (the policy
+/// names none).
+pub const ODD_SEED: &str = "42";
+
+/// How long a process may take to become ready, or the system to settle.
+pub const STARTUP: Duration = Duration::from_secs(30);
+
+/// How a system is set up.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// Pods at the start.
+    pub pods: usize,
+    /// The CacheRoutingPolicy's `policy`: `kvroute` or a baseline.
+    pub policy: &'static str,
+    /// `Salted` tenancy (else `Shared`).
+    pub salted: bool,
+    /// A pod whose engine and agent use [`ODD_SEED`].
+    pub odd_pod: Option<usize>,
+}
+
+impl Setup {
+    /// `pods` pods under the default policy, shared tenancy.
+    pub fn new(pods: usize) -> Setup {
+        Setup {
+            pods,
+            policy: "kvroute",
+            salted: false,
+            odd_pod: None,
+        }
+    }
+}
+
+/// Ports every pod uses on its own address.
+#[derive(Clone, Copy, Debug)]
+struct PodPorts {
+    http: u16,
+    sim_cache: u16,
+    cache: u16,
+    zmq: u16,
+    replay: u16,
+    agent_admin: u16,
+}
+
+/// One pod: its engine and agent, while they run.
+#[derive(Debug)]
+pub struct Pod {
+    /// Its Pod object's name, and the endpoint's name in the routers.
+    pub name: String,
+    /// Its address.
+    pub ip: Ipv4Addr,
+    sim: Option<Proc>,
+    agent: Option<Proc>,
+    odd: bool,
+}
+
+#[derive(Debug)]
+struct Operator {
+    identity: String,
+    grpc: SocketAddr,
+    admin: SocketAddr,
+    proc: Option<Proc>,
+}
+
+#[derive(Debug)]
+struct Router {
+    name: String,
+    api: SocketAddr,
+    admin: SocketAddr,
+    config: PathBuf,
+    proc: Option<Proc>,
+}
+
+/// An endpoint as a router's `/debug/pool` shows it.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Endpoint {
+    /// Its pod's name (the router's name for it less `:port`).
+    pub name: String,
+    /// Ready per discovery.
+    pub ready: bool,
+    /// The WatchCache stream's state (`live` when following).
+    pub stream: String,
+    /// Blocks the router's index holds for it.
+    pub cached_blocks: u64,
+    /// Its engine contract: `unknown`, `match` or `mismatch`.
+    pub contract: String,
+}
+
+/// The running system; everything it started stops when it is dropped.
+#[derive(Debug)]
+pub struct System {
+    /// When it started: the time axis of samples and marks.
+    pub t0: Instant,
+    /// The pods, in creation order (deleted ones stay, without processes).
+    pub pods: Vec<Pod>,
+    /// Moments worth marking on plots: seconds since `t0`, and what.
+    pub marks: Vec<(f64, String)>,
+    api: FakeApiServer,
+    bins: Bins,
+    logs: PathBuf,
+    kubeconfig: PathBuf,
+    net: [u8; 2],
+    ports: PodPorts,
+    operators: Vec<Operator>,
+    routers: Vec<Router>,
+    http: reqwest::Client,
+    setup: Setup,
+}
+
+/// The pod named in a router's endpoint name `pod:port`.
+pub fn pod_name(endpoint: &str) -> &str {
+    endpoint.rsplit_once(':').map_or(endpoint, |(pod, _)| pod)
+}
+
+/// A port free on every address right now.
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("0.0.0.0:0")
+        .context("binding a free port")?
+        .local_addr()?
+        .port())
+}
+
+impl System {
+    /// Starts everything in `setup` and waits until both routers follow
+    /// every pod's cache. Logs go to `logs`.
+    pub async fn start(bins: &Bins, logs: &Path, setup: Setup) -> anyhow::Result<System> {
+        let _ = std::fs::remove_dir_all(logs);
+        std::fs::create_dir_all(logs).with_context(|| format!("creating {}", logs.display()))?;
+        let pid = std::process::id();
+        let net = [(100 + pid % 100) as u8, (1 + (pid / 100) % 250) as u8];
+        let ports = PodPorts {
+            http: free_port()?,
+            sim_cache: free_port()?,
+            cache: free_port()?,
+            zmq: free_port()?,
+            replay: free_port()?,
+            agent_admin: free_port()?,
+        };
+        let api = FakeApiServer::start().await;
+        let kubeconfig = logs.join("kubeconfig.yaml");
+        std::fs::write(&kubeconfig, api.kubeconfig_yaml()).context("writing the kubeconfig")?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .context("building an HTTP client")?;
+        let mut system = System {
+            t0: Instant::now(),
+            pods: Vec::new(),
+            marks: Vec::new(),
+            api,
+            bins: bins.clone(),
+            logs: logs.to_owned(),
+            kubeconfig,
+            net,
+            ports,
+            operators: Vec::new(),
+            routers: Vec::new(),
+            http,
+            setup: setup.clone(),
+        };
+        system.apply_yaml(&system.pool_yaml())?;
+        system.apply_yaml(&system.policy_yaml())?;
+        for _ in 0..setup.pods {
+            system.add_pod().await?;
+        }
+        for i in 0..2 {
+            let operator = Operator {
+                identity: format!("operator-{i}"),
+                grpc: SocketAddr::new(system.host(1).into(), free_port()?),
+                admin: SocketAddr::new(system.host(1).into(), free_port()?),
+                proc: None,
+            };
+            system.operators.push(operator);
+            system.start_operator(i).await?;
+        }
+        let urls: Vec<String> = system
+            .operators
+            .iter()
+            .map(|o| format!("http://{}", o.grpc))
+            .collect();
+        for i in 0..2 {
+            let name = format!("router-{i}");
+            let config = logs.join(format!("{name}.yaml"));
+            let api = SocketAddr::new(system.host(1).into(), free_port()?);
+            let admin = SocketAddr::new(system.host(1).into(), free_port()?);
+            // Each router lists the operators starting from a different one.
+            let mut order = urls.clone();
+            order.rotate_left(i);
+            let yaml = format!(
+                "listen: {api}\nadminListen: {admin}\ndiscovery:\n  operator:\n    urls: [{}]\n    namespace: {NAMESPACE}\n    pool: {POOL}\n",
+                order.join(", ")
+            );
+            std::fs::write(&config, yaml).context("writing a router's configuration")?;
+            system.routers.push(Router {
+                name,
+                api,
+                admin,
+                config,
+                proc: None,
+            });
+            system.start_router(i).await?;
+        }
+        system.wait_synced(STARTUP).await?;
+        system.t0 = Instant::now();
+        Ok(system)
+    }
+
+    /// `127.A.B.last`.
+    fn host(&self, last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(127, self.net[0], self.net[1], last)
+    }
+
+    /// Seconds since [`t0`](Self::t0).
+    pub fn now(&self) -> f64 {
+        self.t0.elapsed().as_secs_f64()
+    }
+
+    /// Records a moment to mark on the plots.
+    pub fn mark(&mut self, what: &str) {
+        let t = self.now();
+        self.marks.push((t, what.to_owned()));
+    }
+
+    /// The routers' API addresses.
+    pub fn router_addrs(&self) -> Vec<SocketAddr> {
+        self.routers.iter().map(|r| r.api).collect()
+    }
+
+    fn pool_yaml(&self) -> String {
+        format!(
+            "apiVersion: inference.networking.k8s.io/v1
+kind: InferencePool
+metadata: {{name: {POOL}, namespace: {NAMESPACE}}}
+spec:
+  selector:
+    matchLabels: {{app: llama}}
+  targetPorts:
+    - number: {http}
+",
+            http = self.ports.http
+        )
+    }
+
+    fn policy_yaml(&self) -> String {
+        format!(
+            "apiVersion: kvroute.dev/v1alpha1
+kind: CacheRoutingPolicy
+metadata: {{name: {POOL}, namespace: {NAMESPACE}}}
+spec:
+  targetRef: {{group: inference.networking.k8s.io, kind: InferencePool, name: {POOL}}}
+  policy: {policy}
+  engine:
+    cachePort: {cache}
+    prefillTokensPerSecond: {PREFILL_TOKENS_PER_S}
+    prefillOverheadMs: {PREFILL_OVERHEAD_MS}
+  tenancy: {{mode: {mode}, tenantHeader: {TENANT_HEADER}}}
+",
+            policy = self.setup.policy,
+            cache = self.ports.cache,
+            mode = if self.setup.salted {
+                "Salted"
+            } else {
+                "Shared"
+            },
+        )
+    }
+
+    /// Creates or replaces the object in `yaml`, as `kubectl apply` would.
+    pub fn apply_yaml(&self, yaml: &str) -> anyhow::Result<()> {
+        let object: Value = serde_yaml::from_str(yaml).context("parsing YAML")?;
+        self.api
+            .put(object)
+            .map_err(|e| anyhow::anyhow!("applying an object: {e}"))?;
+        Ok(())
+    }
+
+    /// Starts a new pod's engine and agent, waits until both serve, then
+    /// creates its Pod object, Running and Ready. Returns its index.
+    pub async fn add_pod(&mut self) -> anyhow::Result<usize> {
+        let k = self.pods.len();
+        let last = u8::try_from(2 + k).context("too many pods")?;
+        let odd = self.setup.odd_pod == Some(k);
+        self.pods.push(Pod {
+            name: format!("pod-{k}"),
+            ip: self.host(last),
+            sim: None,
+            agent: None,
+            odd,
+        });
+        self.start_sim(k).await?;
+        self.start_agent(k).await?;
+        self.write_pod(k, true)?;
+        Ok(k)
+    }
+
+    async fn start_sim(&mut self, k: usize) -> anyhow::Result<()> {
+        let (ip, p) = (self.pods[k].ip, self.ports);
+        let mut args: Vec<String> = [
+            format!("--listen={ip}:{}", p.http),
+            format!("--cache-listen={ip}:{}", p.sim_cache),
+            format!("--model={MODEL}"),
+            format!("--num-gpu-blocks={NUM_GPU_BLOCKS}"),
+            format!("--prefill-tokens-per-s={PREFILL_TOKENS_PER_S}"),
+            format!("--prefill-overhead-ms={PREFILL_OVERHEAD_MS}"),
+            format!("--itl-ms={ITL_MS}"),
+            "--max-num-seqs=64".into(),
+            format!("--kv-events-endpoint=tcp://{ip}:{}", p.zmq),
+            format!("--kv-events-replay-endpoint=tcp://{ip}:{}", p.replay),
+        ]
+        .into();
+        if self.pods[k].odd {
+            args.push(format!("--hash-seed={ODD_SEED}"));
+        }
+        let name = format!("{}-engine", self.pods[k].name);
+        let proc = Proc::spawn(
+            &self.bins,
+            &self.logs,
+            &name,
+            "kvroute-engine-sim",
+            &args,
+            &[],
+        )?;
+        self.pods[k].sim = Some(proc);
+        let url = format!("http://{ip}:{}/health", p.http);
+        self.wait_http(&url, &name).await
+    }
+
+    /// Starts pod `k`'s agent and waits until it serves.
+    pub async fn start_agent(&mut self, k: usize) -> anyhow::Result<()> {
+        let (ip, p) = (self.pods[k].ip, self.ports);
+        let args: Vec<String> = [
+            format!("--kv-events-endpoint=tcp://{ip}:{}", p.zmq),
+            format!("--kv-events-replay-endpoint=tcp://{ip}:{}", p.replay),
+            format!("--listen={ip}:{}", p.cache),
+            format!("--admin-listen={ip}:{}", p.agent_admin),
+            format!("--engine-url=http://{ip}:{}", p.http),
+            format!("--served-model-name={MODEL}"),
+            "--load-interval-ms=100".into(),
+        ]
+        .into();
+        let env = if self.pods[k].odd {
+            vec![("PYTHONHASHSEED", ODD_SEED.to_owned())]
+        } else {
+            Vec::new()
+        };
+        let name = format!("{}-agent", self.pods[k].name);
+        let proc = Proc::spawn(&self.bins, &self.logs, &name, "kvroute-agent", &args, &env)?;
+        self.pods[k].agent = Some(proc);
+        let url = format!("http://{ip}:{}/readyz", p.agent_admin);
+        self.wait_http(&url, &name).await
+    }
+
+    /// SIGKILLs pod `k`'s agent.
+    pub fn kill_agent(&mut self, k: usize) {
+        if let Some(agent) = self.pods[k].agent.take() {
+            agent.kill();
+        }
+    }
+
+    /// Writes pod `k`'s Pod object, Running, Ready or not.
+    pub fn write_pod(&self, k: usize, ready: bool) -> anyhow::Result<()> {
+        let pod = &self.pods[k];
+        let object = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": { "name": pod.name, "namespace": NAMESPACE, "labels": { "app": "llama" } },
+            "spec": { "containers": [{ "name": "engine", "image": "kvroute-engine-sim" }] },
+            "status": {
+                "phase": "Running",
+                "podIP": pod.ip.to_string(),
+                "conditions": [{ "type": "Ready", "status": if ready { "True" } else { "False" } }],
+            },
+        });
+        self.api
+            .put(object)
+            .map_err(|e| anyhow::anyhow!("writing Pod {}: {e}", pod.name))?;
+        Ok(())
+    }
+
+    /// Deletes pod `k`'s Pod object and SIGKILLs its engine and agent at
+    /// the same moment (a node lost, or a pod force-deleted).
+    pub fn delete_pod(&mut self, k: usize) {
+        let pod = &mut self.pods[k];
+        self.api.delete("v1", "Pod", NAMESPACE, &pod.name);
+        for proc in [pod.sim.take(), pod.agent.take()].into_iter().flatten() {
+            proc.kill();
+        }
+    }
+
+    async fn start_operator(&mut self, i: usize) -> anyhow::Result<()> {
+        let o = &self.operators[i];
+        let args: Vec<String> = [
+            "run".into(),
+            format!("--grpc-listen={}", o.grpc),
+            format!("--admin-listen={}", o.admin),
+            format!("--namespace={NAMESPACE}"),
+            format!("--lease-namespace={NAMESPACE}"),
+            format!("--lease-name={LEASE}"),
+            format!("--identity={}", o.identity),
+            // Fail over in about 2 s rather than client-go's 15.
+            "--lease-duration=2".into(),
+            "--lease-renew-period=0.5".into(),
+            "--lease-retry-period=0.25".into(),
+        ]
+        .into();
+        let env = [("KUBECONFIG", self.kubeconfig.display().to_string())];
+        let (name, url) = (o.identity.clone(), format!("http://{}/readyz", o.admin));
+        let proc = Proc::spawn(
+            &self.bins,
+            &self.logs,
+            &name,
+            "kvroute-operator",
+            &args,
+            &env,
+        )?;
+        self.operators[i].proc = Some(proc);
+        self.wait_http(&url, &name).await
+    }
+
+    /// The index of the operator holding the Lease, if any.
+    pub fn leader(&self) -> Option<usize> {
+        let lease = self
+            .api
+            .get("coordination.k8s.io/v1", "Lease", NAMESPACE, LEASE)?;
+        let holder = lease["spec"]["holderIdentity"].as_str()?;
+        self.operators.iter().position(|o| o.identity == holder)
+    }
+
+    /// SIGKILLs operator `i`.
+    pub fn kill_operator(&mut self, i: usize) {
+        if let Some(proc) = self.operators[i].proc.take() {
+            proc.kill();
+        }
+    }
+
+    /// An object in the pool's namespace, if it exists.
+    pub fn object(&self, api_version: &str, kind: &str, name: &str) -> Option<Value> {
+        self.api.get(api_version, kind, NAMESPACE, name)
+    }
+
+    /// The CacheRoutingPolicy, whole.
+    pub fn policy(&self) -> Option<Value> {
+        self.object("kvroute.dev/v1alpha1", "CacheRoutingPolicy", POOL)
+    }
+
+    /// Starts router `i` (again) and waits until it answers.
+    pub async fn start_router(&mut self, i: usize) -> anyhow::Result<()> {
+        let r = &self.routers[i];
+        let args = vec![format!("--config={}", r.config.display())];
+        let (name, url) = (r.name.clone(), format!("http://{}/healthz", r.admin));
+        let proc = Proc::spawn(&self.bins, &self.logs, &name, "kvroute-router", &args, &[])?;
+        self.routers[i].proc = Some(proc);
+        self.wait_http(&url, &name).await
+    }
+
+    /// SIGKILLs router `i`.
+    pub fn kill_router(&mut self, i: usize) {
+        if let Some(proc) = self.routers[i].proc.take() {
+            proc.kill();
+        }
+    }
+
+    /// Router `i`'s `/debug/pool`.
+    pub async fn endpoints(&self, i: usize) -> anyhow::Result<Vec<Endpoint>> {
+        let url = format!("http://{}/debug/pool", self.routers[i].admin);
+        let response = self.http.get(&url).send().await?.error_for_status()?;
+        let mut endpoints: Vec<Endpoint> = response.json().await?;
+        for e in &mut endpoints {
+            e.name = pod_name(&e.name).to_owned();
+        }
+        Ok(endpoints)
+    }
+
+    /// The routers' name for pod `k`'s endpoint: `pod:port`.
+    pub fn endpoint_name(&self, k: usize) -> String {
+        format!("{}:{}", self.pods[k].name, self.ports.http)
+    }
+
+    /// Router `i`'s `/metrics`.
+    pub async fn router_metrics(&self, i: usize) -> anyhow::Result<String> {
+        let url = format!("http://{}/metrics", self.routers[i].admin);
+        Ok(self.http.get(&url).send().await?.text().await?)
+    }
+
+    /// Router `i`'s `/debug/explain` of a chat request `body` sent with
+    /// `headers`.
+    pub async fn explain(
+        &self,
+        i: usize,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Value> {
+        let headers: serde_json::Map<String, Value> = headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), Value::from(*v)))
+            .collect();
+        let url = format!("http://{}/debug/explain", self.routers[i].admin);
+        let request = json!({ "path": "/v1/chat/completions", "headers": headers, "body": body });
+        let response = self.http.post(&url).json(&request).send().await?;
+        let status = response.status();
+        let text = response.text().await?;
+        if !status.is_success() {
+            bail!("explain on {}: {status}: {text}", self.routers[i].name);
+        }
+        Ok(serde_json::from_str(&text)?)
+    }
+
+    /// Waits until every live router follows every Ready pod's cache, and
+    /// lists no other endpoint.
+    pub async fn wait_synced(&self, timeout: Duration) -> anyhow::Result<f64> {
+        let ready: Vec<&str> = self
+            .pods
+            .iter()
+            .filter(|p| p.sim.is_some())
+            .map(|p| p.name.as_str())
+            .collect();
+        let live: Vec<usize> = (0..self.routers.len())
+            .filter(|i| self.routers[*i].proc.is_some())
+            .collect();
+        self.wait_for("the routers to follow every pod", timeout, async || {
+            for i in &live {
+                let endpoints = self.endpoints(*i).await.ok()?;
+                let mut names: Vec<&str> = endpoints
+                    .iter()
+                    .filter(|e| e.ready && e.stream == "live")
+                    .map(|e| e.name.as_str())
+                    .collect();
+                names.sort_unstable();
+                if names != ready || endpoints.len() != ready.len() {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await
+        .map(|(_, s)| s)
+    }
+
+    /// Polls `check` every 20 ms until it returns something or `timeout`
+    /// passes; the value and the seconds it took.
+    pub async fn wait_for<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut check: impl AsyncFnMut() -> Option<T>,
+    ) -> anyhow::Result<(T, f64)> {
+        let start = Instant::now();
+        loop {
+            if let Some(found) = check().await {
+                return Ok((found, start.elapsed().as_secs_f64()));
+            }
+            if start.elapsed() >= timeout {
+                bail!("timed out after {timeout:?} waiting for {what}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until `url` answers 200; fails early if a process exited.
+    async fn wait_http(&mut self, url: &str, name: &str) -> anyhow::Result<()> {
+        let start = Instant::now();
+        loop {
+            if let Ok(r) = self.http.get(url).send().await
+                && r.status().is_success()
+            {
+                return Ok(());
+            }
+            if let Some(exited) = self.exited() {
+                bail!(
+                    "{exited} exited; see {}",
+                    self.logs.join(format!("{exited}.log")).display()
+                );
+            }
+            if start.elapsed() >= STARTUP {
+                bail!(
+                    "{name} did not answer {url} within {STARTUP:?}; see {}",
+                    self.logs.join(format!("{name}.log")).display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// The name of a process the suite started that has exited by itself.
+    pub fn exited(&mut self) -> Option<String> {
+        let pods = self
+            .pods
+            .iter_mut()
+            .flat_map(|p| [p.sim.as_mut(), p.agent.as_mut()]);
+        let others = self
+            .operators
+            .iter_mut()
+            .map(|o| o.proc.as_mut())
+            .chain(self.routers.iter_mut().map(|r| r.proc.as_mut()));
+        pods.chain(others)
+            .flatten()
+            .find_map(|p| p.exited().then(|| p.name().to_owned()))
+    }
+}
