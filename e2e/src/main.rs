@@ -69,6 +69,7 @@ fn main() -> anyhow::Result<()> {
         bins,
         out: out.clone(),
         duration: Duration::from_secs(duration),
+        baseline: tokio::sync::OnceCell::new(),
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let mut report = Report::default();
@@ -112,6 +113,10 @@ fn print_scenario(s: &Scenario) {
     println!("{verdict} {}", s.name);
     for c in &s.checks {
         println!("  [{}] {}", if c.passed { "ok" } else { "FAILED" }, c.what);
+    }
+    for g in &s.goals {
+        let met = if g.passed { "met" } else { "MISSED" };
+        println!("  goal [{met}] {}", g.what);
     }
     if let Some(e) = &s.error {
         println!("  error: {e}");

@@ -240,7 +240,10 @@ async fn session(
 ) {
     let tokenizer = Tokenizer::builtin();
     let mut rng = Rng(shape.seed ^ (i + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
-    let system = &systems[(rng.next() % systems.len() as u64) as usize];
+    // The first sessions take the system prompts in turn, so every
+    // assistant is in use from the start; later ones pick at random.
+    let pick = rng.next() % systems.len() as u64;
+    let system = &systems[if i < systems.len() as u64 { i } else { pick } as usize];
     let turns = rng.range(1, 5);
     let mut messages = vec![json!({"role": "system", "content": system})];
     for turn in 0..turns {

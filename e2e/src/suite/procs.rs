@@ -6,6 +6,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
@@ -131,6 +132,19 @@ impl Proc {
 
     /// SIGKILL, as a node failure or the OOM killer does, and reaps it.
     pub fn kill(mut self) {
+        self.reap();
+    }
+
+    /// SIGTERM, as Kubernetes stops a container; SIGKILL if it has not
+    /// exited after `grace`.
+    pub fn terminate(mut self, grace: Duration) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline && !self.exited() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         self.reap();
     }
 

@@ -33,8 +33,13 @@ pub struct Scenario {
     pub passed: bool,
     /// Measured figures, by name.
     pub figures: BTreeMap<String, f64>,
-    /// What was asserted, each with whether it held.
+    /// What was asserted, each with whether it held: `passed` requires
+    /// them all.
     pub checks: Vec<Check>,
+    /// The product's goals, each with whether this run met it; recorded,
+    /// not asserted (the checks hold the same figures to looser bounds a
+    /// loaded machine meets every time).
+    pub goals: Vec<Check>,
     /// Why it could not finish, if it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -72,6 +77,11 @@ impl Scenario {
     /// Records a check.
     pub fn check(&mut self, passed: bool, what: String) {
         self.checks.push(Check { what, passed });
+    }
+
+    /// Records a goal.
+    pub fn goal(&mut self, passed: bool, what: String) {
+        self.goals.push(Check { what, passed });
     }
 }
 

@@ -231,10 +231,20 @@ impl System {
             // Each router lists the operators starting from a different one.
             let mut order = urls.clone();
             order.rotate_left(i);
-            let yaml = format!(
+            let mut yaml = format!(
                 "listen: {api}\nadminListen: {admin}\ndiscovery:\n  operator:\n    urls: [{}]\n    namespace: {NAMESPACE}\n    pool: {POOL}\n",
                 order.join(", ")
             );
+            // The router decides tenancy (salting needs its secret); the
+            // policy says the same for the operator's status.
+            if setup.salted {
+                let secret = logs.join("tenant-salt.key");
+                std::fs::write(&secret, "e2e-secret").context("writing the salt secret")?;
+                yaml += &format!(
+                    "tenancy:\n  mode: salted\n  tenantHeader: {TENANT_HEADER}\n  secretFile: {}\n",
+                    secret.display()
+                );
+            }
             std::fs::write(&config, yaml).context("writing a router's configuration")?;
             system.routers.push(Router {
                 name,
@@ -498,10 +508,11 @@ spec:
         self.wait_http(&url, &name).await
     }
 
-    /// SIGKILLs router `i`.
-    pub fn kill_router(&mut self, i: usize) {
+    /// Stops router `i` with SIGTERM, as a rolling restart does: it
+    /// finishes what is in flight, then exits.
+    pub fn stop_router(&mut self, i: usize) {
         if let Some(proc) = self.routers[i].proc.take() {
-            proc.kill();
+            proc.terminate(Duration::from_secs(30));
         }
     }
 
