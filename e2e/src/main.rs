@@ -40,6 +40,10 @@ enum Command {
         /// Seconds of load in each scenario.
         #[arg(long, default_value_t = 20)]
         duration: u64,
+        /// The venv inference-perf is installed into (created when
+        /// missing); default: `target/inference-perf-venv`.
+        #[arg(long)]
+        inference_perf_venv: Option<PathBuf>,
     },
 }
 
@@ -52,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         bin_dir,
         only,
         duration,
+        inference_perf_venv,
     } = Cli::parse().command;
     for name in &only {
         anyhow::ensure!(
@@ -69,6 +74,8 @@ fn main() -> anyhow::Result<()> {
         bins,
         out: out.clone(),
         duration: Duration::from_secs(duration),
+        inference_perf_venv: inference_perf_venv
+            .unwrap_or_else(suite::inference_perf::default_venv),
         baseline: tokio::sync::OnceCell::new(),
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
@@ -109,7 +116,11 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn print_scenario(s: &Scenario) {
-    let verdict = if s.passed { "PASS" } else { "FAIL" };
+    let verdict = match (s.passed, &s.skipped) {
+        (_, Some(_)) => "SKIP",
+        (true, None) => "PASS",
+        (false, None) => "FAIL",
+    };
     println!("{verdict} {}", s.name);
     for c in &s.checks {
         println!("  [{}] {}", if c.passed { "ok" } else { "FAILED" }, c.what);
@@ -117,6 +128,9 @@ fn print_scenario(s: &Scenario) {
     for g in &s.goals {
         let met = if g.passed { "met" } else { "MISSED" };
         println!("  goal [{met}] {}", g.what);
+    }
+    if let Some(reason) = &s.skipped {
+        println!("  skipped: {reason}");
     }
     if let Some(e) = &s.error {
         println!("  error: {e}");

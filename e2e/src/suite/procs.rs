@@ -88,7 +88,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `bin` with `args` and `env`, its output appended to
+    /// Starts binary `bin` with `args` and `env`, its output appended to
     /// `logs/<name>.log`.
     pub fn spawn(
         bins: &Bins,
@@ -98,14 +98,26 @@ impl Proc {
         args: &[String],
         env: &[(&str, String)],
     ) -> anyhow::Result<Proc> {
+        Self::spawn_program(logs, name, &bins.path(bin), args, env)
+    }
+
+    /// Starts `program` as [`spawn`](Self::spawn) starts a binary.
+    pub fn spawn_program(
+        logs: &Path,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Proc> {
         let path = logs.join(format!("{name}.log"));
         let log = File::options()
             .create(true)
             .append(true)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
-        let child = Command::new(bins.path(bin))
+        let child = Command::new(program)
             .args(args)
+            .env_remove("PYTHONHASHSEED")
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
             .env_remove("RUST_BACKTRACE")
@@ -113,7 +125,7 @@ impl Proc {
             .stdout(log.try_clone().context("duplicating a log file")?)
             .stderr(log)
             .spawn()
-            .with_context(|| format!("starting {bin} ({name})"))?;
+            .with_context(|| format!("starting {} ({name})", program.display()))?;
         Ok(Proc {
             name: name.to_owned(),
             child,
@@ -128,6 +140,11 @@ impl Proc {
     /// Whether it has exited.
     pub fn exited(&mut self) -> bool {
         !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// How it exited, once it has.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     /// SIGKILL, as a node failure or the OOM killer does, and reaps it.

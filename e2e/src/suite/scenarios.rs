@@ -42,6 +42,8 @@ pub struct Ctx {
     pub out: std::path::PathBuf,
     /// How long load runs in each scenario.
     pub duration: Duration,
+    /// Where inference-perf is (to be) installed.
+    pub inference_perf_venv: std::path::PathBuf,
     /// The undisturbed 4-pod run that disturbed runs are compared with.
     pub baseline: tokio::sync::OnceCell<Arc<Vec<Sample>>>,
 }
@@ -86,8 +88,9 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "steady_state",
+    "inference_perf",
     "scale_out",
     "pod_killed",
     "operator_killed",
@@ -101,6 +104,7 @@ pub const NAMES: [&str; 8] = [
 pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> {
     match name {
         "steady_state" => steady_state(ctx, s).await,
+        "inference_perf" => inference_perf(ctx, s).await,
         "scale_out" => scale_out(ctx, s).await,
         "pod_killed" => pod_killed(ctx, s).await,
         "operator_killed" => operator_killed(ctx, s).await,
@@ -239,6 +243,72 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         vec![("kvroute", kv), ("round-robin", rr)],
         &[],
     )
+}
+
+/// Steady state again, the load from inference-perf: `shared_prefix`
+/// through router-0 at two fixed rates, `round-robin` then `kvroute`, the
+/// cached tokens as the engines reported them to inference-perf.
+async fn inference_perf(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
+    let exe = match tokio::task::spawn_blocking({
+        let venv = ctx.inference_perf_venv.clone();
+        move || super::inference_perf::install(&venv)
+    })
+    .await?
+    {
+        Ok(exe) => exe,
+        Err(reason) => {
+            s.skipped = Some(format!("inference-perf cannot be installed: {reason}"));
+            return Ok(());
+        }
+    };
+    // 20 system prompts of 800 words (about 1,180 tokens of the engines'
+    // tokenizer, 74 blocks): 72 % of the pool's cache, six times one
+    // engine's.
+    let load = super::inference_perf::Load {
+        groups: 20,
+        system_prompt_words: 800,
+        stages: vec![
+            (4.0, ctx.duration.as_secs() / 2),
+            (8.0, ctx.duration.as_secs() / 2),
+        ],
+    };
+    let mut ratios = Vec::new();
+    for policy in ["round-robin", "kvroute"] {
+        let setup = Setup {
+            policy,
+            ..Setup::new(STEADY_PODS)
+        };
+        let name = format!("inference_perf-{policy}");
+        let system = ctx.system(&name, setup).await?;
+        let url = format!("http://{}", system.router_addrs()[0]);
+        let dir = ctx.out.join("logs").join(&name);
+        let summary = super::inference_perf::run(&exe, &dir, &url, &load).await?;
+        let prefix = if policy == "kvroute" { "" } else { "rr_" };
+        let ratio = summary.cached_tokens / summary.prompt_tokens.max(1.0);
+        s.figure(&format!("{prefix}cached_ratio"), ratio);
+        s.figure(&format!("{prefix}ttft_p50_ms"), summary.ttft_p50 * 1e3);
+        s.figure(&format!("{prefix}ttft_p99_ms"), summary.ttft_p99 * 1e3);
+        s.figure(&format!("{prefix}requests"), summary.successes as f64);
+        s.check(
+            summary.failures == 0 && summary.successes > 0,
+            format!(
+                "{policy}: every inference-perf request succeeds: {} failed, {} succeeded",
+                summary.failures, summary.successes
+            ),
+        );
+        ratios.push(ratio);
+    }
+    let ratio = ratios[1] / ratios[0].max(1e-6);
+    s.figure("cached_ratio_vs_rr", ratio);
+    s.check(
+        ratio >= 3.0,
+        format!(
+            "cached tokens ≥ 3 × round robin's: {:.1} % vs {:.1} % ({ratio:.1} ×)",
+            ratios[1] * 100.0,
+            ratios[0] * 100.0
+        ),
+    );
+    Ok(())
 }
 
 /// Cold chat requests: text no engine has seen, no conversation key.
