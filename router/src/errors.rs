@@ -59,7 +59,14 @@ pub enum ApiError {
     /// The engine took too long to answer.
     #[error("upstream timed out: {0}")]
     Timeout(String),
+    /// The pool's policy asks for salted tenancy and this router cannot
+    /// salt: it refuses rather than share cached prefixes across tenants.
+    #[error("{}", TENANCY_REQUIRED)]
+    SaltingRequired,
 }
+
+/// Why [`ApiError::SaltingRequired`] refuses, for clients and `/readyz`.
+pub const TENANCY_REQUIRED: &str = "the pool's CacheRoutingPolicy sets tenancy Salted, but this router is not configured to salt (tenancy.mode: salted with a tenancy.secretFile); it refuses requests rather than share cached prefixes between tenants";
 
 impl ApiError {
     /// The HTTP status.
@@ -77,6 +84,7 @@ impl ApiError {
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::SaltingRequired => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -95,6 +103,7 @@ impl ApiError {
             ApiError::Upstream(_) => ("server_error", "upstream_error"),
             ApiError::Internal(_) => ("server_error", "internal_error"),
             ApiError::Timeout(_) => ("server_error", "upstream_timeout"),
+            ApiError::SaltingRequired => ("server_error", "salted_tenancy_not_configured"),
         }
     }
 

@@ -337,6 +337,7 @@ impl Proxy {
         let decision_start = Instant::now();
         let path = parts.uri.path();
         self.allowed(path)?;
+        self.tenancy_check()?;
         let tenant = self.tenancy.tenant(&parts.headers)?;
         labels.tenant = self.tenant_label(tenant.as_deref());
         let (bytes, _budget) = self.read_body(parts, body).await?;
@@ -468,6 +469,15 @@ impl Proxy {
     }
 
     /// Refuses a path that is not proxied.
+    /// Refuses every request while the pool's policy asks for salted
+    /// tenancy that this router is not configured for.
+    pub fn tenancy_check(&self) -> Result<(), ApiError> {
+        if self.pool.settings().salting_required && !self.tenancy.salted() {
+            return Err(ApiError::SaltingRequired);
+        }
+        Ok(())
+    }
+
     fn allowed(&self, path: &str) -> Result<(), ApiError> {
         if self.allowed_paths.contains(path) {
             return Ok(());

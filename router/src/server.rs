@@ -125,6 +125,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .map(|(name, path)| (name.clone(), Lora::new(name, path)))
             .collect(),
         offload_weight: r.offload_weight,
+        salting_required: false,
     };
     let tenancy = Tenancy::load(&config.tenancy)?;
     let tls = config
@@ -301,7 +302,9 @@ fn bearer_is(headers: &axum::http::HeaderMap, token: &str) -> bool {
 
 async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
     let n = p.pool.routable();
-    if n > 0 {
+    if let Err(e) = p.tenancy_check() {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response()
+    } else if n > 0 {
         (StatusCode::OK, format!("ready: {n} endpoints\n")).into_response()
     } else {
         (

@@ -34,6 +34,9 @@ pub struct Settings {
     pub lora_adapters: BTreeMap<String, Lora>,
     /// An offloaded block's worth against a GPU block, 0 to 1.
     pub offload_weight: f32,
+    /// The pool's policy asks for salted tenancy (the router's own
+    /// `tenancy` configuration salts; a router that does not refuses).
+    pub salting_required: bool,
 }
 
 impl Settings {
@@ -52,6 +55,7 @@ impl Settings {
             policy,
             lora_adapters: BTreeMap::new(),
             offload_weight: kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
+            salting_required: false,
         }
     }
 

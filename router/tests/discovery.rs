@@ -555,3 +555,77 @@ async fn the_operator_stream_runs_over_mutual_tls() {
     task.abort();
     op.stop().await;
 }
+
+/// A policy that sets tenancy Salted makes a router that does not salt
+/// refuse requests and report not ready, rather than share caches between
+/// tenants; once the policy says Shared it serves again.
+#[tokio::test]
+async fn a_salted_policy_stops_a_router_that_cannot_salt() {
+    let salted = RoutingPolicy {
+        tenancy: v1::TenancyMode::Salted.into(),
+        ..policy("kvroute")
+    };
+    let endpoints = || vec![endpoint("a:8000", "127.0.0.1", false)];
+    let (operator, addr) = FakeOperator::start(
+        "127.0.0.1:0".parse().unwrap(),
+        state(1, endpoints(), salted),
+    )
+    .await;
+    let defaults = kvroute_router::config::Config::default();
+    let config = kvroute_router::config::Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        discovery: kvroute_router::config::Discovery::Operator(
+            kvroute_router::config::OperatorDiscovery {
+                url: format!("http://{addr}"),
+                urls: Vec::new(),
+                namespace: "ml".into(),
+                pool: "llama".into(),
+            },
+        ),
+        ..defaults
+    };
+    let router = kvroute_router::start(config).await.unwrap();
+    let client = reqwest::Client::new();
+    let send = || async {
+        let response = client
+            .post(format!("http://{}/v1/chat/completions", router.addr))
+            .json(
+                &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            )
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let body: serde_json::Value = response.json().await.unwrap();
+        (
+            status,
+            body["error"]["code"].as_str().unwrap_or("").to_owned(),
+        )
+    };
+    let readyz = || async {
+        let r = reqwest::get(format!("http://{}/readyz", router.addr))
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    let refused = (503, "salted_tenancy_not_configured".to_owned());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while send().await != refused {
+        assert!(tokio::time::Instant::now() < deadline, "never refused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, text) = readyz().await;
+    assert_eq!(status, 503);
+    assert!(text.contains("tenancy Salted"), "{text}");
+
+    operator.publish(state(2, endpoints(), policy("kvroute")));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while send().await == refused {
+        assert!(tokio::time::Instant::now() < deadline, "still refused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!readyz().await.1.contains("tenancy"));
+    router.shutdown().await;
+    operator.stop().await;
+}

@@ -11,8 +11,11 @@
 //! every URL has failed without a stream, it waits a jittered backoff
 //! ([`Backoff`]) before the next round.
 //!
-//! Not here: tenancy from the policy (`tenancy`, `tenant_header`: the
-//! router's own configuration decides those).
+//! Tenancy: the router's own configuration salts (salting needs its
+//! secret); a policy that sets `Salted` makes a router that does not salt
+//! refuse requests ([`crate::errors::ApiError::SaltingRequired`]) rather
+//! than share caches between tenants. The policy's `tenant_header` is not
+//! applied: which header to trust is the router's configuration too.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -350,20 +353,28 @@ fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
         }
         None => kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
     };
+    let salting_required = policy.tenancy == v1::TenancyMode::Salted as i32;
     if key == current.key
         && hasher.is_none()
         && config == current.policy
         && offload_weight == current.offload_weight
+        && salting_required == current.salting_required
     {
         return Streams::default();
     }
     tracing::info!(policy = ?config, key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
         offload_weight, "routing settings from the operator");
+    if salting_required {
+        tracing::info!(
+            "the pool's policy sets tenancy Salted: requests are refused unless this router salts (tenancy.mode: salted)"
+        );
+    }
     pool.update_settings(|cur| Settings {
         key,
         hasher: hasher.unwrap_or_else(|| cur.hasher.clone()),
         policy: config,
         offload_weight,
+        salting_required,
         ..cur.clone()
     })
 }
