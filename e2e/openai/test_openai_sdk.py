@@ -4,6 +4,9 @@ binaries. Run by .ci/run after the Rust tests built them:
 
     python3 e2e/openai/test_openai_sdk.py target/debug
 
+With `--router URL` it starts nothing and runs the same checks against the
+router at URL (the system suite, `kvroute-e2e report`, does so).
+
 Prints one line per check and a closing `N passed, N failed` line; exits
 non-zero on any failure.
 """
@@ -129,20 +132,31 @@ def check_errors(client):
         raise AssertionError("empty messages must be a 400")
 
 
+def run_checks(client):
+    passed = failed = 0
+    for check in [check_models, check_chat, check_chat_stream_with_usage_and_cache, check_completions, check_errors]:
+        try:
+            check(client)
+            print(f"ok   {check.__name__}")
+            passed += 1
+        except Exception:
+            print(f"FAIL {check.__name__}")
+            traceback.print_exc()
+            failed += 1
+    return passed, failed
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--router":
+        client = openai.OpenAI(base_url=f"{sys.argv[2]}/v1", api_key="unused", max_retries=0, timeout=30)
+        passed, failed = run_checks(client)
+        print(f"openai-e2e: {passed} passed, {failed} failed")
+        sys.exit(1 if failed or not passed else 0)
     passed = failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         try:
             client = setup(tmp)
-            for check in [check_models, check_chat, check_chat_stream_with_usage_and_cache, check_completions, check_errors]:
-                try:
-                    check(client)
-                    print(f"ok   {check.__name__}")
-                    passed += 1
-                except Exception:
-                    print(f"FAIL {check.__name__}")
-                    traceback.print_exc()
-                    failed += 1
+            passed, failed = run_checks(client)
         finally:
             for p in PROCS:
                 p.terminate()

@@ -86,18 +86,29 @@ fn main() -> anyhow::Result<()> {
     {
         eprintln!("kvroute-e2e: {name} ...");
         let mut scenario = Scenario::new(name);
+        // Ctrl-C ends the scenario, so its processes are ended too.
         let result = runtime.block_on(async {
-            tokio::time::timeout(SCENARIO_TIMEOUT, scenarios::run(&ctx, name, &mut scenario)).await
+            tokio::select! {
+                r = tokio::time::timeout(SCENARIO_TIMEOUT, scenarios::run(&ctx, name, &mut scenario)) => Some(r),
+                _ = tokio::signal::ctrl_c() => None,
+            }
         });
+        let interrupted = result.is_none();
         match result {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => scenario.error = Some(format!("{e:#}")),
-            Err(_) => scenario.error = Some(format!("did not finish within {SCENARIO_TIMEOUT:?}")),
+            Some(Ok(Ok(()))) => {}
+            Some(Ok(Err(e))) => scenario.error = Some(format!("{e:#}")),
+            Some(Err(_)) => {
+                scenario.error = Some(format!("did not finish within {SCENARIO_TIMEOUT:?}"))
+            }
+            None => scenario.error = Some("interrupted".into()),
         }
         scenario.passed = scenario.error.is_none() && scenario.checks.iter().all(|c| c.passed);
         print_scenario(&scenario);
         report.scenarios.push(scenario);
         suite::report::write_json(&out, &report)?;
+        if interrupted {
+            break;
+        }
     }
     let failed: Vec<&str> = report
         .scenarios
@@ -128,6 +139,9 @@ fn print_scenario(s: &Scenario) {
     for g in &s.goals {
         let met = if g.passed { "met" } else { "MISSED" };
         println!("  goal [{met}] {}", g.what);
+    }
+    for note in &s.notes {
+        println!("  note: {note}");
     }
     if let Some(reason) = &s.skipped {
         println!("  skipped: {reason}");

@@ -40,6 +40,9 @@ pub struct Scenario {
     /// not asserted (the checks hold the same figures to looser bounds a
     /// loaded machine meets every time).
     pub goals: Vec<Check>,
+    /// What was not done, and why.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
     /// Why it could not finish, if it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -188,6 +188,7 @@ fn dip_vs(undisturbed: &[Sample], disturbed: &[Sample], t: f64) -> f64 {
 }
 
 async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
+    let steady = ctx.duration * 3 / 2;
     let mut runs = Vec::new();
     for policy in ["round-robin", "kvroute"] {
         let setup = Setup {
@@ -195,9 +196,12 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
             ..Setup::new(STEADY_PODS)
         };
         let system = ctx.system(&format!("steady_state-{policy}"), setup).await?;
-        let (_, load) = start_load(ctx, &system);
-        let samples = load.await?;
+        // Half again as long as the others: the second half is measured.
+        let shape = Shape::standard(STEADY_PODS, steady);
+        let rotation = Rotation::new(system.router_addrs());
+        let samples = load::run(shape, rotation, system.t0).await;
         if policy == "kvroute" {
+            openai_sdk(ctx, &system, s).await?;
             let agreement = cold_key_agreement(&system, 200).await?;
             s.figure("cold_key_agreement", agreement);
             s.check(
@@ -215,7 +219,7 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     latency_figures(s, "", kv);
     // Steady state: the second half, once the sessions have visited every
     // system prompt (a cold start is a cold start under any policy).
-    let half = ctx.duration.as_secs_f64() / 2.0;
+    let half = steady.as_secs_f64() / 2.0;
     let steady = |x: &[Sample]| report::hit_ratio(report::between(x, half, f64::MAX));
     let (kv_steady, rr_steady) = (steady(kv), steady(rr));
     let ratio = kv_steady / rr_steady.max(1e-6);
@@ -308,6 +312,50 @@ async fn inference_perf(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
             ratios[0] * 100.0
         ),
     );
+    Ok(())
+}
+
+/// The `openai` Python SDK's checks (`e2e/openai/test_openai_sdk.py
+/// --router`: models, chat, streaming with usage and cached tokens,
+/// completions, errors) against each router, when Python has the SDK.
+async fn openai_sdk(ctx: &Ctx, system: &System, s: &mut Scenario) -> anyhow::Result<()> {
+    let has_sdk = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_sdk {
+        s.notes.push(
+            "the openai SDK checks did not run: python3 cannot import openai (pip install openai)"
+                .into(),
+        );
+        return Ok(());
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openai/test_openai_sdk.py");
+    for (i, addr) in system.router_addrs().into_iter().enumerate() {
+        let script = script.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new("python3")
+                .arg(script)
+                .args(["--router", &format!("http://{addr}")])
+                .output()
+        })
+        .await??;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        let log = ctx
+            .out
+            .join("logs")
+            .join(format!("steady_state-openai-router-{i}.log"));
+        std::fs::write(&log, &text)?;
+        let last = text
+            .lines()
+            .rfind(|l| l.starts_with("openai-e2e:"))
+            .unwrap_or("no summary");
+        s.check(
+            out.status.success(),
+            format!("the openai SDK's checks pass against router-{i}: {last}"),
+        );
+    }
     Ok(())
 }
 
