@@ -1,5 +1,6 @@
 //! The load: users of a few assistants whose long system prompts they
-//! share (the `shared_prefix` shape of inference-perf), in sessions of one
+//! share (the `shared_prefix` shape of inference-perf; one session in five
+//! has a short system prompt of its own instead), in sessions of one
 //! to five turns whose history grows (a conversation carries a
 //! `prompt_cache_key`; one-turn questions do not). Sessions arrive at a
 //! fixed rate, open loop; every request streams; each is measured as a
@@ -241,9 +242,17 @@ async fn session(
     let tokenizer = Tokenizer::builtin();
     let mut rng = Rng(shape.seed ^ (i + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
     // The first sessions take the system prompts in turn, so every
-    // assistant is in use from the start; later ones pick at random.
+    // assistant is in use from the start; later ones pick at random, except
+    // every fifth, whose system prompt is its own (a prefix no engine has:
+    // new work for rendezvous hashing to place).
     let pick = rng.next() % systems.len() as u64;
-    let system = &systems[if i < systems.len() as u64 { i } else { pick } as usize];
+    let own;
+    let system = if i >= systems.len() as u64 && i % 5 == 4 {
+        own = text(&mut rng, &tokenizer, &format!("You are helper {i}."), 300);
+        &own
+    } else {
+        &systems[if i < systems.len() as u64 { i } else { pick } as usize]
+    };
     let turns = rng.range(1, 5);
     let mut messages = vec![json!({"role": "system", "content": system})];
     for turn in 0..turns {

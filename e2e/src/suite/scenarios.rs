@@ -408,9 +408,27 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         )
         .await?;
     let samples = load.await?;
+    // New keys, once the load is over (under load the fastest endpoints
+    // are preferred): the share of 200 cold prompts the routers would send it.
+    let mut firsts = 0;
+    for body in cold_bodies(200) {
+        let explained = system.explain(0, &body, &[]).await?;
+        let first = explained["decision"]["ranked"][0].as_str().unwrap_or("");
+        firsts += usize::from(super::system::pod_name(first) == name);
+    }
+    let cold_share = firsts as f64 / 200.0;
+    s.figure("new_pod_cold_key_share", cold_share);
+    s.check(
+        cold_share >= 0.1,
+        format!(
+            "the new pod is first for its share of new keys (1/5 by rendezvous; ≥ 10 %): {:.1} %",
+            cold_share * 100.0
+        ),
+    );
     let dip = dip_vs(&baseline, &samples, added);
     s.figure("hit_dip", dip);
     s.figure("new_pod_joined_s", joined_s);
+    within(s, joined_s, "both routers follow the new pod");
     s.goal(
         dip <= GOAL_DIP,
         format!(
@@ -420,20 +438,9 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let served = |x: &&Sample| x.endpoint.as_deref() == Some(name.as_str());
     let first = samples.iter().find(served).map(|x| x.t - added);
     s.figure("new_pod_first_request_s", first.unwrap_or(f64::NAN));
-    s.check(
-        first.is_some_and(|f| f <= BOUND_S),
-        format!("the new pod serves within {BOUND_S} s: {first:?}"),
-    );
-    let tail: Vec<&Sample> = report::between(&samples, added + COMPARE_S, f64::MAX).collect();
-    let share = tail.iter().copied().filter(served).count() as f64 / tail.len().max(1) as f64;
+    let after: Vec<&Sample> = report::between(&samples, added, f64::MAX).collect();
+    let share = after.iter().copied().filter(served).count() as f64 / after.len().max(1) as f64;
     s.figure("new_pod_share", share);
-    s.check(
-        share > 0.0,
-        format!(
-            "the new pod takes a share of the requests {COMPARE_S} s on: {:.1} %",
-            share * 100.0
-        ),
-    );
     no_failures(s, &samples);
     latency_figures(s, "", &samples);
     ctx.plot(
