@@ -181,7 +181,8 @@ fn latency_figures(s: &mut Scenario, prefix: &str, samples: &[Sample]) {
 
 /// The undisturbed run's hit ratio in the [`COMPARE_S`] from `t` minus
 /// the disturbed run's, in percentage points: the same requests were sent
-/// at the same moments, so the difference is the disturbance's.
+/// at the same moments, so the difference is the disturbance's plus the
+/// noise of timing (several points in a window of a few dozen requests).
 fn dip_vs(undisturbed: &[Sample], disturbed: &[Sample], t: f64) -> f64 {
     let ratio = |x: &[Sample]| report::hit_ratio(report::between(x, t, t + COMPARE_S));
     (ratio(undisturbed) - ratio(disturbed)) * 100.0
