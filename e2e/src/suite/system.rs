@@ -5,7 +5,8 @@
 //! vLLM's ZMQ KV events and a `kvroute-agent` bridging them to WatchCache.
 //!
 //! Every pod has its own loopback address (`127.A.B.2`, `127.A.B.3`, …,
-//! with `A.B` from this process's id so concurrent runs do not meet) and
+//! with `A.B` from this process's id and the system's number, so
+//! concurrent runs and successive systems do not meet) and
 //! the same ports, as an InferencePool's ports are pool-wide. Pods are Pod
 //! objects whose status the scenario writes; the InferencePool and the
 //! CacheRoutingPolicy are applied as YAML.
@@ -15,6 +16,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -157,12 +159,17 @@ pub fn pod_name(endpoint: &str) -> &str {
     endpoint.rsplit_once(':').map_or(endpoint, |(pod, _)| pod)
 }
 
-/// A port free on every address right now.
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("0.0.0.0:0")
-        .context("binding a free port")?
-        .local_addr()?
-        .port())
+/// `n` distinct ports, each free on every address right now: all are held
+/// until all are chosen, so none is handed out twice.
+fn free_ports(n: usize) -> anyhow::Result<impl Iterator<Item = u16>> {
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("0.0.0.0:0").context("binding a free port"))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let ports = listeners
+        .iter()
+        .map(|l| Ok(l.local_addr()?.port()))
+        .collect::<anyhow::Result<Vec<u16>>>()?;
+    Ok(ports.into_iter())
 }
 
 impl System {
@@ -171,15 +178,22 @@ impl System {
     pub async fn start(bins: &Bins, logs: &Path, setup: Setup) -> anyhow::Result<System> {
         let _ = std::fs::remove_dir_all(logs);
         std::fs::create_dir_all(logs).with_context(|| format!("creating {}", logs.display()))?;
+        // Each system its own addresses: a port a killed process held may
+        // linger in TIME_WAIT, and ZMQ binds without SO_REUSEADDR.
+        static SYSTEMS: AtomicU32 = AtomicU32::new(0);
         let pid = std::process::id();
-        let net = [(100 + pid % 100) as u8, (1 + (pid / 100) % 250) as u8];
+        let n = SYSTEMS.fetch_add(1, Ordering::Relaxed);
+        let net = [(100 + pid % 100) as u8, (1 + (pid / 100 + n) % 250) as u8];
+        // Six per pod, two per operator, two per router.
+        let mut port = free_ports(6 + 2 * 2 + 2 * 2)?;
+        let mut next = || port.next().expect("as many ports as asked for");
         let ports = PodPorts {
-            http: free_port()?,
-            sim_cache: free_port()?,
-            cache: free_port()?,
-            zmq: free_port()?,
-            replay: free_port()?,
-            agent_admin: free_port()?,
+            http: next(),
+            sim_cache: next(),
+            cache: next(),
+            zmq: next(),
+            replay: next(),
+            agent_admin: next(),
         };
         let api = FakeApiServer::start().await;
         let kubeconfig = logs.join("kubeconfig.yaml");
@@ -211,8 +225,8 @@ impl System {
         for i in 0..2 {
             let operator = Operator {
                 identity: format!("operator-{i}"),
-                grpc: SocketAddr::new(system.host(1).into(), free_port()?),
-                admin: SocketAddr::new(system.host(1).into(), free_port()?),
+                grpc: SocketAddr::new(system.host(1).into(), next()),
+                admin: SocketAddr::new(system.host(1).into(), next()),
                 proc: None,
             };
             system.operators.push(operator);
@@ -226,8 +240,8 @@ impl System {
         for i in 0..2 {
             let name = format!("router-{i}");
             let config = logs.join(format!("{name}.yaml"));
-            let api = SocketAddr::new(system.host(1).into(), free_port()?);
-            let admin = SocketAddr::new(system.host(1).into(), free_port()?);
+            let api = SocketAddr::new(system.host(1).into(), next());
+            let admin = SocketAddr::new(system.host(1).into(), next());
             // Each router lists the operators starting from a different one.
             let mut order = urls.clone();
             order.rotate_left(i);
