@@ -337,7 +337,6 @@ impl Proxy {
         let decision_start = Instant::now();
         let path = parts.uri.path();
         self.allowed(path)?;
-        self.tenancy_check()?;
         let tenant = self.tenancy.tenant(&parts.headers)?;
         labels.tenant = self.tenant_label(tenant.as_deref());
         let (bytes, _budget) = self.read_body(parts, body).await?;
@@ -387,6 +386,7 @@ impl Proxy {
         model_label: &mut String,
     ) -> Result<Analysis, ApiError> {
         let settings = self.pool.settings();
+        self.tenancy_check(&settings)?;
         let conversation = headers
             .get(&settings.conversation_header)
             .and_then(|v| v.to_str().ok())
@@ -468,16 +468,16 @@ impl Proxy {
         })
     }
 
-    /// Refuses a path that is not proxied.
-    /// Refuses every request while the pool's policy asks for salted
-    /// tenancy that this router is not configured for.
-    pub fn tenancy_check(&self) -> Result<(), ApiError> {
-        if self.pool.settings().salting_required && !self.tenancy.salted() {
+    /// Refuses every request while the pool's policy (in `settings`) asks
+    /// for salted tenancy that this router is not configured for.
+    pub fn tenancy_check(&self, settings: &crate::settings::Settings) -> Result<(), ApiError> {
+        if settings.salting_required && !self.tenancy.salted() {
             return Err(ApiError::SaltingRequired);
         }
         Ok(())
     }
 
+    /// Refuses a path that is not proxied.
     fn allowed(&self, path: &str) -> Result<(), ApiError> {
         if self.allowed_paths.contains(path) {
             return Ok(());

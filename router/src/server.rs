@@ -302,7 +302,7 @@ fn bearer_is(headers: &axum::http::HeaderMap, token: &str) -> bool {
 
 async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
     let n = p.pool.routable();
-    if let Err(e) = p.tenancy_check() {
+    if let Err(e) = p.tenancy_check(&p.pool.settings()) {
         (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response()
     } else if n > 0 {
         (StatusCode::OK, format!("ready: {n} endpoints\n")).into_response()

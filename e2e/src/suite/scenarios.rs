@@ -188,6 +188,36 @@ fn dip_vs(undisturbed: &[Sample], disturbed: &[Sample], t: f64) -> f64 {
     (ratio(undisturbed) - ratio(disturbed)) * 100.0
 }
 
+/// Records `dip` against [`GOAL_DIP`].
+fn dip_goal(s: &mut Scenario, dip: f64, after: &str) {
+    s.goal(
+        dip <= GOAL_DIP,
+        format!(
+            "the hit ratio in the {COMPARE_S} s after {after} is within {GOAL_DIP} point of the undisturbed run's: {dip:.1}"
+        ),
+    );
+}
+
+/// The end of a timeline scenario: its failures, latency and plot, beside
+/// the undisturbed run.
+fn finish(
+    ctx: &Ctx,
+    s: &mut Scenario,
+    title: &str,
+    baseline: &[Sample],
+    samples: &[Sample],
+    marks: &[(f64, String)],
+) -> anyhow::Result<()> {
+    no_failures(s, samples);
+    latency_figures(s, "", samples);
+    ctx.plot(
+        s,
+        title,
+        vec![("undisturbed", baseline), ("this run", samples)],
+        marks,
+    )
+}
+
 async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let steady = ctx.duration * 3 / 2;
     let mut runs = Vec::new();
@@ -399,12 +429,12 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
             "both routers to follow the new pod",
             dur(BOUND_S),
             async || {
-                for i in 0..2 {
-                    let e = system.endpoints(i).await.ok()?;
-                    e.iter()
-                        .find(|e| e.name == name && e.ready && e.stream == "live")?;
-                }
-                Some(())
+                system
+                    .on_both_routers(|e| {
+                        e.iter()
+                            .any(|e| e.name == name && e.ready && e.stream == "live")
+                    })
+                    .await
             },
         )
         .await?;
@@ -435,12 +465,7 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     s.figure("hit_dip", dip);
     s.figure("new_pod_joined_s", joined_s);
     within(s, joined_s, "both routers follow the new pod");
-    s.goal(
-        dip <= GOAL_DIP,
-        format!(
-            "the hit ratio in the {COMPARE_S} s after the new pod joins is within {GOAL_DIP} point of the undisturbed run's: {dip:.1}"
-        ),
-    );
+    dip_goal(s, dip, "the new pod joins");
     let served = |x: &&Sample| x.endpoint.as_deref() == Some(name.as_str());
     let first = samples.iter().find(served).map(|x| x.t - added);
     s.figure("new_pod_first_request_s", first.unwrap_or(f64::NAN));
@@ -454,12 +479,12 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let after: Vec<&Sample> = report::between(&samples, added, f64::MAX).collect();
     let share = after.iter().copied().filter(served).count() as f64 / after.len().max(1) as f64;
     s.figure("new_pod_share", share);
-    no_failures(s, &samples);
-    latency_figures(s, "", &samples);
-    ctx.plot(
+    finish(
+        ctx,
         s,
         "scale-out 4 -> 5 pods under load",
-        vec![("undisturbed", &baseline), ("this run", &samples)],
+        &baseline,
+        &samples,
         &system.marks,
     )
 }
@@ -473,13 +498,9 @@ async fn pod_killed(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     system.mark("pod-3 deleted, engine killed");
     let (_, removed_s) = system
         .wait_for("both routers to drop pod-3", dur(BOUND_S), async || {
-            for i in 0..2 {
-                let e = system.endpoints(i).await.ok()?;
-                if e.iter().any(|e| e.name == "pod-3") {
-                    return None;
-                }
-            }
-            Some(())
+            system
+                .on_both_routers(|e| e.iter().all(|e| e.name != "pod-3"))
+                .await
         })
         .await?;
     let samples = load.await?;
@@ -552,13 +573,9 @@ async fn operator_killed(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
             "both routers to see pod-2 unready",
             dur(BOUND_S),
             async || {
-                for i in 0..2 {
-                    let e = system.endpoints(i).await.ok()?;
-                    if e.iter().any(|e| e.name == "pod-2" && e.ready) {
-                        return None;
-                    }
-                }
-                Some(())
+                system
+                    .on_both_routers(|e| !e.iter().any(|e| e.name == "pod-2" && e.ready))
+                    .await
             },
         )
         .await?;
@@ -595,12 +612,12 @@ async fn operator_killed(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         converged_s <= BOUND_S,
         format!("both routers follow the new leader's state: {converged_s:.2} s"),
     );
-    no_failures(s, &samples);
-    latency_figures(s, "", &samples);
-    ctx.plot(
+    finish(
+        ctx,
         s,
         "leader operator killed under load",
-        vec![("undisturbed", &baseline), ("this run", &samples)],
+        &baseline,
+        &samples,
         &system.marks,
     )
 }
@@ -637,18 +654,13 @@ async fn router_restarted(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     s.figure("resync_s", resync_s);
     s.figure("hit_dip", dip);
     within(s, resync_s, "router-1 is back with its index rebuilt");
-    s.goal(
-        dip <= GOAL_DIP,
-        format!(
-            "the hit ratio in the {COMPARE_S} s after it is back is within {GOAL_DIP} point of the undisturbed run's: {dip:.1}"
-        ),
-    );
-    no_failures(s, &samples);
-    latency_figures(s, "", &samples);
-    ctx.plot(
+    dip_goal(s, dip, "it is back");
+    finish(
+        ctx,
         s,
         "router restarted under load",
-        vec![("undisturbed", &baseline), ("this run", &samples)],
+        &baseline,
+        &samples,
         &system.marks,
     )
 }
@@ -689,11 +701,9 @@ async fn agent_restarted(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
             "both routers to follow pod-1 again",
             dur(BOUND_S),
             async || {
-                for i in 0..2 {
-                    let e = system.endpoints(i).await.ok()?;
-                    e.iter().find(|e| e.name == "pod-1" && e.stream == "live")?;
-                }
-                Some(())
+                system
+                    .on_both_routers(|e| e.iter().any(|e| e.name == "pod-1" && e.stream == "live"))
+                    .await
             },
         )
         .await?;
@@ -709,12 +719,12 @@ async fn agent_restarted(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         ),
     );
     within(s, resync_s, "both routers resync from the new agent");
-    no_failures(s, &samples);
-    latency_figures(s, "", &samples);
-    ctx.plot(
+    finish(
+        ctx,
         s,
         "agent killed and restarted under load",
-        vec![("undisturbed", &baseline), ("this run", &samples)],
+        &baseline,
+        &samples,
         &system.marks,
     )
 }

@@ -546,6 +546,16 @@ spec:
         format!("{}:{}", self.pods[k].name, self.ports.http)
     }
 
+    /// `Some` when `holds` is true of both routers' endpoints.
+    pub async fn on_both_routers(&self, holds: impl Fn(&[Endpoint]) -> bool) -> Option<()> {
+        for i in 0..self.routers.len() {
+            if !holds(&self.endpoints(i).await.ok()?) {
+                return None;
+            }
+        }
+        Some(())
+    }
+
     /// Router `i`'s `/metrics`.
     pub async fn router_metrics(&self, i: usize) -> anyhow::Result<String> {
         let url = format!("http://{}/metrics", self.routers[i].admin);
