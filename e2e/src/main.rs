@@ -2,6 +2,7 @@
 //! kvroute's real binaries and writes `DIR/report.json` and a timeline PNG
 //! per scenario. Exits non-zero when a scenario fails.
 
+mod bench;
 mod suite;
 
 use std::path::PathBuf;
@@ -45,19 +46,25 @@ enum Command {
         #[arg(long)]
         inference_perf_venv: Option<PathBuf>,
     },
+    /// Measure what proxying costs: kvroute-router beside nginx and
+    /// SGLang's gateway, against one fixed upstream (needs wrk and nginx).
+    BenchProxy(bench::Args),
 }
 
 /// The longest a scenario may take, start to end.
 const SCENARIO_TIMEOUT: Duration = Duration::from_secs(180);
 
 fn main() -> anyhow::Result<()> {
-    let Command::Report {
-        out,
-        bin_dir,
-        only,
-        duration,
-        inference_perf_venv,
-    } = Cli::parse().command;
+    let (out, bin_dir, only, duration, inference_perf_venv) = match Cli::parse().command {
+        Command::BenchProxy(args) => return bench::run(&args),
+        Command::Report {
+            out,
+            bin_dir,
+            only,
+            duration,
+            inference_perf_venv,
+        } => (out, bin_dir, only, duration, inference_perf_venv),
+    };
     for name in &only {
         anyhow::ensure!(
             NAMES.contains(&name.as_str()),

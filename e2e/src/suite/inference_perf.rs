@@ -35,44 +35,16 @@ pub fn default_venv() -> PathBuf {
 /// The `inference-perf` executable in `venv`, installed there first if
 /// needed; `Err` says why it cannot be had (the scenario then skips).
 pub fn install(venv: &Path) -> Result<PathBuf, String> {
-    let exe = venv.join("bin/inference-perf");
-    if exe.is_file() {
-        return Ok(exe);
-    }
     let python = python312().ok_or("no Python 3.12 (python3.12 on PATH or under ~/.pyenv)")?;
-    eprintln!(
-        "kvroute-e2e: installing inference-perf {VERSION} into {}",
-        venv.display()
-    );
-    let run = |cmd: &mut Command, what: &str| -> Result<(), String> {
-        let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            let err = String::from_utf8_lossy(&out.stderr);
-            let tail: Vec<&str> = err.lines().rev().take(3).collect();
-            Err(format!("{what} failed: {}", tail.join(" / ")))
-        }
-    };
-    run(
-        Command::new(&python).arg("-m").arg("venv").arg(venv),
-        "creating the venv",
-    )?;
-    run(
-        Command::new(venv.join("bin/pip")).args([
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            &format!("inference-perf=={VERSION}"),
-        ]),
-        "pip install inference-perf",
-    )?;
-    exe.is_file()
-        .then_some(exe)
-        .ok_or_else(|| "pip installed no inference-perf executable".into())
+    super::procs::pip_install(
+        venv,
+        &python,
+        &format!("inference-perf=={VERSION}"),
+        "inference-perf",
+    )
 }
 
-/// A Python 3.12 interpreter.
+/// Python 3.12, on `PATH` or under pyenv.
 fn python312() -> Option<PathBuf> {
     let works = |p: &Path| {
         Command::new(p)

@@ -132,6 +132,11 @@ impl Proc {
         })
     }
 
+    /// Its process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Its name in the logs.
     pub fn name(&self) -> &str {
         &self.name
@@ -175,4 +180,41 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.reap();
     }
+}
+
+/// Executable `exe` of package `spec` in `venv`, installed there first
+/// (a venv made by `python`) when missing; `Err` says why it cannot be had.
+pub fn pip_install(venv: &Path, python: &Path, spec: &str, exe: &str) -> Result<PathBuf, String> {
+    let exe = venv.join("bin").join(exe);
+    if exe.is_file() {
+        return Ok(exe);
+    }
+    eprintln!("kvroute-e2e: installing {spec} into {}", venv.display());
+    let run = |cmd: &mut Command, what: &str| -> Result<(), String> {
+        let out = cmd.output().map_err(|e| format!("{what}: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = err.lines().rev().take(3).collect();
+            Err(format!("{what} failed: {}", tail.join(" / ")))
+        }
+    };
+    run(
+        Command::new(python).arg("-m").arg("venv").arg(venv),
+        "creating the venv",
+    )?;
+    run(
+        Command::new(venv.join("bin/pip")).args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            spec,
+        ]),
+        &format!("pip install {spec}"),
+    )?;
+    if !exe.is_file() {
+        return Err(format!("pip installed no {} executable", exe.display()));
+    }
+    Ok(exe)
 }

@@ -161,7 +161,7 @@ pub fn pod_name(endpoint: &str) -> &str {
 
 /// `n` distinct ports, each free on every address right now: all are held
 /// until all are chosen, so none is handed out twice.
-fn free_ports(n: usize) -> anyhow::Result<impl Iterator<Item = u16>> {
+pub fn free_ports(n: usize) -> anyhow::Result<impl Iterator<Item = u16>> {
     let listeners = (0..n)
         .map(|_| TcpListener::bind("0.0.0.0:0").context("binding a free port"))
         .collect::<anyhow::Result<Vec<_>>>()?;
