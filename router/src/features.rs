@@ -66,6 +66,52 @@ pub fn parse(api: Api, body: &[u8], strict: bool) -> Result<Option<Map<String, V
     }
 }
 
+/// The top-level fields [`features`] reads, and only those: what a policy
+/// that reads no prompt needs. The other values are skipped as they are
+/// scanned, never built, so a large prompt costs one pass over its bytes.
+/// Chat and completions bodies must be JSON objects; other APIs' bodies may
+/// be anything (`Ok(None)`).
+pub fn scan(api: Api, body: &[u8]) -> Result<Option<Map<String, Value>>, ApiError> {
+    match serde_json::from_slice::<TopLevel>(body) {
+        Ok(TopLevel(fields)) => Ok(Some(fields)),
+        Err(_) if api == Api::Other => Ok(None),
+        Err(e) => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
+    }
+}
+
+/// A JSON object's [`FEATURES`] fields (see [`scan`]).
+struct TopLevel(Map<String, Value>);
+
+/// The fields [`features`] reads.
+const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+
+impl<'de> serde::Deserialize<'de> for TopLevel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = TopLevel;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<TopLevel, A::Error> {
+                let mut fields = Map::new();
+                while let Some(key) = a.next_key::<String>()? {
+                    if FEATURES.contains(&key.as_str()) {
+                        fields.insert(key, a.next_value::<Value>()?);
+                    } else {
+                        a.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(TopLevel(fields))
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
 fn string_field(obj: &Map<String, Value>, field: &str) -> Result<Option<String>, ApiError> {
     match obj.get(field) {
         None | Some(Value::Null) => Ok(None),

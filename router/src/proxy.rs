@@ -99,8 +99,11 @@ struct Analysis {
     chain: Vec<u64>,
     key: RoutingKey,
     prompt_tokens: u64,
-    /// Whether the router could read a prompt.
+    /// Whether the policy can rank it: the router read its prompt, or the
+    /// policy reads none (else the least loaded endpoint serves it).
     readable: bool,
+    /// Whether the router read and tokenized its prompt.
+    tokenized: bool,
     block_tokens: u64,
     /// The LoRA adapter the prompt was hashed with.
     lora: Option<String>,
@@ -403,7 +406,9 @@ impl Proxy {
             tokenize,
             keep_tokens,
         };
-        let analysis = if bytes.len() <= INLINE_BODY_BYTES {
+        // Scanning a body's top-level fields is one fast pass: inline.
+        let scan_only = !settings.policy.reads_request() && !self.tenancy.salted();
+        let analysis = if bytes.len() <= INLINE_BODY_BYTES || scan_only {
             analyze(bytes, input, &self.tenancy, &settings, &known)?
         } else {
             let tenancy = self.tenancy.clone();
@@ -457,7 +462,7 @@ impl Proxy {
             path: path.to_owned(),
             key: format!("{:016x}", a.key.0),
             prompt_tokens: a.prompt_tokens,
-            tokenized: a.readable,
+            tokenized: a.tokenized,
             block_size: hashing.block_size,
             hash_algo: hashing.algo.as_str(),
             chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),
@@ -925,7 +930,14 @@ fn analyze(
         tokenize,
         keep_tokens,
     } = input;
-    let mut obj = features::parse(api, &bytes, tenancy.salted())?;
+    // A policy that reads no prompt needs only the top-level fields,
+    // unless tenancy rewrites the body.
+    let reads = settings.policy.reads_request();
+    let mut obj = if reads || tenancy.salted() {
+        features::parse(api, &bytes, tenancy.salted())?
+    } else {
+        features::scan(api, &bytes)?
+    };
     let feats = obj
         .as_ref()
         .map(features::features)
@@ -955,7 +967,7 @@ fn analyze(
         cache_salt: salt.as_deref(),
     };
     let prompt = match obj.as_mut() {
-        Some(o) if tokenize => features::prompt(api, o, settings, extras, keep_tokens)?,
+        Some(o) if tokenize && reads => features::prompt(api, o, settings, extras, keep_tokens)?,
         _ => None,
     }
     .unwrap_or_default();
@@ -979,7 +991,8 @@ fn analyze(
         chain: prompt.chain,
         key,
         prompt_tokens,
-        readable: prompt.tokens > 0,
+        readable: prompt.tokens > 0 || !reads,
+        tokenized: prompt.tokens > 0,
         block_tokens: settings.hasher.config().block_size as u64,
         lora: lora.map(|l| l.name.clone()),
         tokens: prompt.all,

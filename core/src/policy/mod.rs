@@ -253,6 +253,16 @@ impl PolicyConfig {
         }
     }
 
+    /// Whether the policy reads the request (its routing key, chain or
+    /// prompt length). Round robin, least loaded and random rank endpoints
+    /// without it, so the router need not tokenize prompts for them.
+    pub fn reads_request(&self) -> bool {
+        !matches!(
+            self,
+            PolicyConfig::RoundRobin | PolicyConfig::LeastLoaded | PolicyConfig::Random(_)
+        )
+    }
+
     /// A fresh policy.
     pub fn build(&self) -> Box<dyn Policy> {
         match self {

@@ -182,7 +182,8 @@ impl Bed {
                         .iter()
                         .map(|p| format!("http://127.0.0.1:{p}")),
                 );
-                procs.push(Proc::spawn_program(&self.logs, name, smg, &args, &[])?);
+                let smg = Proc::spawn_program(&self.logs, name, smg, &args, &[])?;
+                procs.push(smg.graceful());
                 port
             }
             Target::KvrouteRoundRobin | Target::KvrouteApprox | Target::KvrouteExact => {
@@ -252,6 +253,7 @@ fn nginx(logs: &Path, name: &str, conf: &Path) -> anyhow::Result<Proc> {
         logs.join(format!("{name}.err")).display().to_string(),
     ];
     Proc::spawn_program(logs, name, Path::new("nginx"), &args, &[])
+        .map(Proc::graceful)
         .context("starting nginx (apt-get install nginx-light)")
 }
 

@@ -85,6 +85,9 @@ fn build(cargo: &std::ffi::OsStr, dir: &Path) -> anyhow::Result<()> {
 pub struct Proc {
     name: String,
     child: Child,
+    /// Stopped with SIGTERM on drop (a process whose children outlive a
+    /// SIGKILL, as nginx's workers do).
+    graceful: bool,
 }
 
 impl Proc {
@@ -129,6 +132,7 @@ impl Proc {
         Ok(Proc {
             name: name.to_owned(),
             child,
+            graceful: false,
         })
     }
 
@@ -157,9 +161,19 @@ impl Proc {
         self.reap();
     }
 
+    /// Makes dropping it a [`terminate`](Self::terminate) with 5 s of grace.
+    pub fn graceful(mut self) -> Proc {
+        self.graceful = true;
+        self
+    }
+
     /// SIGTERM, as Kubernetes stops a container; SIGKILL if it has not
     /// exited after `grace`.
     pub fn terminate(mut self, grace: Duration) {
+        self.term(grace);
+    }
+
+    fn term(&mut self, grace: Duration) {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -178,6 +192,9 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        if self.graceful {
+            self.term(Duration::from_secs(5));
+        }
         self.reap();
     }
 }

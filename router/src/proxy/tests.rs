@@ -116,3 +116,59 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The top-level scan a policy without prompts uses reads the same
+    /// fields as the full parse, and refuses the same bodies.
+    #[test]
+    fn the_scan_reads_what_the_parse_reads(api in api(), body in body()) {
+        let parsed = features::parse(api, &body, false);
+        let scanned = features::scan(api, &body);
+        match (parsed, scanned) {
+            (Ok(p), Ok(s)) => {
+                let f = |o: Option<serde_json::Map<String, Value>>| {
+                    o.as_ref().map(features::features).transpose().map(|f| f.map(|f| format!("{f:?}"))).map_err(|e| e.to_string())
+                };
+                prop_assert_eq!(f(p), f(s));
+            }
+            (Err(_), Err(_)) => {}
+            (p, s) => prop_assert!(false, "parse {:?}, scan {:?}", p.map(|_| ()), s.map(|_| ())),
+        }
+    }
+}
+
+#[test]
+fn round_robin_routes_without_tokenizing() {
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    let s = Settings::builtin(kvroute_core::policy::PolicyConfig::RoundRobin);
+    let body =
+        json!({"model": "m", "messages": [{"role": "user", "content": "Hello ".repeat(100)}]});
+    let input = || Input {
+        api: Api::Chat,
+        tenant: None,
+        conversation: None,
+        tokenize: true,
+        keep_tokens: true,
+    };
+    let bytes = Bytes::from(body.to_string());
+    let a = analyze(bytes.clone(), input(), &t, &s, &ModelList::default()).unwrap();
+    assert!(a.readable && !a.tokenized);
+    assert!(a.chain.is_empty() && a.tokens.is_empty());
+    assert_eq!(a.model.as_deref(), Some("m"));
+    assert_eq!(a.prompt_tokens, bytes.len() as u64 / 4);
+    // The default policy reads the prompt.
+    let a = analyze(bytes, input(), &t, &Settings::test(), &ModelList::default()).unwrap();
+    assert!(a.readable && a.tokenized && !a.chain.is_empty());
+    // The scan still refuses what is not an object, and mistyped fields.
+    for bad in [&b"[1]"[..], b"{\"stream\": 1}", b"{\"model\": "] {
+        let e = analyze(
+            Bytes::from_static(bad),
+            input(),
+            &t,
+            &s,
+            &ModelList::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e.status().as_u16(), 400, "{e}");
+    }
+}
