@@ -3,11 +3,12 @@
 //! prompt as the engine will tokenize it. The body itself is forwarded
 //! unchanged (except where tenancy rewrites `cache_salt`).
 
-use kvroute_core::hash::{BlockExtras, Chain};
+use kvroute_core::hash::{BlockExtras, Chain, ChainState};
 use kvroute_core::tokenize::{
-    ChatMessage, TokenizeError, chat_prompt_tokens, completion_prompt_tokens, content_text,
-    for_each_chat_token,
+    ChatMessage, ChatTemplate, TokenizeError, Tokenizer, chat_prompt_tokens,
+    completion_prompt_tokens, content_text, for_each_chat_token,
 };
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -69,46 +70,115 @@ pub fn parse(api: Api, body: &[u8], strict: bool) -> Result<Option<Map<String, V
 /// The top-level fields [`features`] reads, and only those: what a policy
 /// that reads no prompt needs. The other values are skipped as they are
 /// scanned, never built, so a large prompt costs one pass over its bytes.
-/// Chat and completions bodies must be JSON objects; other APIs' bodies may
-/// be anything (`Ok(None)`).
-pub fn scan(api: Api, body: &[u8]) -> Result<Option<Map<String, Value>>, ApiError> {
-    match serde_json::from_slice::<TopLevel>(body) {
-        Ok(TopLevel(fields)) => Ok(Some(fields)),
+/// With `messages`, a chat's messages are kept too, each as its raw JSON
+/// within `body`. Chat and
+/// completions bodies must be JSON objects; other APIs' bodies may be
+/// anything (`Ok(None)`).
+pub fn scan(api: Api, body: &[u8], messages: bool) -> Result<Option<Scanned<'_>>, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let scanned = serde::de::Deserializer::deserialize_map(&mut de, Fields { messages })
+        .and_then(|s| de.end().map(|()| s));
+    match scanned {
+        Ok(s) => Ok(Some(s)),
         Err(_) if api == Api::Other => Ok(None),
         Err(e) => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
     }
 }
 
-/// A JSON object's [`FEATURES`] fields (see [`scan`]).
-struct TopLevel(Map<String, Value>);
+/// What [`scan`] keeps of a body.
+#[derive(Debug)]
+pub struct Scanned<'a> {
+    /// The [`FEATURES`] fields.
+    pub fields: Map<String, Value>,
+    /// The chat's messages, raw, when asked for and a list.
+    pub messages: Option<Vec<&'a RawValue>>,
+}
 
-/// The fields [`features`] reads.
-const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+/// A `messages` value: the raw elements of a list, else `None` (skipped).
+struct RawList<'a>(Option<Vec<&'a RawValue>>);
 
-impl<'de> serde::Deserialize<'de> for TopLevel {
+impl<'de> serde::Deserialize<'de> for RawList<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Fields;
-        impl<'de> serde::de::Visitor<'de> for Fields {
-            type Value = TopLevel;
+        struct List;
+        impl<'de> serde::de::Visitor<'de> for List {
+            type Value = RawList<'de>;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
+                f.write_str("any JSON value")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = a.next_element::<&'de RawValue>()? {
+                    items.push(item);
+                }
+                Ok(RawList(Some(items)))
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut a: A,
-            ) -> Result<TopLevel, A::Error> {
-                let mut fields = Map::new();
-                while let Some(key) = a.next_key::<String>()? {
-                    if FEATURES.contains(&key.as_str()) {
-                        fields.insert(key, a.next_value::<Value>()?);
-                    } else {
-                        a.next_value::<serde::de::IgnoredAny>()?;
-                    }
-                }
-                Ok(TopLevel(fields))
+            ) -> Result<Self::Value, A::Error> {
+                while a
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(RawList(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(RawList(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(RawList(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(RawList(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(RawList(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(RawList(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(RawList(None))
             }
         }
-        d.deserialize_map(Fields)
+        d.deserialize_any(List)
+    }
+}
+
+/// The fields [`features`] reads.
+const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+
+/// [`scan`]'s visitor: keeps [`FEATURES`] (and the raw messages when
+/// asked), skips the rest.
+struct Fields {
+    messages: bool,
+}
+
+impl<'de> serde::de::Visitor<'de> for Fields {
+    type Value = Scanned<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Scanned<'de>, A::Error> {
+        let mut scanned = Scanned {
+            fields: Map::new(),
+            messages: None,
+        };
+        while let Some(key) = a.next_key::<String>()? {
+            if FEATURES.contains(&key.as_str()) {
+                scanned.fields.insert(key, a.next_value::<Value>()?);
+            } else if self.messages && key == "messages" {
+                scanned.messages = a.next_value::<RawList<'de>>()?.0;
+            } else {
+                a.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(scanned)
     }
 }
 
@@ -170,19 +240,13 @@ pub fn prompt(
     extras: BlockExtras<'_>,
     keep_all: bool,
 ) -> Result<Option<Prompt>, ApiError> {
-    let mut builder = Builder {
-        chain: settings.hasher.chain(extras),
-        head_len: settings.key.prefix_tokens,
-        keep_all,
-        content: Xxh3::new(),
-        prompt: Prompt::default(),
-    };
+    let mut builder = Builder::new(settings, extras, keep_all);
     let tokens = if api == Api::Chat {
         let Some(messages) = chat_messages(obj)? else {
             return Ok(None);
         };
         let (tokenizer, template) = (&settings.tokenizer, &settings.template);
-        if for_each_chat_token(tokenizer, template, &messages, |t| builder.push(t)) {
+        if for_each_chat_token(tokenizer, template, &messages, true, |t| builder.push(t)) {
             return Ok(Some(builder.prompt));
         }
         // A template or tokenizer failure is the router's limit, not the
@@ -207,7 +271,17 @@ struct Builder<'a> {
     prompt: Prompt,
 }
 
-impl Builder<'_> {
+impl<'a> Builder<'a> {
+    fn new(settings: &'a Settings, extras: BlockExtras<'a>, keep_all: bool) -> Self {
+        Builder {
+            chain: settings.hasher.chain(extras),
+            head_len: settings.key.prefix_tokens,
+            keep_all,
+            content: Xxh3::new(),
+            prompt: Prompt::default(),
+        }
+    }
+
     fn push(&mut self, token: u32) {
         self.prompt.tokens += 1;
         if self.prompt.head.len() < self.head_len {
@@ -243,22 +317,113 @@ fn chat_messages(obj: &mut Map<String, Value>) -> Result<Option<Vec<ChatMessage>
     }
     let mut messages = Vec::with_capacity(raw.len());
     for (i, m) in raw.iter_mut().enumerate() {
-        let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
-            return Err(ApiError::BadRequest(format!(
-                "messages[{i}].role is required and must be a string"
-            )));
-        };
-        let text = match m.get_mut("content") {
-            Some(Value::String(text)) => Ok(std::mem::take(text)),
-            content => content_text(content.map_or(&Value::Null, |c| &*c)),
-        };
-        match text {
-            Ok(content) => messages.push(ChatMessage::new(role, content)),
-            Err(TokenizeError::Unsupported(_)) => return Ok(None),
-            Err(e) => return Err(ApiError::BadRequest(format!("messages[{i}].content: {e}"))),
+        match chat_message(i, m)? {
+            Some(m) => messages.push(m),
+            None => return Ok(None),
         }
     }
     Ok(Some(messages))
+}
+
+/// Message `i` of a chat, its text moved out of `m`; `Ok(None)` when it
+/// has content the router cannot tokenize.
+fn chat_message(i: usize, m: &mut Value) -> Result<Option<ChatMessage>, ApiError> {
+    let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
+        return Err(ApiError::BadRequest(format!(
+            "messages[{i}].role is required and must be a string"
+        )));
+    };
+    let text = match m.get_mut("content") {
+        Some(Value::String(text)) => Ok(std::mem::take(text)),
+        content => content_text(content.map_or(&Value::Null, |c| &*c)),
+    };
+    match text {
+        Ok(content) => Ok(Some(ChatMessage::new(role, content))),
+        Err(TokenizeError::Unsupported(_)) => Ok(None),
+        Err(e) => Err(ApiError::BadRequest(format!("messages[{i}].content: {e}"))),
+    }
+}
+
+/// Whether chats are tokenized a message at a time ([`streamed_chat`]):
+/// with the built-in tokenizer and template.
+pub fn streams_chats(settings: &Settings) -> bool {
+    matches!(
+        (&*settings.tokenizer, &*settings.template),
+        (Tokenizer::Builtin, ChatTemplate::Builtin)
+    )
+}
+
+/// Where a chat's prompt stood after some of its messages (before the
+/// generation prompt), to resume it from ([`streamed_chat`]).
+#[derive(Clone)]
+pub struct Snapshot {
+    chain: ChainState,
+    content: Xxh3,
+    prompt: Prompt,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("tokens", &self.prompt.tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Snapshot {
+    /// Full blocks of the prompt so far.
+    pub fn blocks(&self) -> usize {
+        self.prompt.chain.len()
+    }
+}
+
+/// A chat's prompt from its raw `messages` when [`streams_chats`]: each
+/// message parsed, rendered and tokenized alone (the built-in template and
+/// tokenizer give the same tokens fed a message at a time), starting after
+/// the first `from.0` messages from snapshot `from.1` when given. Returns
+/// the prompt and the snapshot after the last message; `Ok(None)` when a
+/// message has content the router cannot tokenize.
+pub fn streamed_chat(
+    raw: &[&RawValue],
+    settings: &Settings,
+    extras: BlockExtras<'_>,
+    keep_all: bool,
+    from: Option<(usize, Snapshot)>,
+) -> Result<Option<(Prompt, Snapshot)>, ApiError> {
+    if raw.is_empty() {
+        return Err(ApiError::BadRequest("'messages' must not be empty".into()));
+    }
+    let (skip, mut builder) = match from {
+        Some((skip, s)) => (
+            skip,
+            Builder {
+                chain: settings.hasher.resume(s.chain, extras),
+                head_len: settings.key.prefix_tokens,
+                keep_all: false,
+                content: s.content,
+                prompt: s.prompt,
+            },
+        ),
+        None => (0, Builder::new(settings, extras, keep_all)),
+    };
+    let (tokenizer, template) = (&settings.tokenizer, &settings.template);
+    for (i, r) in raw.iter().enumerate().skip(skip) {
+        let mut m: Value = serde_json::from_str(r.get())
+            .map_err(|e| ApiError::BadRequest(format!("messages[{i}]: {e}")))?;
+        let Some(message) = chat_message(i, &mut m)? else {
+            return Ok(None);
+        };
+        drop(m);
+        let one = std::slice::from_ref(&message);
+        for_each_chat_token(tokenizer, template, one, false, |t| builder.push(t));
+    }
+    let snapshot = Snapshot {
+        chain: builder.chain.state(),
+        content: builder.content.clone(),
+        prompt: builder.prompt.clone(),
+    };
+    for_each_chat_token(tokenizer, template, &[], true, |t| builder.push(t));
+    Ok(Some((builder.prompt, snapshot)))
 }
 
 /// The prompt's token ids as the engine computes them (see [`prompt`]).

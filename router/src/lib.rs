@@ -9,6 +9,7 @@
 
 pub mod cache_watch;
 pub mod config;
+pub mod conversations;
 pub mod discovery;
 pub mod errors;
 pub mod features;

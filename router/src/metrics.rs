@@ -69,6 +69,13 @@ pub struct Why {
     pub reason: &'static str,
 }
 
+/// `{result}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    /// `hit` or `miss`.
+    pub result: &'static str,
+}
+
 /// `{listener, reason}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ListenerReason {
@@ -133,6 +140,10 @@ pub struct Metrics {
     pub hit_rate_gap_alerts: Family<Model, Counter>,
     /// `kvroute_volatile_prefix_requests_total{model,tenant}`.
     pub volatile_prefix_requests: Family<ModelTenant, Counter>,
+    /// `kvroute_conversation_prompts_total{result}`.
+    pub conversation_prompts: Family<Outcome, Counter>,
+    /// `kvroute_conversation_evictions_total`.
+    pub conversation_evictions: Counter,
     /// `kvroute_upstream_failures_total{endpoint,kind}`; use
     /// [`Metrics::upstream_failure`], which keeps the series bounded.
     upstream_failures: Family<EndpointKind, Counter>,
@@ -170,6 +181,8 @@ impl Default for Metrics {
             hit_rate_gap: Family::default(),
             hit_rate_gap_alerts: Family::default(),
             volatile_prefix_requests: Family::default(),
+            conversation_prompts: Family::default(),
+            conversation_evictions: Counter::default(),
             upstream_failures: Family::default(),
             failed_endpoints: Mutex::default(),
             decision_seconds: Histogram::new(BUCKETS.iter().copied()),
@@ -251,6 +264,20 @@ impl Default for Metrics {
             "kvroute_hit_rate_gap_alerts",
             "Times a model's hit-rate gap was sustained (at least 0.2 over 50 or more requests; at most one per 5 minutes), each logged with an example response id",
             m.hit_rate_gap_alerts.clone(),
+        );
+        r.register(
+            "kvroute_conversation_prompts",
+            "Chat prompts with a conversation key (built-in tokenizer and template), by result: hit (resumed after the previous turn's messages: only the new ones tokenized) or miss (computed whole)",
+            m.conversation_prompts.clone(),
+        );
+        r.register(
+            "kvroute_conversation_evictions",
+            format!(
+                "Conversations forgotten to keep the prompt snapshots within {} conversations and {} chain blocks",
+                crate::conversations::MAX_CONVERSATIONS,
+                crate::conversations::MAX_BLOCKS
+            ),
+            m.conversation_evictions.clone(),
         );
         r.register(
             "kvroute_volatile_prefix_requests",

@@ -30,11 +30,12 @@ use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::{Config, Limits};
+use crate::conversations::{Conversation, Conversations, Memo};
 use crate::errors::ApiError;
 use crate::features::{self, Api};
 use crate::health::Fault;
 use crate::hit_rate::{Gap, Usage, UsageScan};
-use crate::metrics::{Metrics, Model, ModelStatus, ModelTenant, Why};
+use crate::metrics::{Metrics, Model, ModelStatus, ModelTenant, Outcome, Why};
 use crate::models::{ModelList, Models};
 use crate::pool::{InFlight, Plan, Pool, Target};
 use crate::prefixes::{Offender, Volatility};
@@ -88,6 +89,8 @@ pub struct Proxy {
     gap: std::sync::Mutex<Gap>,
     /// Volatile prefix detection.
     prefixes: std::sync::Mutex<Volatility>,
+    /// Conversations' prompt snapshots.
+    conversations: Arc<Conversations>,
 }
 
 /// What routing takes from a request, computed by [`analyze`].
@@ -111,6 +114,8 @@ struct Analysis {
     tokens: Vec<u32>,
     /// Content hashes of the leading blocks ([`features::Prompt::contents`]).
     contents: Vec<u64>,
+    /// Whether a conversation's prompt was resumed.
+    memo: Option<Memo>,
 }
 
 /// Counts a request under `kvroute_requests_total` exactly once: with its
@@ -190,7 +195,6 @@ impl Proxy {
             .collect();
         Proxy {
             pool,
-            metrics,
             tenancy,
             attempts: config.resilience.attempts,
             endpoint_header: config
@@ -210,6 +214,8 @@ impl Proxy {
             tenant_labels,
             gap: std::sync::Mutex::default(),
             prefixes: std::sync::Mutex::default(),
+            conversations: Arc::new(Conversations::new(metrics.conversation_evictions.clone())),
+            metrics,
         }
     }
 
@@ -409,17 +415,35 @@ impl Proxy {
         // Scanning a body's top-level fields is one fast pass: inline.
         let scan_only = !settings.policy.reads_request() && !self.tenancy.salted();
         let analysis = if bytes.len() <= INLINE_BODY_BYTES || scan_only {
-            analyze(bytes, input, &self.tenancy, &settings, &known)?
+            analyze(
+                bytes,
+                input,
+                &self.tenancy,
+                &settings,
+                &known,
+                &self.conversations,
+            )?
         } else {
             let tenancy = self.tenancy.clone();
             let retry_after = self.limits.retry_after_s;
             let known = known.clone();
+            let conversations = self.conversations.clone();
             self.tokenizers
                 .run(retry_after, move || {
-                    analyze(bytes, input, &tenancy, &settings, &known)
+                    analyze(bytes, input, &tenancy, &settings, &known, &conversations)
                 })
                 .await??
         };
+        if let Some(memo) = analysis.memo {
+            let result = match memo {
+                Memo::Hit => "hit",
+                Memo::Miss => "miss",
+            };
+            self.metrics
+                .conversation_prompts
+                .get_or_create(&Outcome { result })
+                .inc();
+        }
         if let Some(model) = &analysis.model {
             if known.ids.contains(model) {
                 model_label.clone_from(model);
@@ -916,12 +940,19 @@ struct Input {
 /// block chain and routing key. Synchronous: large bodies run it on the
 /// tokenizer pool. In salted mode every body must be a JSON object: one
 /// the router cannot read could carry a client salt the engine would read.
+///
+/// Three ways to read a body: a policy that reads no prompt scans only its
+/// top-level fields; a chat with the built-in tokenizer and template (not
+/// salted) is scanned with its messages kept raw and tokenized a message
+/// at a time, resuming a known conversation ([`Conversations`]); anything
+/// else is parsed whole.
 fn analyze(
     bytes: Bytes,
     input: Input,
     tenancy: &Tenancy,
     settings: &crate::settings::Settings,
     models: &ModelList,
+    conversations: &Conversations,
 ) -> Result<Analysis, ApiError> {
     let Input {
         api,
@@ -930,24 +961,33 @@ fn analyze(
         tokenize,
         keep_tokens,
     } = input;
-    // A policy that reads no prompt needs only the top-level fields,
-    // unless tenancy rewrites the body.
     let reads = settings.policy.reads_request();
-    let mut obj = if reads || tenancy.salted() {
-        features::parse(api, &bytes, tenancy.salted())?
+    let salted = tenancy.salted();
+    let streamed =
+        api == Api::Chat && reads && tokenize && !salted && features::streams_chats(settings);
+    let mut raw_messages = None;
+    let mut obj = if streamed {
+        features::scan(api, &bytes, true)?.map(|s| {
+            raw_messages = s.messages;
+            s.fields
+        })
+    } else if reads || salted {
+        features::parse(api, &bytes, salted)?
     } else {
-        features::scan(api, &bytes)?
+        features::scan(api, &bytes, false)?.map(|s| s.fields)
     };
     let feats = obj
         .as_ref()
         .map(features::features)
         .transpose()?
         .unwrap_or_default();
-    let mut bytes = bytes;
+    let mut forwarded = None;
     if let Some(o) = obj.as_mut()
         && tenancy.apply(tenant.as_deref(), o)?
     {
-        bytes = Bytes::from(serde_json::to_vec(o).expect("a JSON map serializes"));
+        forwarded = Some(Bytes::from(
+            serde_json::to_vec(o).expect("a JSON map serializes"),
+        ));
     }
     let salt = obj
         .as_ref()
@@ -966,13 +1006,31 @@ fn analyze(
         lora,
         cache_salt: salt.as_deref(),
     };
+    let conversation = feats.prompt_cache_key.or(conversation_header);
+    let mut memo = None;
     let prompt = match obj.as_mut() {
+        Some(_) if streamed => {
+            let Some(raw) = raw_messages.as_deref() else {
+                return Err(ApiError::BadRequest(
+                    "'messages' is required and must be a list".into(),
+                ));
+            };
+            let c = conversation.as_deref().map(|key| Conversation {
+                tenant: tenant.as_deref(),
+                key,
+            });
+            let (prompt, m) =
+                conversations.chat_prompt(&bytes, raw, c, settings, extras, keep_tokens)?;
+            memo = m;
+            prompt
+        }
         Some(o) if tokenize && reads => features::prompt(api, o, settings, extras, keep_tokens)?,
         _ => None,
     }
     .unwrap_or_default();
+    drop(raw_messages);
     drop(obj);
-    let conversation = feats.prompt_cache_key.or(conversation_header);
+    let bytes = forwarded.unwrap_or(bytes);
     let key = settings.key.key(&KeyInput {
         tenant: tenant.as_deref(),
         conversation: conversation.as_deref(),
@@ -997,6 +1055,7 @@ fn analyze(
         lora: lora.map(|l| l.name.clone()),
         tokens: prompt.all,
         contents: prompt.contents,
+        memo,
     })
 }
 

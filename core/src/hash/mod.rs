@@ -307,7 +307,44 @@ pub struct Chain<'a> {
     buf: Vec<u8>,
 }
 
+/// Where a [`Chain`] stands, to be resumed later with
+/// [`BlockHasher::resume`] (the same hasher and extras).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainState {
+    parent: BlockDigest,
+    index: usize,
+    block: Vec<u32>,
+}
+
+impl ChainState {
+    /// Tokens of the block not yet full.
+    pub fn pending(&self) -> usize {
+        self.block.len()
+    }
+}
+
+impl BlockHasher {
+    /// A chain continuing from `state`, which a chain of this hasher with
+    /// these `extras` reached.
+    pub fn resume<'a>(&'a self, state: ChainState, extras: BlockExtras<'a>) -> Chain<'a> {
+        let mut chain = self.chain(extras);
+        chain.parent = state.parent;
+        chain.index = state.index;
+        chain.block = state.block;
+        chain
+    }
+}
+
 impl Chain<'_> {
+    /// Where the chain stands.
+    pub fn state(&self) -> ChainState {
+        ChainState {
+            parent: self.parent,
+            index: self.index,
+            block: self.block.clone(),
+        }
+    }
+
     /// Adds the next token; returns the digest of the block it completes.
     pub fn push(&mut self, token: u32) -> Option<BlockDigest> {
         self.block.push(token);
@@ -366,6 +403,29 @@ mod tests {
             ..HashConfig::default()
         })
         .unwrap()
+    }
+
+    #[test]
+    fn a_resumed_chain_continues_where_it_stood() {
+        let extras = BlockExtras {
+            lora: None,
+            cache_salt: Some("s"),
+        };
+        let tokens: Vec<u32> = (0..45).collect();
+        for algo in HashAlgo::ALL {
+            let h = hasher(algo, 8);
+            let want = h.digests(&tokens, extras);
+            for cut in [0, 5, 8, 21, 45] {
+                let mut chain = h.chain(extras);
+                let mut got: Vec<_> = tokens[..cut]
+                    .iter()
+                    .filter_map(|&t| chain.push(t))
+                    .collect();
+                let mut chain = h.resume(chain.state(), extras);
+                got.extend(tokens[cut..].iter().filter_map(|&t| chain.push(t)));
+                assert_eq!(got, want, "{algo} cut at {cut}");
+            }
+        }
     }
 
     #[test]

@@ -30,12 +30,16 @@ pub fn chat_prompt_tokens(
 /// ids, when the tokenizer and the template are the built-in ones: the
 /// built-in tokenizer never joins characters across a template part (every
 /// part boundary is next to a character that is a piece of its own), so
-/// the parts are encoded one by one. Returns `false`, calling nothing,
-/// for any other tokenizer or template.
+/// the parts are encoded one by one. The template renders each message
+/// alone, so a chat's tokens are its messages' tokens in order, then (with
+/// `add_generation_prompt`) the generation prompt's: a caller may feed a
+/// chat a few messages at a time. Returns `false`, calling nothing, for
+/// any other tokenizer or template.
 pub fn for_each_chat_token(
     tokenizer: &Tokenizer,
     template: &ChatTemplate,
     messages: &[ChatMessage],
+    add_generation_prompt: bool,
     mut f: impl FnMut(u32),
 ) -> bool {
     if !matches!(
@@ -44,7 +48,7 @@ pub fn for_each_chat_token(
     ) {
         return false;
     }
-    super::template::builtin_parts(messages, true, |part| {
+    super::template::builtin_parts(messages, add_generation_prompt, |part| {
         super::builtin::encode_each(part, &mut f)
     });
     true

@@ -262,7 +262,14 @@ mod streaming {
                 .collect();
             let (tokenizer, template) = (Tokenizer::builtin(), ChatTemplate::builtin());
             let mut streamed = Vec::new();
-            prop_assert!(for_each_chat_token(&tokenizer, &template, &messages, |t| streamed.push(t)));
+            prop_assert!(for_each_chat_token(&tokenizer, &template, &messages, true, |t| streamed.push(t)));
+            // Fed a message at a time, then the generation prompt: the same.
+            let mut pieces = Vec::new();
+            for m in messages.chunks(1) {
+                for_each_chat_token(&tokenizer, &template, m, false, |t| pieces.push(t));
+            }
+            for_each_chat_token(&tokenizer, &template, &[], true, |t| pieces.push(t));
+            prop_assert_eq!(&pieces, &streamed);
             prop_assert_eq!(
                 streamed,
                 chat_prompt_tokens(&tokenizer, &template, messages).unwrap()
@@ -279,6 +286,7 @@ mod streaming {
             &tokenizer,
             &ChatTemplate::builtin(),
             &messages,
+            true,
             |_| called = true
         ));
         assert!(!called);

@@ -25,6 +25,10 @@ fn tenancy(mode: TenancyMode, client_salt: ClientSalt) -> Tenancy {
     tenancy
 }
 
+fn conversations() -> Conversations {
+    Conversations::new(Default::default())
+}
+
 /// JSON values biased toward what the parser looks at.
 fn value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
@@ -95,7 +99,7 @@ proptest! {
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = Settings::test();
         let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false };
-        match analyze(Bytes::from(body), input, &t, &s, &ModelList::default()) {
+        match analyze(Bytes::from(body), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
                 prop_assert_eq!(&forwarded["cache_salt"], &json!(t.salt("acme")));
@@ -110,7 +114,7 @@ proptest! {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
         let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false };
-        match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default()) {
+        match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
         }
@@ -123,7 +127,7 @@ proptest! {
     #[test]
     fn the_scan_reads_what_the_parse_reads(api in api(), body in body()) {
         let parsed = features::parse(api, &body, false);
-        let scanned = features::scan(api, &body);
+        let scanned = features::scan(api, &body, false).map(|s| s.map(|s| s.fields));
         match (parsed, scanned) {
             (Ok(p), Ok(s)) => {
                 let f = |o: Option<serde_json::Map<String, Value>>| {
@@ -151,13 +155,29 @@ fn round_robin_routes_without_tokenizing() {
         keep_tokens: true,
     };
     let bytes = Bytes::from(body.to_string());
-    let a = analyze(bytes.clone(), input(), &t, &s, &ModelList::default()).unwrap();
+    let a = analyze(
+        bytes.clone(),
+        input(),
+        &t,
+        &s,
+        &ModelList::default(),
+        &conversations(),
+    )
+    .unwrap();
     assert!(a.readable && !a.tokenized);
     assert!(a.chain.is_empty() && a.tokens.is_empty());
     assert_eq!(a.model.as_deref(), Some("m"));
     assert_eq!(a.prompt_tokens, bytes.len() as u64 / 4);
     // The default policy reads the prompt.
-    let a = analyze(bytes, input(), &t, &Settings::test(), &ModelList::default()).unwrap();
+    let a = analyze(
+        bytes,
+        input(),
+        &t,
+        &Settings::test(),
+        &ModelList::default(),
+        &conversations(),
+    )
+    .unwrap();
     assert!(a.readable && a.tokenized && !a.chain.is_empty());
     // The scan still refuses what is not an object, and mistyped fields.
     for bad in [&b"[1]"[..], b"{\"stream\": 1}", b"{\"model\": "] {
@@ -167,8 +187,130 @@ fn round_robin_routes_without_tokenizing() {
             &t,
             &s,
             &ModelList::default(),
+            &conversations(),
         )
         .unwrap_err();
         assert_eq!(e.status().as_u16(), 400, "{e}");
     }
+}
+
+/// A chat body (keys in serde_json's sorted order: `messages` first, so a
+/// longer history starts with the shorter one's bytes).
+fn chat(messages: &[(String, String)], conversation: &str) -> Bytes {
+    let messages: Vec<Value> = messages
+        .iter()
+        .map(|(role, content)| json!({"role": role, "content": content}))
+        .collect();
+    let body = json!({"messages": messages, "model": "m", "prompt_cache_key": conversation});
+    Bytes::from(body.to_string())
+}
+
+fn chat_input() -> Input {
+    Input {
+        api: Api::Chat,
+        tenant: None,
+        conversation: None,
+        tokenize: true,
+        keep_tokens: false,
+    }
+}
+
+proptest! {
+    /// Each turn of a growing conversation resumes the previous one and
+    /// computes exactly what a whole computation does.
+    #[test]
+    fn resumed_conversations_equal_whole_ones(
+        turns in proptest::collection::vec(("(user|assistant|system)", "[a-z \\n\"é日🦀]{0,40}"), 1..6),
+        salt in proptest::option::of("[a-z]{1,4}"),
+    ) {
+        let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+        let s = Settings::test();
+        let shared = conversations();
+        for n in 1..=turns.len() {
+            let mut body: Value = serde_json::from_slice(&chat(&turns[..n], "c")).unwrap();
+            if let Some(salt) = &salt {
+                body["cache_salt"] = json!(salt);
+            }
+            let bytes = Bytes::from(body.to_string());
+            let a = analyze(bytes.clone(), chat_input(), &t, &s, &ModelList::default(), &shared).unwrap();
+            let whole = analyze(bytes.clone(), chat_input(), &t, &s, &ModelList::default(), &conversations()).unwrap();
+            prop_assert_eq!(a.memo, Some(if n == 1 { Memo::Miss } else { Memo::Hit }));
+            prop_assert_eq!(whole.memo, Some(Memo::Miss));
+            body.as_object_mut().unwrap().remove("prompt_cache_key");
+            let keyless = analyze(Bytes::from(body.to_string()), chat_input(), &t, &s, &ModelList::default(), &shared).unwrap();
+            prop_assert_eq!(keyless.memo, None);
+            prop_assert_eq!(&keyless.chain, &a.chain);
+            // The full parse computes the same prompt.
+            let mut obj = features::parse(Api::Chat, &bytes, false).unwrap().unwrap();
+            let extras = BlockExtras { lora: None, cache_salt: salt.as_deref() };
+            let parsed = features::prompt(Api::Chat, &mut obj, &s, extras, false).unwrap().unwrap();
+            for x in [&a, &whole] {
+                prop_assert_eq!(&x.chain, &parsed.chain);
+                prop_assert_eq!(x.prompt_tokens, parsed.tokens);
+                prop_assert_eq!(&x.contents, &parsed.contents);
+                prop_assert_eq!(x.key, a.key);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_edited_history_or_another_conversation_misses() {
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    let s = Settings::test();
+    let cache = conversations();
+    let turn = |role: &str, text: &str| (role.to_owned(), text.to_owned());
+    let history = vec![turn("system", "Be brief."), turn("user", "Hi")];
+    let run = |body: Bytes| {
+        analyze(body, chat_input(), &t, &s, &ModelList::default(), &cache)
+            .unwrap()
+            .memo
+    };
+    assert_eq!(run(chat(&history, "c")), Some(Memo::Miss));
+    let mut next = history.clone();
+    next.extend([turn("assistant", "Hello."), turn("user", "More")]);
+    assert_eq!(run(chat(&next, "c")), Some(Memo::Hit));
+    // The same turn again: resumed too.
+    assert_eq!(run(chat(&next, "c")), Some(Memo::Hit));
+    // An edited first message: computed whole.
+    let mut edited = next.clone();
+    edited[0].1 = "Be long.".into();
+    assert_eq!(run(chat(&edited, "c")), Some(Memo::Miss));
+    // Another conversation key with the same history: its own entry.
+    assert_eq!(run(chat(&next, "d")), Some(Memo::Miss));
+    // A shorter history than remembered: computed whole.
+    assert_eq!(run(chat(&history, "c")), Some(Memo::Miss));
+    // No conversation key: nothing remembered.
+    let body = json!({"messages": [{"role": "user", "content": "x"}]}).to_string();
+    assert_eq!(run(Bytes::from(body)), None);
+}
+
+#[test]
+fn conversations_are_bounded() {
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    let s = Settings::test();
+    let evictions = prometheus_client::metrics::counter::Counter::default();
+    let cache = Conversations::new(evictions.clone());
+    let history = vec![("user".to_owned(), "Hello there".to_owned())];
+    let n = crate::conversations::MAX_CONVERSATIONS + 10;
+    for i in 0..n {
+        let body = chat(&history, &format!("c{i}"));
+        analyze(body, chat_input(), &t, &s, &ModelList::default(), &cache).unwrap();
+    }
+    assert_eq!(evictions.get(), 10);
+    // The oldest were forgotten, the newest kept.
+    let memo = |i: usize| {
+        analyze(
+            chat(&history, &format!("c{i}")),
+            chat_input(),
+            &t,
+            &s,
+            &ModelList::default(),
+            &cache,
+        )
+        .unwrap()
+        .memo
+    };
+    assert_eq!(memo(n - 1), Some(Memo::Hit));
+    assert_eq!(memo(0), Some(Memo::Miss));
 }

@@ -1,0 +1,198 @@
+//! Incremental prompts for conversations. A follow-up turn sends the
+//! conversation so far again, byte for byte, and appends to it: the
+//! router keeps, per conversation key, where the previous request's prompt
+//! stood after its last message (the block chain's state, see
+//! [`Snapshot`]) together with a hash of the exact body bytes up to that
+//! message's end. When a request of the same conversation starts with
+//! those bytes, only the messages after them are parsed, tokenized and
+//! hashed. Anything else (an edited history, other settings, salt or
+//! adapter) misses and is computed whole.
+//!
+//! Bounded by conversations and by the blocks their chains hold; the least
+//! recently used go first, and evictions are counted.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use kvroute_core::hash::BlockExtras;
+use kvroute_core::lru::Lru;
+use prometheus_client::metrics::counter::Counter;
+use serde_json::value::RawValue;
+use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+
+use crate::errors::ApiError;
+use crate::features::{self, Prompt, Snapshot};
+use crate::settings::Settings;
+
+/// Conversations remembered at most.
+pub const MAX_CONVERSATIONS: usize = 16_384;
+
+/// Chain blocks the remembered conversations hold at most, in total (8
+/// bytes each: 16 MiB).
+pub const MAX_BLOCKS: usize = 1 << 21;
+
+/// The conversations' prompt snapshots.
+#[derive(Debug)]
+pub struct Conversations {
+    inner: Mutex<Inner>,
+    evictions: Counter,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    lru: Lru,
+    entries: HashMap<u64, Entry>,
+    blocks: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    /// The body's bytes up to the end of the last message.
+    prefix_len: usize,
+    prefix_hash: u128,
+    /// Messages the snapshot covers.
+    messages: usize,
+    snapshot: Snapshot,
+}
+
+/// Whether a chat's prompt was resumed from a snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memo {
+    /// Resumed: only the new messages were tokenized.
+    Hit,
+    /// Computed whole (and remembered).
+    Miss,
+}
+
+/// A conversation: its tenant and key.
+#[derive(Debug)]
+pub struct Conversation<'a> {
+    /// The tenant.
+    pub tenant: Option<&'a str>,
+    /// `prompt_cache_key` or the conversation header.
+    pub key: &'a str,
+}
+
+impl Conversation<'_> {
+    /// Its snapshot's identity: the conversation, and everything a chain
+    /// depends on besides the tokens (the hashing, the key's head length,
+    /// the adapter and the salt).
+    fn id(&self, settings: &Settings, extras: BlockExtras<'_>) -> u64 {
+        let mut h = Xxh3::new();
+        let mut field = |s: &str| {
+            h.update(&(s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        };
+        field(self.tenant.unwrap_or("\0"));
+        field(self.key);
+        field(&format!("{:?}", settings.hasher.config()));
+        field(&settings.key.prefix_tokens.to_string());
+        if let Some(l) = extras.lora {
+            field(&l.name);
+            field(&l.path);
+        }
+        field(extras.cache_salt.unwrap_or("\0"));
+        h.digest()
+    }
+}
+
+impl Conversations {
+    /// The prompt of a chat (its raw `messages` within `body`, hashed with
+    /// `extras`) when [`features::streams_chats`], resumed from the
+    /// conversation's snapshot when `body` starts as the one it was taken
+    /// from, and remembered for the next turn. `None` for `conversation`: computed
+    /// whole, not remembered. As [`features::streamed_chat`] otherwise.
+    pub fn chat_prompt(
+        &self,
+        body: &[u8],
+        raw: &[&RawValue],
+        conversation: Option<Conversation<'_>>,
+        settings: &Settings,
+        extras: BlockExtras<'_>,
+        keep_all: bool,
+    ) -> Result<(Option<Prompt>, Option<Memo>), ApiError> {
+        let (Some(c), Some(ends), false) = (conversation, message_ends(body, raw), keep_all) else {
+            let prompt = features::streamed_chat(raw, settings, extras, keep_all, None)?;
+            return Ok((prompt.map(|p| p.0), None));
+        };
+        let id = c.id(settings, extras);
+        let from = self.get(id).filter(|e| {
+            e.messages <= raw.len()
+                && ends.get(e.messages.wrapping_sub(1)) == Some(&e.prefix_len)
+                && xxh3_128(&body[..e.prefix_len]) == e.prefix_hash
+        });
+        let memo = if from.is_some() {
+            Memo::Hit
+        } else {
+            Memo::Miss
+        };
+        let from = from.map(|e| (e.messages, e.snapshot));
+        let Some((prompt, snapshot)) = features::streamed_chat(raw, settings, extras, false, from)?
+        else {
+            return Ok((None, Some(memo)));
+        };
+        if let Some(&end) = ends.last() {
+            self.put(
+                id,
+                Entry {
+                    prefix_len: end,
+                    prefix_hash: xxh3_128(&body[..end]),
+                    messages: raw.len(),
+                    snapshot,
+                },
+            );
+        }
+        Ok((Some(prompt), Some(memo)))
+    }
+
+    /// A cache counting its evictions in `evictions`.
+    pub fn new(evictions: Counter) -> Self {
+        Conversations {
+            inner: Mutex::default(),
+            evictions,
+        }
+    }
+
+    fn get(&self, id: u64) -> Option<Entry> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = inner.entries.get(&id).cloned()?;
+        inner.lru.touch(id);
+        Some(entry)
+    }
+
+    /// Remembers `entry`, evicting the least recently used beyond the
+    /// bounds.
+    fn put(&self, id: u64, entry: Entry) {
+        let blocks = entry.snapshot.blocks();
+        if blocks > MAX_BLOCKS {
+            return;
+        }
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = &mut *inner;
+        if let Some(old) = inner.entries.insert(id, entry) {
+            inner.blocks -= old.snapshot.blocks();
+        }
+        inner.blocks += blocks;
+        inner.lru.touch(id);
+        while inner.entries.len() > MAX_CONVERSATIONS || inner.blocks > MAX_BLOCKS {
+            let Some(oldest) = inner.lru.pop_lru() else {
+                break;
+            };
+            if let Some(old) = inner.entries.remove(&oldest) {
+                inner.blocks -= old.snapshot.blocks();
+                self.evictions.inc();
+            }
+        }
+    }
+}
+
+/// Where each raw message ends within `body`, or `None` if one is not in
+/// it.
+fn message_ends(body: &[u8], raw: &[&RawValue]) -> Option<Vec<usize>> {
+    raw.iter()
+        .map(|r| {
+            let start = (r.get().as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+            Some(start + r.get().len()).filter(|&end| end <= body.len())
+        })
+        .collect()
+}
