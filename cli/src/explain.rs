@@ -117,6 +117,15 @@ fn render(v: &Value) -> String {
             str_of(&v["hash_algo"]),
             str_of(&v["key"])
         );
+    } else if v["mode"] == "approximate" && !chain.is_empty() {
+        let _ = writeln!(
+            s,
+            "prompt    approximate mode: about {} tokens (4 bytes each), {} full blocks of {}, key {}",
+            v["prompt_tokens"],
+            chain.len(),
+            v["block_size"],
+            str_of(&v["key"])
+        );
     } else {
         let _ = writeln!(
             s,

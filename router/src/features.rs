@@ -306,7 +306,9 @@ impl<'a> Builder<'a> {
 
 /// A chat's messages, their texts moved out of `obj`; `Ok(None)` when one
 /// has content the router cannot tokenize.
-fn chat_messages(obj: &mut Map<String, Value>) -> Result<Option<Vec<ChatMessage>>, ApiError> {
+pub(crate) fn chat_messages(
+    obj: &mut Map<String, Value>,
+) -> Result<Option<Vec<ChatMessage>>, ApiError> {
     let Some(Value::Array(raw)) = obj.get_mut("messages") else {
         return Err(ApiError::BadRequest(
             "'messages' is required and must be a list".into(),
@@ -327,7 +329,7 @@ fn chat_messages(obj: &mut Map<String, Value>) -> Result<Option<Vec<ChatMessage>
 
 /// Message `i` of a chat, its text moved out of `m`; `Ok(None)` when it
 /// has content the router cannot tokenize.
-fn chat_message(i: usize, m: &mut Value) -> Result<Option<ChatMessage>, ApiError> {
+pub(crate) fn chat_message(i: usize, m: &mut Value) -> Result<Option<ChatMessage>, ApiError> {
     let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
         return Err(ApiError::BadRequest(format!(
             "messages[{i}].role is required and must be a string"

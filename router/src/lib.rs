@@ -8,6 +8,7 @@
 //! decision is made by `kvroute-core`.
 
 pub mod cache_watch;
+pub mod chunks;
 pub mod config;
 pub mod conversations;
 pub mod discovery;

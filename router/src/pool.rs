@@ -302,6 +302,12 @@ impl Pool {
         self.lock().settings.clone()
     }
 
+    /// Whether routing is exact: some endpoint reports its cache. Else
+    /// it is approximate: the router's own memory of where prefixes went.
+    pub fn exact(&self) -> bool {
+        self.lock().exact
+    }
+
     /// Replaces the routing settings with `f(current)`, all at once. A new
     /// policy starts without the old one's learned state (the index is
     /// kept); every engine's contract is checked again: one that no longer

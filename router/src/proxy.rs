@@ -359,7 +359,7 @@ impl Proxy {
                 &mut labels.model,
             )
             .await?;
-        self.volatile(&analysis, labels);
+        self.volatile(&analysis, &labels.model, &labels.tenant);
         let request = RouteRequest {
             key: analysis.key,
             chain: &analysis.chain,
@@ -411,6 +411,7 @@ impl Proxy {
             conversation,
             tokenize,
             keep_tokens,
+            exact: self.pool.exact(),
         };
         // Scanning a body's top-level fields is one fast pass: inline.
         let scan_only = !settings.policy.reads_request() && !self.tenancy.salted();
@@ -487,6 +488,11 @@ impl Proxy {
             key: format!("{:016x}", a.key.0),
             prompt_tokens: a.prompt_tokens,
             tokenized: a.tokenized,
+            mode: if self.pool.exact() {
+                "exact"
+            } else {
+                "approximate"
+            },
             block_size: hashing.block_size,
             hash_algo: hashing.algo.as_str(),
             chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),
@@ -495,6 +501,38 @@ impl Proxy {
             tokens: a.tokens,
             decision,
         })
+    }
+
+    /// The routing decision for a request as [`serve`](Self::serve) makes
+    /// it before forwarding: the same checks, analysis and plan, then the
+    /// first target's load and the policy's memory of it, as when sent
+    /// (the load released at once), without queueing or I/O. Returns the
+    /// first target's name. For measuring what a decision costs.
+    pub async fn decide(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<String, ApiError> {
+        self.allowed(path)?;
+        let tenant = self.tenancy.tenant(headers)?;
+        let tenant_label = self.tenant_label(tenant.as_deref());
+        let mut model = String::new();
+        let a = self
+            .analyze(path, headers, tenant, body, false, &mut model)
+            .await?;
+        self.volatile(&a, &model, &tenant_label);
+        let request = RouteRequest {
+            key: a.key,
+            chain: &a.chain,
+            prompt_tokens: a.prompt_tokens,
+        };
+        let plan = self.pool.plan(&request, a.readable);
+        let target = plan.targets.first().ok_or(ApiError::Unavailable {
+            retry_after: self.limits.retry_after_s,
+        })?;
+        drop(self.pool.start(&request, target, a.prompt_tokens));
+        Ok(target.name.clone())
     }
 
     /// Refuses every request while the pool's policy (in `settings`) asks
@@ -829,21 +867,20 @@ impl Proxy {
 
     /// Looks for a volatile prefix in a routed request (see
     /// [`prefixes`](crate::prefixes)) and counts one.
-    fn volatile(&self, analysis: &Analysis, labels: &Labels) {
+    fn volatile(&self, analysis: &Analysis, model: &str, tenant: &str) {
         let mut v = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
         let Some(d) = v.observe(&analysis.chain, &analysis.contents) else {
             return;
         };
-        v.record(
-            &d,
-            analysis.block_tokens as usize,
-            &labels.model,
-            &labels.tenant,
-        );
+        v.record(&d, analysis.block_tokens as usize, model, tenant);
         drop(v);
+        let by = ModelTenant {
+            model: model.to_owned(),
+            tenant: tenant.to_owned(),
+        };
         self.metrics
             .volatile_prefix_requests
-            .get_or_create(&labels.model_tenant())
+            .get_or_create(&by)
             .inc();
     }
 
@@ -909,6 +946,10 @@ pub struct Explanation {
     pub prompt_tokens: u64,
     /// Whether the router read and tokenized the prompt.
     pub tokenized: bool,
+    /// `exact` (tokenized as the engines do) or `approximate` (the text in
+    /// 4-byte pseudo-tokens: `tokens` is then empty, and `chain` and
+    /// `prompt_tokens` count those).
+    pub mode: &'static str,
     /// The prompt's token ids.
     pub tokens: Vec<u32>,
     /// Tokens per block.
@@ -933,6 +974,9 @@ struct Input {
     tokenize: bool,
     /// Keep every prompt token in [`Analysis::tokens`].
     keep_tokens: bool,
+    /// Exact mode: the prompt is tokenized as the engines do. Else
+    /// approximate mode reads it in byte chunks ([`chunks`](crate::chunks)).
+    exact: bool,
 }
 
 /// Parses the body, applies tenancy, and computes the prompt's tokens
@@ -960,11 +1004,15 @@ fn analyze(
         conversation: conversation_header,
         tokenize,
         keep_tokens,
+        exact,
     } = input;
     let reads = settings.policy.reads_request();
     let salted = tenancy.salted();
-    let streamed =
-        api == Api::Chat && reads && tokenize && !salted && features::streams_chats(settings);
+    let streamed = api == Api::Chat
+        && reads
+        && tokenize
+        && !salted
+        && (!exact || features::streams_chats(settings));
     let mut raw_messages = None;
     let mut obj = if streamed {
         features::scan(api, &bytes, true)?.map(|s| {
@@ -1009,11 +1057,15 @@ fn analyze(
     let conversation = feats.prompt_cache_key.or(conversation_header);
     let mut memo = None;
     let prompt = match obj.as_mut() {
+        Some(_) if streamed && !exact => {
+            let Some(raw) = raw_messages.as_deref() else {
+                return Err(messages_required());
+            };
+            crate::chunks::chat(raw, settings, extras)?
+        }
         Some(_) if streamed => {
             let Some(raw) = raw_messages.as_deref() else {
-                return Err(ApiError::BadRequest(
-                    "'messages' is required and must be a list".into(),
-                ));
+                return Err(messages_required());
             };
             let c = conversation.as_deref().map(|key| Conversation {
                 tenant: tenant.as_deref(),
@@ -1024,6 +1076,7 @@ fn analyze(
             memo = m;
             prompt
         }
+        Some(o) if tokenize && reads && !exact => crate::chunks::prompt(api, o, settings, extras)?,
         Some(o) if tokenize && reads => features::prompt(api, o, settings, extras, keep_tokens)?,
         _ => None,
     }
@@ -1050,13 +1103,17 @@ fn analyze(
         key,
         prompt_tokens,
         readable: prompt.tokens > 0 || !reads,
-        tokenized: prompt.tokens > 0,
+        tokenized: prompt.tokens > 0 && exact,
         block_tokens: settings.hasher.config().block_size as u64,
         lora: lora.map(|l| l.name.clone()),
         tokens: prompt.all,
         contents: prompt.contents,
         memo,
     })
+}
+
+fn messages_required() -> ApiError {
+    ApiError::BadRequest("'messages' is required and must be a list".into())
 }
 
 /// The tokenizer pool: at most one job per core at once, at most `queue`

@@ -1,6 +1,6 @@
-//! Volatile prefixes over engine sims: a system prompt that starts with a
-//! timestamp is flagged, with the offset where it diverges; a stable one
-//! is not.
+//! Volatile prefixes over engine sims (exact mode: offsets are in the
+//! engines' tokens): a system prompt that starts with a timestamp is
+//! flagged, with the offset where it diverges; a stable one is not.
 
 mod support;
 
@@ -22,7 +22,7 @@ async fn get(stack: &Stack, path: &str) -> Value {
 
 #[tokio::test]
 async fn a_timestamped_system_prompt_is_flagged_where_it_diverges() {
-    let stack = Stack::start("volatile", 2, false, |_| {}, |_| {}).await;
+    let stack = Stack::start("volatile", 2, true, |_| {}, |_| {}).await;
     // Stable prompts first: nothing to flag.
     for i in 0..6 {
         let r = stack

@@ -98,7 +98,7 @@ proptest! {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = Settings::test();
-        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false };
+        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false, exact: true };
         match analyze(Bytes::from(body), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
@@ -113,7 +113,7 @@ proptest! {
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
-        let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false };
+        let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false, exact: true };
         match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
@@ -153,6 +153,7 @@ fn round_robin_routes_without_tokenizing() {
         conversation: None,
         tokenize: true,
         keep_tokens: true,
+        exact: true,
     };
     let bytes = Bytes::from(body.to_string());
     let a = analyze(
@@ -212,6 +213,7 @@ fn chat_input() -> Input {
         conversation: None,
         tokenize: true,
         keep_tokens: false,
+        exact: true,
     }
 }
 
@@ -313,4 +315,57 @@ fn conversations_are_bounded() {
     };
     assert_eq!(memo(n - 1), Some(Memo::Hit));
     assert_eq!(memo(0), Some(Memo::Miss));
+}
+
+#[test]
+fn approximate_mode_chunks_the_text_without_tokenizing() {
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    let s = Settings::test();
+    let approx = || Input {
+        exact: false,
+        ..chat_input()
+    };
+    let turn = |role: &str, text: &str| (role.to_owned(), text.to_owned());
+    let system = turn("system", &"You route requests. ".repeat(40));
+    let one = chat(&[system.clone(), turn("user", &"Hi ".repeat(50))], "c");
+    let two = chat(&[system.clone(), turn("user", &"Bye ".repeat(40))], "c");
+    let run = |body: &Bytes| {
+        analyze(
+            body.clone(),
+            approx(),
+            &t,
+            &s,
+            &ModelList::default(),
+            &conversations(),
+        )
+        .unwrap()
+    };
+    let (a, b) = (run(&one), run(&two));
+    assert!(a.readable && !a.tokenized && a.memo.is_none());
+    // 4 bytes a pseudo-token, 16 a block: the system prompt's 800 bytes and
+    // its role make 12 full blocks, the same in both.
+    let text = "system\n".len() + system.1.len() + 1 + "user\n\0".len() + 150;
+    assert_eq!(a.prompt_tokens, text.div_ceil(4) as u64);
+    assert_eq!(a.chain.len(), text / 64);
+    assert_eq!(a.chain[..12], b.chain[..12]);
+    assert_ne!(a.chain[12], b.chain[12]);
+    assert_eq!(a.contents.len(), a.chain.len());
+    // The parsed-body path (salted tenancy) reads the same text.
+    let salted = tenancy(TenancyMode::Salted, ClientSalt::Reject);
+    let input = Input {
+        tenant: Some("acme".into()),
+        ..approx()
+    };
+    let c = analyze(
+        one.clone(),
+        input,
+        &salted,
+        &s,
+        &ModelList::default(),
+        &conversations(),
+    )
+    .unwrap();
+    assert_eq!(c.prompt_tokens, a.prompt_tokens);
+    // Another salt: another chain.
+    assert_ne!(c.chain[0], a.chain[0]);
 }

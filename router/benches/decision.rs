@@ -1,0 +1,254 @@
+//! Criterion benchmarks of the router's whole routing decision, as the
+//! request path makes it ([`Proxy::decide`]): read the body's fields, render
+//! the chat template, tokenize, hash the block chain, look it up, rank the
+//! endpoints, and record the choice. Over 8 endpoints, for chats of 1 KiB,
+//! 32 KiB and 220 KiB:
+//!
+//! - `approx`: the default policy on the router's own memory;
+//! - `exact`: the default policy on engine reports (each engine's index
+//!   holds 65,536 blocks; one holds the request's prompt);
+//! - `builtin`: the built-in tokenizer and template; `hf`: a byte-level
+//!   BPE tokenizer trained here with the `tokenizers` crate (its vocabulary
+//!   size is printed; no model can be downloaded) with Qwen2.5's template;
+//! - `follow_up`: a conversation's next turn, whose history was seen;
+//! - `round_robin`: a policy that reads no prompt.
+//!
+//! `cargo bench -p kvroute-router --bench decision`
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kvroute_core::contract::EngineCache;
+use kvroute_core::policy::PolicyConfig;
+use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+use kvroute_router::config::Config;
+use kvroute_router::metrics::Metrics;
+use kvroute_router::pool::{EndpointSpec, Pool};
+use kvroute_router::proxy::Proxy;
+use kvroute_router::settings::Settings;
+use kvroute_router::tenancy::Tenancy;
+use serde_json::{Value, json};
+use tokenizers::AddedToken;
+use tokenizers::models::TrainerWrapper;
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+const ENDPOINTS: usize = 8;
+const SIZES_KIB: [usize; 3] = [1, 32, 220];
+const CHAT: &str = "/v1/chat/completions";
+const QWEN_CONFIG: &str =
+    include_str!("../../core/tests/fixtures/tokenize/qwen2.5-instruct.tokenizer_config.json");
+
+/// Deterministic words from syllables (SplitMix64), about 6 letters each.
+fn words(seed: u64, bytes: usize) -> String {
+    const SYLLABLES: [&str; 24] = [
+        "ka", "ro", "ute", "pre", "fix", "blo", "ck", "en", "gi", "ne", "to", "ken", "ca", "che",
+        "po", "ol", "re", "qu", "est", "la", "ten", "cy", "ser", "ve",
+    ];
+    let mut s = seed;
+    let mut next = move || {
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut text = String::with_capacity(bytes + 16);
+    while text.len() < bytes {
+        let n = 1 + next() % 3;
+        for _ in 0..n {
+            text.push_str(SYLLABLES[(next() % 24) as usize]);
+        }
+        text.push(if next() % 12 == 0 { '.' } else { ' ' });
+    }
+    text.truncate(bytes);
+    text
+}
+
+/// A byte-level BPE trained on 2 MiB of [`words`], with ChatML's special
+/// tokens, as a `tokenizer.json`.
+fn trained_tokenizer() -> Vec<u8> {
+    let dir = std::env::temp_dir().join(format!("kvroute-bench-bpe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, words(7, 2 << 20)).unwrap();
+    let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let mut trainer = TrainerWrapper::BpeTrainer(
+        BpeTrainerBuilder::new()
+            .vocab_size(8192)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .special_tokens(
+                specials
+                    .iter()
+                    .map(|t| AddedToken::from(*t, true))
+                    .collect(),
+            )
+            .build(),
+    );
+    let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::default()));
+    tokenizer.with_decoder(Some(ByteLevel::default()));
+    tokenizer
+        .train_from_files(&mut trainer, vec![corpus.display().to_string()])
+        .unwrap();
+    eprintln!(
+        "decision bench: trained a byte-level BPE, vocabulary {} tokens",
+        tokenizer.get_vocab_size(true)
+    );
+    let json = tokenizer.to_string(false).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    json.into_bytes()
+}
+
+/// A chat of about `kib` KiB: a long system prompt and a short question.
+fn chat(kib: usize, extra: Option<(&str, &str)>) -> Value {
+    let mut messages = vec![
+        json!({"role": "system", "content": words(1, kib * 1024)}),
+        json!({"role": "user", "content": "What does the cache hold?"}),
+    ];
+    if let Some((answer, question)) = extra {
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": question}));
+    }
+    json!({"model": "bench", "messages": messages, "max_tokens": 16})
+}
+
+struct Setup {
+    runtime: tokio::runtime::Runtime,
+    proxy: Arc<Proxy>,
+}
+
+impl Setup {
+    fn new(settings: Settings, exact: bool) -> Setup {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let config = Config::default();
+        let metrics = Arc::new(Metrics::default());
+        let pool = Pool::new(settings, &config.resilience, metrics.clone(), 256);
+        let tenancy = Tenancy::load(&config.tenancy).unwrap();
+        let proxy = Arc::new(Proxy::new(pool.clone(), metrics, tenancy, &config));
+        let specs = (0..ENDPOINTS)
+            .map(|i| EndpointSpec {
+                name: format!("engine-{i}"),
+                // Nothing listens: the decision makes no request.
+                http: SocketAddr::from(([127, 0, 0, 1], 9)),
+                cache: exact.then(|| SocketAddr::from(([127, 0, 0, 1], 9))),
+                ready: true,
+                draining: false,
+            })
+            .collect();
+        let streams = pool.set_endpoints(specs);
+        let setup = Setup { runtime, proxy };
+        if exact {
+            let hashing = pool.settings().hasher.config().clone();
+            let engine = EngineCache {
+                block_size: hashing.block_size as u32,
+                hash_algo: Some(hashing.algo),
+                hash_seed_set: hashing.seed.is_some(),
+                none_hash: Some(pool.settings().hasher.none_hash().to_u64()),
+                hashes_unverified: false,
+            };
+            let chain = setup.chain(&chat(SIZES_KIB[2], None));
+            for (i, s) in streams.start.iter().enumerate() {
+                // Each engine holds 65,536 blocks of other prompts; the
+                // first holds this one's too.
+                let mut blocks: Vec<u64> = (0..65_536u64)
+                    .map(|b| (i as u64) << 40 | b.wrapping_mul(0x9e37_79b9))
+                    .collect();
+                if i == 0 {
+                    blocks.extend(&chain);
+                }
+                pool.apply_snapshot(&s.name, s.generation, engine.clone(), 1 << 17, &blocks, &[])
+                    .unwrap();
+            }
+        }
+        setup
+    }
+
+    /// The chain the router computes for `body`.
+    fn chain(&self, body: &Value) -> Vec<u64> {
+        let bytes = Bytes::from(body.to_string());
+        let explained = self
+            .runtime
+            .block_on(self.proxy.explain(CHAT, &HeaderMap::new(), bytes))
+            .unwrap();
+        explained
+            .chain
+            .iter()
+            .map(|h| u64::from_str_radix(h, 16).unwrap())
+            .collect()
+    }
+
+    fn decide(&self, body: &Bytes) -> String {
+        self.runtime
+            .block_on(self.proxy.decide(CHAT, &HeaderMap::new(), body.clone()))
+            .unwrap()
+    }
+}
+
+fn settings(hf: Option<&[u8]>, policy: PolicyConfig) -> Settings {
+    let mut s = Settings::builtin(policy);
+    if let Some(json) = hf {
+        s.tokenizer = Arc::new(Tokenizer::from_tokenizer_json(json).unwrap());
+        s.template = Arc::new(ChatTemplate::from_tokenizer_config(QWEN_CONFIG.as_bytes()).unwrap());
+    }
+    s
+}
+
+fn decisions(c: &mut Criterion) {
+    let bpe = trained_tokenizer();
+    for (tokenizer, hf) in [("builtin", None), ("hf", Some(bpe.as_slice()))] {
+        let mut g = c.benchmark_group(format!("decision/{tokenizer}"));
+        g.sample_size(10).measurement_time(Duration::from_secs(3));
+        for (mode, exact) in [("approx", false), ("exact", true)] {
+            let setup = Setup::new(settings(hf, PolicyConfig::default()), exact);
+            for kib in SIZES_KIB {
+                let body = Bytes::from(chat(kib, None).to_string());
+                g.bench_with_input(
+                    BenchmarkId::new(mode, format!("{kib}KiB")),
+                    &body,
+                    |b, body| b.iter(|| black_box(setup.decide(body))),
+                );
+            }
+        }
+        g.finish();
+    }
+
+    let mut g = c.benchmark_group("decision/builtin");
+    g.sample_size(10).measurement_time(Duration::from_secs(3));
+    for (mode, exact) in [("approx", false), ("exact", true)] {
+        let setup = Setup::new(settings(None, PolicyConfig::default()), exact);
+        let mut first = chat(SIZES_KIB[2], None);
+        first["prompt_cache_key"] = json!("conversation-1");
+        let mut next = chat(SIZES_KIB[2], Some(("It holds blocks.", "Which ones?")));
+        next["prompt_cache_key"] = json!("conversation-1");
+        setup.decide(&Bytes::from(first.to_string()));
+        let next = Bytes::from(next.to_string());
+        g.bench_with_input(
+            BenchmarkId::new(format!("follow_up_{mode}"), "220KiB"),
+            &next,
+            |b, body| b.iter(|| black_box(setup.decide(body))),
+        );
+    }
+    let setup = Setup::new(settings(None, PolicyConfig::RoundRobin), false);
+    for kib in SIZES_KIB {
+        let body = Bytes::from(chat(kib, None).to_string());
+        g.bench_with_input(
+            BenchmarkId::new("round_robin", format!("{kib}KiB")),
+            &body,
+            |b, body| b.iter(|| black_box(setup.decide(body))),
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, decisions);
+criterion_main!(benches);
