@@ -25,7 +25,7 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvroute_core::contract::EngineCache;
 use kvroute_core::policy::PolicyConfig;
-use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
+use kvroute_core::tokenize::{ChatMessage, ChatTemplate, Tokenizer, chat_prompt_tokens};
 use kvroute_router::config::Config;
 use kvroute_router::metrics::Metrics;
 use kvroute_router::pool::{EndpointSpec, Pool};
@@ -208,6 +208,31 @@ fn decisions(c: &mut Criterion) {
     for (tokenizer, hf) in [("builtin", None), ("hf", Some(bpe.as_slice()))] {
         let mut g = c.benchmark_group(format!("decision/{tokenizer}"));
         g.sample_size(10).measurement_time(Duration::from_secs(3));
+        // Tokenization alone (render and encode), what exact mode cannot
+        // avoid: the rest of an exact decision is its overhead.
+        let s = settings(hf, PolicyConfig::default());
+        for kib in SIZES_KIB {
+            let body = chat(kib, None);
+            let messages: Vec<ChatMessage> = body["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())
+                })
+                .collect();
+            g.bench_with_input(
+                BenchmarkId::new("tokenize_only", format!("{kib}KiB")),
+                &messages,
+                |b, m| {
+                    b.iter(|| {
+                        chat_prompt_tokens(&s.tokenizer, &s.template, m.clone())
+                            .unwrap()
+                            .len()
+                    })
+                },
+            );
+        }
         for (mode, exact) in [("approx", false), ("exact", true)] {
             let setup = Setup::new(settings(hf, PolicyConfig::default()), exact);
             for kib in SIZES_KIB {

@@ -18,7 +18,7 @@ use kvroute_core::hash::BlockExtras;
 use kvroute_core::lru::Lru;
 use prometheus_client::metrics::counter::Counter;
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::errors::ApiError;
 use crate::features::{self, Prompt, Snapshot};
@@ -116,17 +116,25 @@ impl Conversations {
             return Ok((prompt.map(|p| p.0), None));
         };
         let id = c.id(settings, extras);
-        let from = self.get(id).filter(|e| {
+        // One pass over the body's messages: the hash up to the
+        // remembered end checks the entry, the hash up to the last
+        // message's end is remembered.
+        let mut hasher = Xxh3::new();
+        let entry = self.get(id).filter(|e| {
             e.messages <= raw.len()
                 && ends.get(e.messages.wrapping_sub(1)) == Some(&e.prefix_len)
-                && xxh3_128(&body[..e.prefix_len]) == e.prefix_hash
+                && {
+                    hasher.update(&body[..e.prefix_len]);
+                    hasher.digest128() == e.prefix_hash
+                }
         });
-        let memo = if from.is_some() {
-            Memo::Hit
-        } else {
-            Memo::Miss
+        let (memo, hashed, from) = match entry {
+            Some(e) => (Memo::Hit, e.prefix_len, Some((e.messages, e.snapshot))),
+            None => {
+                hasher.reset();
+                (Memo::Miss, 0, None)
+            }
         };
-        let from = from.map(|e| (e.messages, e.snapshot));
         let Some((prompt, snapshot)) = features::streamed_chat(raw, settings, extras, false, from)?
         else {
             return Ok((None, Some(memo)));
@@ -136,7 +144,10 @@ impl Conversations {
                 id,
                 Entry {
                     prefix_len: end,
-                    prefix_hash: xxh3_128(&body[..end]),
+                    prefix_hash: {
+                        hasher.update(&body[hashed..end]);
+                        hasher.digest128()
+                    },
                     messages: raw.len(),
                     snapshot,
                 },
