@@ -49,6 +49,9 @@ enum Command {
     /// Measure what proxying costs: kvroute-router beside nginx and
     /// SGLang's gateway, against one fixed upstream (needs wrk and nginx).
     BenchProxy(bench::Args),
+    /// Send unique large prompts through kvroute-router and compare its
+    /// memory after the first tenth with the end.
+    BenchSoak(bench::SoakArgs),
 }
 
 /// The longest a scenario may take, start to end.
@@ -57,6 +60,7 @@ const SCENARIO_TIMEOUT: Duration = Duration::from_secs(180);
 fn main() -> anyhow::Result<()> {
     let (out, bin_dir, only, duration, inference_perf_venv) = match Cli::parse().command {
         Command::BenchProxy(args) => return bench::run(&args),
+        Command::BenchSoak(args) => return bench::soak(&args),
         Command::Report {
             out,
             bin_dir,

@@ -28,6 +28,23 @@ done = function(summary, latency, requests)
 end
 "#;
 
+/// wrk's script for the soak: every request a new prompt (a counter at the
+/// start of the first message's content) and a new `prompt_cache_key`, so
+/// every cache the router has sees only new keys.
+pub const WRK_UNIQUE_SCRIPT: &str = r#"
+local f = assert(io.open(os.getenv("BENCH_BODY"), "rb"))
+local body = f:read("*a")
+f:close()
+local head, tail = body:match('^{(.-"content":")(.*)$')
+local counter = 0
+request = function()
+  counter = counter + 1
+  local id = tostring(counter) .. "-" .. tostring(math.random(1000000000))
+  return wrk.format("POST", nil, {["Content-Type"] = "application/json"},
+    '{"prompt_cache_key":"' .. id .. '",' .. head .. id .. ' ' .. tail)
+end
+"#;
+
 /// One wrk run's figures.
 #[derive(Clone, Copy, Debug, Deserialize)]
 pub struct Wrk {
@@ -62,7 +79,22 @@ pub fn wrk(
     connections: usize,
     duration: Duration,
 ) -> anyhow::Result<Wrk> {
-    let out = Command::new("wrk")
+    start_wrk(script, url, body, stream, connections, duration)?.finish()
+}
+
+/// A wrk run in progress ([`start_wrk`]).
+pub struct WrkRun(std::process::Child);
+
+/// Starts [`wrk`] without waiting for it.
+pub fn start_wrk(
+    script: &Path,
+    url: &str,
+    body: &Path,
+    stream: bool,
+    connections: usize,
+    duration: Duration,
+) -> anyhow::Result<WrkRun> {
+    let child = Command::new("wrk")
         .args([
             "-t1".to_owned(),
             format!("-c{connections}"),
@@ -74,18 +106,34 @@ pub fn wrk(
         .arg(url)
         .env("BENCH_BODY", body)
         .env("BENCH_STREAM", if stream { "1" } else { "0" })
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .context("running wrk (apt-get install wrk)")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let Some(line) = stdout.lines().find_map(|l| l.strip_prefix("BENCH ")) else {
-        bail!(
-            "wrk printed no figures ({}): {}{}",
-            out.status,
-            stdout.trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    };
-    serde_json::from_str(line).with_context(|| format!("reading wrk's figures {line:?}"))
+    Ok(WrkRun(child))
+}
+
+impl WrkRun {
+    /// Waits for the run and reads its figures.
+    pub fn finish(self) -> anyhow::Result<Wrk> {
+        let out = self.0.wait_with_output().context("waiting for wrk")?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let Some(line) = stdout.lines().find_map(|l| l.strip_prefix("BENCH ")) else {
+            bail!(
+                "wrk printed no figures ({}): {}{}",
+                out.status,
+                stdout.trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        };
+        serde_json::from_str(line).with_context(|| format!("reading wrk's figures {line:?}"))
+    }
+
+    /// Ends the run now.
+    pub fn kill(mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// `root` and every process descended from it.

@@ -61,7 +61,16 @@ pub struct Args {
     /// default: `target/smg-venv`.
     #[arg(long)]
     pub smg_venv: Option<PathBuf>,
+    /// Also measure small requests (1 KiB, 16 connections) alone and while
+    /// 4 connections send 200 KiB prompts: do large prompts stall them?
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub mixed: bool,
 }
+
+/// The mixed runs' small requests: KiB and connections.
+const SMALL: (usize, usize) = (1, 16);
+/// The mixed runs' large requests: KiB and connections.
+const LARGE: (usize, usize) = (200, 4);
 
 /// One load run: body size, streaming, connections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -79,6 +88,17 @@ struct Sample {
     p99_ms: f64,
     /// The proxy's CPU per request, µs (none for `direct`).
     cpu_us: Option<f64>,
+    failed: u64,
+}
+
+/// Small requests alone and beside large ones, one run.
+#[derive(Clone, Copy, Debug, Serialize)]
+struct Mixed {
+    alone_p99_ms: f64,
+    mixed_p50_ms: f64,
+    mixed_p99_ms: f64,
+    /// The large requests' rate.
+    large_rate: f64,
     failed: u64,
 }
 
@@ -137,7 +157,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let bed = Bed::start(bins, &args.out, sims, smg.clone())?;
 
     let mut bodies = BTreeMap::new();
-    for &kib in &args.body_kib {
+    let mut kibs = args.body_kib.clone();
+    if args.mixed {
+        kibs.extend([SMALL.0, LARGE.0]);
+    }
+    for &kib in &kibs {
         for stream in [false, true] {
             let path = args.out.join(format!("body-{kib}k-{stream}.json"));
             std::fs::write(&path, chat_body(kib * 1024, stream))?;
@@ -163,6 +187,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let mut samples: BTreeMap<(Cell, Target), Vec<Sample>> = BTreeMap::new();
     let mut peak_rss: BTreeMap<Target, u64> = BTreeMap::new();
     let mut skipped: BTreeMap<Target, String> = BTreeMap::new();
+    let mut mixed_samples: BTreeMap<Target, Vec<Mixed>> = BTreeMap::new();
     let duration = Duration::from_secs(args.duration);
     for rep in 0..args.repeats {
         let mut order = targets.clone();
@@ -216,6 +241,29 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                     failed: w.errors + w.bad_status,
                 });
             }
+            if args.mixed {
+                let small = &bodies[&(SMALL.0, false)];
+                let large = &bodies[&(LARGE.0, false)];
+                let run = |body, connections| {
+                    measure::start_wrk(&script, &running.url, body, false, connections, duration)
+                };
+                let alone = run(small, SMALL.1)?.finish()?;
+                let big = run(large, LARGE.1)?;
+                let mixed = run(small, SMALL.1)?.finish()?;
+                let big = big.finish()?;
+                mixed_samples.entry(target).or_default().push(Mixed {
+                    alone_p99_ms: alone.p99_us as f64 / 1e3,
+                    mixed_p50_ms: mixed.p50_us as f64 / 1e3,
+                    mixed_p99_ms: mixed.p99_us as f64 / 1e3,
+                    large_rate: big.rate(),
+                    failed: alone.errors
+                        + alone.bad_status
+                        + mixed.errors
+                        + mixed.bad_status
+                        + big.errors
+                        + big.bad_status,
+                });
+            }
             if let Some(root) = running.root {
                 let peak = measure::memory_kib(&measure::tree(root), "VmHWM");
                 let e = peak_rss.entry(target).or_default();
@@ -243,9 +291,42 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         })
         .collect();
     let goals = goals(&figures);
-    let markdown = render(
+    let mixed: BTreeMap<Target, Mixed> = mixed_samples
+        .iter()
+        .map(|(&t, m)| {
+            let med = |f: fn(&Mixed) -> f64| median(m.iter().map(f));
+            let fig = Mixed {
+                alone_p99_ms: med(|x| x.alone_p99_ms),
+                mixed_p50_ms: med(|x| x.mixed_p50_ms),
+                mixed_p99_ms: med(|x| x.mixed_p99_ms),
+                large_rate: med(|x| x.large_rate),
+                failed: m.iter().map(|x| x.failed).sum(),
+            };
+            (t, fig)
+        })
+        .collect();
+    let mut markdown = render(
         args, &cells, &targets, &figures, &peak_rss, &skipped, &goals,
     );
+    if !mixed.is_empty() {
+        let _ = writeln!(
+            markdown,
+            "\n## Small requests beside large prompts\n\n{} KiB chats on {} connections, alone and while {} connections send {} KiB chats (not streaming).\n\n| target | small p99 alone ms | small p50 beside ms | small p99 beside ms | large req/s | failed |\n|---|---|---|---|---|---|",
+            SMALL.0, SMALL.1, LARGE.1, LARGE.0
+        );
+        for (t, m) in &mixed {
+            let _ = writeln!(
+                markdown,
+                "| {} | {:.2} | {:.2} | {:.2} | {:.0} | {} |",
+                t.name(),
+                m.alone_p99_ms,
+                m.mixed_p50_ms,
+                m.mixed_p99_ms,
+                m.large_rate,
+                m.failed
+            );
+        }
+    }
     print!("{markdown}");
     std::fs::write(args.out.join("bench-proxy.md"), &markdown)?;
     let cells_json: Vec<_> = cells
@@ -271,6 +352,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "cells": cells_json,
         "peak_rss_mib": peak_rss.iter().map(|(t, k)| (t.name(), *k as f64 / 1024.0)).collect::<BTreeMap<_, _>>(),
         "skipped": skipped.iter().map(|(t, why)| (t.name(), why)).collect::<BTreeMap<_, _>>(),
+        "mixed": mixed.iter().map(|(t, m)| (t.name(), m)).collect::<BTreeMap<_, _>>(),
         "goals": goals.iter().map(|g| json!({"goal": g.what, "measured": g.measured, "met": g.met})).collect::<Vec<_>>(),
     });
     std::fs::write(
@@ -533,4 +615,127 @@ fn machine() -> String {
         .unwrap_or_else(|| "unknown CPU".into());
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     format!("{cores} cores ({model})")
+}
+
+/// The soak's settings.
+#[derive(Debug, clap::Args)]
+pub struct SoakArgs {
+    /// Directory for bench-soak.md, bench-soak.json and the logs.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Where kvroute-router and kvroute-engine-sim are (as for `report`).
+    #[arg(long)]
+    pub bin_dir: Option<PathBuf>,
+    /// Requests to send, each a new prompt and conversation.
+    #[arg(long, default_value_t = 100_000)]
+    pub requests: u64,
+    /// Prompt size, KiB.
+    #[arg(long, default_value_t = 200)]
+    pub kib: usize,
+    /// Client connections.
+    #[arg(long, default_value_t = 16)]
+    pub connections: usize,
+    /// The router's mode: `exact` or `approx`.
+    #[arg(long, default_value = "exact")]
+    pub mode: String,
+}
+
+/// Sends `requests` unique prompts through kvroute-router and compares its
+/// resident memory after the first tenth with the end: every cache it has
+/// must stay bounded (the goal: within 10 %).
+pub fn soak(args: &SoakArgs) -> anyhow::Result<()> {
+    let target = match args.mode.as_str() {
+        "exact" => Target::KvrouteExact,
+        "approx" => Target::KvrouteApprox,
+        other => anyhow::bail!("--mode must be exact or approx, not {other:?}"),
+    };
+    anyhow::ensure!(args.requests >= 10, "--requests must be at least 10");
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let bins = Bins::locate(args.bin_dir.clone())?;
+    let bed = Bed::start(
+        bins,
+        &args.out,
+        target == Target::KvrouteExact,
+        Err("not used".into()),
+    )?;
+    let body = args.out.join("soak-body.json");
+    std::fs::write(&body, chat_body(args.kib * 1024, false))?;
+    let script = args.out.join("soak.lua");
+    std::fs::write(&script, measure::WRK_UNIQUE_SCRIPT)?;
+    let running = bed.run(target, &chat_body(1024, false))?;
+    let (Some(root), Some(admin)) = (running.root, running.admin.as_ref()) else {
+        anyhow::bail!("the router under test has no process or admin address");
+    };
+    let pids = measure::tree(root);
+    let served = || -> anyhow::Result<u64> {
+        let metrics = targets::get_text(&format!("{admin}/metrics"))?;
+        Ok(metrics
+            .lines()
+            .filter(|l| l.starts_with("kvroute_requests_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64)
+    };
+    let start = std::time::Instant::now();
+    let wrk = measure::start_wrk(
+        &script,
+        &running.url,
+        &body,
+        false,
+        args.connections,
+        Duration::from_secs(24 * 3600),
+    )?;
+    let mut series = Vec::new();
+    let mut at_tenth = None;
+    let result = loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let n = served()?;
+        let rss = measure::memory_kib(&pids, "VmRSS");
+        series.push(json!({"s": start.elapsed().as_secs_f64(), "requests": n, "rss_mib": rss as f64 / 1024.0}));
+        if at_tenth.is_none() && n >= args.requests / 10 {
+            at_tenth = Some((n, rss));
+        }
+        if n >= args.requests {
+            break Ok((n, rss));
+        }
+        if start.elapsed() > Duration::from_secs(3600) {
+            break Err(anyhow::anyhow!(
+                "{n} of {} requests in an hour",
+                args.requests
+            ));
+        }
+    };
+    wrk.kill();
+    let (n, rss) = result?;
+    let (tenth_n, tenth_rss) = at_tenth.unwrap_or((n, rss));
+    let growth = rss as f64 / tenth_rss.max(1) as f64 - 1.0;
+    let peak = measure::memory_kib(&pids, "VmHWM");
+    let md = format!(
+        "# Soak\n\n{} through kvroute-router ({} mode), {} unique {} KiB prompts on {} connections, {:.0} s.\n\n| after | requests | resident MiB |\n|---|---|---|\n| the first tenth | {tenth_n} | {:.1} |\n| the end | {n} | {:.1} |\n\nGrowth {:+.1} % (goal: within 10 %: {}); peak {:.1} MiB.\n",
+        machine(),
+        args.mode,
+        args.requests,
+        args.kib,
+        args.connections,
+        start.elapsed().as_secs_f64(),
+        tenth_rss as f64 / 1024.0,
+        rss as f64 / 1024.0,
+        growth * 100.0,
+        if growth.abs() <= 0.10 {
+            "met"
+        } else {
+            "missed"
+        },
+        peak as f64 / 1024.0,
+    );
+    print!("{md}");
+    std::fs::write(args.out.join("bench-soak.md"), &md)?;
+    let report = json!({"machine": machine(), "mode": args.mode, "kib": args.kib, "requests": n,
+        "rss_mib_after_tenth": tenth_rss as f64 / 1024.0, "rss_mib_end": rss as f64 / 1024.0,
+        "growth": growth, "peak_mib": peak as f64 / 1024.0, "series": series});
+    std::fs::write(
+        args.out.join("bench-soak.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    Ok(())
 }

@@ -94,6 +94,8 @@ pub struct Running {
     pub url: String,
     /// The proxy's root process (none for `Direct`).
     pub root: Option<u32>,
+    /// kvroute-router's admin API.
+    pub admin: Option<String>,
     _procs: Vec<Proc>,
 }
 
@@ -204,9 +206,13 @@ impl Bed {
         let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
         let root = procs.first().map(Proc::id);
         wait_ok(&url, Some(probe_body), name)?;
+        let admin = name
+            .starts_with("kvroute")
+            .then(|| format!("http://127.0.0.1:{admin}"));
         Ok(Running {
             url,
             root,
+            admin,
             _procs: procs,
         })
     }
@@ -312,6 +318,17 @@ fn proxy_conf(logs: &Path, port: u16, upstream: &[u16]) -> String {
          proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n"
     );
     conf
+}
+
+/// The body of `GET url`.
+pub fn get_text(url: &str) -> anyhow::Result<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let r = reqwest::get(url).await?.error_for_status()?;
+        Ok(r.text().await?)
+    })
 }
 
 /// Waits up to 60 s until `url` answers 200 (to a POST of `body` if given).
