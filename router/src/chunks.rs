@@ -119,13 +119,11 @@ pub fn chat(
     extras: BlockExtras<'_>,
 ) -> Result<Option<Prompt>, ApiError> {
     if raw.is_empty() {
-        return Err(ApiError::BadRequest("'messages' must not be empty".into()));
+        return Err(features::no_messages());
     }
     let mut c = Chunker::new(settings, extras);
     for (i, r) in raw.iter().enumerate() {
-        let mut m: Value = serde_json::from_str(r.get())
-            .map_err(|e| ApiError::BadRequest(format!("messages[{i}]: {e}")))?;
-        let Some(message) = features::chat_message(i, &mut m)? else {
+        let Some(message) = features::raw_message(i, r)? else {
             return Ok(None);
         };
         c.message(&message);
@@ -176,4 +174,61 @@ pub fn prompt(
         _ => return Ok(None),
     }
     Ok(Some(c.finish()))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn prompt_of(api: Api, body: Value) -> Option<Prompt> {
+        let Value::Object(mut obj) = body else {
+            panic!()
+        };
+        prompt(api, &mut obj, &Settings::test(), BlockExtras::default()).unwrap()
+    }
+
+    #[test]
+    fn a_prompt_is_its_bytes_in_blocks_of_pseudo_tokens() {
+        let text = "x".repeat(200);
+        let p = prompt_of(Api::Completion, json!({"prompt": text})).unwrap();
+        // 200 bytes: 50 pseudo-tokens, 3 full blocks of 16 (64 bytes).
+        assert_eq!(p.tokens, 50);
+        assert_eq!(p.chain.len(), 3);
+        assert_eq!(p.head.len(), 50);
+        assert_eq!(p.head[0], u32::from_le_bytes(*b"xxxx"));
+        // Each block is chained to its parent: equal blocks, other hashes.
+        assert_ne!(p.chain[0], p.chain[1]);
+        assert_eq!(p.contents[0], p.contents[1]);
+        // A one-string list is the same prompt; fed in pieces, the same chain.
+        let listed = prompt_of(Api::Completion, json!({"prompt": [text]})).unwrap();
+        assert_eq!(listed, p);
+        let mut c = Chunker::new(&Settings::test(), BlockExtras::default());
+        for piece in text.as_bytes().chunks(7) {
+            c.push(piece);
+        }
+        assert_eq!(c.finish(), p);
+    }
+
+    #[test]
+    fn token_ids_other_apis_and_unreadable_bodies() {
+        let ids = prompt_of(Api::Completion, json!({"prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(ids.tokens, 3);
+        assert_eq!(ids.head, [1, 2, 3]);
+        let input = prompt_of(Api::Other, json!({"input": "hello"})).unwrap();
+        assert_eq!(input.tokens, 2);
+        assert!(prompt_of(Api::Other, json!({"nothing": 1})).is_none());
+        assert!(prompt_of(Api::Completion, json!({"prompt": [1, "a"]})).is_none());
+        let Value::Object(mut obj) = json!({"prompt": 5}) else {
+            panic!()
+        };
+        let e = prompt(
+            Api::Completion,
+            &mut obj,
+            &Settings::test(),
+            BlockExtras::default(),
+        );
+        assert_eq!(e.unwrap_err().status().as_u16(), 400);
+    }
 }

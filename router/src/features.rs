@@ -71,9 +71,8 @@ pub fn parse(api: Api, body: &[u8], strict: bool) -> Result<Option<Map<String, V
 /// that reads no prompt needs. The other values are skipped as they are
 /// scanned, never built, so a large prompt costs one pass over its bytes.
 /// With `messages`, a chat's messages are kept too, each as its raw JSON
-/// within `body`. Chat and
-/// completions bodies must be JSON objects; other APIs' bodies may be
-/// anything (`Ok(None)`).
+/// within `body`. Chat and completions bodies must be JSON objects; other
+/// APIs' bodies may be anything (`Ok(None)`).
 pub fn scan(api: Api, body: &[u8], messages: bool) -> Result<Option<Scanned<'_>>, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let scanned = serde::de::Deserializer::deserialize_map(&mut de, Fields { messages })
@@ -310,12 +309,10 @@ pub(crate) fn chat_messages(
     obj: &mut Map<String, Value>,
 ) -> Result<Option<Vec<ChatMessage>>, ApiError> {
     let Some(Value::Array(raw)) = obj.get_mut("messages") else {
-        return Err(ApiError::BadRequest(
-            "'messages' is required and must be a list".into(),
-        ));
+        return Err(messages_required());
     };
     if raw.is_empty() {
-        return Err(ApiError::BadRequest("'messages' must not be empty".into()));
+        return Err(no_messages());
     }
     let mut messages = Vec::with_capacity(raw.len());
     for (i, m) in raw.iter_mut().enumerate() {
@@ -327,9 +324,26 @@ pub(crate) fn chat_messages(
     Ok(Some(messages))
 }
 
+/// A chat without a list of messages.
+pub(crate) fn messages_required() -> ApiError {
+    ApiError::BadRequest("'messages' is required and must be a list".into())
+}
+
+/// A chat with an empty list of messages.
+pub(crate) fn no_messages() -> ApiError {
+    ApiError::BadRequest("'messages' must not be empty".into())
+}
+
+/// Message `i` of a chat from its raw JSON (see [`chat_message`]).
+pub(crate) fn raw_message(i: usize, raw: &RawValue) -> Result<Option<ChatMessage>, ApiError> {
+    let mut m: Value = serde_json::from_str(raw.get())
+        .map_err(|e| ApiError::BadRequest(format!("messages[{i}]: {e}")))?;
+    chat_message(i, &mut m)
+}
+
 /// Message `i` of a chat, its text moved out of `m`; `Ok(None)` when it
 /// has content the router cannot tokenize.
-pub(crate) fn chat_message(i: usize, m: &mut Value) -> Result<Option<ChatMessage>, ApiError> {
+fn chat_message(i: usize, m: &mut Value) -> Result<Option<ChatMessage>, ApiError> {
     let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
         return Err(ApiError::BadRequest(format!(
             "messages[{i}].role is required and must be a string"
@@ -393,7 +407,7 @@ pub fn streamed_chat(
     from: Option<(usize, Snapshot)>,
 ) -> Result<Option<(Prompt, Snapshot)>, ApiError> {
     if raw.is_empty() {
-        return Err(ApiError::BadRequest("'messages' must not be empty".into()));
+        return Err(no_messages());
     }
     let (skip, mut builder) = match from {
         Some((skip, s)) => (
@@ -410,12 +424,9 @@ pub fn streamed_chat(
     };
     let (tokenizer, template) = (&settings.tokenizer, &settings.template);
     for (i, r) in raw.iter().enumerate().skip(skip) {
-        let mut m: Value = serde_json::from_str(r.get())
-            .map_err(|e| ApiError::BadRequest(format!("messages[{i}]: {e}")))?;
-        let Some(message) = chat_message(i, &mut m)? else {
+        let Some(message) = raw_message(i, r)? else {
             return Ok(None);
         };
-        drop(m);
         let one = std::slice::from_ref(&message);
         for_each_chat_token(tokenizer, template, one, false, |t| builder.push(t));
     }

@@ -7,12 +7,6 @@ use std::path::PathBuf;
 use clap::Parser;
 use kvroute_router::config::{Config, LogFormat};
 
-/// mimalloc rather than glibc's allocator: requests are allocated on one
-/// worker thread and freed on another, which glibc serializes on its arena
-/// locks (see the README's proxy benchmark for the difference).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// kvroute's cache-aware router for vLLM-style engines.
 #[derive(Debug, Parser)]
 #[command(name = "kvroute-router", version, about)]

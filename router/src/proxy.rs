@@ -986,9 +986,10 @@ struct Input {
 /// the router cannot read could carry a client salt the engine would read.
 ///
 /// Three ways to read a body: a policy that reads no prompt scans only its
-/// top-level fields; a chat with the built-in tokenizer and template (not
-/// salted) is scanned with its messages kept raw and tokenized a message
-/// at a time, resuming a known conversation ([`Conversations`]); anything
+/// top-level fields; a chat (not salted) in approximate mode, or in exact
+/// mode with the built-in tokenizer and template, is scanned with its
+/// messages kept raw and read a message at a time ([`crate::chunks`], or
+/// tokenized resuming a known conversation: [`Conversations`]); anything
 /// else is parsed whole.
 fn analyze(
     bytes: Bytes,
@@ -1057,24 +1058,22 @@ fn analyze(
     let conversation = feats.prompt_cache_key.or(conversation_header);
     let mut memo = None;
     let prompt = match obj.as_mut() {
-        Some(_) if streamed && !exact => {
-            let Some(raw) = raw_messages.as_deref() else {
-                return Err(messages_required());
-            };
-            crate::chunks::chat(raw, settings, extras)?
-        }
         Some(_) if streamed => {
-            let Some(raw) = raw_messages.as_deref() else {
-                return Err(messages_required());
-            };
-            let c = conversation.as_deref().map(|key| Conversation {
-                tenant: tenant.as_deref(),
-                key,
-            });
-            let (prompt, m) =
-                conversations.chat_prompt(&bytes, raw, c, settings, extras, keep_tokens)?;
-            memo = m;
-            prompt
+            let raw = raw_messages
+                .as_deref()
+                .ok_or_else(features::messages_required)?;
+            if exact {
+                let c = conversation.as_deref().map(|key| Conversation {
+                    tenant: tenant.as_deref(),
+                    key,
+                });
+                let (prompt, m) =
+                    conversations.chat_prompt(&bytes, raw, c, settings, extras, keep_tokens)?;
+                memo = m;
+                prompt
+            } else {
+                crate::chunks::chat(raw, settings, extras)?
+            }
         }
         Some(o) if tokenize && reads && !exact => crate::chunks::prompt(api, o, settings, extras)?,
         Some(o) if tokenize && reads => features::prompt(api, o, settings, extras, keep_tokens)?,
@@ -1110,10 +1109,6 @@ fn analyze(
         contents: prompt.contents,
         memo,
     })
-}
-
-fn messages_required() -> ApiError {
-    ApiError::BadRequest("'messages' is required and must be a list".into())
 }
 
 /// The tokenizer pool: at most one job per core at once, at most `queue`

@@ -136,7 +136,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let bins = Bins::locate(args.bin_dir.clone())?;
-    let smg = if targets.iter().any(|t| t.name().starts_with("smg")) {
+    let with_smg = targets.iter().any(|t| t.name().starts_with("smg"));
+    let smg = if with_smg {
         let venv = args
             .smg_venv
             .clone()
@@ -150,7 +151,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     } else {
         Err("not selected".into())
     };
-    if let Err(why) = &smg {
+    if let (true, Err(why)) = (with_smg, &smg) {
         eprintln!("kvroute-e2e: SGLang's gateway is skipped: {why}");
     }
     let sims = targets.contains(&Target::KvrouteExact);
