@@ -69,23 +69,11 @@ impl Wrk {
     }
 }
 
-/// Runs wrk (one thread, `connections`, `duration`) against `url`,
-/// posting the body in file `body`.
-pub fn wrk(
-    script: &Path,
-    url: &str,
-    body: &Path,
-    stream: bool,
-    connections: usize,
-    duration: Duration,
-) -> anyhow::Result<Wrk> {
-    start_wrk(script, url, body, stream, connections, duration)?.finish()
-}
-
 /// A wrk run in progress ([`start_wrk`]).
 pub struct WrkRun(std::process::Child);
 
-/// Starts [`wrk`] without waiting for it.
+/// Starts wrk (one thread, `connections`, `duration`) against `url`,
+/// posting the body in file `body`; [`WrkRun::finish`] waits for it.
 pub fn start_wrk(
     script: &Path,
     url: &str,

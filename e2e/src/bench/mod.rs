@@ -215,24 +215,21 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             for &cell in &cells {
                 let body = &bodies[&(cell.kib, cell.stream)];
                 let warm = Duration::from_secs(1);
-                measure::wrk(
-                    &script,
-                    &running.url,
-                    body,
-                    cell.stream,
-                    cell.connections,
-                    warm,
-                )?;
+                let load = |d| {
+                    measure::start_wrk(
+                        &script,
+                        &running.url,
+                        body,
+                        cell.stream,
+                        cell.connections,
+                        d,
+                    )?
+                    .finish()
+                };
+                load(warm)?;
                 let pids = running.root.map(measure::tree).unwrap_or_default();
                 let cpu_before = measure::cpu_us(&pids);
-                let w = measure::wrk(
-                    &script,
-                    &running.url,
-                    body,
-                    cell.stream,
-                    cell.connections,
-                    duration,
-                )?;
+                let w = load(duration)?;
                 let cpu = measure::cpu_us(&pids).saturating_sub(cpu_before);
                 samples.entry((cell, target)).or_default().push(Sample {
                     rate: w.rate(),
@@ -417,115 +414,77 @@ struct Goal {
     met: bool,
 }
 
+/// A figure of a run: CPU per request, requests/s, or p99 added latency.
+#[derive(Clone, Copy)]
+enum Metric {
+    Cpu,
+    Rate,
+    P99,
+}
+
+impl Metric {
+    fn of(self, f: &Figures) -> Option<f64> {
+        match self {
+            Metric::Cpu => f.cpu_us,
+            Metric::Rate => Some(f.rate),
+            Metric::P99 => Some(f.p99_added_ms.max(0.001)),
+        }
+    }
+}
+
 /// The product's goals against nginx and SGLang's gateway, from the runs
 /// that have them: 1 KiB at 64 connections, 200 KiB at 16, not streaming.
+/// Each: the target, its figure over the baseline's, at most or at least.
 fn goals(figures: &BTreeMap<(Cell, Target), Figures>) -> Vec<Goal> {
-    let small = Cell {
-        kib: 1,
+    use Metric::{Cpu, P99, Rate};
+    use Target::{KvrouteApprox, KvrouteExact, KvrouteRoundRobin, Nginx, SmgCacheAware};
+    let cell = |kib, connections| Cell {
+        kib,
         stream: false,
-        connections: 64,
+        connections,
     };
-    let large = Cell {
-        kib: 200,
-        stream: false,
-        connections: 16,
-    };
-    let mut goals = Vec::new();
-    let mut ratio = |what: &str,
-                     cell: Cell,
-                     t: Target,
-                     base: Target,
-                     f: fn(&Figures) -> Option<f64>,
-                     at_most: Option<f64>,
-                     at_least: Option<f64>| {
-        let (Some(a), Some(b)) = (
-            figures.get(&(cell, t)).and_then(f),
-            figures.get(&(cell, base)).and_then(f),
-        ) else {
-            return;
-        };
-        let measured = a / b;
-        let met = at_most.is_none_or(|m| measured <= m) && at_least.is_none_or(|m| measured >= m);
-        goals.push(Goal {
-            what: format!(
-                "{} {what} ({} KiB, {} connections)",
-                t.name(),
-                cell.kib,
-                cell.connections
-            ),
-            measured,
-            met,
-        });
-    };
-    let cpu = |f: &Figures| f.cpu_us;
-    let rate = |f: &Figures| Some(f.rate);
-    let p99 = |f: &Figures| Some(f.p99_added_ms.max(0.001));
-    ratio(
-        "CPU per request ≤ 1 × nginx's",
-        small,
-        Target::KvrouteRoundRobin,
-        Target::Nginx,
-        cpu,
-        Some(1.0),
-        None,
-    );
-    ratio(
-        "CPU per request ≤ 1 × nginx's",
-        large,
-        Target::KvrouteRoundRobin,
-        Target::Nginx,
-        cpu,
-        Some(1.0),
-        None,
-    );
-    ratio(
-        "req/s ≥ 0.9 × nginx's",
-        small,
-        Target::KvrouteRoundRobin,
-        Target::Nginx,
-        rate,
-        None,
-        Some(0.9),
-    );
-    for t in [Target::KvrouteApprox, Target::KvrouteExact] {
-        ratio(
-            "CPU per request ≤ 1.5 × nginx's",
-            small,
-            t,
-            Target::Nginx,
-            cpu,
-            Some(1.5),
-            None,
-        );
-        ratio(
-            "CPU per request ≤ 10 × nginx's",
-            large,
-            t,
-            Target::Nginx,
-            cpu,
-            Some(10.0),
-            None,
-        );
-        ratio(
-            "p99 added latency ≤ 1.5 × nginx's",
-            small,
-            t,
-            Target::Nginx,
-            p99,
-            Some(1.5),
-            None,
-        );
-        ratio(
-            "req/s ≥ 5 × SGLang's cache-aware gateway's",
-            small,
-            t,
-            Target::SmgCacheAware,
-            rate,
-            None,
-            Some(5.0),
-        );
+    let (small, large) = (cell(1, 64), cell(200, 16));
+    let mut specs = vec![
+        (KvrouteRoundRobin, small, Cpu, Nginx, "≤", 1.0),
+        (KvrouteRoundRobin, large, Cpu, Nginx, "≤", 1.0),
+        (KvrouteRoundRobin, small, Rate, Nginx, "≥", 0.9),
+    ];
+    for t in [KvrouteApprox, KvrouteExact] {
+        specs.extend([
+            (t, small, Cpu, Nginx, "≤", 1.5),
+            (t, large, Cpu, Nginx, "≤", 10.0),
+            (t, small, P99, Nginx, "≤", 1.5),
+            (t, small, Rate, SmgCacheAware, "≥", 5.0),
+        ]);
     }
-    goals
+    specs
+        .into_iter()
+        .filter_map(|(t, cell, metric, base, op, bound)| {
+            let a = figures.get(&(cell, t)).and_then(|f| metric.of(f))?;
+            let b = figures.get(&(cell, base)).and_then(|f| metric.of(f))?;
+            let measured = a / b;
+            let name = match metric {
+                Cpu => "CPU per request",
+                Rate => "req/s",
+                P99 => "p99 added latency",
+            };
+            Some(Goal {
+                what: format!(
+                    "{} {name} {op} {bound} × {}'s ({} KiB, {} connections)",
+                    t.name(),
+                    base.name(),
+                    cell.kib,
+                    cell.connections
+                ),
+                measured,
+                met: if op == "≤" {
+                    measured <= bound
+                } else {
+                    measured >= bound
+                },
+            })
+        })
+        .collect()
 }
 
 fn render(
