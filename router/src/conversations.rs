@@ -12,6 +12,7 @@
 //! recently used go first, and evictions are counted.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::Mutex;
 
 use kvroute_core::hash::BlockExtras;
@@ -79,19 +80,19 @@ impl Conversation<'_> {
     /// the adapter and the salt).
     fn id(&self, settings: &Settings, extras: BlockExtras<'_>) -> u64 {
         let mut h = Xxh3::new();
-        let mut field = |s: &str| {
+        let field = |h: &mut Xxh3, s: &str| {
             h.update(&(s.len() as u64).to_le_bytes());
             h.update(s.as_bytes());
         };
-        field(self.tenant.unwrap_or("\0"));
-        field(self.key);
-        field(&format!("{:?}", settings.hasher.config()));
-        field(&settings.key.prefix_tokens.to_string());
+        field(&mut h, self.tenant.unwrap_or("\0"));
+        field(&mut h, self.key);
+        settings.hasher.config().hash(&mut h);
+        settings.key.prefix_tokens.hash(&mut h);
         if let Some(l) = extras.lora {
-            field(&l.name);
-            field(&l.path);
+            field(&mut h, &l.name);
+            field(&mut h, &l.path);
         }
-        field(extras.cache_salt.unwrap_or("\0"));
+        field(&mut h, extras.cache_salt.unwrap_or("\0"));
         h.digest()
     }
 }
@@ -100,8 +101,9 @@ impl Conversations {
     /// The prompt of a chat (its raw `messages` within `body`, hashed with
     /// `extras`) when [`features::streams_chats`], resumed from the
     /// conversation's snapshot when `body` starts as the one it was taken
-    /// from, and remembered for the next turn. `None` for `conversation`: computed
-    /// whole, not remembered. As [`features::streamed_chat`] otherwise.
+    /// from, and remembered for the next turn. Without a conversation (or
+    /// with `keep_all`): computed whole, not remembered. As
+    /// [`features::streamed_chat`] otherwise.
     pub fn chat_prompt(
         &self,
         body: &[u8],

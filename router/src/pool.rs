@@ -302,10 +302,12 @@ impl Pool {
         self.lock().settings.clone()
     }
 
-    /// Whether routing is exact: some endpoint reports its cache. Else
-    /// it is approximate: the router's own memory of where prefixes went.
-    pub fn exact(&self) -> bool {
-        self.lock().exact
+    /// The routing settings, and whether routing is exact (some endpoint
+    /// reports its cache; else approximate: the router's own memory of
+    /// where prefixes went), under one lock.
+    pub fn routing(&self) -> (Arc<Settings>, bool) {
+        let inner = self.lock();
+        (inner.settings.clone(), inner.exact)
     }
 
     /// Replaces the routing settings with `f(current)`, all at once. A new

@@ -394,7 +394,7 @@ impl Proxy {
         keep_tokens: bool,
         model_label: &mut String,
     ) -> Result<Analysis, ApiError> {
-        let settings = self.pool.settings();
+        let (settings, exact) = self.pool.routing();
         self.tenancy_check(&settings)?;
         let conversation = headers
             .get(&settings.conversation_header)
@@ -411,7 +411,7 @@ impl Proxy {
             conversation,
             tokenize,
             keep_tokens,
-            exact: self.pool.exact(),
+            exact,
         };
         // Scanning a body's top-level fields is one fast pass: inline.
         let scan_only = !settings.policy.reads_request() && !self.tenancy.salted();
@@ -481,18 +481,14 @@ impl Proxy {
             prompt_tokens: a.prompt_tokens,
         };
         let decision = self.pool.explain(&request, a.readable);
-        let settings = self.pool.settings();
+        let (settings, exact) = self.pool.routing();
         let hashing = settings.hasher.config();
         Ok(Explanation {
             path: path.to_owned(),
             key: format!("{:016x}", a.key.0),
             prompt_tokens: a.prompt_tokens,
             tokenized: a.tokenized,
-            mode: if self.pool.exact() {
-                "exact"
-            } else {
-                "approximate"
-            },
+            mode: if exact { "exact" } else { "approximate" },
             block_size: hashing.block_size,
             hash_algo: hashing.algo.as_str(),
             chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),

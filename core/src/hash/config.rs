@@ -71,7 +71,9 @@ impl FromStr for HashAlgo {
 ///
 /// The two forms hash differently, so the router must use the one its pods'
 /// vLLM version uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ExtraKeysForm {
     /// vLLM >= 0.31: `("lora", name, path)` on every block of a LoRA request,
@@ -87,7 +89,7 @@ pub enum ExtraKeysForm {
 ///
 /// Every pod of a pool must run with the same values, and the router must be
 /// configured with them; a mismatch makes every lookup miss.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct HashConfig {
     /// The pods' `--prefix-caching-hash-algo`. Default: `sha256`, vLLM's

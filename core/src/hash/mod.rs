@@ -316,13 +316,6 @@ pub struct ChainState {
     block: Vec<u32>,
 }
 
-impl ChainState {
-    /// Tokens of the block not yet full.
-    pub fn pending(&self) -> usize {
-        self.block.len()
-    }
-}
-
 impl BlockHasher {
     /// A chain continuing from `state`, which a chain of this hasher with
     /// these `extras` reached.
