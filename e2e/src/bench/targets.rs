@@ -111,6 +111,9 @@ impl Bed {
         let logs = dir.join("logs");
         std::fs::create_dir_all(logs.join("tmp"))
             .with_context(|| format!("creating {}", logs.display()))?;
+        // Absolute: nginx resolves relative paths against its prefix.
+        let dir = &dir.canonicalize()?;
+        let logs = logs.canonicalize()?;
         let mut ports = free_ports(ENGINES * 3)?;
         let upstream: Vec<u16> = ports.by_ref().take(ENGINES).collect();
         let conf = logs.join("upstream.conf");
@@ -353,7 +356,7 @@ fn wait_ok(url: &str, body: Option<&str>, what: &str) -> anyhow::Result<()> {
                 return Ok(());
             }
             if start.elapsed() > Duration::from_secs(60) {
-                bail!("{what} did not answer {url} with 200 within 60 s; see its log");
+                bail!("{what} did not answer {url} with 200 within 60 s; see its log in the output's logs/");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
