@@ -72,7 +72,7 @@ async fn warm_requests_go_to_the_holder_and_a_wrong_seed_is_caught() {
     }
     std::fs::write(dir.join("endpoints.yaml"), yaml).unwrap();
     let mut config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
@@ -113,7 +113,7 @@ async fn warm_requests_go_to_the_holder_and_a_wrong_seed_is_caught() {
     for round in 0..3 {
         for i in 0..3 {
             let r = post(
-                format!("http://{}/v1/chat/completions", router.addr),
+                format!("http://{}/v1/chat/completions", router.addr()),
                 &chat(&system(i), &format!("question {round}")),
             )
             .await;

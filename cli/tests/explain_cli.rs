@@ -36,7 +36,7 @@ async fn explains_a_request_to_a_running_router() {
     }
     std::fs::write(dir.join("endpoints.yaml"), endpoints).unwrap();
     let mut config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
@@ -57,7 +57,7 @@ async fn explains_a_request_to_a_running_router() {
     std::fs::write(&file, body.to_string()).unwrap();
     // Warm one engine and wait until the router's index has its blocks.
     let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/chat/completions", router.addr))
+        .post(format!("http://{}/v1/chat/completions", router.addr()))
         .json(&body)
         .send()
         .await

@@ -31,7 +31,7 @@ async fn probes_a_router_end_to_end() {
     )
     .unwrap();
     let mut config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
@@ -44,7 +44,7 @@ async fn probes_a_router_end_to_end() {
         vec![
             "probe".to_owned(),
             "--url".to_owned(),
-            format!("http://{}", router.addr),
+            format!("http://{}", router.addr()),
             "--model".to_owned(),
             model.to_owned(),
             "--wait-s".to_owned(),

@@ -174,7 +174,7 @@ async fn start_router(endpoints: String, mib: usize) -> std::net::SocketAddr {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("endpoints.yaml"), endpoints).unwrap();
     let mut config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
@@ -183,7 +183,7 @@ async fn start_router(endpoints: String, mib: usize) -> std::net::SocketAddr {
     // The worst case: large prompts are tokenized, not skipped.
     config.limits.max_tokenize_bytes = config.limits.max_body_bytes;
     let running = kvroute_router::start(config).await.unwrap();
-    let addr = running.addr;
+    let addr = running.addr();
     std::mem::forget(running);
     addr
 }

@@ -16,11 +16,16 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct Config {
-    /// Address of the OpenAI-compatible API. Default: `0.0.0.0:8080`.
-    pub listen: SocketAddr,
-    /// Address of `/metrics` and the debug endpoints. Default:
-    /// `0.0.0.0:9090`.
+    /// Address of the OpenAI-compatible API. Default: `0.0.0.0:8080`;
+    /// with `extProc` set and `listen` unset, no API listener (the router
+    /// runs as an endpoint picker alone).
+    pub listen: Option<SocketAddr>,
+    /// Address of `/metrics`, `/healthz`, `/readyz` and the debug
+    /// endpoints. Default: `0.0.0.0:9090`.
     pub admin_listen: SocketAddr,
+    /// Serve Envoy's `ext_proc` as a Gateway API InferencePool's endpoint
+    /// picker ([`crate::ext_proc`]); unset: not served.
+    pub ext_proc: Option<ExtProc>,
     /// Where endpoints come from. Default: a static file `endpoints.yaml`.
     pub discovery: Discovery,
     /// How requests are placed.
@@ -83,7 +88,7 @@ pub struct Tls {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            listen: "0.0.0.0:8080".parse().expect("valid"),
+            listen: None,
             admin_listen: "0.0.0.0:9090".parse().expect("valid"),
             discovery: Discovery::default(),
             routing: Routing::default(),
@@ -95,8 +100,33 @@ impl Default for Config {
             tls: None,
             admin_token_file: None,
             grpc_tls: None,
+            ext_proc: None,
         }
     }
+}
+
+/// The API port when `listen` is unset and no `extProc` is configured.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:8080";
+
+impl Config {
+    /// Where the OpenAI-compatible API listens, if anywhere: `listen`, else
+    /// [`DEFAULT_LISTEN`] unless the router runs as an endpoint picker.
+    pub fn api_listen(&self) -> Option<SocketAddr> {
+        match (self.listen, &self.ext_proc) {
+            (Some(addr), _) => Some(addr),
+            (None, Some(_)) => None,
+            (None, None) => Some(DEFAULT_LISTEN.parse().expect("a valid address")),
+        }
+    }
+}
+
+/// The endpoint picker's listener (Envoy `ext_proc` over gRPC).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExtProc {
+    /// Its address, e.g. `0.0.0.0:9002` (the Gateway API Inference
+    /// Extension's conventional picker port).
+    pub listen: SocketAddr,
 }
 
 /// Where the endpoint set comes from: one source, written as a map of one

@@ -117,16 +117,22 @@ impl ApiError {
     pub fn code(&self) -> &'static str {
         self.kind().1
     }
+
+    /// Seconds a client should wait before retrying, for the errors that
+    /// say so (`Retry-After`).
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            ApiError::Overloaded { retry_after }
+            | ApiError::Unavailable { retry_after }
+            | ApiError::Saturated(_, retry_after) => Some(*retry_after),
+            _ => None,
+        }
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let retry_after = match self {
-            ApiError::Overloaded { retry_after }
-            | ApiError::Unavailable { retry_after }
-            | ApiError::Saturated(_, retry_after) => Some(retry_after),
-            _ => None,
-        };
+        let retry_after = self.retry_after();
         let mut response = (self.status(), axum::Json(self.body())).into_response();
         if let Some(s) = retry_after {
             response

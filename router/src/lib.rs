@@ -13,6 +13,7 @@ pub mod config;
 pub mod conversations;
 pub mod discovery;
 pub mod errors;
+pub mod ext_proc;
 pub mod features;
 pub mod health;
 pub mod health_checks;

@@ -17,6 +17,11 @@ struct Cli {
     /// Overrides `listen`.
     #[arg(long, env = "KVROUTE_LISTEN")]
     listen: Option<SocketAddr>,
+    /// Serves the endpoint picker (Envoy ext_proc) here: overrides
+    /// `extProc.listen`. Without `--listen` or `listen`, the router then
+    /// runs as a picker alone.
+    #[arg(long, env = "KVROUTE_EXT_PROC_LISTEN")]
+    ext_proc_listen: Option<SocketAddr>,
     /// Overrides `adminListen`.
     #[arg(long, env = "KVROUTE_ADMIN_LISTEN")]
     admin_listen: Option<SocketAddr>,
@@ -36,7 +41,10 @@ async fn main() -> anyhow::Result<()> {
         None => Config::default(),
     };
     if let Some(listen) = cli.listen {
-        config.listen = listen;
+        config.listen = Some(listen);
+    }
+    if let Some(listen) = cli.ext_proc_listen {
+        config.ext_proc = Some(kvroute_router::config::ExtProc { listen });
     }
     if let Some(admin) = cli.admin_listen {
         config.admin_listen = admin;
@@ -53,10 +61,13 @@ async fn main() -> anyhow::Result<()> {
     let _telemetry = kvroute_router::telemetry::init(&config.telemetry)?;
     let running = kvroute_router::start(config).await?;
     let stop = kvroute_telemetry::shutdown_signal();
-    println!(
-        "kvroute-router: API on http://{}, admin on http://{}",
-        running.addr, running.admin_addr
-    );
+    if let Some(api) = running.api_addr {
+        println!("kvroute-router: API on http://{api}");
+    }
+    if let Some(picker) = running.ext_proc_addr {
+        println!("kvroute-router: endpoint picker (ext_proc gRPC) on {picker}");
+    }
+    println!("kvroute-router: admin on http://{}", running.admin_addr);
     stop.await;
     tracing::info!("shutting down; in-flight requests finish first");
     running.shutdown().await;

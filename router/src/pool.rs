@@ -451,9 +451,20 @@ impl Pool {
     /// `readable` is false when the router could not read a prompt from the
     /// request: it then goes to the least loaded endpoint instead.
     pub fn plan(&self, request: &Request<'_>, readable: bool) -> Plan {
+        self.plan_among(request, readable, &|_| true)
+    }
+
+    /// [`plan`](Self::plan) among the endpoints whose HTTP address
+    /// `among` accepts (a gateway's subset hint).
+    pub fn plan_among(
+        &self,
+        request: &Request<'_>,
+        readable: bool,
+        among: &dyn Fn(&SocketAddr) -> bool,
+    ) -> Plan {
         let mut inner = self.lock();
         let now = now();
-        let (endpoints, candidates) = inner.candidates(now);
+        let (endpoints, candidates) = inner.candidates(now, among);
         let inner = &mut *inner;
         // Field by field: the policy is borrowed mutably beside it.
         let cx = Context {
@@ -502,7 +513,7 @@ impl Pool {
         if inner.exact {
             inner.index.longest_prefix(request.chain, &mut leading);
         }
-        let (endpoints, targets) = inner.candidates(now);
+        let (endpoints, targets) = inner.candidates(now, &|_| true);
         let mut policy = if readable {
             inner.policy.boxed_clone()
         } else {
@@ -559,22 +570,54 @@ impl Pool {
         target: &Target,
         uncached_tokens: u64,
     ) -> InFlight {
+        self.learn(request, target);
+        self.hold(target, request.prompt_tokens, uncached_tokens)
+    }
+
+    /// Lets the policy learn that `target` serves `request` (approximate
+    /// mode remembers where prefixes went).
+    pub fn learn(&self, request: &Request<'_>, target: &Target) {
         let mut inner = self.lock();
-        let load = inner.load.load(target.slot);
         let endpoint = Endpoint {
             slot: target.slot,
             id: target.id,
-            load,
+            load: inner.load.load(target.slot),
         };
         inner.policy.routed(request, &endpoint);
+    }
+
+    /// Counts a request of `prompt_tokens` (`uncached_tokens` to prefill)
+    /// against `target`'s load until the returned guard is dropped, without
+    /// teaching the policy anything.
+    pub fn hold(
+        self: &Arc<Self>,
+        target: &Target,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+    ) -> InFlight {
+        let ticket = self
+            .lock()
+            .load
+            .start(target.slot, prompt_tokens, uncached_tokens);
         InFlight {
             pool: self.clone(),
-            ticket: Some(
-                inner
-                    .load
-                    .start(target.slot, request.prompt_tokens, uncached_tokens),
-            ),
+            ticket: Some(ticket),
         }
+    }
+
+    /// The endpoint at HTTP address `addr`, routable or not.
+    pub fn target_at(&self, addr: SocketAddr) -> Option<Target> {
+        let inner = self.lock();
+        inner
+            .members
+            .values()
+            .find(|m| m.spec.http == addr)
+            .map(|m| Target {
+                name: m.spec.name.clone(),
+                http: m.spec.http,
+                slot: m.slot,
+                id: m.id,
+            })
     }
 
     /// Resolves at the next end of a request after it is enabled.
@@ -832,11 +875,16 @@ fn log_contract(name: &str, contract: &Contract) {
 }
 
 impl Inner {
-    /// The routable endpoints as the policy sees them, and as targets.
-    fn candidates(&self, now: std::time::Instant) -> (Vec<Endpoint>, Vec<Target>) {
+    /// The routable endpoints `among` accepts, as the policy sees them and
+    /// as targets.
+    fn candidates(
+        &self,
+        now: std::time::Instant,
+        among: &dyn Fn(&SocketAddr) -> bool,
+    ) -> (Vec<Endpoint>, Vec<Target>) {
         self.members
             .values()
-            .filter(|m| self.is_routable(m, now))
+            .filter(|m| self.is_routable(m, now) && among(&m.spec.http))
             .map(|m| {
                 let endpoint = Endpoint {
                     slot: m.slot,

@@ -93,21 +93,73 @@ pub struct Proxy {
     conversations: Arc<Conversations>,
 }
 
+/// A request body as it arrives, within `limits.maxBodyBytes` and the body
+/// budget: its permit holds the body's share of the budget until dropped.
+#[derive(Debug)]
+pub(crate) struct Received {
+    buf: BytesMut,
+    permit: Option<OwnedSemaphorePermit>,
+    /// KiB of the budget held.
+    reserved: usize,
+}
+
+impl Received {
+    /// Reserves a `declared` length at once (refused when over the limit
+    /// or the budget).
+    pub(crate) fn new(proxy: &Proxy, declared: Option<usize>) -> Result<Self, ApiError> {
+        let limit = proxy.limits.max_body_bytes;
+        if declared.is_some_and(|n| n > limit) {
+            return Err(ApiError::TooLarge { limit });
+        }
+        let mut received = Received {
+            buf: BytesMut::with_capacity(declared.unwrap_or(0)),
+            permit: None,
+            reserved: declared.unwrap_or(0).div_ceil(1024),
+        };
+        proxy.reserve(received.reserved, &mut received.permit)?;
+        Ok(received)
+    }
+
+    /// Appends `data`; an undeclared length reserves ahead, a MiB at a time.
+    pub(crate) fn push(&mut self, proxy: &Proxy, data: &[u8]) -> Result<(), ApiError> {
+        let limit = proxy.limits.max_body_bytes;
+        let len = self.buf.len() + data.len();
+        if len > limit {
+            return Err(ApiError::TooLarge { limit });
+        }
+        if len.div_ceil(1024) > self.reserved {
+            let want = len
+                .div_ceil(1024)
+                .max(self.reserved + 1024)
+                .min(limit.div_ceil(1024));
+            proxy.reserve(want - self.reserved, &mut self.permit)?;
+            self.reserved = want;
+        }
+        self.buf.extend_from_slice(data);
+        Ok(())
+    }
+
+    /// The whole body and its budget.
+    pub(crate) fn finish(self) -> (Bytes, Option<OwnedSemaphorePermit>) {
+        (self.buf.freeze(), self.permit)
+    }
+}
+
 /// What routing takes from a request, computed by [`analyze`].
 #[derive(Debug)]
-struct Analysis {
+pub(crate) struct Analysis {
     /// The body to forward (rewritten when tenancy sets `cache_salt`).
-    bytes: Bytes,
+    pub(crate) bytes: Bytes,
     model: Option<String>,
     chain: Vec<u64>,
     key: RoutingKey,
-    prompt_tokens: u64,
+    pub(crate) prompt_tokens: u64,
     /// Whether the policy can rank it: the router read its prompt, or the
     /// policy reads none (else the least loaded endpoint serves it).
     readable: bool,
     /// Whether the router read and tokenized its prompt.
     tokenized: bool,
-    block_tokens: u64,
+    pub(crate) block_tokens: u64,
     /// The LoRA adapter the prompt was hashed with.
     lora: Option<String>,
     /// Every prompt token, when [`Input::keep_tokens`] asked for them.
@@ -118,12 +170,31 @@ struct Analysis {
     memo: Option<Memo>,
 }
 
+impl Analysis {
+    /// What the policy ranks.
+    pub(crate) fn request(&self) -> RouteRequest<'_> {
+        RouteRequest {
+            key: self.key,
+            chain: &self.chain,
+            prompt_tokens: self.prompt_tokens,
+        }
+    }
+
+    /// Prompt tokens the engine is expected to find cached with `cached_blocks`
+    /// leading blocks: as vLLM counts a hit, full blocks, and the last
+    /// prompt token is always computed.
+    pub(crate) fn expected_cached(&self, cached_blocks: u32) -> u64 {
+        let cap = self.prompt_tokens.saturating_sub(1) / self.block_tokens * self.block_tokens;
+        (u64::from(cached_blocks) * self.block_tokens).min(cap)
+    }
+}
+
 /// Counts a request under `kvroute_requests_total` exactly once: with its
 /// status when [`Proxy::serve`] answers, else (the client went away while
 /// the router worked) as 499 when dropped. The engine's response body
 /// takes over the count when it is streamed back.
 #[derive(Debug)]
-struct Labels {
+pub(crate) struct Labels {
     proxy: Arc<Proxy>,
     model: String,
     /// The tenant, as a bounded label (see [`Proxy::tenant_label`]).
@@ -132,9 +203,19 @@ struct Labels {
 }
 
 impl Labels {
+    /// Labels of a request not yet counted nor analyzed.
+    pub(crate) fn new(proxy: &Arc<Proxy>) -> Self {
+        Labels {
+            proxy: proxy.clone(),
+            model: String::new(),
+            tenant: String::new(),
+            counted: false,
+        }
+    }
+
     /// Counts the request with `status`, unless it was counted; returns
     /// whether this call counted it.
-    fn count(&mut self, status: &str) -> bool {
+    pub(crate) fn count(&mut self, status: &str) -> bool {
         let first = !std::mem::replace(&mut self.counted, true);
         if first {
             self.proxy.count(&self.model, status);
@@ -143,7 +224,7 @@ impl Labels {
     }
 
     /// `{model, tenant}` for the token counters.
-    fn model_tenant(&self) -> ModelTenant {
+    pub(crate) fn model_tenant(&self) -> ModelTenant {
         ModelTenant {
             model: self.model.clone(),
             tenant: self.tenant.clone(),
@@ -151,7 +232,7 @@ impl Labels {
     }
 
     /// Hands the count over to the response body.
-    fn hand_over(&mut self) -> Labels {
+    pub(crate) fn hand_over(&mut self) -> Labels {
         self.counted = true;
         Labels {
             proxy: self.proxy.clone(),
@@ -230,12 +311,7 @@ impl Proxy {
         if let Err(e) = span.set_parent(parent) {
             tracing::debug!(error = %e, "no trace parent");
         }
-        let mut labels = Labels {
-            proxy: self.clone(),
-            model: String::new(),
-            tenant: String::new(),
-            counted: false,
-        };
+        let mut labels = Labels::new(self);
         let response = match self
             .handle(&parts, body, &mut labels)
             .instrument(span)
@@ -292,49 +368,33 @@ impl Proxy {
         parts: &Parts,
         mut body: Body,
     ) -> Result<(Bytes, Option<OwnedSemaphorePermit>), ApiError> {
-        let limit = self.limits.max_body_bytes;
         let declared = parts
             .headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
-        if declared.is_some_and(|n| n > limit) {
-            return Err(ApiError::TooLarge { limit });
-        }
-        let mut permit = None;
-        let mut reserved = declared.unwrap_or(0).div_ceil(1024);
-        self.reserve(reserved, &mut permit)?;
-        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
+        let mut received = Received::new(self, declared)?;
         let read = async {
             while let Some(frame) = body.frame().await {
                 let frame = frame
                     .map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?;
-                let Ok(data) = frame.into_data() else {
-                    continue;
-                };
-                let len = buf.len() + data.len();
-                if len > limit {
-                    return Err(ApiError::TooLarge { limit });
+                if let Ok(data) = frame.into_data() {
+                    received.push(self, &data)?;
                 }
-                if len.div_ceil(1024) > reserved {
-                    // Undeclared length: reserve ahead, a MiB at a time.
-                    let want = len
-                        .div_ceil(1024)
-                        .max(reserved + 1024)
-                        .min(limit.div_ceil(1024));
-                    self.reserve(want - reserved, &mut permit)?;
-                    reserved = want;
-                }
-                buf.extend_from_slice(&data);
             }
             Ok(())
         };
         let ms = self.limits.body_read_timeout_ms;
         match tokio::time::timeout(Duration::from_millis(ms), read).await {
-            Ok(Ok(())) => Ok((buf.freeze(), permit)),
+            Ok(Ok(())) => Ok(received.finish()),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(ApiError::BodyTimeout { ms }),
         }
+    }
+
+    /// `limits.bodyReadTimeoutMs`.
+    pub(crate) fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.body_read_timeout_ms)
     }
 
     async fn handle(
@@ -345,39 +405,72 @@ impl Proxy {
     ) -> Result<Response<Body>, ApiError> {
         let decision_start = Instant::now();
         let path = parts.uri.path();
-        self.allowed(path)?;
-        let tenant = self.tenancy.tenant(&parts.headers)?;
-        labels.tenant = self.tenant_label(tenant.as_deref());
+        let tenant = self.admit(path, &parts.headers, labels)?;
         let (bytes, _budget) = self.read_body(parts, body).await?;
-        let analysis = self
-            .analyze(
-                path,
-                &parts.headers,
-                tenant,
-                bytes,
-                false,
-                &mut labels.model,
-            )
+        let (analysis, plan) = self
+            .route(path, &parts.headers, tenant, bytes, labels, &|_| true)
             .await?;
-        self.volatile(&analysis, &labels.model, &labels.tenant);
-        let request = RouteRequest {
-            key: analysis.key,
-            chain: &analysis.chain,
-            prompt_tokens: analysis.prompt_tokens,
-        };
-        let plan = self.plan(&request, analysis.readable).await?;
         self.metrics
             .decision_seconds
             .observe(decision_start.elapsed().as_secs_f64());
-        self.forward(
-            parts,
-            analysis.bytes,
-            &request,
-            plan,
-            analysis.block_tokens,
-            labels,
-        )
-        .await
+        self.forward(parts, &analysis, plan, labels).await
+    }
+
+    /// Checks that `path` is proxied and the credentials in `headers`;
+    /// returns the tenant they name, labelled in `labels`.
+    pub(crate) fn admit(
+        &self,
+        path: &str,
+        headers: &HeaderMap,
+        labels: &mut Labels,
+    ) -> Result<Option<String>, ApiError> {
+        self.allowed(path)?;
+        self.identify(headers, labels)
+    }
+
+    /// The tenant the credentials in `headers` name, labelled in `labels`.
+    pub(crate) fn identify(
+        &self,
+        headers: &HeaderMap,
+        labels: &mut Labels,
+    ) -> Result<Option<String>, ApiError> {
+        let tenant = self.tenancy.tenant(headers)?;
+        labels.tenant = self.tenant_label(tenant.as_deref());
+        Ok(tenant)
+    }
+
+    /// Whether the router can serve: routable endpoints (their number),
+    /// and the tenancy the pool's policy asks for; else why not.
+    pub fn readiness(&self) -> Result<usize, String> {
+        self.tenancy_check(&self.pool.settings())
+            .map_err(|e| e.to_string())?;
+        match self.pool.routable() {
+            0 => Err("no routable endpoint".into()),
+            n => Ok(n),
+        }
+    }
+
+    /// The decision for a request whose body is `bytes`: its analysis and
+    /// a plan among the endpoints `among` accepts, waiting in the bounded
+    /// queue while they are all full. The HTTP proxy and the endpoint
+    /// picker both decide here, so they decide alike.
+    pub(crate) async fn route(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        tenant: Option<String>,
+        bytes: Bytes,
+        labels: &mut Labels,
+        among: &(dyn Fn(&std::net::SocketAddr) -> bool + Sync),
+    ) -> Result<(Analysis, Plan), ApiError> {
+        let analysis = self
+            .analyze(path, headers, tenant, bytes, false, &mut labels.model)
+            .await?;
+        self.volatile(&analysis, &labels.model, &labels.tenant);
+        let plan = self
+            .plan(&analysis.request(), analysis.readable, among)
+            .await?;
+        Ok((analysis, plan))
     }
 
     /// Analyzes a request to `path` with `headers` and body `bytes` from
@@ -518,11 +611,7 @@ impl Proxy {
             .analyze(path, headers, tenant, body, false, &mut model)
             .await?;
         self.volatile(&a, &model, &tenant_label);
-        let request = RouteRequest {
-            key: a.key,
-            chain: &a.chain,
-            prompt_tokens: a.prompt_tokens,
-        };
+        let request = a.request();
         let plan = self.pool.plan(&request, a.readable);
         let target = plan.targets.first().ok_or(ApiError::Unavailable {
             retry_after: self.limits.retry_after_s,
@@ -552,14 +641,19 @@ impl Proxy {
 
     /// A plan with at least one target, waiting in the bounded queue while
     /// every routable endpoint is at its concurrency limit.
-    async fn plan(&self, request: &RouteRequest<'_>, readable: bool) -> Result<Plan, ApiError> {
+    pub(crate) async fn plan(
+        &self,
+        request: &RouteRequest<'_>,
+        readable: bool,
+        among: &(dyn Fn(&std::net::SocketAddr) -> bool + Sync),
+    ) -> Result<Plan, ApiError> {
         let deadline = Instant::now() + Duration::from_millis(self.limits.queue_timeout_ms);
         let retry_after = self.limits.retry_after_s;
         loop {
             let released = self.pool.released();
             tokio::pin!(released);
             released.as_mut().enable();
-            let plan = self.pool.plan(request, readable);
+            let plan = self.pool.plan_among(request, readable, among);
             if !plan.targets.is_empty() {
                 return Ok(plan);
             }
@@ -581,22 +675,14 @@ impl Proxy {
     async fn forward(
         self: &Arc<Self>,
         parts: &Parts,
-        bytes: Bytes,
-        request: &RouteRequest<'_>,
+        analysis: &Analysis,
         plan: Plan,
-        block_tokens: u64,
         labels: &mut Labels,
     ) -> Result<Response<Body>, ApiError> {
-        // As vLLM counts a hit: full blocks, and the last prompt token is
-        // always computed.
-        let hit_cap = request.prompt_tokens.saturating_sub(1) / block_tokens * block_tokens;
-        let expected_cached = (u64::from(plan.cached_blocks) * block_tokens).min(hit_cap);
-        self.metrics.routed.inc();
-        let by = labels.model_tenant();
-        self.metrics
-            .prompt_tokens
-            .get_or_create(&by)
-            .inc_by(request.prompt_tokens);
+        let request = &analysis.request();
+        let bytes = &analysis.bytes;
+        let expected_cached = analysis.expected_cached(plan.cached_blocks);
+        let by = self.count_routed(labels, request.prompt_tokens);
         let mut last_error = ApiError::Upstream("no attempt was made".into());
         let mut last_response: Option<Response<Incoming>> = None;
         // Fewer targets than attempts (endpoints ejected or full): the
@@ -608,17 +694,14 @@ impl Proxy {
             } else {
                 ("retry", 0)
             };
-            self.metrics
-                .routing_decisions
-                .get_or_create(&Why { reason })
-                .inc();
+            self.count_decision(reason);
             // Counted until dropped: whether this attempt fails, the
             // client goes away while it waits, or the response ends.
             let load = self
                 .pool
                 .start(request, target, request.prompt_tokens - cached);
             let sent = Instant::now();
-            match self.send(parts, &bytes, target).await {
+            match self.send(parts, bytes, target).await {
                 Ok(response)
                     if response.status().is_server_error()
                         || response.status() == StatusCode::TOO_MANY_REQUESTS =>
@@ -635,11 +718,7 @@ impl Proxy {
                 }
                 Ok(response) => {
                     if attempt == 0 {
-                        self.metrics.first_choice.inc();
-                        self.metrics
-                            .expected_cached_tokens
-                            .get_or_create(&by)
-                            .inc_by(cached);
+                        self.count_first_choice(&by, cached);
                     }
                     let expected = Expected {
                         cached,
@@ -675,6 +754,36 @@ impl Proxy {
             }
             None => Err(last_error),
         }
+    }
+
+    /// Counts a routed request and its prompt tokens; returns its
+    /// `{model, tenant}` labels.
+    pub(crate) fn count_routed(&self, labels: &Labels, prompt_tokens: u64) -> ModelTenant {
+        self.metrics.routed.inc();
+        let by = labels.model_tenant();
+        self.metrics
+            .prompt_tokens
+            .get_or_create(&by)
+            .inc_by(prompt_tokens);
+        by
+    }
+
+    /// Counts a routing decision by its reason.
+    pub(crate) fn count_decision(&self, reason: &'static str) {
+        self.metrics
+            .routing_decisions
+            .get_or_create(&Why { reason })
+            .inc();
+    }
+
+    /// Counts a request served by the policy's first choice, expected to
+    /// find `cached` prompt tokens there.
+    pub(crate) fn count_first_choice(&self, by: &ModelTenant, cached: u64) {
+        self.metrics.first_choice.inc();
+        self.metrics
+            .expected_cached_tokens
+            .get_or_create(by)
+            .inc_by(cached);
     }
 
     fn failure(&self, target: &Target, kind: &'static str) {
@@ -762,28 +871,21 @@ impl Proxy {
         {
             parts.headers.insert(name.clone(), v);
         }
-        let guard = Guard {
-            proxy: self.clone(),
+        let guard = Guard::new(
+            self,
             load,
-            name: target.name.clone(),
+            target.name.clone(),
             sent,
-            first: true,
             labels,
-            status: parts.status,
+            parts.status,
             expected,
-            usage: UsageScan::default(),
-        };
+        );
         let frames = stream::unfold(Some((incoming, guard)), move |state| async move {
             let (mut incoming, mut guard) = state?;
             match incoming.frame().await {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
-                        if guard.first {
-                            guard.first_byte();
-                        }
-                        if guard.status.is_success() {
-                            guard.usage.push(data);
-                        }
+                        guard.data(data);
                     }
                     // A sized body may not be polled past its last byte.
                     if hyper::body::Body::is_end_stream(&incoming) {
@@ -1166,7 +1268,7 @@ impl Workers {
 /// too, cancels it at the engine. Its labels count the request: with the
 /// status when the body completed, `stream_error` when it broke, 499 when
 /// the client left first.
-struct Guard {
+pub(crate) struct Guard {
     proxy: Arc<Proxy>,
     load: InFlight,
     name: String,
@@ -1181,14 +1283,48 @@ struct Guard {
 
 /// What the router expected of a request at the endpoint it was sent to.
 #[derive(Clone, Copy, Debug)]
-struct Expected {
+pub(crate) struct Expected {
     /// Prompt tokens it expected cached there.
-    cached: u64,
+    pub(crate) cached: u64,
     /// Prompt tokens, as the router computed them.
-    prompt_tokens: u64,
+    pub(crate) prompt_tokens: u64,
 }
 
 impl Guard {
+    /// Follows the response of a request sent to endpoint `name` at `sent`
+    /// holding `load`, answered with `status`.
+    pub(crate) fn new(
+        proxy: &Arc<Proxy>,
+        load: InFlight,
+        name: String,
+        sent: Instant,
+        labels: Labels,
+        status: StatusCode,
+        expected: Expected,
+    ) -> Self {
+        Guard {
+            proxy: proxy.clone(),
+            load,
+            name,
+            sent,
+            first: true,
+            labels,
+            status,
+            expected,
+            usage: UsageScan::default(),
+        }
+    }
+
+    /// A body chunk of the response arrived.
+    pub(crate) fn data(&mut self, data: &[u8]) {
+        if self.first {
+            self.first_byte();
+        }
+        if self.status.is_success() {
+            self.usage.push(data);
+        }
+    }
+
     fn first_byte(&mut self) {
         self.first = false;
         self.load.first_token();
@@ -1198,8 +1334,9 @@ impl Guard {
             .observe(self.sent.elapsed().as_secs_f64());
     }
 
-    fn done(&mut self) {
-        if self.labels.count(self.status.as_str()) {
+    /// The response ended.
+    pub(crate) fn done(&mut self) {
+        if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
             self.proxy.pool.succeeded(&self.name);
             if self.status.is_success()
                 && let Some((usage, id)) = self.usage.usage()

@@ -57,8 +57,10 @@ pub enum StartError {
 /// A running router.
 #[derive(Debug)]
 pub struct Running {
-    /// Where the API listens.
-    pub addr: SocketAddr,
+    /// Where the API listens, unless the router runs as a picker alone.
+    pub api_addr: Option<SocketAddr>,
+    /// Where the endpoint picker (`ext_proc`) listens, when configured.
+    pub ext_proc_addr: Option<SocketAddr>,
     /// Where `/metrics` and the debug endpoints listen.
     pub admin_addr: SocketAddr,
     /// The pool, for tests and the demo.
@@ -70,6 +72,16 @@ pub struct Running {
 }
 
 impl Running {
+    /// Where the API listens.
+    ///
+    /// # Panics
+    /// When the router runs without an API listener (`extProc` set and
+    /// `listen` unset); see [`api_addr`](Self::api_addr).
+    pub fn addr(&self) -> SocketAddr {
+        self.api_addr
+            .expect("the router runs without an API listener (picker alone)")
+    }
+
     /// Stops accepting requests and waits for in-flight ones (streams
     /// included) to finish.
     pub async fn shutdown(self) {
@@ -160,7 +172,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         None => None,
     };
     // Bind first: a taken port must fail before any task starts.
-    let (api, addr) = kvroute_telemetry::listen(config.listen).await?;
+    let api = match config.api_listen() {
+        Some(addr) => Some(kvroute_telemetry::listen(addr).await?),
+        None => None,
+    };
+    let ext_proc = match &config.ext_proc {
+        Some(e) => Some(kvroute_telemetry::listen(e.listen).await?),
+        None => None,
+    };
     let (admin, admin_addr) = kvroute_telemetry::listen(config.admin_listen).await?;
     let metrics = Arc::new(Metrics::default());
     let pool = Pool::new(
@@ -199,8 +218,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let proxy = Arc::new(Proxy::new(pool.clone(), metrics.clone(), tenancy, &config));
 
     let (stop, stopped) = watch::channel(false);
-    let tasks = vec![
-        tokio::spawn(listener::serve(
+    let mut tasks = Vec::new();
+    let api_addr = api.as_ref().map(|(_, addr)| *addr);
+    if let Some((api, _)) = api {
+        tasks.push(tokio::spawn(listener::serve(
             api,
             api_routes(proxy.clone()),
             ConnLimits {
@@ -210,19 +231,27 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             stopped.clone(),
             metrics.clone(),
             "api",
-        )),
-        tokio::spawn(listener::serve(
-            admin,
-            admin_routes(proxy, admin_token),
-            ConnLimits::admin(&config.limits),
-            stopped,
-            metrics,
-            "admin",
-        )),
-    ];
-    tracing::info!(%addr, %admin_addr, "kvroute-router listening");
+        )));
+    }
+    let ext_proc_addr = ext_proc.as_ref().map(|(_, addr)| *addr);
+    if let Some((ext_proc, _)) = ext_proc {
+        let (proxy, limits, stopped) = (proxy.clone(), config.limits.clone(), stopped.clone());
+        tasks.push(tokio::spawn(async move {
+            crate::ext_proc::serve(ext_proc, proxy, &limits, stopped).await;
+        }));
+    }
+    tasks.push(tokio::spawn(listener::serve(
+        admin,
+        admin_routes(proxy, admin_token),
+        ConnLimits::admin(&config.limits),
+        stopped,
+        metrics,
+        "admin",
+    )));
+    tracing::info!(api = ?api_addr, ext_proc = ?ext_proc_addr, %admin_addr, "kvroute-router listening");
     Ok(Running {
-        addr,
+        api_addr,
+        ext_proc_addr,
         admin_addr,
         pool,
         stop,
@@ -289,6 +318,7 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
             }),
         )
         .route("/healthz", get(|| async { StatusCode::OK }))
+        .route("/readyz", get(readyz))
         .with_state(proxy)
 }
 
@@ -301,17 +331,9 @@ fn bearer_is(headers: &axum::http::HeaderMap, token: &str) -> bool {
 }
 
 async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
-    let n = p.pool.routable();
-    if let Err(e) = p.tenancy_check(&p.pool.settings()) {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response()
-    } else if n > 0 {
-        (StatusCode::OK, format!("ready: {n} endpoints\n")).into_response()
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: no routable endpoint\n",
-        )
-            .into_response()
+    match p.readiness() {
+        Ok(n) => (StatusCode::OK, format!("ready: {n} endpoints\n")).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response(),
     }
 }
 

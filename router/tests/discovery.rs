@@ -573,7 +573,7 @@ async fn a_salted_policy_stops_a_router_that_cannot_salt() {
     .await;
     let defaults = kvroute_router::config::Config::default();
     let config = kvroute_router::config::Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         discovery: kvroute_router::config::Discovery::Operator(
             kvroute_router::config::OperatorDiscovery {
@@ -589,7 +589,7 @@ async fn a_salted_policy_stops_a_router_that_cannot_salt() {
     let client = reqwest::Client::new();
     let send = || async {
         let response = client
-            .post(format!("http://{}/v1/chat/completions", router.addr))
+            .post(format!("http://{}/v1/chat/completions", router.addr()))
             .json(
                 &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
             )
@@ -604,7 +604,7 @@ async fn a_salted_policy_stops_a_router_that_cannot_salt() {
         )
     };
     let readyz = || async {
-        let r = reqwest::get(format!("http://{}/readyz", router.addr))
+        let r = reqwest::get(format!("http://{}/readyz", router.addr()))
             .await
             .unwrap();
         (r.status().as_u16(), r.text().await.unwrap())

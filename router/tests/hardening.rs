@@ -217,7 +217,7 @@ async fn salted_mode_refuses_bodies_it_cannot_read_on_every_path() {
         "plain text",
     ] {
         let r = client
-            .post(format!("http://{}/v1/responses", router.addr))
+            .post(format!("http://{}/v1/responses", router.addr()))
             .header("x-tenant", "bob")
             .header("content-type", "application/json")
             .body(body)
@@ -228,7 +228,7 @@ async fn salted_mode_refuses_bodies_it_cannot_read_on_every_path() {
     }
     // A readable body gets the tenant's salt, never the client's.
     let r = client
-        .post(format!("http://{}/v1/responses", router.addr))
+        .post(format!("http://{}/v1/responses", router.addr()))
         .header("x-tenant", "bob")
         .json(&json!({"input": "hi"}))
         .send()
@@ -259,7 +259,7 @@ async fn private_and_connection_named_headers_are_not_forwarded() {
     for forward in [false, true] {
         let router = start(forward).await.unwrap();
         let r = reqwest::Client::new()
-            .post(format!("http://{}/v1/completions", router.addr))
+            .post(format!("http://{}/v1/completions", router.addr()))
             .bearer_auth("k-alice")
             .header("x-tenant", "alice")
             .header("connection", "x-hop")
@@ -298,7 +298,7 @@ async fn only_allowed_paths_are_proxied() {
         }
         let router = kvroute_router::start(config).await.unwrap();
         let r = reqwest::Client::new()
-            .post(format!("http://{}/v1/load_lora_adapter", router.addr))
+            .post(format!("http://{}/v1/load_lora_adapter", router.addr()))
             .json(&json!({"lora_name": "x", "lora_path": "/tmp/x"}))
             .send()
             .await
@@ -379,7 +379,7 @@ async fn slow_idle_and_excess_connections_are_closed() {
         },
     )
     .await;
-    let addr = stack.router.addr;
+    let addr = stack.router.addr();
     // Half-sent headers.
     let mut slow = TcpStream::connect(addr).await.unwrap();
     slow.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
@@ -554,7 +554,7 @@ async fn a_hung_engine_is_ejected_by_health_checks_and_restored() {
     eventually("the hung engine is ejected", || ejected(&router)).await;
     for _ in 0..4 {
         let r = reqwest::Client::new()
-            .post(format!("http://{}/v1/completions", router.addr))
+            .post(format!("http://{}/v1/completions", router.addr()))
             .json(&json!({"prompt": "hello", "max_tokens": 1}))
             .send()
             .await

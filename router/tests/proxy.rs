@@ -258,7 +258,7 @@ async fn headers_pass_through_and_traceparent_is_untouched_without_tracing() {
     let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let body = r#"{"prompt":  "spaced   exactly", "extra": [1, 2]}"#;
     let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/completions", router.addr))
+        .post(format!("http://{}/v1/completions", router.addr()))
         .header("traceparent", parent)
         .header("x-custom", "kept")
         .header("content-type", "application/json")

@@ -26,7 +26,7 @@ async fn a_failing_endpoint_is_retried_then_ejected_then_readmitted() {
     config.resilience.ejection_base_ms = 2000;
     let router = kvroute_router::start(config).await.unwrap();
     let client = reqwest::Client::new();
-    let url = format!("http://{}/v1/completions", router.addr);
+    let url = format!("http://{}/v1/completions", router.addr());
     for _ in 0..4 {
         let r = client
             .post(&url)
@@ -105,7 +105,7 @@ async fn a_stream_that_breaks_is_not_retried_ends_with_an_error_event_and_ejects
     config.resilience.health_check = None;
     let router = kvroute_router::start(config).await.unwrap();
     let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/completions", router.addr))
+        .post(format!("http://{}/v1/completions", router.addr()))
         .json(&json!({"prompt": "hello", "stream": true}))
         .send()
         .await
@@ -295,7 +295,7 @@ async fn error_paths_have_openai_bodies() {
     std::fs::write(dir.join("endpoints.yaml"), "endpoints: []\n").unwrap();
     let router = kvroute_router::start(router_config(&dir)).await.unwrap();
     let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/completions", router.addr))
+        .post(format!("http://{}/v1/completions", router.addr()))
         .json(&json!({"prompt": "x"}))
         .send()
         .await
@@ -303,7 +303,7 @@ async fn error_paths_have_openai_bodies() {
     assert_eq!(r.status(), 503);
     assert_eq!(r.headers()["retry-after"], "1");
     check(503, "no_ready_endpoint")((503, r.json().await.unwrap()));
-    let ready = reqwest::get(format!("http://{}/readyz", router.addr))
+    let ready = reqwest::get(format!("http://{}/readyz", router.addr()))
         .await
         .unwrap();
     assert_eq!(ready.status(), 503);

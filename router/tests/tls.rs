@@ -89,7 +89,7 @@ async fn the_api_speaks_tls_and_requires_client_certificates_with_a_client_ca() 
             },
         )
         .await;
-        let addr = stack.router.addr;
+        let addr = stack.router.addr();
         assert_eq!(get(addr, "/healthz", true).await, Ok(200));
         let without_cert = get(addr, "/healthz", false).await;
         if mtls {

@@ -21,7 +21,7 @@ async fn the_engine_sees_the_routers_span_in_the_clients_trace() {
     let router = kvroute_router::start(router_config(&dir)).await.unwrap();
     let client_parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/completions", router.addr))
+        .post(format!("http://{}/v1/completions", router.addr()))
         .header("traceparent", client_parent)
         .json(&json!({"prompt": "hello"}))
         .send()

@@ -103,7 +103,7 @@ impl Fleet {
             .with_context(|| format!("writing {}", file.display()))?;
         let defaults = RouterConfig::default();
         let config = RouterConfig {
-            listen,
+            listen: Some(listen),
             admin_listen,
             discovery: Discovery::Static(StaticDiscovery {
                 file,
@@ -145,7 +145,7 @@ impl Fleet {
 
     /// The router's API address.
     pub fn addr(&self) -> SocketAddr {
-        self.router.addr
+        self.router.addr()
     }
 
     /// The router's admin address (`/metrics`, `/debug/pool`).

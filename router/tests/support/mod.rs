@@ -20,7 +20,7 @@ pub struct Stack {
 /// A router config on free ports, reading `endpoints.yaml` in `dir`.
 pub fn router_config(dir: &std::path::Path) -> Config {
     let mut c = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
+        listen: Some("127.0.0.1:0".parse().unwrap()),
         admin_listen: "127.0.0.1:0".parse().unwrap(),
         ..Config::default()
     };
@@ -99,7 +99,7 @@ impl Stack {
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.router.addr)
+        format!("http://{}{path}", self.router.addr())
     }
 
     pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
