@@ -50,6 +50,14 @@ pub const RESOURCES: &[ResourceType] = &[
     ResourceType {
         group: "",
         version: "v1",
+        plural: "services",
+        singular: "service",
+        kind: "Service",
+        namespaced: true,
+    },
+    ResourceType {
+        group: "",
+        version: "v1",
         plural: "events",
         singular: "event",
         kind: "Event",

@@ -12,12 +12,12 @@
 
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::ObjectMeta;
 
 use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
 use crate::api::{CacheRoutingPolicy, InferencePool, TenancyMode};
-use crate::index::{self, Observed, PodInfo, PolicySpec, PoolSpec};
+use crate::index::{self, Observed, PickerRef, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
 
 #[cfg(test)]
 mod tests;
@@ -40,8 +40,35 @@ pub fn pool(pool: &InferencePool) -> Option<PoolSpec> {
             .iter()
             .filter_map(|p| u16::try_from(p.number).ok().filter(|&n| n != 0))
             .collect(),
+        picker: pool.spec.endpoint_picker_ref.as_ref().map(|r| PickerRef {
+            group: r.group.clone(),
+            kind: r.kind.clone(),
+            name: r.name.clone(),
+            port: r
+                .port
+                .as_ref()
+                .and_then(|p| u16::try_from(p.number).ok().filter(|&n| n != 0)),
+        }),
         generation: pool.metadata.generation.unwrap_or(0),
         observed: observed(&pool.metadata, pool.status.as_ref()),
+    })
+}
+
+/// The index's view of `service`; `None` if it has no namespace or name.
+/// Ports outside 1 to 65535 are dropped.
+pub fn service(service: &Service) -> Option<ServiceInfo> {
+    let (namespace, name) = namespace_name(&service.metadata)?;
+    let spec = service.spec.as_ref();
+    Some(ServiceInfo {
+        namespace,
+        name,
+        ports: spec
+            .and_then(|s| s.ports.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|p| u16::try_from(p.port).ok().filter(|&n| n != 0))
+            .collect(),
+        external_name: spec.and_then(|s| s.type_.as_deref()) == Some("ExternalName"),
     })
 }
 

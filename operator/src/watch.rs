@@ -1,5 +1,5 @@
-//! The Kubernetes watchers: `InferencePool`, `CacheRoutingPolicy` and `Pod`
-//! watch streams, converted ([`crate::convert`]) and fed to the [`Index`].
+//! The Kubernetes watchers: `InferencePool`, `CacheRoutingPolicy`, `Pod`
+//! and `Service` (for endpoint picker references) watch streams, converted ([`crate::convert`]) and fed to the [`Index`].
 //!
 //! A thin edge: an added or changed object becomes `apply_*`, a removed one
 //! `delete_*`, and a (re)list is buffered from `Init` to `InitDone` and then
@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
@@ -40,7 +40,7 @@ use tokio::sync::watch as flag;
 
 use crate::api::{CacheRoutingPolicy, InferencePool};
 use crate::convert;
-use crate::index::{Index, PodInfo, PolicySpec, PoolSpec};
+use crate::index::{Index, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
 use crate::metrics::Metrics;
 
 /// Which namespaces the operator watches.
@@ -154,6 +154,29 @@ impl Watched for Pod {
     }
 }
 
+impl Watched for Service {
+    type Spec = ServiceInfo;
+    const KIND: &'static str = "Service";
+    fn convert(&self) -> Option<ServiceInfo> {
+        convert::service(self)
+    }
+    fn apply(index: &mut Index, spec: ServiceInfo) {
+        index.apply_service(spec);
+    }
+    fn delete(index: &mut Index, namespace: &str, name: &str) {
+        index.delete_service(namespace, name);
+    }
+    fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<ServiceInfo>) {
+        match namespace {
+            Some(ns) => index.reset_services_in(ns, specs),
+            None => index.reset_services(specs),
+        }
+    }
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<ServiceInfo> {
+        index.service(namespace, name).cloned()
+    }
+}
+
 /// Decodes a watched object into `T` and then the index's view. `Ok(None)`
 /// for an object without a namespace or name (the API never sends one);
 /// `Err` for one `T` cannot read, after logging and counting it.
@@ -173,7 +196,7 @@ fn decode<T: Watched>(object: DynamicObject, metrics: &Metrics) -> Result<Option
     }
 }
 
-/// Watches pools, policies and pods in `scope`, feeding `index`; sets
+/// Watches pools, policies, Services and pods in `scope`, feeding `index`; sets
 /// `ready` once every watch has its first list in. Runs until cancelled:
 /// watch errors are retried with backoff, never returned.
 pub async fn run_watchers(
@@ -185,7 +208,7 @@ pub async fn run_watchers(
 ) {
     let namespaces = scope.watches();
     let lists = InitialLists {
-        pending: Arc::new(AtomicUsize::new(namespaces.len() * 3)),
+        pending: Arc::new(AtomicUsize::new(namespaces.len() * 4)),
         ready: Arc::new(ready),
     };
     let mut watches: Vec<BoxFuture<'static, ()>> = Vec::new();
@@ -199,6 +222,7 @@ pub async fn run_watchers(
         };
         watches.push(watch::<InferencePool>(feed.clone()).boxed());
         watches.push(watch::<CacheRoutingPolicy>(feed.clone()).boxed());
+        watches.push(watch::<Service>(feed.clone()).boxed());
         watches.push(watch::<Pod>(feed).boxed());
     }
     futures_util::future::join_all(watches).await;

@@ -107,3 +107,50 @@ async fn an_unreadable_pool_stalls_nothing_and_keeps_its_last_readable_spec() {
     .await;
     watchers.abort();
 }
+
+#[tokio::test]
+async fn a_pools_picker_reference_follows_its_service() {
+    let api = FakeApiServer::start().await;
+    let mut with_picker = pool("llama", "http", 8000);
+    with_picker["spec"]["endpointPickerRef"] =
+        json!({"name": "llama-picker", "port": {"number": 9002}, "failureMode": "FailOpen"});
+    api.put(with_picker).unwrap();
+
+    let index = Arc::new(Mutex::new(Index::new()));
+    let (ready_tx, mut ready) = watch::channel(false);
+    let watchers = tokio::spawn(run_watchers(
+        client(&api).await,
+        Scope::All,
+        index.clone(),
+        Arc::new(Metrics::default()),
+        ready_tx,
+    ));
+    tokio::time::timeout(Duration::from_secs(5), ready.wait_for(|r| *r))
+        .await
+        .expect("ready within 5 s")
+        .unwrap();
+    let resolved = |i: &Index| {
+        let c = i.pool_status("ml", "llama").unwrap().resolved_refs;
+        (c.status, c.reason.as_str())
+    };
+    assert_eq!(resolved(&index.lock().unwrap()), (false, "InvalidExtensionRef"));
+
+    api.put(json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "llama-picker", "namespace": "ml"},
+        "spec": {"ports": [{"name": "grpc", "port": 9002, "targetPort": 9002}]},
+    }))
+    .unwrap();
+    eventually(&index, "the Service resolves the reference", |i| {
+        resolved(i) == (true, "ResolvedRefs")
+    })
+    .await;
+
+    api.delete("v1", "Service", "ml", "llama-picker").unwrap();
+    eventually(&index, "the deleted Service unresolves it", |i| {
+        resolved(i) == (false, "InvalidExtensionRef")
+    })
+    .await;
+    watchers.abort();
+}

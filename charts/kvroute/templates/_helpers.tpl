@@ -16,6 +16,17 @@
 {{- printf "%s-%s" (include "kvroute.fullname" .root) .pool.name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* A pool's router picker settings: router.picker with the pool's over it. */}}
+{{- define "kvroute.picker" -}}
+{{- toJson (mergeOverwrite (deepCopy .root.Values.router.picker) (deepCopy (default dict .pool.picker))) -}}
+{{- end -}}
+
+{{/* "true" when a pool's routers serve the OpenAI API (not picker-only). */}}
+{{- define "kvroute.servesApi" -}}
+{{- $picker := fromJson (include "kvroute.picker" .) -}}
+{{- if or (not $picker.enabled) $picker.api }}true{{ end -}}
+{{- end -}}
+
 {{- define "kvroute.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}

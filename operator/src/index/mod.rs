@@ -25,6 +25,7 @@ mod observed;
 mod pods;
 mod policy;
 mod pool;
+mod services;
 mod state;
 mod status;
 mod store;
@@ -45,6 +46,7 @@ pub use self::policy::{
     DEFAULT_PREFIX_TOKENS, PolicySpec, TenancyMode, default_policy,
 };
 pub use self::pool::PoolSpec;
+pub use self::services::{PickerRef, ServiceInfo};
 pub use self::state::{Clock, wall_clock_micros};
 pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
 
@@ -57,6 +59,8 @@ pub struct Index {
     pools: Namespaced<PoolSpec>,
     pods: Namespaced<PodInfo>,
     policies: Namespaced<PolicySpec>,
+    /// Services, for the pools' endpoint picker references.
+    services: Namespaced<ServiceInfo>,
     /// One channel per existing or watched pool.
     states: Namespaced<watch::Sender<PoolState>>,
     /// Bumped on every change that can alter a status.
@@ -100,6 +104,7 @@ impl Index {
             pools: Namespaced::default(),
             pods: Namespaced::default(),
             policies: Namespaced::default(),
+            services: Namespaced::default(),
             states: Namespaced::default(),
             changes: watch::Sender::new(0),
             clock,
@@ -311,6 +316,58 @@ impl Index {
             .map(|p| (p.namespace.clone(), p.name.clone(), p))
             .collect();
         self.refresh_all();
+    }
+
+    /// Service `namespace/name`, if the index has it.
+    pub fn service(&self, namespace: &str, name: &str) -> Option<&ServiceInfo> {
+        self.services.get(namespace, name)
+    }
+
+    /// Adds or replaces a Service.
+    pub fn apply_service(&mut self, service: ServiceInfo) {
+        let (ns, name) = (service.namespace.clone(), service.name.clone());
+        if self.services.insert(&ns, &name, service).as_ref() != self.services.get(&ns, &name) {
+            self.service_changed(&ns, &name);
+        }
+    }
+
+    /// Removes a Service.
+    pub fn delete_service(&mut self, namespace: &str, name: &str) {
+        if self.services.remove(namespace, name).is_some() {
+            self.service_changed(namespace, name);
+        }
+    }
+
+    /// Replaces the Services of `namespace` with `services`; other
+    /// namespaces keep theirs. Items outside `namespace` are ignored.
+    pub fn reset_services_in(&mut self, namespace: &str, services: Vec<ServiceInfo>) {
+        self.services.retain(|ns, _, _| ns != namespace);
+        for item in services.into_iter().filter(|i| i.namespace == namespace) {
+            let name = item.name.clone();
+            self.services.insert(namespace, &name, item);
+        }
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Replaces every Service with `services` (a relist).
+    pub fn reset_services(&mut self, services: Vec<ServiceInfo>) {
+        self.services = services
+            .into_iter()
+            .map(|s| (s.namespace.clone(), s.name.clone(), s))
+            .collect();
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Wakes the status writer when a pool of `namespace` names Service
+    /// `name` as its picker (other Services change no status).
+    fn service_changed(&mut self, namespace: &str, name: &str) {
+        let named = self
+            .pools
+            .in_namespace(namespace)
+            .any(|(_, p)| p.picker.as_ref().is_some_and(|r| r.name == name));
+        if named {
+            self.changes.send_modify(|n| *n += 1);
+        }
     }
 
     /// Drops the engines of pods the index no longer has.

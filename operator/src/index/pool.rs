@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use super::observed::Observed;
 use super::pods::PodInfo;
+use super::services::PickerRef;
 use crate::api::InferencePoolStatus;
 
 /// What the index needs of an `InferencePool`.
@@ -25,6 +26,8 @@ pub struct PoolSpec {
     /// `spec.targetPorts[].number`: every selected pod is one endpoint per
     /// port. Zeros and duplicates are ignored.
     pub target_ports: Vec<u16>,
+    /// `spec.endpointPickerRef`, resolved in the pool's status.
+    pub picker: Option<PickerRef>,
     /// `metadata.generation`, reported back as the conditions'
     /// `observedGeneration`.
     pub generation: i64,

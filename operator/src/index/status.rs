@@ -27,6 +27,9 @@ pub enum Reason {
     NoConflict,
     /// Everything the pool refers to is resolved.
     ResolvedRefs,
+    /// The pool's endpoint picker reference is unsupported or names no
+    /// such Service port.
+    InvalidExtensionRef,
     /// Every probed engine of the target hashes as the policy says.
     EnginesConsistent,
     /// Some probed engine hashes otherwise: routers give it no cache
@@ -45,6 +48,7 @@ impl Reason {
             Reason::Conflicted => "Conflicted",
             Reason::NoConflict => "NoConflict",
             Reason::ResolvedRefs => "ResolvedRefs",
+            Reason::InvalidExtensionRef => "InvalidExtensionRef",
             Reason::EnginesConsistent => "EnginesConsistent",
             Reason::EnginesInconsistent => "EnginesInconsistent",
         }
@@ -82,8 +86,10 @@ pub struct PoolStatus {
     /// `Accepted`: true unless the spec can select no endpoint (reason
     /// `Invalid`).
     pub accepted: Condition,
-    /// `ResolvedRefs`: always true for now (the index does not see
-    /// `endpointPickerRef`); the message names the policy in effect.
+    /// `ResolvedRefs`: whether `spec.endpointPickerRef` (when set) names
+    /// an existing Service and one of its ports (else reason
+    /// `InvalidExtensionRef`); when true, the message names the policy in
+    /// effect.
     pub resolved_refs: Condition,
     /// The name of the `CacheRoutingPolicy` in effect; `None` for the
     /// defaults.
@@ -161,11 +167,18 @@ impl Index {
             Some(p) => format!("routing with CacheRoutingPolicy {p}"),
             None => "no CacheRoutingPolicy targets the pool; routing with the defaults".to_owned(),
         };
+        let unresolved = pool.picker.as_ref().and_then(|r| {
+            r.unresolved(&pool.namespace, self.services.get(&pool.namespace, &r.name))
+        });
+        let resolved_refs = match unresolved {
+            Some(why) => Condition::new(false, Reason::InvalidExtensionRef, why),
+            None => Condition::new(true, Reason::ResolvedRefs, message),
+        };
         PoolStatus {
             namespace: pool.namespace.clone(),
             name: pool.name.clone(),
             accepted,
-            resolved_refs: Condition::new(true, Reason::ResolvedRefs, message),
+            resolved_refs,
             policy,
             ready_endpoints: self.ready_endpoints(&pool.namespace, &pool.name),
         }

@@ -147,3 +147,56 @@ fn a_pool_that_can_select_nothing_is_not_accepted() {
         Reason::Invalid
     );
 }
+
+#[test]
+fn the_endpoint_picker_reference_resolves_to_a_service_port() {
+    let picker = |kind: &str, port: Option<u16>| PickerRef {
+        group: String::new(),
+        kind: kind.into(),
+        name: "kvroute-picker".into(),
+        port,
+    };
+    let mut pool = PoolSpec::test("llama");
+    pool.picker = Some(picker("Service", Some(9002)));
+    let (mut index, _rx) = with_pool(pool.clone());
+    let refs = |index: &Index| index.pool_status(NS, "llama").unwrap().resolved_refs;
+
+    let missing = refs(&index);
+    assert!(!missing.status);
+    assert_eq!(missing.reason, Reason::InvalidExtensionRef);
+    assert!(missing.message.contains("does not exist"), "{}", missing.message);
+
+    let changes = index.changes();
+    let seen = *changes.borrow();
+    index.apply_service(ServiceInfo {
+        namespace: NS.into(),
+        name: "kvroute-picker".into(),
+        ports: vec![9002, 9090],
+        external_name: false,
+    });
+    assert!(*changes.borrow() > seen, "the status writer wakes up");
+    let resolved = refs(&index);
+    assert!(resolved.status);
+    assert_eq!(resolved.reason, Reason::ResolvedRefs);
+
+    pool.picker = Some(picker("Service", Some(9003)));
+    index.apply_pool(pool.clone());
+    let wrong_port = refs(&index);
+    assert_eq!((wrong_port.status, wrong_port.reason), (false, Reason::InvalidExtensionRef));
+    assert!(wrong_port.message.contains("no port 9003"), "{}", wrong_port.message);
+
+    pool.picker = Some(picker("Deployment", Some(9002)));
+    index.apply_pool(pool);
+    assert!(refs(&index).message.contains("not supported"));
+
+    // A Service no pool names changes no status.
+    let seen = *changes.borrow();
+    index.apply_service(ServiceInfo {
+        namespace: NS.into(),
+        name: "unrelated".into(),
+        ..ServiceInfo::default()
+    });
+    assert_eq!(*changes.borrow(), seen);
+    index.delete_service(NS, "kvroute-picker");
+    assert!(*changes.borrow() > seen);
+}
