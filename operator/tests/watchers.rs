@@ -133,7 +133,10 @@ async fn a_pools_picker_reference_follows_its_service() {
         let c = i.pool_status("ml", "llama").unwrap().resolved_refs;
         (c.status, c.reason.as_str())
     };
-    assert_eq!(resolved(&index.lock().unwrap()), (false, "InvalidExtensionRef"));
+    assert_eq!(
+        resolved(&index.lock().unwrap()),
+        (false, "InvalidExtensionRef")
+    );
 
     api.put(json!({
         "apiVersion": "v1",

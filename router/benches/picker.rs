@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, processing_request::Request as Message,
-    processing_response::Response as Answer,
+    HttpBody, HttpHeaders, ProcessingRequest, body_mutation::Mutation,
+    processing_request::Request as Message, processing_response::Response as Answer,
 };
 use kvroute_router::config::{Config, Discovery, ExtProc, StaticDiscovery};
 use serde_json::json;
@@ -88,6 +88,7 @@ async fn router(exact: bool, name: &str) -> std::net::SocketAddr {
         admin_listen: "127.0.0.1:0".parse().expect("addr"),
         ext_proc: Some(ExtProc {
             listen: "127.0.0.1:0".parse().expect("addr"),
+            tls: None,
         }),
         ..Config::default()
     };
@@ -97,7 +98,10 @@ async fn router(exact: bool, name: &str) -> std::net::SocketAddr {
     while running.pool.routable() < ENGINES
         || (exact && running.pool.status().iter().any(|e| e.stream != "live"))
     {
-        assert!(Instant::now() < deadline, "the engines never became routable");
+        assert!(
+            Instant::now() < deadline,
+            "the engines never became routable"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let addr = running.ext_proc_addr.expect("picker address");
@@ -106,7 +110,10 @@ async fn router(exact: bool, name: &str) -> std::net::SocketAddr {
 }
 
 /// One exchange; returns (decision, request phase).
-async fn exchange(client: &mut ExternalProcessorClient<Channel>, body: &[u8]) -> (Duration, Duration) {
+async fn exchange(
+    client: &mut ExternalProcessorClient<Channel>,
+    body: &[u8],
+) -> (Duration, Duration) {
     let (to, rx) = mpsc::channel(body.len() / CHUNK + 8);
     let start = Instant::now();
     to.send(message(Message::RequestHeaders(HttpHeaders {
@@ -139,13 +146,12 @@ async fn exchange(client: &mut ExternalProcessorClient<Channel>, body: &[u8]) ->
         match answer.response.expect("a response") {
             Answer::RequestHeaders(_) => decision = Some(last_sent.elapsed()),
             Answer::RequestBody(b) => {
-                if let Some(m) = b.response.and_then(|r| r.body_mutation) {
-                    if let Some(
-                        envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::StreamedResponse(s),
-                    ) = m.mutation
-                    {
-                        back += s.body.len();
-                    }
+                if let Some(Mutation::StreamedResponse(chunk)) = b
+                    .response
+                    .and_then(|r| r.body_mutation)
+                    .and_then(|m| m.mutation)
+                {
+                    back += chunk.body.len();
                 }
             }
             other => panic!("unexpected answer {other:?}"),
@@ -195,7 +201,9 @@ fn main() {
             "ext_proc picker, {requests} requests per row, one at a time, body in {} KiB messages",
             CHUNK >> 10
         );
-        println!("| mode | body | decision p50 | decision p99 | request phase p50 | request phase p99 |");
+        println!(
+            "| mode | body | decision p50 | decision p99 | request phase p50 | request phase p99 |"
+        );
         println!("|---|---|---|---|---|---|");
         for (exact, mode) in [(false, "approximate"), (true, "exact")] {
             let addr = router(exact, mode).await;

@@ -127,6 +127,10 @@ pub struct ExtProc {
     /// Its address, e.g. `0.0.0.0:9002` (the Gateway API Inference
     /// Extension's conventional picker port).
     pub listen: SocketAddr,
+    /// TLS (gRPC over HTTP/2 with TLS), with client certificates required
+    /// when `clientCaFile` is set; unset: plaintext (h2c).
+    #[serde(default)]
+    pub tls: Option<Tls>,
 }
 
 /// Where the endpoint set comes from: one source, written as a map of one
@@ -689,6 +693,13 @@ impl Config {
             if value == 0 {
                 return Err(invalid(field, &0, "must be at least 1"));
             }
+        }
+        if self.tls.is_some() && self.api_listen().is_none() {
+            return Err(invalid(
+                "tls",
+                &"set",
+                "configures the API listener, which does not run without listen when extProc is set",
+            ));
         }
         if self.limits.max_body_bytes_in_flight < self.limits.max_body_bytes {
             return Err(invalid(

@@ -44,7 +44,8 @@ async fn main() -> anyhow::Result<()> {
         config.listen = Some(listen);
     }
     if let Some(listen) = cli.ext_proc_listen {
-        config.ext_proc = Some(kvroute_router::config::ExtProc { listen });
+        let tls = config.ext_proc.take().and_then(|e| e.tls);
+        config.ext_proc = Some(kvroute_router::config::ExtProc { listen, tls });
     }
     if let Some(admin) = cli.admin_listen {
         config.admin_listen = admin;

@@ -43,6 +43,9 @@ pub enum StartError {
     /// A `tls` file is unreadable or invalid.
     #[error("tls: {0}")]
     Tls(#[source] kvroute_proto::tls::TlsError),
+    /// An `extProc.tls` file is unreadable or invalid.
+    #[error("extProc.tls: {0}")]
+    ExtProcTls(#[source] kvroute_proto::tls::TlsError),
     /// A `grpcTls` file is unreadable or invalid.
     #[error("grpcTls: {0}")]
     GrpcTls(#[from] kvroute_proto::tls::TlsError),
@@ -156,6 +159,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             kvroute_proto::tls::client(&t.ca_file, identity, t.server_name.as_deref())
         })
         .transpose()?;
+    let ext_proc_tls = config
+        .ext_proc
+        .as_ref()
+        .and_then(|e| e.tls.as_ref())
+        .map(crate::ext_proc::tls)
+        .transpose()
+        .map_err(StartError::ExtProcTls)?;
     let admin_token = match &config.admin_token_file {
         Some(path) => {
             let token = String::from_utf8_lossy(&read(path)?).trim().to_owned();
@@ -237,7 +247,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     if let Some((ext_proc, _)) = ext_proc {
         let (proxy, limits, stopped) = (proxy.clone(), config.limits.clone(), stopped.clone());
         tasks.push(tokio::spawn(async move {
-            crate::ext_proc::serve(ext_proc, proxy, &limits, stopped).await;
+            crate::ext_proc::serve(ext_proc, ext_proc_tls, proxy, &limits, stopped).await;
         }));
     }
     tasks.push(tokio::spawn(listener::serve(

@@ -301,6 +301,7 @@ async fn picker(
         |c| {
             c.ext_proc = Some(kvroute_router::config::ExtProc {
                 listen: "127.0.0.1:0".parse().unwrap(),
+                tls: None,
             });
             config(c);
         },
@@ -693,4 +694,122 @@ async fn health_services_report_readiness() {
     let ready = support::get_text(&format!("http://{}/readyz", stack.router.admin_addr)).await;
     assert!(ready.starts_with("ready: 1"), "{ready}");
     stack.stop().await;
+}
+
+#[tokio::test]
+async fn the_picker_speaks_mutual_tls() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let fixture = |name: &str| {
+        std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/tls")
+                .join(name),
+        )
+        .unwrap()
+    };
+    let path = |name: &str| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tls")
+            .join(name)
+    };
+    let stack = Stack::start(
+        "xp-tls",
+        1,
+        false,
+        |_| {},
+        |c| {
+            c.ext_proc = Some(kvroute_router::config::ExtProc {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                tls: Some(kvroute_router::config::Tls {
+                    cert_file: path("server.crt"),
+                    key_file: path("server.key"),
+                    client_ca_file: Some(path("ca.crt")),
+                }),
+            });
+        },
+    )
+    .await;
+    let addr = stack.router.ext_proc_addr.unwrap();
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(fixture("ca.crt")))
+        .identity(Identity::from_pem(
+            fixture("client.crt"),
+            fixture("client.key"),
+        ))
+        .domain_name("localhost");
+    let channel = Channel::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let live = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: "liveness".into(),
+        })
+        .await;
+    assert!(live.is_ok(), "{live:?}");
+    // Plaintext gRPC is not served on a TLS listener.
+    let plain = async {
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await?;
+        HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: "liveness".into(),
+            })
+            .await
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    };
+    let plain = tokio::time::timeout(Duration::from_secs(5), plain).await;
+    assert!(!matches!(plain, Ok(Ok(()))), "plaintext was served");
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn salted_tenancy_rewrites_the_body_and_checks_keys() {
+    let dir = support::temp_dir("xp-salted-secrets");
+    std::fs::write(dir.join("keys.yaml"), "k-alice: alice\n").unwrap();
+    std::fs::write(dir.join("secret"), "s3cret").unwrap();
+    let (stack, mut client) = picker("xp-salted", 2, false, |c| {
+        c.tenancy.mode = kvroute_router::config::TenancyMode::Salted;
+        c.tenancy.api_keys_file = Some(dir.join("keys.yaml"));
+        c.tenancy.secret_file = Some(dir.join("secret"));
+    })
+    .await;
+    let body = serde_json::to_vec(&chat("system", "hello", 1)).unwrap();
+
+    // No key: 401 at the headers, before any body.
+    let mut envoy = Envoy::open(&mut client).await;
+    envoy
+        .request_headers("/v1/chat/completions", &[], None)
+        .await;
+    let (status, _, error) = envoy.refusal().await;
+    assert_eq!(status, 401);
+    assert_eq!(error["error"]["type"], "authentication_error");
+    drop(envoy);
+
+    // With a key: the body goes back with the tenant's cache_salt, and its
+    // length in the headers answer.
+    let mut envoy = Envoy::open(&mut client).await;
+    envoy
+        .request_headers(
+            "/v1/chat/completions",
+            &[("authorization", "Bearer k-alice")],
+            None,
+        )
+        .await;
+    envoy.request_body(&body, &[9], false).await;
+    let d = envoy.decision().await;
+    let sent: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
+    let salt = sent["cache_salt"].as_str().expect("a salt was set");
+    assert!(!salt.is_empty());
+    assert_eq!(sent["messages"], chat("system", "hello", 1)["messages"]);
+    drop(envoy);
+    stack.stop().await;
+    let _ = std::fs::remove_dir_all(dir);
 }

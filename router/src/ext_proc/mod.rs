@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::server::NamedService;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
@@ -65,10 +66,30 @@ impl ExternalProcessor for Picker {
     }
 }
 
-/// Serves the picker and its health on `listener` until `stopped` turns
-/// true, then lets the open exchanges finish.
+/// The picker's TLS settings from `tls`'s PEM files, checked as the API
+/// listener's are (an unreadable or invalid file is an error naming it).
+pub fn tls(tls: &crate::config::Tls) -> Result<ServerTlsConfig, kvroute_proto::tls::TlsError> {
+    let ca = tls.client_ca_file.as_deref();
+    kvroute_proto::tls::https_server(&tls.cert_file, &tls.key_file, ca)?;
+    let read = |path: &std::path::Path| {
+        std::fs::read(path)
+            .map_err(|e| kvroute_proto::tls::TlsError::Invalid(format!("{}: {e}", path.display())))
+    };
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(
+        read(&tls.cert_file)?,
+        read(&tls.key_file)?,
+    ));
+    if let Some(ca) = ca {
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(config)
+}
+
+/// Serves the picker and its health on `listener` (over `tls` when set)
+/// until `stopped` turns true, then lets the open exchanges finish.
 pub async fn serve(
     listener: TcpListener,
+    tls: Option<ServerTlsConfig>,
     proxy: Arc<Proxy>,
     limits: &Limits,
     mut stopped: watch::Receiver<bool>,
@@ -76,7 +97,18 @@ pub async fn serve(
     let (reporter, health) = tonic_health::server::health_reporter();
     let readiness = tokio::spawn(report_health(proxy.clone(), reporter));
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let served = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = match builder.tls_config(tls) {
+            Ok(b) => b,
+            Err(e) => {
+                readiness.abort();
+                tracing::error!(error = %e, "the ext_proc listener's TLS settings failed");
+                return;
+            }
+        };
+    }
+    let served = builder
         .max_concurrent_streams(limits.http2_max_concurrent_streams)
         .add_service(health)
         .add_service(ExternalProcessorServer::new(Picker::new(proxy)))

@@ -164,7 +164,11 @@ fn the_endpoint_picker_reference_resolves_to_a_service_port() {
     let missing = refs(&index);
     assert!(!missing.status);
     assert_eq!(missing.reason, Reason::InvalidExtensionRef);
-    assert!(missing.message.contains("does not exist"), "{}", missing.message);
+    assert!(
+        missing.message.contains("does not exist"),
+        "{}",
+        missing.message
+    );
 
     let changes = index.changes();
     let seen = *changes.borrow();
@@ -182,8 +186,15 @@ fn the_endpoint_picker_reference_resolves_to_a_service_port() {
     pool.picker = Some(picker("Service", Some(9003)));
     index.apply_pool(pool.clone());
     let wrong_port = refs(&index);
-    assert_eq!((wrong_port.status, wrong_port.reason), (false, Reason::InvalidExtensionRef));
-    assert!(wrong_port.message.contains("no port 9003"), "{}", wrong_port.message);
+    assert_eq!(
+        (wrong_port.status, wrong_port.reason),
+        (false, Reason::InvalidExtensionRef)
+    );
+    assert!(
+        wrong_port.message.contains("no port 9003"),
+        "{}",
+        wrong_port.message
+    );
 
     pool.picker = Some(picker("Deployment", Some(9002)));
     index.apply_pool(pool);
