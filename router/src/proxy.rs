@@ -159,7 +159,7 @@ pub(crate) struct Analysis {
     readable: bool,
     /// Whether the router read and tokenized its prompt.
     tokenized: bool,
-    pub(crate) block_tokens: u64,
+    block_tokens: u64,
     /// The LoRA adapter the prompt was hashed with.
     lora: Option<String>,
     /// Every prompt token, when [`Input::keep_tokens`] asked for them.

@@ -415,7 +415,7 @@ impl Exchange {
         };
         let pick = plan.targets[0].clone();
         self.proxy.count_routed(&labels, 0);
-        self.proxy.count_decision("unreadable");
+        self.proxy.count_decision(plan.reason.as_str());
         let load = self.proxy.pool.hold(&pick, 0, 0);
         let answer = envoy::destination(&ranked(&plan.targets), None);
         self.phase = Phase::Sent(Box::new(Picked {
