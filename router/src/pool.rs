@@ -570,20 +570,19 @@ impl Pool {
         target: &Target,
         uncached_tokens: u64,
     ) -> InFlight {
-        self.learn(request, target);
-        self.hold(target, request.prompt_tokens, uncached_tokens)
+        // One lock for both: this is the request path.
+        let mut inner = self.lock();
+        inner.learn(request, target);
+        let ticket = inner
+            .load
+            .start(target.slot, request.prompt_tokens, uncached_tokens);
+        self.in_flight(ticket)
     }
 
     /// Lets the policy learn that `target` serves `request` (approximate
     /// mode remembers where prefixes went).
     pub fn learn(&self, request: &Request<'_>, target: &Target) {
-        let mut inner = self.lock();
-        let endpoint = Endpoint {
-            slot: target.slot,
-            id: target.id,
-            load: inner.load.load(target.slot),
-        };
-        inner.policy.routed(request, &endpoint);
+        self.lock().learn(request, target);
     }
 
     /// Counts a request of `prompt_tokens` (`uncached_tokens` to prefill)
@@ -599,6 +598,10 @@ impl Pool {
             .lock()
             .load
             .start(target.slot, prompt_tokens, uncached_tokens);
+        self.in_flight(ticket)
+    }
+
+    fn in_flight(self: &Arc<Self>, ticket: Ticket) -> InFlight {
         InFlight {
             pool: self.clone(),
             ticket: Some(ticket),
@@ -875,6 +878,16 @@ fn log_contract(name: &str, contract: &Contract) {
 }
 
 impl Inner {
+    /// Lets the policy learn that `target` serves `request`.
+    fn learn(&mut self, request: &Request<'_>, target: &Target) {
+        let endpoint = Endpoint {
+            slot: target.slot,
+            id: target.id,
+            load: self.load.load(target.slot),
+        };
+        self.policy.routed(request, &endpoint);
+    }
+
     /// The routable endpoints `among` accepts, as the policy sees them and
     /// as targets.
     fn candidates(

@@ -103,6 +103,23 @@ impl Envoy {
         self.send(Message::RequestHeaders(h), hint).await;
     }
 
+    /// A stream that has sent a POST to the chat path (with `extra` headers
+    /// and the `hint` metadata) and `body` in chunks of `sizes`.
+    async fn chat(
+        client: &mut ExternalProcessorClient<Channel>,
+        extra: &[(&str, &str)],
+        hint: Option<Metadata>,
+        body: &[u8],
+        sizes: &[usize],
+    ) -> Envoy {
+        let envoy = Envoy::open(client).await;
+        envoy
+            .request_headers("/v1/chat/completions", extra, hint)
+            .await;
+        envoy.request_body(body, sizes, false).await;
+        envoy
+    }
+
     /// The body in chunks of the given sizes (cycled), the last with
     /// `end_of_stream` unless `trailers`.
     async fn request_body(&self, body: &[u8], sizes: &[usize], trailers: bool) {
@@ -418,11 +435,7 @@ async fn multi_megabyte_bodies_and_trailers() {
     let body = serde_json::to_vec(&request).unwrap();
     assert!(body.len() > 3_000_000);
 
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers("/v1/chat/completions", &[], None)
-        .await;
-    envoy.request_body(&body, &[65_537, 1, 16_383], false).await;
+    let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[65_537, 1, 16_383]).await;
     let d = envoy.decision().await;
     assert_eq!(d.body, body);
     assert!(d.ended);
@@ -471,19 +484,18 @@ async fn subset_hints_restrict_the_choice() {
             values: others.iter().map(|a| string(&a.to_string())).collect(),
         })),
     };
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers(
-            "/v1/chat/completions",
-            &[],
-            metadata(
-                "envoy.lb.subset_hint",
-                "x-gateway-destination-endpoint-subset",
-                hint,
-            ),
-        )
-        .await;
-    envoy.request_body(&body, &[100], false).await;
+    let mut envoy = Envoy::chat(
+        &mut client,
+        &[],
+        metadata(
+            "envoy.lb.subset_hint",
+            "x-gateway-destination-endpoint-subset",
+            hint,
+        ),
+        &body,
+        &[100],
+    )
+    .await;
     let d = envoy.decision().await;
     assert!(!d.endpoints.contains(&holder));
     assert_eq!(d.endpoints.len(), 2);
@@ -507,36 +519,34 @@ async fn subset_hints_restrict_the_choice() {
     assert_eq!(d.endpoints, vec![others[1]]);
     // (every sim is on 127.0.0.1, so an IP allows them all)
     drop(envoy);
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers(
-            "/v1/chat/completions",
-            &[],
-            metadata(
-                "envoy.lb.subset_hint",
-                "x-gateway-destination-endpoint-subset",
-                string(&ip_only),
-            ),
-        )
-        .await;
-    envoy.request_body(&body, &[100], false).await;
+    let mut envoy = Envoy::chat(
+        &mut client,
+        &[],
+        metadata(
+            "envoy.lb.subset_hint",
+            "x-gateway-destination-endpoint-subset",
+            string(&ip_only),
+        ),
+        &body,
+        &[100],
+    )
+    .await;
     assert_eq!(envoy.decision().await.endpoints[0], holder);
 
     // A hint that names no known endpoint: 503.
     drop(envoy);
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers(
-            "/v1/chat/completions",
-            &[],
-            metadata(
-                "envoy.lb.subset_hint",
-                "x-gateway-destination-endpoint-subset",
-                string("10.9.9.9:8000"),
-            ),
-        )
-        .await;
-    envoy.request_body(&body, &[100], false).await;
+    let mut envoy = Envoy::chat(
+        &mut client,
+        &[],
+        metadata(
+            "envoy.lb.subset_hint",
+            "x-gateway-destination-endpoint-subset",
+            string("10.9.9.9:8000"),
+        ),
+        &body,
+        &[100],
+    )
+    .await;
     let (status, headers, error) = envoy.refusal().await;
     assert_eq!(status, 503);
     assert_eq!(headers["retry-after"], "1");
@@ -549,11 +559,7 @@ async fn subset_hints_restrict_the_choice() {
 async fn the_served_endpoint_takes_the_load() {
     let (stack, mut client) = picker("xp-served", 2, false, |_| {}).await;
     let body = serde_json::to_vec(&chat(&long_text(3), "q", 2)).unwrap();
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers("/v1/chat/completions", &[], None)
-        .await;
-    envoy.request_body(&body, &[4096], false).await;
+    let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[4096]).await;
     let d = envoy.decision().await;
     let (pick, other) = (d.endpoints[0], d.endpoints[1]);
     assert_eq!((in_flight(&stack, pick), in_flight(&stack, other)), (1, 0));
@@ -581,11 +587,7 @@ async fn refusals_are_immediate_responses() {
     })
     .await;
     // Unparseable JSON: 400.
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers("/v1/chat/completions", &[], None)
-        .await;
-    envoy.request_body(b"{\"model\": ", &[3], false).await;
+    let mut envoy = Envoy::chat(&mut client, &[], None, b"{\"model\": ", &[3]).await;
     let (status, headers, error) = envoy.refusal().await;
     assert_eq!(status, 400);
     assert_eq!(headers["content-type"], "application/json");
@@ -600,17 +602,9 @@ async fn refusals_are_immediate_responses() {
     // The one endpoint is busy with an exchange in flight: 429 with
     // Retry-After (the queue holds none).
     let body = serde_json::to_vec(&chat("s", "u", 1)).unwrap();
-    let mut first = Envoy::open(&mut client).await;
-    first
-        .request_headers("/v1/chat/completions", &[], None)
-        .await;
-    first.request_body(&body, &[64], false).await;
+    let mut first = Envoy::chat(&mut client, &[], None, &body, &[64]).await;
     first.decision().await;
-    let mut second = Envoy::open(&mut client).await;
-    second
-        .request_headers("/v1/chat/completions", &[], None)
-        .await;
-    second.request_body(&body, &[64], false).await;
+    let mut second = Envoy::chat(&mut client, &[], None, &body, &[64]).await;
     let (status, headers, error) = second.refusal().await;
     assert_eq!(status, 429);
     assert_eq!(headers["retry-after"], "1");
@@ -628,11 +622,7 @@ async fn many_streams_share_one_connection() {
         let mut client = client.clone();
         tasks.push(tokio::spawn(async move {
             let body = serde_json::to_vec(&chat(&long_text(i), "q", 1)).unwrap();
-            let mut envoy = Envoy::open(&mut client).await;
-            envoy
-                .request_headers("/v1/chat/completions", &[], None)
-                .await;
-            envoy.request_body(&body, &[777], false).await;
+            let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[777]).await;
             let d = envoy.decision().await;
             assert_eq!(d.body, body);
             envoy
@@ -795,15 +785,14 @@ async fn salted_tenancy_rewrites_the_body_and_checks_keys() {
 
     // With a key: the body goes back with the tenant's cache_salt, and its
     // length in the headers answer.
-    let mut envoy = Envoy::open(&mut client).await;
-    envoy
-        .request_headers(
-            "/v1/chat/completions",
-            &[("authorization", "Bearer k-alice")],
-            None,
-        )
-        .await;
-    envoy.request_body(&body, &[9], false).await;
+    let mut envoy = Envoy::chat(
+        &mut client,
+        &[("authorization", "Bearer k-alice")],
+        None,
+        &body,
+        &[9],
+    )
+    .await;
     let d = envoy.decision().await;
     let sent: serde_json::Value = serde_json::from_slice(&d.body).unwrap();
     let salt = sent["cache_salt"].as_str().expect("a salt was set");

@@ -172,7 +172,7 @@ struct Picked {
     load: InFlight,
     sent: Instant,
     /// The body's share of the budget, until the body has gone out.
-    _budget: Option<OwnedSemaphorePermit>,
+    budget: Option<OwnedSemaphorePermit>,
 }
 
 impl Exchange {
@@ -183,17 +183,13 @@ impl Exchange {
         }
     }
 
-    /// Counts the refused request with its status.
+    /// Refuses the request in progress, counted with the error's status.
     fn refuse(&mut self, error: ApiError) -> Stop {
-        let labels = match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Body(p) => Some(p.labels),
-            Phase::Sent(p) => Some(p.labels),
-            _ => None,
-        };
-        if let Some(mut labels) = labels {
-            labels.count(error.status().as_str());
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Body(p) => refused(p.labels, error),
+            Phase::Sent(p) => refused(p.labels, error),
+            _ => Stop::Refuse(error),
         }
-        Stop::Refuse(error)
     }
 
     /// The gateway ended the stream cleanly: a response being followed is
@@ -244,10 +240,7 @@ impl Exchange {
                         });
                 let (tenant, received) = match admitted {
                     Ok(a) => a,
-                    Err(e) => {
-                        labels.count(e.status().as_str());
-                        return Err(Stop::Refuse(e));
-                    }
+                    Err(e) => return Err(refused(labels, e)),
                 };
                 self.phase = Phase::Body(Box::new(Pending {
                     path,
@@ -351,10 +344,7 @@ impl Exchange {
             .await;
         let (mut analysis, plan) = match routed {
             Ok(r) => r,
-            Err(e) => {
-                labels.count(e.status().as_str());
-                return Err(Stop::Refuse(e));
-            }
+            Err(e) => return Err(refused(labels, e)),
         };
         let body = std::mem::take(&mut analysis.bytes);
         let mut answers = vec![envoy::destination(
@@ -379,7 +369,7 @@ impl Exchange {
             cached,
             load,
             sent: Instant::now(),
-            _budget: budget,
+            budget,
         }));
         self.proxy
             .metrics
@@ -408,10 +398,7 @@ impl Exchange {
         };
         let plan = match plan {
             Ok(p) => p,
-            Err(e) => {
-                labels.count(e.status().as_str());
-                return Err(Stop::Refuse(e));
-            }
+            Err(e) => return Err(refused(labels, e)),
         };
         let pick = plan.targets[0].clone();
         self.proxy.count_routed(&labels, 0);
@@ -425,7 +412,7 @@ impl Exchange {
             cached: 0,
             load,
             sent: Instant::now(),
-            _budget: None,
+            budget: None,
         }));
         Ok(vec![answer])
     }
@@ -440,9 +427,9 @@ impl Exchange {
             cached,
             mut load,
             sent,
-            _budget,
+            budget,
         } = picked;
-        drop(_budget);
+        drop(budget);
         let prompt_tokens = analysis.as_ref().map_or(0, |a| a.prompt_tokens);
         let other = served
             .filter(|addr| *addr != pick.http)
@@ -478,6 +465,12 @@ impl Exchange {
             },
         )
     }
+}
+
+/// Refuses a request, counted in `labels` with the error's status.
+fn refused(mut labels: Labels, error: ApiError) -> Stop {
+    labels.count(error.status().as_str());
+    Stop::Refuse(error)
 }
 
 /// The ranked endpoints as the destination header carries them.
