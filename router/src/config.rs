@@ -447,6 +447,21 @@ pub struct Limits {
     pub first_byte_timeout_ms: u64,
     /// Retry-After on 429 and 503, seconds. Default: 1.
     pub retry_after_s: u64,
+    /// Threads serving the API port, each with its own event loop and
+    /// upstream connections; a connection stays on the thread it was
+    /// dealt to. 0: one per CPU the process may use (its cgroup quota
+    /// included). Default: 0.
+    pub api_threads: usize,
+}
+
+impl Limits {
+    /// `apiThreads` resolved: 0 becomes the CPUs the process may use.
+    pub fn api_threads(&self) -> usize {
+        match self.api_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
 }
 
 impl Default for Limits {
@@ -469,6 +484,7 @@ impl Default for Limits {
             connect_timeout_ms: 2000,
             first_byte_timeout_ms: 300_000,
             retry_after_s: 1,
+            api_threads: 0,
         }
     }
 }
@@ -693,6 +709,13 @@ impl Config {
             if value == 0 {
                 return Err(invalid(field, &0, "must be at least 1"));
             }
+        }
+        if self.limits.api_threads > 1024 {
+            return Err(invalid(
+                "limits.apiThreads",
+                &self.limits.api_threads,
+                "must be at most 1024 (0: one per CPU)",
+            ));
         }
         if self.tls.is_some() && self.api_listen().is_none() {
             return Err(invalid(
@@ -941,6 +964,15 @@ telemetry: {logFormat: json, endpointHeader: ""}
         let c: Config = serde_yaml::from_str("routing: {blockSize: 0}").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert_eq!(err, "routing.blockSize: must be at least 1 (got 0)");
+        let c: Config = serde_yaml::from_str("limits: {apiThreads: 5000}").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "limits.apiThreads: must be at most 1024 (0: one per CPU) (got 5000)"
+        );
+        let c: Config = serde_yaml::from_str("limits: {apiThreads: 3}").unwrap();
+        assert_eq!(c.limits.api_threads(), 3);
+        assert!(Config::default().limits.api_threads() >= 1);
         let c: Config = serde_yaml::from_str("tenancy: {mode: salted, tenantHeader: x-t}").unwrap();
         assert!(
             c.validate()

@@ -5,6 +5,10 @@
 //! it stops accepting, lets every connection finish its requests, and
 //! returns when the last one closed.
 //!
+//! The API port's connections are dealt to threads of their own, each
+//! with a single-threaded runtime ([`serve_on_threads`]); the admin port's
+//! are served on the main runtime.
+//!
 //! With a TLS configuration every connection is a TLS one; its handshake
 //! must finish within the header-read timeout. Not here: the body-read
 //! timeout (the proxy reads bodies).
@@ -23,8 +27,8 @@ use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpListener;
-use tokio::sync::{Notify, Semaphore, watch};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
@@ -53,6 +57,8 @@ pub struct ConnLimits {
     pub h2_max_local_error_reset_streams: usize,
     /// TLS for every connection; `None`: plaintext.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Threads for [`serve_on_threads`] (`limits.apiThreads` resolved).
+    pub threads: usize,
 }
 
 impl ConnLimits {
@@ -92,6 +98,7 @@ impl ConnLimits {
             h2_max_pending_accept_reset_streams: limits.http2_max_pending_accept_reset_streams,
             h2_max_local_error_reset_streams: limits.http2_max_local_error_reset_streams,
             tls: None,
+            threads: limits.api_threads(),
         }
     }
 }
@@ -106,29 +113,109 @@ fn open_file_limit() -> Option<u64> {
 
 /// Serves `app` on `listener` until `stopped` turns true, then waits for
 /// open connections to finish. `name` labels the metrics (`api`, `admin`).
+/// Connections are served on the caller's runtime.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnLimits,
-    mut stopped: watch::Receiver<bool>,
+    stopped: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     name: &'static str,
 ) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(limits.h2_max_concurrent_streams)
-        .max_pending_accept_reset_streams(limits.h2_max_pending_accept_reset_streams)
-        .max_local_error_reset_streams(limits.h2_max_local_error_reset_streams);
-    let builder = Arc::new(builder);
-    let tls = limits.tls.clone().map(TlsAcceptor::from);
+    let opener = Arc::new(Opener::new(
+        app,
+        &limits,
+        stopped.clone(),
+        metrics.clone(),
+        name,
+    ));
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    accept(listener, &slots, stopped, &metrics, name, |tcp, slot| {
+        tokio::spawn(opener.clone().open(tcp, slot));
+    })
+    .await;
+    // Every connection holds a slot until it closes.
     let max = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    let slots = Arc::new(Semaphore::new(max as usize));
+    let _ = slots.acquire_many(max).await;
+}
+
+/// As [`serve`], with the connections dealt to `limits.threads` threads of their
+/// own, each running a single-threaded runtime: a connection, its
+/// requests and their upstream connections then stay on one thread, with
+/// no hand-off between threads per request (the multi-threaded runtime
+/// spent more time waking its workers than proxying small requests). Each
+/// new connection goes to the thread with the fewest open ones.
+/// `on_thread(k)` runs first on thread `k`.
+pub async fn serve_on_threads(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnLimits,
+    stopped: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
+    name: &'static str,
+    on_thread: impl Fn(usize) + Clone + Send + 'static,
+) {
+    let opener = Arc::new(Opener::new(
+        app,
+        &limits,
+        stopped.clone(),
+        metrics.clone(),
+        name,
+    ));
+    let mut workers = Vec::new();
+    for k in 0..limits.threads.max(1) {
+        match Worker::spawn(k, opener.clone(), on_thread.clone()) {
+            Ok(w) => workers.push(w),
+            Err(e) if !workers.is_empty() => {
+                tracing::warn!(listener = name, error = %e, threads = k, "could not start every API thread; serving on fewer");
+                break;
+            }
+            Err(e) => {
+                tracing::error!(listener = name, error = %e, "could not start an API thread; serving on the runtime");
+                return serve(listener, opener.app.clone(), limits, stopped, metrics, name).await;
+            }
+        }
+    }
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    accept(listener, &slots, stopped, &metrics, name, |tcp, slot| {
+        let Some(worker) = workers
+            .iter()
+            .min_by_key(|w| w.open.load(Ordering::Relaxed))
+        else {
+            return;
+        };
+        match tcp.into_std() {
+            Ok(tcp) => {
+                worker.open.fetch_add(1, Ordering::Relaxed);
+                // A worker only stops when its sender is dropped.
+                let _ = worker.connections.send((tcp, slot));
+            }
+            Err(e) => {
+                tracing::debug!(listener = name, error = %e, "could not hand a connection over")
+            }
+        }
+    })
+    .await;
+    // Closing the channels lets each worker finish its connections and end.
+    let threads: Vec<_> = workers.into_iter().map(|w| w.thread).collect();
+    let _ = tokio::task::spawn_blocking(move || {
+        for t in threads {
+            let _ = t.join();
+        }
+    })
+    .await;
+}
+
+/// Accepts connections until `stopped` turns true, each within the
+/// `slots` (more are closed at once) and handed to `open`.
+async fn accept(
+    listener: TcpListener,
+    slots: &Arc<Semaphore>,
+    mut stopped: watch::Receiver<bool>,
+    metrics: &Metrics,
+    name: &'static str,
+    mut open: impl FnMut(TcpStream, OwnedSemaphorePermit),
+) {
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -140,46 +227,145 @@ pub async fn serve(
                 // Out of descriptors, most likely: back off instead of
                 // spinning; the connections that hold them time out.
                 tracing::warn!(listener = name, error = %e, "accept failed");
-                refused(&metrics, name, "accept_error");
+                refused(metrics, name, "accept_error");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
-            refused(&metrics, name, "max_connections");
+            refused(metrics, name, "max_connections");
             drop(tcp);
             continue;
         };
         // Small SSE chunks must not wait for delayed ACKs.
         let _ = tcp.set_nodelay(true);
-        let builder = builder.clone();
-        let app = app.clone();
-        let stopped = stopped.clone();
-        let idle = limits.idle_timeout;
-        let handshake = limits.header_read_timeout;
-        let tls = tls.clone();
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            match tls {
-                None => connection(&builder, tcp, app, idle, stopped).await,
-                Some(tls) => match tokio::time::timeout(handshake, tls.accept(tcp)).await {
-                    Ok(Ok(stream)) => connection(&builder, stream, app, idle, stopped).await,
-                    failed => {
-                        let reason = if failed.is_err() {
-                            "tls_timeout"
-                        } else {
-                            "tls_handshake"
-                        };
-                        tracing::debug!(listener = name, reason, "TLS handshake failed");
-                        refused(&metrics, name, reason);
-                    }
-                },
-            }
-            drop(slot);
-        });
+        open(tcp, slot);
     }
-    // Every connection holds a slot until it closes.
-    let _ = slots.acquire_many(max).await;
+}
+
+/// A thread serving the connections sent to it.
+struct Worker {
+    connections: mpsc::UnboundedSender<(std::net::TcpStream, OwnedSemaphorePermit)>,
+    /// Its open connections.
+    open: Arc<AtomicUsize>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Worker {
+    fn spawn(
+        k: usize,
+        opener: Arc<Opener>,
+        on_thread: impl Fn(usize) + Send + 'static,
+    ) -> std::io::Result<Worker> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (connections, mut received) =
+            mpsc::unbounded_channel::<(std::net::TcpStream, OwnedSemaphorePermit)>();
+        let open = Arc::new(AtomicUsize::new(0));
+        let counted = open.clone();
+        // The caller's subscriber, scoped or global, logs for the thread.
+        let logs = tracing::dispatcher::get_default(Clone::clone);
+        let thread = std::thread::Builder::new()
+            .name(format!("kvroute-{}-{k}", opener.name))
+            .spawn(move || {
+                let _logs = tracing::dispatcher::set_default(&logs);
+                on_thread(k);
+                runtime.block_on(async move {
+                    let mut running = tokio::task::JoinSet::new();
+                    loop {
+                        tokio::select! {
+                            next = received.recv() => match next {
+                                Some((tcp, slot)) => {
+                                    let opener = opener.clone();
+                                    let counted = counted.clone();
+                                    running.spawn(async move {
+                                        if let Ok(tcp) = TcpStream::from_std(tcp) {
+                                            opener.open(tcp, slot).await;
+                                        }
+                                        counted.fetch_sub(1, Ordering::Relaxed);
+                                    });
+                                }
+                                None => break,
+                            },
+                            Some(_) = running.join_next() => {}
+                        }
+                    }
+                    while running.join_next().await.is_some() {}
+                });
+            })?;
+        Ok(Worker {
+            connections,
+            open,
+            thread,
+        })
+    }
+}
+
+/// What serving one accepted connection needs.
+struct Opener {
+    builder: auto::Builder<TokioExecutor>,
+    app: Router,
+    tls: Option<TlsAcceptor>,
+    idle: Duration,
+    handshake: Duration,
+    stopped: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
+    name: &'static str,
+}
+
+impl Opener {
+    fn new(
+        app: Router,
+        limits: &ConnLimits,
+        stopped: watch::Receiver<bool>,
+        metrics: Arc<Metrics>,
+        name: &'static str,
+    ) -> Self {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(limits.h2_max_concurrent_streams)
+            .max_pending_accept_reset_streams(limits.h2_max_pending_accept_reset_streams)
+            .max_local_error_reset_streams(limits.h2_max_local_error_reset_streams);
+        Opener {
+            builder,
+            app,
+            tls: limits.tls.clone().map(TlsAcceptor::from),
+            idle: limits.idle_timeout,
+            handshake: limits.header_read_timeout,
+            stopped,
+            metrics,
+            name,
+        }
+    }
+
+    /// Serves `tcp` (after the TLS handshake, with TLS) until it closes;
+    /// `slot` is held until then.
+    async fn open(self: Arc<Self>, tcp: TcpStream, slot: OwnedSemaphorePermit) {
+        let (app, stopped) = (self.app.clone(), self.stopped.clone());
+        match &self.tls {
+            None => connection(&self.builder, tcp, app, self.idle, stopped).await,
+            Some(tls) => match tokio::time::timeout(self.handshake, tls.accept(tcp)).await {
+                Ok(Ok(stream)) => connection(&self.builder, stream, app, self.idle, stopped).await,
+                failed => {
+                    let reason = if failed.is_err() {
+                        "tls_timeout"
+                    } else {
+                        "tls_handshake"
+                    };
+                    tracing::debug!(listener = self.name, reason, "TLS handshake failed");
+                    refused(&self.metrics, self.name, reason);
+                }
+            },
+        }
+        drop(slot);
+    }
 }
 
 fn refused(metrics: &Metrics, listener: &'static str, reason: &'static str) {
@@ -305,5 +491,88 @@ impl hyper::body::Body for Tracked {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Which thread answers a request on `tcp` (a keep-alive connection).
+    async fn thread_of(tcp: &mut TcpStream) -> String {
+        tcp.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !answer.ends_with(b"@") {
+            let n = tcp.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&buf[..n]);
+        }
+        let text = String::from_utf8(answer).unwrap();
+        let body = text.split("\r\n\r\n").nth(1).unwrap();
+        body.trim_end_matches('@').to_owned()
+    }
+
+    #[tokio::test]
+    async fn connections_are_dealt_to_the_least_busy_thread_and_stay_there() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route(
+            "/",
+            axum::routing::get(|| async {
+                let name = std::thread::current().name().unwrap_or("?").to_owned();
+                let k = API_THREAD_SEEN.with(std::cell::Cell::get);
+                format!("{name}/{k:?}@")
+            }),
+        );
+        let limits = ConnLimits {
+            threads: 3,
+            ..ConnLimits::admin(&Limits::default())
+        };
+        let (stop, stopped) = watch::channel(false);
+        let server = tokio::spawn(serve_on_threads(
+            listener,
+            app,
+            limits,
+            stopped,
+            Arc::new(Metrics::default()),
+            "test",
+            |k| API_THREAD_SEEN.with(|t| t.set(Some(k))),
+        ));
+        let mut conns = Vec::new();
+        let mut seen = std::collections::BTreeMap::<String, usize>::new();
+        for _ in 0..6 {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            *seen.entry(thread_of(&mut tcp).await).or_default() += 1;
+            conns.push(tcp);
+        }
+        let dealt: Vec<_> = seen.iter().map(|(t, n)| format!("{t}={n}")).collect();
+        assert_eq!(
+            dealt,
+            [
+                "kvroute-test-0/Some(0)=2",
+                "kvroute-test-1/Some(1)=2",
+                "kvroute-test-2/Some(2)=2"
+            ]
+        );
+        // A connection's next requests stay on its thread.
+        for tcp in &mut conns {
+            let first = thread_of(tcp).await;
+            assert_eq!(thread_of(tcp).await, first);
+        }
+        // Stopping waits for the open connections: they close once idle.
+        stop.send(true).unwrap();
+        drop(conns);
+        tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the threads end")
+            .unwrap();
+    }
+
+    thread_local! {
+        static API_THREAD_SEEN: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     }
 }

@@ -77,7 +77,7 @@ pub struct Proxy {
     /// Client headers never forwarded: `Authorization` and the tenant
     /// header unless configured otherwise.
     private_headers: Vec<HeaderName>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    clients: Clients,
     queued: AtomicUsize,
     /// Request bodies in memory, in KiB permits.
     bodies: Arc<Semaphore>,
@@ -91,6 +91,41 @@ pub struct Proxy {
     prefixes: std::sync::Mutex<Volatility>,
     /// Conversations' prompt snapshots.
     conversations: Arc<Conversations>,
+}
+
+thread_local! {
+    /// The API thread this thread is ([`Proxy::on_api_thread`]); `None` on
+    /// every other thread.
+    static API_THREAD: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Upstream clients: one per API thread, so that a request and the
+/// pooled connection it is sent on live on one thread's runtime, and one
+/// for every other thread.
+#[derive(Debug)]
+struct Clients(Vec<Client<HttpConnector, Full<Bytes>>>);
+
+impl Clients {
+    fn new(limits: &Limits) -> Self {
+        let client = || {
+            let mut connector = HttpConnector::new();
+            connector.set_connect_timeout(Some(Duration::from_millis(limits.connect_timeout_ms)));
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(60))
+                .build(connector)
+        };
+        Clients((0..=limits.api_threads()).map(|_| client()).collect())
+    }
+
+    /// This thread's client.
+    fn get(&self) -> &Client<HttpConnector, Full<Bytes>> {
+        let last = self.0.len() - 1;
+        let k = API_THREAD
+            .with(std::cell::Cell::get)
+            .map_or(last, |k| k.min(last));
+        &self.0[k]
+    }
 }
 
 /// A request body as it arrives, within `limits.maxBodyBytes` and the body
@@ -254,12 +289,7 @@ impl Proxy {
     /// A proxy over `pool` configured by `config`.
     pub fn new(pool: Arc<Pool>, metrics: Arc<Metrics>, tenancy: Tenancy, config: &Config) -> Self {
         let limits = config.limits.clone();
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_millis(limits.connect_timeout_ms)));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector);
+        let clients = Clients::new(&limits);
         let mut private_headers = Vec::new();
         if !config.proxy.forward_authorization {
             private_headers.push(header::AUTHORIZATION);
@@ -286,7 +316,7 @@ impl Proxy {
                 .map(|h| h.0.clone()),
             allowed_paths: config.proxy.allowed_paths.iter().cloned().collect(),
             private_headers,
-            client,
+            clients,
             queued: AtomicUsize::new(0),
             bodies: Arc::new(Semaphore::new(kib(limits.max_body_bytes_in_flight))),
             tokenizers: Workers::new(limits.tokenize_queue),
@@ -325,6 +355,12 @@ impl Proxy {
         };
         labels.count(response.status().as_str());
         response
+    }
+
+    /// Marks this thread as API thread `k` (of `limits.apiThreads`): its
+    /// requests then use an upstream client of their own.
+    pub fn on_api_thread(k: usize) {
+        API_THREAD.with(|t| t.set(Some(k)));
     }
 
     /// Checks a request's credentials as the proxied paths do.
@@ -823,7 +859,7 @@ impl Proxy {
             .headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         let timeout = Duration::from_millis(self.limits.first_byte_timeout_ms);
-        match tokio::time::timeout(timeout, self.client.request(request)).await {
+        match tokio::time::timeout(timeout, self.clients.get().request(request)).await {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(e)) => {
                 let upload_cut = std::error::Error::source(&e)
@@ -993,7 +1029,7 @@ impl Proxy {
     /// What the endpoints serve (see [`Models`]).
     pub async fn models(self: &Arc<Self>) -> Arc<ModelList> {
         self.models
-            .get(&self.client, || self.pool.addresses())
+            .get(self.clients.get(), || self.pool.addresses())
             .await
     }
 }

@@ -231,7 +231,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let mut tasks = Vec::new();
     let api_addr = api.as_ref().map(|(_, addr)| *addr);
     if let Some((api, _)) = api {
-        tasks.push(tokio::spawn(listener::serve(
+        tasks.push(tokio::spawn(listener::serve_on_threads(
             api,
             api_routes(proxy.clone()),
             ConnLimits {
@@ -241,6 +241,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             stopped.clone(),
             metrics.clone(),
             "api",
+            Proxy::on_api_thread,
         )));
     }
     let ext_proc_addr = ext_proc.as_ref().map(|(_, addr)| *addr);
