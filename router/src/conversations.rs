@@ -65,6 +65,27 @@ pub enum Memo {
     Miss,
 }
 
+/// How much of a chat's prompt [`Conversations::chat_prompt`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// All of it, resumed when it can be.
+    Whole,
+    /// All of it, every token kept: computed whole, not remembered.
+    KeepTokens,
+    /// Only a resumption with at most this many body bytes after the
+    /// snapshot.
+    ResumedWithin(usize),
+}
+
+/// A chat's prompt, and whether it was resumed.
+#[derive(Debug)]
+pub struct Chat {
+    /// The prompt; `None` when its messages cannot be tokenized.
+    pub prompt: Option<Prompt>,
+    /// Whether it resumed a snapshot; `None` without a conversation.
+    pub memo: Option<Memo>,
+}
+
 /// A conversation: its tenant and key.
 #[derive(Debug)]
 pub struct Conversation<'a> {
@@ -102,8 +123,9 @@ impl Conversations {
     /// `extras`) when [`features::streams_chats`], resumed from the
     /// conversation's snapshot when `body` starts as the one it was taken
     /// from, and remembered for the next turn. Without a conversation (or
-    /// with `keep_all`): computed whole, not remembered. As
-    /// [`features::streamed_chat`] otherwise.
+    /// with [`Scope::KeepTokens`]): computed whole, not remembered. As
+    /// [`features::streamed_chat`] otherwise. `None` when `scope` is
+    /// [`Scope::ResumedWithin`] and the prompt does not resume that way.
     pub fn chat_prompt(
         &self,
         body: &[u8],
@@ -111,11 +133,22 @@ impl Conversations {
         conversation: Option<Conversation<'_>>,
         settings: &Settings,
         extras: BlockExtras<'_>,
-        keep_all: bool,
-    ) -> Result<(Option<Prompt>, Option<Memo>), ApiError> {
+        scope: Scope,
+    ) -> Result<Option<Chat>, ApiError> {
+        let keep_all = scope == Scope::KeepTokens;
+        let within = match scope {
+            Scope::ResumedWithin(n) => Some(n),
+            _ => None,
+        };
         let (Some(c), Some(ends), false) = (conversation, message_ends(body, raw), keep_all) else {
+            if within.is_some() {
+                return Ok(None);
+            }
             let prompt = features::streamed_chat(raw, settings, extras, keep_all, None)?;
-            return Ok((prompt.map(|p| p.0), None));
+            return Ok(Some(Chat {
+                prompt: prompt.map(|p| p.0),
+                memo: None,
+            }));
         };
         let id = c.id(settings, extras);
         // One pass over the body's messages: the hash up to the
@@ -131,15 +164,20 @@ impl Conversations {
                 }
         });
         let (memo, hashed, from) = match entry {
+            Some(e) if within.is_some_and(|n| body.len().saturating_sub(e.prefix_len) > n) => {
+                return Ok(None);
+            }
             Some(e) => (Memo::Hit, e.prefix_len, Some((e.messages, e.snapshot))),
+            None if within.is_some() => return Ok(None),
             None => {
                 hasher.reset();
                 (Memo::Miss, 0, None)
             }
         };
+        let memo = Some(memo);
         let Some((prompt, snapshot)) = features::streamed_chat(raw, settings, extras, false, from)?
         else {
-            return Ok((None, Some(memo)));
+            return Ok(Some(Chat { prompt: None, memo }));
         };
         if let Some(&end) = ends.last() {
             self.put(
@@ -155,7 +193,10 @@ impl Conversations {
                 },
             );
         }
-        Ok((Some(prompt), Some(memo)))
+        Ok(Some(Chat {
+            prompt: Some(prompt),
+            memo,
+        }))
     }
 
     /// A cache counting its evictions in `evictions`.

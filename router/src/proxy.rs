@@ -30,7 +30,7 @@ use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::{Config, Limits};
-use crate::conversations::{Conversation, Conversations, Memo};
+use crate::conversations::{Conversation, Conversations, Memo, Scope};
 use crate::errors::ApiError;
 use crate::features::{self, Api};
 use crate::health::Fault;
@@ -544,7 +544,30 @@ impl Proxy {
         };
         // Scanning a body's top-level fields is one fast pass: inline.
         let scan_only = !settings.policy.reads_request() && !self.tenancy.salted();
-        let analysis = if bytes.len() <= INLINE_BODY_BYTES || scan_only {
+        // So is a follow-up turn with little new in it (exact mode): a
+        // scan, and a hash of the body up to the conversation's snapshot.
+        // Only a request that names a conversation can be one.
+        let conversation_named = || {
+            input.conversation.is_some()
+                || memchr::memmem::find(&bytes, b"\"prompt_cache_key\"").is_some()
+        };
+        let resumed =
+            if bytes.len() > INLINE_BODY_BYTES && !scan_only && exact && conversation_named() {
+                analyze_resumed(
+                    bytes.clone(),
+                    input.clone(),
+                    &self.tenancy,
+                    &settings,
+                    &known,
+                    &self.conversations,
+                    Some(INLINE_BODY_BYTES),
+                )?
+            } else {
+                None
+            };
+        let analysis = if let Some(analysis) = resumed {
+            analysis
+        } else if bytes.len() <= INLINE_BODY_BYTES || scan_only {
             analyze(
                 bytes,
                 input,
@@ -1097,7 +1120,7 @@ pub struct Explanation {
 }
 
 /// What [`analyze`] takes from a request besides its body.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Input {
     api: Api,
     /// The tenant the credentials name.
@@ -1133,6 +1156,24 @@ fn analyze(
     models: &ModelList,
     conversations: &Conversations,
 ) -> Result<Analysis, ApiError> {
+    let analysis = analyze_resumed(bytes, input, tenancy, settings, models, conversations, None)?;
+    Ok(analysis.expect("only analyze_resumed with a bound leaves a prompt undone"))
+}
+
+/// As [`analyze`], but with `resumed_within` only an exact-mode chat that
+/// resumes a known conversation with at most that many body bytes after
+/// its snapshot is analyzed: `None` for anything else, for the tokenizer
+/// pool. A follow-up turn then skips the hand-off to the pool, which costs
+/// more than the little that is left to tokenize.
+fn analyze_resumed(
+    bytes: Bytes,
+    input: Input,
+    tenancy: &Tenancy,
+    settings: &crate::settings::Settings,
+    models: &ModelList,
+    conversations: &Conversations,
+    resumed_within: Option<usize>,
+) -> Result<Option<Analysis>, ApiError> {
     let Input {
         api,
         tenant,
@@ -1201,14 +1242,25 @@ fn analyze(
                     tenant: tenant.as_deref(),
                     key,
                 });
-                let (prompt, m) =
-                    conversations.chat_prompt(&bytes, raw, c, settings, extras, keep_tokens)?;
-                memo = m;
-                prompt
+                let scope = match (resumed_within, keep_tokens) {
+                    (Some(n), _) => Scope::ResumedWithin(n),
+                    (None, true) => Scope::KeepTokens,
+                    (None, false) => Scope::Whole,
+                };
+                let Some(chat) =
+                    conversations.chat_prompt(&bytes, raw, c, settings, extras, scope)?
+                else {
+                    return Ok(None);
+                };
+                memo = chat.memo;
+                chat.prompt
+            } else if resumed_within.is_some() {
+                return Ok(None);
             } else {
                 crate::chunks::chat(raw, settings, extras)?
             }
         }
+        _ if resumed_within.is_some() => return Ok(None),
         Some(o) if tokenize && reads && !exact => crate::chunks::prompt(api, o, settings, extras)?,
         Some(o) if tokenize && reads => features::prompt(api, o, settings, extras, keep_tokens)?,
         _ => None,
@@ -1229,7 +1281,7 @@ fn analyze(
     } else {
         prompt.tokens
     };
-    Ok(Analysis {
+    Ok(Some(Analysis {
         bytes,
         model: feats.model,
         chain: prompt.chain,
@@ -1242,7 +1294,7 @@ fn analyze(
         tokens: prompt.all,
         contents: prompt.contents,
         memo,
-    })
+    }))
 }
 
 /// The tokenizer pool: at most one job per core at once, at most `queue`

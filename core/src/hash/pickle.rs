@@ -179,15 +179,37 @@ impl Encoder for Pickle5<'_> {
 
     fn uint(&mut self, value: u32) {
         self.opcode_boundary();
-        let le = value.to_le_bytes();
-        match value {
-            0..=0xff => self.write(&[BININT1, le[0]]),
-            0x100..=0xffff => self.write(&[BININT2, le[0], le[1]]),
-            0x1_0000..=0x7fff_ffff => self.write(&[BININT, le[0], le[1], le[2], le[3]]),
-            // Does not fit a signed 32-bit BININT: LONG1 with the minimal
-            // two's-complement little-endian bytes, here 4 bytes plus a zero
-            // sign byte.
-            _ => self.write(&[LONG1, 5, le[0], le[1], le[2], le[3], 0]),
+        let (op, len) = int_opcode(value);
+        self.write(&op[..len]);
+    }
+
+    /// The hot path of hashing: a block's tokens. When they cannot reach
+    /// the frame's size target and a frame is open (or none is wanted), no
+    /// opcode boundary or frame start can happen among them: the opcodes
+    /// are appended as they are.
+    fn uints(&mut self, values: &[u32]) {
+        let most = values.len() * INT_OPCODE_MAX;
+        let room = match self.frame_start {
+            Some(start) => self.out.len() - start - FRAME_HEADER_SIZE + most < FRAME_SIZE_TARGET,
+            None => !self.framing,
+        };
+        if !room {
+            for &v in values {
+                self.uint(v);
+            }
+            return;
+        }
+        // Opcodes of fixed size into a buffer, appended a chunk at a time:
+        // no copy of a variable length per token.
+        let mut buf = [0u8; 64 * INT_OPCODE_MAX];
+        for chunk in values.chunks(64) {
+            let mut n = 0;
+            for &v in chunk {
+                let (op, len) = int_opcode(v);
+                buf[n..n + INT_OPCODE_MAX].copy_from_slice(&op);
+                n += len;
+            }
+            self.out.extend_from_slice(&buf[..n]);
         }
     }
 
@@ -195,6 +217,26 @@ impl Encoder for Pickle5<'_> {
         self.opcode_boundary();
         self.write(&[NONE]);
     }
+}
+
+/// The longest opcode [`int_opcode`] writes.
+const INT_OPCODE_MAX: usize = 7;
+
+/// The opcode pickle writes for a non-negative `value`, and its length
+/// (the bytes after it are padding). Without a branch on the value's size
+/// (BININT1, BININT2 or BININT): token ids mix them at random.
+fn int_opcode(value: u32) -> ([u8; INT_OPCODE_MAX], usize) {
+    const OPS: [u8; 3] = [BININT1, BININT2, BININT];
+    const LENS: [usize; 3] = [2, 3, 5];
+    let le = value.to_le_bytes();
+    if value > 0x7fff_ffff {
+        // Does not fit a signed 32-bit BININT: LONG1 with the minimal
+        // two's-complement little-endian bytes, here 4 bytes plus a zero
+        // sign byte.
+        return ([LONG1, 5, le[0], le[1], le[2], le[3], 0], 7);
+    }
+    let size = usize::from(value > 0xff) + usize::from(value > 0xffff);
+    ([OPS[size], le[0], le[1], le[2], le[3], 0, 0], LENS[size])
 }
 
 #[cfg(test)]
@@ -232,6 +274,29 @@ mod tests {
         ];
         for (value, expected) in cases {
             assert_eq!(hex(&pickle(|p| p.uint(value))), expected, "{value}");
+        }
+    }
+
+    /// A block's tokens at once, near and across the frame's size target,
+    /// pickle as token after token does.
+    #[test]
+    fn uints_write_what_uint_does() {
+        let values: Vec<u32> = (0..30_000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) >> (i % 33).min(31))
+            .collect();
+        for n in [0, 1, 3, 16, 9_000, 13_000, 16_000, 30_000] {
+            let tuple = |p: &mut Pickle5<'_>, at_once: bool| {
+                p.tuple_start(n);
+                if at_once {
+                    p.uints(&values[..n]);
+                } else {
+                    values[..n].iter().for_each(|&v| p.uint(v));
+                }
+                p.tuple_end(n);
+            };
+            let one_by_one = pickle(|p| (0..3).for_each(|_| tuple(p, false)));
+            let at_once = pickle(|p| (0..3).for_each(|_| tuple(p, true)));
+            assert_eq!(one_by_one, at_once, "{n}");
         }
     }
 

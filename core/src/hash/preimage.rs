@@ -26,6 +26,12 @@ pub(crate) trait Encoder {
     fn str(&mut self, value: &str);
     /// A non-negative Python `int` (token ids are `u32`).
     fn uint(&mut self, value: u32);
+    /// Each of `values` as [`uint`](Self::uint) writes it.
+    fn uints(&mut self, values: &[u32]) {
+        for &v in values {
+            self.uint(v);
+        }
+    }
     /// Python `None`.
     fn none(&mut self);
 }
@@ -82,9 +88,7 @@ pub(crate) fn write_block<E: Encoder>(e: &mut E, parent: &[u8], tokens: &[u32], 
     e.tuple_start(3);
     e.bytes(parent);
     e.tuple_start(tokens.len());
-    for &token in tokens {
-        e.uint(token);
-    }
+    e.uints(tokens);
     e.tuple_end(tokens.len());
     keys.write(e);
     e.tuple_end(3);

@@ -288,6 +288,71 @@ fn an_edited_history_or_another_conversation_misses() {
 }
 
 #[test]
+fn only_a_short_resumption_is_analyzed_inline() {
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    let s = Settings::test();
+    let cache = conversations();
+    let turn = |role: &str, text: &str| (role.to_owned(), text.to_owned());
+    let within = |body: &Bytes, n: usize| {
+        let m = ModelList::default();
+        analyze_resumed(body.clone(), chat_input(), &t, &s, &m, &cache, Some(n)).unwrap()
+    };
+    let history = vec![
+        turn("system", &"long context ".repeat(2000)),
+        turn("user", "Hi"),
+    ];
+    // Not seen yet: left for the pool, and nothing remembered.
+    assert!(within(&chat(&history, "c"), 1 << 14).is_none());
+    assert_eq!(
+        analyze(
+            chat(&history, "c"),
+            chat_input(),
+            &t,
+            &s,
+            &ModelList::default(),
+            &cache
+        )
+        .unwrap()
+        .memo,
+        Some(Memo::Miss)
+    );
+    let mut next = history.clone();
+    next.extend([turn("assistant", "Hello."), turn("user", "More")]);
+    let body = chat(&next, "c");
+    let inline = within(&body, 1 << 14).expect("a short follow-up is analyzed");
+    assert_eq!(inline.memo, Some(Memo::Hit));
+    let whole = analyze(
+        body.clone(),
+        chat_input(),
+        &t,
+        &s,
+        &ModelList::default(),
+        &conversations(),
+    )
+    .unwrap();
+    assert_eq!(
+        (&inline.chain, inline.prompt_tokens),
+        (&whole.chain, whole.prompt_tokens)
+    );
+    // More new bytes than allowed, another conversation, no key: the pool.
+    assert!(within(&body, 10).is_none());
+    assert!(within(&chat(&next, "d"), 1 << 14).is_none());
+    let keyless = json!({"messages": [{"role": "user", "content": "x"}]}).to_string();
+    assert!(within(&Bytes::from(keyless), 1 << 14).is_none());
+    // Approximate mode is never resumed inline.
+    let approx = Input {
+        exact: false,
+        ..chat_input()
+    };
+    let m = ModelList::default();
+    assert!(
+        analyze_resumed(body, approx, &t, &s, &m, &cache, Some(1 << 14))
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[test]
 fn conversations_are_bounded() {
     let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
     let s = Settings::test();
