@@ -21,8 +21,10 @@ use crate::settings::Settings;
 /// Bytes per pseudo-token.
 pub const TOKEN_BYTES: usize = 4;
 
-/// Builds a [`Prompt`] from bytes.
-struct Chunker {
+/// Builds a [`Prompt`] from bytes; a clone taken between messages resumes
+/// the prompt from there ([`chat_from`]).
+#[derive(Clone, Debug)]
+pub struct Chunker {
     block: usize,
     head_bytes: usize,
     parent: u64,
@@ -103,6 +105,11 @@ impl Chunker {
         self.prompt
     }
 
+    /// Full blocks of the prompt so far.
+    pub fn blocks(&self) -> usize {
+        self.prompt.chain.len()
+    }
+
     fn message(&mut self, m: &kvroute_core::tokenize::ChatMessage) {
         self.push(m.role.as_bytes());
         self.push(b"\n");
@@ -118,17 +125,30 @@ pub fn chat(
     settings: &Settings,
     extras: BlockExtras<'_>,
 ) -> Result<Option<Prompt>, ApiError> {
+    Ok(chat_from(raw, settings, extras, None)?.map(|(prompt, _)| prompt))
+}
+
+/// As [`chat`], starting after the first `from.0` messages from chunker
+/// `from.1` when given; also returns the chunker after the last message,
+/// to resume the next turn from.
+pub fn chat_from(
+    raw: &[&RawValue],
+    settings: &Settings,
+    extras: BlockExtras<'_>,
+    from: Option<(usize, Chunker)>,
+) -> Result<Option<(Prompt, Chunker)>, ApiError> {
     if raw.is_empty() {
         return Err(features::no_messages());
     }
-    let mut c = Chunker::new(settings, extras);
-    for (i, r) in raw.iter().enumerate() {
+    let (skip, mut c) = from.unwrap_or_else(|| (0, Chunker::new(settings, extras)));
+    for (i, r) in raw.iter().enumerate().skip(skip) {
         let Some(message) = features::raw_message(i, r)? else {
             return Ok(None);
         };
         c.message(&message);
     }
-    Ok(Some(c.finish()))
+    let snapshot = c.clone();
+    Ok(Some((c.finish(), snapshot)))
 }
 
 /// The approximate prompt of a parsed body (as [`features::prompt`]).

@@ -21,6 +21,7 @@ use prometheus_client::metrics::counter::Counter;
 use serde_json::value::RawValue;
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::chunks::{self, Chunker};
 use crate::errors::ApiError;
 use crate::features::{self, Prompt, Snapshot};
 use crate::settings::Settings;
@@ -53,7 +54,25 @@ struct Entry {
     prefix_hash: u128,
     /// Messages the snapshot covers.
     messages: usize,
-    snapshot: Snapshot,
+    snapshot: Resume,
+}
+
+/// Where a prompt stood after some of its messages.
+#[derive(Clone, Debug)]
+enum Resume {
+    /// Exact mode: tokens and the engines' hashes.
+    Tokens(Box<Snapshot>),
+    /// Approximate mode: byte chunks.
+    Chunks(Chunker),
+}
+
+impl Resume {
+    fn blocks(&self) -> usize {
+        match self {
+            Resume::Tokens(s) => s.blocks(),
+            Resume::Chunks(c) => c.blocks(),
+        }
+    }
 }
 
 /// Whether a chat's prompt was resumed from a snapshot.
@@ -97,10 +116,11 @@ pub struct Conversation<'a> {
 
 impl Conversation<'_> {
     /// Its snapshot's identity: the conversation, and everything a chain
-    /// depends on besides the tokens (the hashing, the key's head length,
-    /// the adapter and the salt).
-    fn id(&self, settings: &Settings, extras: BlockExtras<'_>) -> u64 {
+    /// depends on besides the tokens (the mode, the hashing, the key's head
+    /// length, the adapter and the salt).
+    fn id(&self, settings: &Settings, extras: BlockExtras<'_>, exact: bool) -> u64 {
         let mut h = Xxh3::new();
+        h.update(&[u8::from(exact)]);
         let field = |h: &mut Xxh3, s: &str| {
             h.update(&(s.len() as u64).to_le_bytes());
             h.update(s.as_bytes());
@@ -119,21 +139,23 @@ impl Conversation<'_> {
 }
 
 impl Conversations {
-    /// The prompt of a chat (its raw `messages` within `body`, hashed with
-    /// `extras`) when [`features::streams_chats`], resumed from the
+    /// The prompt of a chat: its raw `messages` within `body`, hashed with
+    /// `extras`, in exact mode (`exact`, when [`features::streams_chats`]:
+    /// tokenized as [`features::streamed_chat`] does) or approximate mode
+    /// (byte chunks, as [`chunks::chat`] reads them). Resumed from the
     /// conversation's snapshot when `body` starts as the one it was taken
     /// from, and remembered for the next turn. Without a conversation (or
-    /// with [`Scope::KeepTokens`]): computed whole, not remembered. As
-    /// [`features::streamed_chat`] otherwise. `None` when `scope` is
-    /// [`Scope::ResumedWithin`] and the prompt does not resume that way.
+    /// with [`Scope::KeepTokens`]): computed whole, not remembered. `None`
+    /// when `scope` is [`Scope::ResumedWithin`] and the prompt does not
+    /// resume that way.
     pub fn chat_prompt(
         &self,
-        body: &[u8],
-        raw: &[&RawValue],
+        (body, raw): (&[u8], &[&RawValue]),
         conversation: Option<Conversation<'_>>,
         settings: &Settings,
         extras: BlockExtras<'_>,
         scope: Scope,
+        exact: bool,
     ) -> Result<Option<Chat>, ApiError> {
         let keep_all = scope == Scope::KeepTokens;
         let within = match scope {
@@ -144,19 +166,21 @@ impl Conversations {
             if within.is_some() {
                 return Ok(None);
             }
-            let prompt = features::streamed_chat(raw, settings, extras, keep_all, None)?;
-            return Ok(Some(Chat {
-                prompt: prompt.map(|p| p.0),
-                memo: None,
-            }));
+            let prompt = if exact {
+                features::streamed_chat(raw, settings, extras, keep_all, None)?.map(|p| p.0)
+            } else {
+                chunks::chat(raw, settings, extras)?
+            };
+            return Ok(Some(Chat { prompt, memo: None }));
         };
-        let id = c.id(settings, extras);
+        let id = c.id(settings, extras, exact);
         // One pass over the body's messages: the hash up to the
         // remembered end checks the entry, the hash up to the last
         // message's end is remembered.
         let mut hasher = Xxh3::new();
         let entry = self.get(id).filter(|e| {
             e.messages <= raw.len()
+                && matches!(e.snapshot, Resume::Tokens(_)) == exact
                 && ends.get(e.messages.wrapping_sub(1)) == Some(&e.prefix_len)
                 && {
                     hasher.update(&body[..e.prefix_len]);
@@ -175,8 +199,20 @@ impl Conversations {
             }
         };
         let memo = Some(memo);
-        let Some((prompt, snapshot)) = features::streamed_chat(raw, settings, extras, false, from)?
-        else {
+        let computed = match from {
+            None if exact => features::streamed_chat(raw, settings, extras, false, None)?
+                .map(|(p, s)| (p, Resume::Tokens(Box::new(s)))),
+            Some((n, Resume::Tokens(s))) => {
+                features::streamed_chat(raw, settings, extras, false, Some((n, *s)))?
+                    .map(|(p, s)| (p, Resume::Tokens(Box::new(s))))
+            }
+            None => {
+                chunks::chat_from(raw, settings, extras, None)?.map(|(p, c)| (p, Resume::Chunks(c)))
+            }
+            Some((n, Resume::Chunks(c))) => chunks::chat_from(raw, settings, extras, Some((n, c)))?
+                .map(|(p, c)| (p, Resume::Chunks(c))),
+        };
+        let Some((prompt, snapshot)) = computed else {
             return Ok(Some(Chat { prompt: None, memo }));
         };
         if let Some(&end) = ends.last() {

@@ -1237,28 +1237,22 @@ fn analyze_resumed(
             let raw = raw_messages
                 .as_deref()
                 .ok_or_else(features::messages_required)?;
-            if exact {
-                let c = conversation.as_deref().map(|key| Conversation {
-                    tenant: tenant.as_deref(),
-                    key,
-                });
-                let scope = match (resumed_within, keep_tokens) {
-                    (Some(n), _) => Scope::ResumedWithin(n),
-                    (None, true) => Scope::KeepTokens,
-                    (None, false) => Scope::Whole,
-                };
-                let Some(chat) =
-                    conversations.chat_prompt(&bytes, raw, c, settings, extras, scope)?
-                else {
-                    return Ok(None);
-                };
-                memo = chat.memo;
-                chat.prompt
-            } else if resumed_within.is_some() {
+            let c = conversation.as_deref().map(|key| Conversation {
+                tenant: tenant.as_deref(),
+                key,
+            });
+            let scope = match (resumed_within, keep_tokens) {
+                (Some(n), _) => Scope::ResumedWithin(n),
+                (None, true) => Scope::KeepTokens,
+                (None, false) => Scope::Whole,
+            };
+            let chat = (&bytes[..], raw);
+            let Some(chat) = conversations.chat_prompt(chat, c, settings, extras, scope, exact)?
+            else {
                 return Ok(None);
-            } else {
-                crate::chunks::chat(raw, settings, extras)?
-            }
+            };
+            memo = chat.memo;
+            chat.prompt
         }
         _ if resumed_within.is_some() => return Ok(None),
         Some(o) if tokenize && reads && !exact => crate::chunks::prompt(api, o, settings, extras)?,

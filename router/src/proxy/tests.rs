@@ -224,7 +224,9 @@ proptest! {
     fn resumed_conversations_equal_whole_ones(
         turns in proptest::collection::vec(("(user|assistant|system)", "[a-z \\n\"é日🦀]{0,40}"), 1..6),
         salt in proptest::option::of("[a-z]{1,4}"),
+        exact in any::<bool>(),
     ) {
+        let chat_input = || Input { exact, ..chat_input() };
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
         let shared = conversations();
@@ -245,7 +247,12 @@ proptest! {
             // The full parse computes the same prompt.
             let mut obj = features::parse(Api::Chat, &bytes, false).unwrap().unwrap();
             let extras = BlockExtras { lora: None, cache_salt: salt.as_deref() };
-            let parsed = features::prompt(Api::Chat, &mut obj, &s, extras, false).unwrap().unwrap();
+            let parsed = if exact {
+                features::prompt(Api::Chat, &mut obj, &s, extras, false)
+            } else {
+                crate::chunks::prompt(Api::Chat, &mut obj, &s, extras)
+            };
+            let parsed = parsed.unwrap().unwrap();
             for x in [&a, &whole] {
                 prop_assert_eq!(&x.chain, &parsed.chain);
                 prop_assert_eq!(x.prompt_tokens, parsed.tokens);
@@ -339,17 +346,26 @@ fn only_a_short_resumption_is_analyzed_inline() {
     assert!(within(&chat(&next, "d"), 1 << 14).is_none());
     let keyless = json!({"messages": [{"role": "user", "content": "x"}]}).to_string();
     assert!(within(&Bytes::from(keyless), 1 << 14).is_none());
-    // Approximate mode is never resumed inline.
-    let approx = Input {
+    // Approximate mode keeps snapshots of its own.
+    let approx = || Input {
         exact: false,
         ..chat_input()
     };
     let m = ModelList::default();
-    assert!(
-        analyze_resumed(body, approx, &t, &s, &m, &cache, Some(1 << 14))
-            .unwrap()
-            .is_none()
+    let resumed = |body: &Bytes| {
+        analyze_resumed(body.clone(), approx(), &t, &s, &m, &cache, Some(1 << 14)).unwrap()
+    };
+    assert!(resumed(&body).is_none());
+    let first = analyze(chat(&history, "c"), approx(), &t, &s, &m, &cache).unwrap();
+    assert_eq!(first.memo, Some(Memo::Miss));
+    let inline = resumed(&body).expect("a short follow-up is analyzed");
+    assert_eq!(inline.memo, Some(Memo::Hit));
+    let whole = analyze(body.clone(), approx(), &t, &s, &m, &conversations()).unwrap();
+    assert_eq!(
+        (&inline.chain, inline.prompt_tokens),
+        (&whole.chain, whole.prompt_tokens)
     );
+    assert_ne!(inline.chain, within(&body, 1 << 14).unwrap().chain);
 }
 
 #[test]
@@ -406,7 +422,7 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
         .unwrap()
     };
     let (a, b) = (run(&one), run(&two));
-    assert!(a.readable && !a.tokenized && a.memo.is_none());
+    assert!(a.readable && !a.tokenized && a.memo == Some(Memo::Miss));
     // 4 bytes a pseudo-token, 16 a block: the system prompt's 800 bytes and
     // its role make 12 full blocks, the same in both.
     let text = "system\n".len() + system.1.len() + 1 + "user\n\0".len() + 150;
