@@ -42,7 +42,7 @@ struct Cli {
 /// resident memory after the first tenth → the end): exact mode 65.8 →
 /// 76.8 MiB (+16.6 %) before, 49.6 → 54.7 MiB (+10.2 %) with the fixed
 /// threshold; approximate mode 68.5 → 75.5 MiB (+10.3 %) before, 48.5 →
-/// 50.5 MiB (+3.9 %).
+/// 50.5 MiB (+3.9 %). The README has the figures with both settings.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn fix_mmap_threshold() {
@@ -54,9 +54,39 @@ fn fix_mmap_threshold() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn fix_mmap_threshold() {}
 
+/// Every 10 s, hands the free memory inside glibc's heap arenas back to
+/// the system. Requests on the API threads and prompts on the tokenizer
+/// pool allocate from different arenas, and long-lived conversation
+/// snapshots sit between short-lived prompt buffers: the freed pages
+/// around them stay resident otherwise (bench-soak, approximate mode:
+/// +13.5 % without, +7.0 % with). A trim takes a few milliseconds on a
+/// thread of its own.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn trim_arenas_periodically() {
+    let trim = || {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(10));
+            // SAFETY: malloc_trim only releases the allocator's own free
+            // memory (under its locks); it reads and writes none of ours.
+            let _ = unsafe { libc::malloc_trim(0) };
+        }
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("kvroute-trim".into())
+        .spawn(trim)
+    {
+        eprintln!("kvroute-router: could not start the arena trimmer: {e}");
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_arenas_periodically() {}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     fix_mmap_threshold();
+    trim_arenas_periodically();
     let cli = Cli::parse();
     let mut config = match &cli.config {
         Some(path) => Config::load(path)?,
