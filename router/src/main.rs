@@ -33,27 +33,6 @@ struct Cli {
     log_format: Option<LogFormat>,
 }
 
-/// Allocations of 128 KiB and more (request bodies, large prompts' token
-/// and block vectors) are served by mmap and returned to the system when
-/// freed. glibc's default raises that threshold each time such a block is
-/// freed (up to 32 MiB), after which large bodies come from heap arenas that
-/// fragment: resident memory then creeps up under unique large prompts.
-/// Measured with `kvroute-e2e bench-soak` (100,000 unique 200 KiB prompts;
-/// resident memory after the first tenth → the end): exact mode 65.8 →
-/// 76.8 MiB (+16.6 %) before, 49.6 → 54.7 MiB (+10.2 %) with the fixed
-/// threshold; approximate mode 68.5 → 75.5 MiB (+10.3 %) before, 48.5 →
-/// 50.5 MiB (+3.9 %). The README has the figures with both settings.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[allow(unsafe_code)]
-fn fix_mmap_threshold() {
-    // SAFETY: mallopt only sets an allocator parameter (it takes the
-    // allocator's own lock); it reads and writes no memory of ours.
-    let _ = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn fix_mmap_threshold() {}
-
 /// Every 10 s, hands the free memory inside glibc's heap arenas back to
 /// the system. Requests on the API threads and prompts on the tokenizer
 /// pool allocate from different arenas, and long-lived conversation
@@ -85,7 +64,6 @@ fn trim_arenas_periodically() {}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    fix_mmap_threshold();
     trim_arenas_periodically();
     let cli = Cli::parse();
     let mut config = match &cli.config {
