@@ -139,8 +139,8 @@ pub async fn serve(
     let _ = slots.acquire_many(max).await;
 }
 
-/// As [`serve`], with the connections dealt to `limits.threads` threads of their
-/// own, each running a single-threaded runtime: a connection, its
+/// As [`serve`], with the connections dealt to `limits.threads` threads
+/// of their own, each running a single-threaded runtime: a connection, its
 /// requests and their upstream connections then stay on one thread, with
 /// no hand-off between threads per request (the multi-threaded runtime
 /// spent more time waking its workers than proxying small requests). Each

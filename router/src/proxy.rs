@@ -1145,9 +1145,9 @@ struct Input {
 /// Three ways to read a body: a policy that reads no prompt scans only its
 /// top-level fields; a chat (not salted) in approximate mode, or in exact
 /// mode with the built-in tokenizer and template, is scanned with its
-/// messages kept raw and read a message at a time ([`crate::chunks`], or
-/// tokenized resuming a known conversation: [`Conversations`]); anything
-/// else is parsed whole.
+/// messages kept raw and read a message at a time (byte chunks or tokens,
+/// resuming a known conversation: [`Conversations`]); anything else is
+/// parsed whole.
 fn analyze(
     bytes: Bytes,
     input: Input,
@@ -1160,7 +1160,7 @@ fn analyze(
     Ok(analysis.expect("only analyze_resumed with a bound leaves a prompt undone"))
 }
 
-/// As [`analyze`], but with `resumed_within` only an exact-mode chat that
+/// As [`analyze`], but with `resumed_within` only a chat (either mode) that
 /// resumes a known conversation with at most that many body bytes after
 /// its snapshot is analyzed: `None` for anything else, for the tokenizer
 /// pool. A follow-up turn then skips the hand-off to the pool, which costs
