@@ -330,17 +330,23 @@ impl Proxy {
         }
     }
 
-    /// Serves one proxied request, recording it in the metrics, inside a
-    /// span joined to the client's trace context.
+    /// Serves one proxied request, recording it in the metrics; when
+    /// traces are exported, inside a span joined to the client's trace
+    /// context.
     pub async fn serve(self: &Arc<Self>, request: Request<Body>) -> Response<Body> {
         let (parts, body) = request.into_parts();
-        let span = tracing::info_span!("proxy", path = %parts.uri.path());
-        let parent = opentelemetry::global::get_text_map_propagator(|p| {
-            p.extract(&crate::telemetry::HeaderExtractor(&parts.headers))
-        });
-        if let Err(e) = span.set_parent(parent) {
-            tracing::debug!(error = %e, "no trace parent");
-        }
+        let span = if kvroute_telemetry::exporting() {
+            let span = tracing::info_span!("proxy", path = %parts.uri.path());
+            let parent = opentelemetry::global::get_text_map_propagator(|p| {
+                p.extract(&crate::telemetry::HeaderExtractor(&parts.headers))
+            });
+            if let Err(e) = span.set_parent(parent) {
+                tracing::debug!(error = %e, "no trace parent");
+            }
+            span
+        } else {
+            tracing::Span::none()
+        };
         let mut labels = Labels::new(self);
         let response = match self
             .handle(&parts, body, &mut labels)
@@ -871,13 +877,15 @@ impl Proxy {
         request.headers_mut().remove(header::HOST);
         // With tracing on, the engine's parent is this router's span; else
         // the client's traceparent passes through as copied.
-        let context = tracing::Span::current().context();
-        opentelemetry::global::get_text_map_propagator(|p| {
-            p.inject_context(
-                &context,
-                &mut crate::telemetry::HeaderInjector(request.headers_mut()),
-            )
-        });
+        if kvroute_telemetry::exporting() {
+            let context = tracing::Span::current().context();
+            opentelemetry::global::get_text_map_propagator(|p| {
+                p.inject_context(
+                    &context,
+                    &mut crate::telemetry::HeaderInjector(request.headers_mut()),
+                )
+            });
+        }
         request
             .headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
