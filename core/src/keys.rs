@@ -49,26 +49,31 @@ impl RoutingKey {
     /// The key of a prompt prefix given as token ids (the caller passes the
     /// first K tokens).
     pub fn prefix_tokens(tenant: Option<&str>, tokens: &[u32]) -> Self {
-        Self::digest(b'p', tenant, |h| {
-            for t in tokens {
-                h.update(&t.to_le_bytes());
-            }
-        })
+        Self::digest(b'p', tenant, |h| update_le(h, tokens, |t| t.to_le_bytes()))
     }
 
     /// The key of a prompt prefix given as block ids (the replay benchmark's
     /// traces carry one id per block instead of tokens).
     pub fn prefix_ids(tenant: Option<&str>, ids: &[u64]) -> Self {
-        Self::digest(b'i', tenant, |h| {
-            for id in ids {
-                h.update(&id.to_le_bytes());
-            }
-        })
+        Self::digest(b'i', tenant, |h| update_le(h, ids, |id| id.to_le_bytes()))
     }
 
     /// The key of a whole tenant.
     pub fn tenant(tenant: &str) -> Self {
         Self::digest(b't', Some(tenant), |_| {})
+    }
+}
+
+/// Feeds `values` to `h` as their little-endian bytes, 256 bytes an
+/// update: XXH3's streaming update copies each call's bytes into its buffer,
+/// so an update per 4-byte token cost more than the hashing.
+fn update_le<T: Copy, const N: usize>(h: &mut Xxh3, values: &[T], le: impl Fn(T) -> [u8; N]) {
+    let mut buf = [0u8; 256];
+    for chunk in values.chunks(256 / N) {
+        for (out, &v) in buf.chunks_exact_mut(N).zip(chunk) {
+            out.copy_from_slice(&le(v));
+        }
+        h.update(&buf[..chunk.len() * N]);
     }
 }
 
@@ -232,5 +237,24 @@ mod tests {
         let mut h = Xxh3::new();
         h.update(b"c\x00chat-1");
         assert_eq!(RoutingKey::conversation(None, "chat-1").0, h.digest());
+    }
+
+    #[test]
+    fn prefix_keys_hash_the_values_little_endian_across_update_chunks() {
+        // 300 tokens and 70 ids: more than one 256-byte update each.
+        let tokens: Vec<u32> = (0..300u32).map(|t| t.wrapping_mul(0x9e37_79b9)).collect();
+        let ids: Vec<u64> = (0..70u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let mut bytes = b"p\x01\x01\x00\x00\x00t".to_vec();
+        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        assert_eq!(
+            RoutingKey::prefix_tokens(Some("t"), &tokens).0,
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        );
+        let mut bytes = b"i\x00".to_vec();
+        bytes.extend(ids.iter().flat_map(|i| i.to_le_bytes()));
+        assert_eq!(
+            RoutingKey::prefix_ids(None, &ids).0,
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        );
     }
 }

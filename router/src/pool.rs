@@ -73,6 +73,8 @@ impl StreamState {
 #[derive(Debug)]
 struct Member {
     spec: EndpointSpec,
+    /// `spec.name`, shared by the targets of every plan.
+    name: Arc<str>,
     slot: Slot,
     id: u64,
     stream: StreamState,
@@ -90,7 +92,7 @@ struct Member {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Target {
     /// Its name.
-    pub name: String,
+    pub name: Arc<str>,
     /// Its HTTP address.
     pub http: SocketAddr,
     /// Its slot.
@@ -407,6 +409,7 @@ impl Pool {
                 name.clone(),
                 Member {
                     id: endpoint_id(&name),
+                    name: name.as_str().into(),
                     spec,
                     slot,
                     stream,
@@ -523,7 +526,7 @@ impl Pool {
         let ranked = decision
             .ranked
             .iter()
-            .map(|&i| targets[i].name.clone())
+            .map(|&i| targets[i].name.to_string())
             .collect();
         let explained_endpoints = inner
             .members
@@ -616,7 +619,7 @@ impl Pool {
             .values()
             .find(|m| m.spec.http == addr)
             .map(|m| Target {
-                name: m.spec.name.clone(),
+                name: m.name.clone(),
                 http: m.spec.http,
                 slot: m.slot,
                 id: m.id,
@@ -905,7 +908,7 @@ impl Inner {
                     load: self.load.load(m.slot),
                 };
                 let target = Target {
-                    name: m.spec.name.clone(),
+                    name: m.name.clone(),
                     http: m.spec.http,
                     slot: m.slot,
                     id: m.id,

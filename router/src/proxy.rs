@@ -682,7 +682,7 @@ impl Proxy {
             retry_after: self.limits.retry_after_s,
         })?;
         drop(self.pool.start(&request, target, a.prompt_tokens));
-        Ok(target.name.clone())
+        Ok(target.name.to_string())
     }
 
     /// Refuses every request while the pool's policy (in `settings`) asks
@@ -1361,7 +1361,7 @@ impl Workers {
 pub(crate) struct Guard {
     proxy: Arc<Proxy>,
     load: InFlight,
-    name: String,
+    name: Arc<str>,
     sent: Instant,
     first: bool,
     labels: Labels,
@@ -1386,7 +1386,7 @@ impl Guard {
     pub(crate) fn new(
         proxy: &Arc<Proxy>,
         load: InFlight,
-        name: String,
+        name: Arc<str>,
         sent: Instant,
         labels: Labels,
         status: StatusCode,

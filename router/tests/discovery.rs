@@ -313,7 +313,7 @@ fn two_firsts(pool: &Pool) -> (String, String) {
         chain: &[],
         prompt_tokens: 100,
     };
-    let first = || pool.plan(&request, true).targets[0].name.clone();
+    let first = || pool.plan(&request, true).targets[0].name.to_string();
     (first(), first())
 }
 

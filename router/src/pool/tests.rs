@@ -41,7 +41,7 @@ fn request() -> Request<'static> {
 }
 
 fn names(plan: &Plan) -> Vec<&str> {
-    let mut n: Vec<&str> = plan.targets.iter().map(|t| t.name.as_str()).collect();
+    let mut n: Vec<&str> = plan.targets.iter().map(|t| &*t.name).collect();
     n.sort_unstable();
     n
 }
@@ -67,7 +67,7 @@ async fn endpoint_changes_keep_slots_and_forget_the_removed() {
         .plan(&request(), true)
         .targets
         .into_iter()
-        .find(|t| t.name == "a")
+        .find(|t| &*t.name == "a")
         .unwrap();
     let ticket = p.start(&request(), &a, 10);
     p.set_endpoints(vec![spec("a", 1), spec("c", 3)]);
@@ -177,11 +177,11 @@ async fn unreadable_requests_go_to_the_least_loaded() {
         .plan(&request(), true)
         .targets
         .into_iter()
-        .find(|t| t.name == "a")
+        .find(|t| &*t.name == "a")
         .unwrap();
     let t1 = p.start(&request(), &busy, 10);
     for _ in 0..3 {
-        assert_eq!(p.plan(&request(), false).targets[0].name, "b");
+        assert_eq!(p.plan(&request(), false).targets[0].name.as_ref(), "b");
     }
     drop(t1);
 }
