@@ -10,7 +10,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use kvroute_core::hash::{BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use serde_json::json;
@@ -272,20 +272,27 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     })
 }
 
+/// The API port: a POST to any path but these goes to the proxy, which
+/// refuses paths outside `proxy.allowedPaths`. A fallback rather than a
+/// `/v1/{*rest}` route, whose path parameter cost each request allocations.
 fn api_routes(proxy: Arc<Proxy>) -> Router {
     Router::new()
         .route("/v1/models", get(models))
-        .route(
-            "/v1/{*rest}",
-            post(|State(p): State<Arc<Proxy>>, req: Request| async move { p.serve(req).await }),
-        )
         .route("/healthz", get(|| async { StatusCode::OK }))
         .route("/readyz", get(readyz))
-        .fallback(|| async {
-            ApiError::NotFound(
-                "no such path; kvroute serves POST to proxy.allowedPaths and GET /v1/models".into(),
-            )
-        })
+        .fallback(
+            |State(p): State<Arc<Proxy>>, req: Request| async move {
+                if req.method() == axum::http::Method::POST {
+                    p.serve(req).await
+                } else {
+                    ApiError::NotFound(
+                        "no such path; kvroute serves POST to proxy.allowedPaths and GET /v1/models"
+                            .into(),
+                    )
+                    .into_response()
+                }
+            },
+        )
         .with_state(proxy)
 }
 
