@@ -714,10 +714,10 @@ impl Proxy {
     ) -> Result<Plan, ApiError> {
         let deadline = Instant::now() + Duration::from_millis(self.limits.queue_timeout_ms);
         let retry_after = self.limits.retry_after_s;
+        // Registered for releases only once every endpoint was full, then
+        // planned again, so no release in between is missed.
+        let mut released = None;
         loop {
-            let released = self.pool.released();
-            tokio::pin!(released);
-            released.as_mut().enable();
             let plan = self.pool.plan_among(request, readable, among);
             if !plan.targets.is_empty() {
                 return Ok(plan);
@@ -725,15 +725,22 @@ impl Proxy {
             if plan.full == 0 {
                 return Err(ApiError::Unavailable { retry_after });
             }
+            let Some(waiting) = released.as_mut() else {
+                let mut r = Box::pin(self.pool.released());
+                r.as_mut().enable();
+                released = Some(r);
+                continue;
+            };
             if self.queued.fetch_add(1, Ordering::SeqCst) >= self.limits.queue_size {
                 self.queued.fetch_sub(1, Ordering::SeqCst);
                 return Err(ApiError::Overloaded { retry_after });
             }
-            let woke = tokio::time::timeout_at(deadline, released).await;
+            let woke = tokio::time::timeout_at(deadline, waiting.as_mut()).await;
             self.queued.fetch_sub(1, Ordering::SeqCst);
             if woke.is_err() {
                 return Err(ApiError::Overloaded { retry_after });
             }
+            released = None;
         }
     }
 
