@@ -93,15 +93,15 @@ impl Chunker {
 
     fn finish(mut self) -> Prompt {
         self.prompt.tokens = self.len.div_ceil(TOKEN_BYTES) as u64;
-        self.prompt.head = self
-            .head
-            .chunks(TOKEN_BYTES)
-            .map(|c| {
-                let mut t = [0; TOKEN_BYTES];
-                t[..c.len()].copy_from_slice(c);
-                u32::from_le_bytes(t)
-            })
-            .collect();
+        let mut whole = self.head.chunks_exact(TOKEN_BYTES);
+        let mut head: Vec<u32> = Vec::with_capacity(self.head.len().div_ceil(TOKEN_BYTES));
+        head.extend(whole.by_ref().map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        if !whole.remainder().is_empty() {
+            let mut t = [0; TOKEN_BYTES];
+            t[..whole.remainder().len()].copy_from_slice(whole.remainder());
+            head.push(u32::from_le_bytes(t));
+        }
+        self.prompt.head = head;
         self.prompt
     }
 
@@ -229,6 +229,13 @@ mod tests {
             c.push(piece);
         }
         assert_eq!(c.finish(), p);
+        // A last partial pseudo-token is padded with zeros.
+        let p = prompt_of(Api::Completion, json!({"prompt": "abcdefg"})).unwrap();
+        assert_eq!(p.tokens, 2);
+        assert_eq!(
+            p.head,
+            [u32::from_le_bytes(*b"abcd"), u32::from_le_bytes(*b"efg\0")]
+        );
     }
 
     #[test]

@@ -336,6 +336,18 @@ pub(crate) fn no_messages() -> ApiError {
 
 /// Message `i` of a chat from its raw JSON (see [`chat_message`]).
 pub(crate) fn raw_message(i: usize, raw: &RawValue) -> Result<Option<ChatMessage>, ApiError> {
+    // The common message, a string role and a string content, read without
+    // building a map; anything else (and every error) the general way.
+    #[derive(serde::Deserialize)]
+    struct Plain<'a> {
+        #[serde(borrow)]
+        role: std::borrow::Cow<'a, str>,
+        #[serde(borrow)]
+        content: std::borrow::Cow<'a, str>,
+    }
+    if let Ok(m) = serde_json::from_str::<Plain<'_>>(raw.get()) {
+        return Ok(Some(ChatMessage::new(m.role, m.content)));
+    }
     let mut m: Value = serde_json::from_str(raw.get())
         .map_err(|e| ApiError::BadRequest(format!("messages[{i}]: {e}")))?;
     chat_message(i, &mut m)
