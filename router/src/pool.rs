@@ -658,7 +658,11 @@ impl Pool {
     fn health(&self, step: impl FnOnce(&mut Outlier, std::time::Instant) -> Vec<Event>) -> bool {
         let mut inner = self.lock();
         let events = step(&mut inner.outlier, now());
-        self.publish_ready(&inner);
+        // Routability changes only with an event (an ejection whose time
+        // passed is ended, with an event, by the step's tick).
+        if !events.is_empty() {
+            self.publish_ready(&inner);
+        }
         drop(inner);
         let mut ejected = false;
         for event in &events {
