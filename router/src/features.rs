@@ -168,16 +168,47 @@ impl<'de> serde::de::Visitor<'de> for Fields {
             fields: Map::new(),
             messages: None,
         };
-        while let Some(key) = a.next_key::<String>()? {
-            if FEATURES.contains(&key.as_str()) {
-                scanned.fields.insert(key, a.next_value::<Value>()?);
-            } else if self.messages && key == "messages" {
-                scanned.messages = a.next_value::<RawList<'de>>()?.0;
-            } else {
-                a.next_value::<serde::de::IgnoredAny>()?;
+        while let Some(key) = a.next_key::<Key>()? {
+            match key {
+                Key::Feature(name) => {
+                    scanned.fields.insert(name.into(), a.next_value::<Value>()?);
+                }
+                Key::Messages if self.messages => {
+                    scanned.messages = a.next_value::<RawList<'de>>()?.0;
+                }
+                _ => {
+                    a.next_value::<serde::de::IgnoredAny>()?;
+                }
             }
         }
         Ok(scanned)
+    }
+}
+
+/// A top-level key as [`Fields`] sees it, matched without allocating.
+enum Key {
+    Feature(&'static str),
+    Messages,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for Key {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E>(self, key: &str) -> Result<Key, E> {
+                Ok(match FEATURES.iter().find(|f| **f == key) {
+                    Some(name) => Key::Feature(name),
+                    None if key == "messages" => Key::Messages,
+                    None => Key::Other,
+                })
+            }
+        }
+        d.deserialize_str(Visitor)
     }
 }
 
