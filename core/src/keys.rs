@@ -243,7 +243,9 @@ mod tests {
     fn prefix_keys_hash_the_values_little_endian_across_update_chunks() {
         // 300 tokens and 70 ids: more than one 256-byte update each.
         let tokens: Vec<u32> = (0..300u32).map(|t| t.wrapping_mul(0x9e37_79b9)).collect();
-        let ids: Vec<u64> = (0..70u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let ids: Vec<u64> = (0..70u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
         let mut bytes = b"p\x01\x01\x00\x00\x00t".to_vec();
         bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
         assert_eq!(

@@ -95,7 +95,11 @@ impl Chunker {
         self.prompt.tokens = self.len.div_ceil(TOKEN_BYTES) as u64;
         let mut whole = self.head.chunks_exact(TOKEN_BYTES);
         let mut head: Vec<u32> = Vec::with_capacity(self.head.len().div_ceil(TOKEN_BYTES));
-        head.extend(whole.by_ref().map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        head.extend(
+            whole
+                .by_ref()
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
         if !whole.remainder().is_empty() {
             let mut t = [0; TOKEN_BYTES];
             t[..whole.remainder().len()].copy_from_slice(whole.remainder());

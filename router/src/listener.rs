@@ -28,8 +28,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::time::Instant;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
@@ -454,7 +454,8 @@ impl Activity {
             deadline = if self.active.load(Ordering::SeqCst) > 0 {
                 now + idle
             } else {
-                let ended = self.since + Duration::from_millis(self.ended_ms.load(Ordering::SeqCst));
+                let ended =
+                    self.since + Duration::from_millis(self.ended_ms.load(Ordering::SeqCst));
                 if ended + idle <= now {
                     return;
                 }

@@ -280,19 +280,17 @@ fn api_routes(proxy: Arc<Proxy>) -> Router {
         .route("/v1/models", get(models))
         .route("/healthz", get(|| async { StatusCode::OK }))
         .route("/readyz", get(readyz))
-        .fallback(
-            |State(p): State<Arc<Proxy>>, req: Request| async move {
-                if req.method() == axum::http::Method::POST {
-                    p.serve(req).await
-                } else {
-                    ApiError::NotFound(
-                        "no such path; kvroute serves POST to proxy.allowedPaths and GET /v1/models"
-                            .into(),
-                    )
-                    .into_response()
-                }
-            },
-        )
+        .fallback(|State(p): State<Arc<Proxy>>, req: Request| async move {
+            if req.method() == axum::http::Method::POST {
+                p.serve(req).await
+            } else {
+                ApiError::NotFound(
+                    "no such path; kvroute serves POST to proxy.allowedPaths and GET /v1/models"
+                        .into(),
+                )
+                .into_response()
+            }
+        })
         .with_state(proxy)
 }
 
