@@ -93,19 +93,14 @@ impl Chunker {
 
     fn finish(mut self) -> Prompt {
         self.prompt.tokens = self.len.div_ceil(TOKEN_BYTES) as u64;
-        let mut whole = self.head.chunks_exact(TOKEN_BYTES);
-        let mut head: Vec<u32> = Vec::with_capacity(self.head.len().div_ceil(TOKEN_BYTES));
-        head.extend(
-            whole
-                .by_ref()
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        );
-        if !whole.remainder().is_empty() {
-            let mut t = [0; TOKEN_BYTES];
-            t[..whole.remainder().len()].copy_from_slice(whole.remainder());
-            head.push(u32::from_le_bytes(t));
-        }
-        self.prompt.head = head;
+        // A last partial pseudo-token is padded with zeros.
+        self.head
+            .resize(self.head.len().next_multiple_of(TOKEN_BYTES), 0);
+        self.prompt.head = self
+            .head
+            .chunks_exact(TOKEN_BYTES)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         self.prompt
     }
 
