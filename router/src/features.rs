@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::errors::ApiError;
+use crate::json_skim;
 use crate::prefixes;
 use crate::settings::Settings;
 
@@ -74,14 +75,24 @@ pub fn parse(api: Api, body: &[u8], strict: bool) -> Result<Option<Map<String, V
 /// within `body`. Chat and completions bodies must be JSON objects; other
 /// APIs' bodies may be anything (`Ok(None)`).
 pub fn scan(api: Api, body: &[u8], messages: bool) -> Result<Option<Scanned<'_>>, ApiError> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let scanned = serde::de::Deserializer::deserialize_map(&mut de, Fields { messages })
-        .and_then(|s| de.end().map(|()| s));
-    match scanned {
+    if !messages && let Ok(fields) = json_skim::fields(body, |k| FEATURES.contains(&k)) {
+        return Ok(Some(Scanned {
+            fields,
+            messages: None,
+        }));
+    }
+    match scan_with_serde(body, messages) {
         Ok(s) => Ok(Some(s)),
         Err(_) if api == Api::Other => Ok(None),
         Err(e) => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
     }
+}
+
+/// [`scan`] by serde_json alone, whose errors name what is wrong.
+pub(crate) fn scan_with_serde(body: &[u8], messages: bool) -> serde_json::Result<Scanned<'_>> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde::de::Deserializer::deserialize_map(&mut de, Fields { messages })
+        .and_then(|s| de.end().map(|()| s))
 }
 
 /// What [`scan`] keeps of a body.
@@ -148,7 +159,7 @@ impl<'de> serde::Deserialize<'de> for RawList<'de> {
 }
 
 /// The fields [`features`] reads.
-const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+pub(crate) const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
 
 /// [`scan`]'s visitor: keeps [`FEATURES`] (and the raw messages when
 /// asked), skips the rest.

@@ -18,6 +18,7 @@ pub mod features;
 pub mod health;
 pub mod health_checks;
 pub mod hit_rate;
+mod json_skim;
 pub mod listener;
 pub mod metrics;
 pub mod models;

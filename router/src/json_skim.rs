@@ -1,0 +1,323 @@
+//! Reads the top-level fields of a JSON object without building the values
+//! it does not keep: a policy that reads no prompt needs a chat's `model`
+//! and `stream`, not its 200 KiB of messages.
+//!
+//! Why by hand: serde_json, skipping a string value, checks every byte
+//! for a quote, a backslash or a control character eight bytes a step; on
+//! a 200 KiB prompt that was a fifth of round robin's CPU per request. Here
+//! a string's end is found with `memchr` (32 bytes a step), and its bytes
+//! are then checked in one pass the compiler vectorizes (printable ASCII?),
+//! with exact control-character and UTF-8 checks only when they are not. The grammar is JSON's (RFC 8259): strings, escapes, nesting
+//! (at most [`MAX_DEPTH`], serde_json's limit), separators; scalars (numbers
+//! and literals) are short and are checked by serde_json itself. The kept
+//! values are parsed by serde_json too. Only success is decided here: on
+//! any error the caller parses the body with serde_json, whose message the
+//! client gets, and `json_skim_agrees_with_serde_json` holds the two to the
+//! same answers.
+
+use std::borrow::Cow;
+
+use memchr::memchr2;
+use serde_json::{Map, Value};
+
+/// Nesting deeper than this is refused (serde_json's recursion limit).
+const MAX_DEPTH: usize = 128;
+
+/// The body is not a JSON object this reader accepts (the caller asks
+/// serde_json why).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Rejected;
+
+type Result<T> = std::result::Result<T, Rejected>;
+
+/// The top-level members of the JSON object `body` whose keys `keep`
+/// accepts, parsed; every other value is checked and skipped. A repeated
+/// key keeps its last value, as serde_json does.
+pub(crate) fn fields(body: &[u8], keep: impl Fn(&str) -> bool) -> Result<Map<String, Value>> {
+    let mut out = Map::new();
+    let mut i = ws(body, 0);
+    if body.get(i) != Some(&b'{') {
+        return Err(Rejected);
+    }
+    i = ws(body, i + 1);
+    if body.get(i) == Some(&b'}') {
+        i += 1;
+    } else {
+        loop {
+            let (key, after) = key(body, i)?;
+            i = colon(body, after)?;
+            if keep(&key) {
+                let mut values = serde_json::Deserializer::from_slice(&body[i..]).into_iter();
+                let value: Value = values.next().ok_or(Rejected)?.map_err(|_| Rejected)?;
+                i += values.byte_offset();
+                out.insert(key.into_owned(), value);
+            } else {
+                // One level is the top-level object's.
+                i = value(body, i, MAX_DEPTH - 1)?;
+            }
+            i = ws(body, i);
+            match body.get(i) {
+                Some(b',') => i = ws(body, i + 1),
+                Some(b'}') => {
+                    i += 1;
+                    break;
+                }
+                _ => return Err(Rejected),
+            }
+        }
+    }
+    if ws(body, i) == body.len() {
+        Ok(out)
+    } else {
+        Err(Rejected)
+    }
+}
+
+/// Past JSON whitespace from `i`.
+fn ws(b: &[u8], mut i: usize) -> usize {
+    while let Some(b' ' | b'\t' | b'\n' | b'\r') = b.get(i) {
+        i += 1;
+    }
+    i
+}
+
+/// The key at `i` (a string), decoded, and the index after it.
+fn key(b: &[u8], i: usize) -> Result<(Cow<'_, str>, usize)> {
+    if b.get(i) != Some(&b'"') {
+        return Err(Rejected);
+    }
+    let end = string(b, i + 1)?;
+    let raw = &b[i..end];
+    let key = if raw.contains(&b'\\') {
+        Cow::Owned(serde_json::from_slice(raw).map_err(|_| Rejected)?)
+    } else {
+        // `string` checked it is UTF-8.
+        Cow::Borrowed(std::str::from_utf8(&raw[1..raw.len() - 1]).map_err(|_| Rejected)?)
+    };
+    Ok((key, end))
+}
+
+/// Past the `:` after a key at `i` and the whitespace around it.
+fn colon(b: &[u8], i: usize) -> Result<usize> {
+    let i = ws(b, i);
+    if b.get(i) == Some(&b':') {
+        Ok(ws(b, i + 1))
+    } else {
+        Err(Rejected)
+    }
+}
+
+/// Past the value at `i`, nested at most `depth` deeper.
+fn value(b: &[u8], i: usize, depth: usize) -> Result<usize> {
+    match b.get(i) {
+        Some(b'"') => string(b, i + 1),
+        Some(b'[') => {
+            let depth = depth.checked_sub(1).ok_or(Rejected)?;
+            let mut i = ws(b, i + 1);
+            if b.get(i) == Some(&b']') {
+                return Ok(i + 1);
+            }
+            loop {
+                i = ws(b, value(b, i, depth)?);
+                match b.get(i) {
+                    Some(b',') => i = ws(b, i + 1),
+                    Some(b']') => return Ok(i + 1),
+                    _ => return Err(Rejected),
+                }
+            }
+        }
+        Some(b'{') => {
+            let depth = depth.checked_sub(1).ok_or(Rejected)?;
+            let mut i = ws(b, i + 1);
+            if b.get(i) == Some(&b'}') {
+                return Ok(i + 1);
+            }
+            loop {
+                if b.get(i) != Some(&b'"') {
+                    return Err(Rejected);
+                }
+                i = colon(b, string(b, i + 1)?)?;
+                i = ws(b, value(b, i, depth)?);
+                match b.get(i) {
+                    Some(b',') => i = ws(b, i + 1),
+                    Some(b'}') => return Ok(i + 1),
+                    _ => return Err(Rejected),
+                }
+            }
+        }
+        Some(_) => {
+            let len = b[i..]
+                .iter()
+                .position(|c| !(c.is_ascii_alphanumeric() || matches!(c, b'-' | b'+' | b'.')))
+                .unwrap_or(b.len() - i);
+            if len == 0 {
+                return Err(Rejected);
+            }
+            serde_json::from_slice::<serde::de::IgnoredAny>(&b[i..i + len])
+                .map_err(|_| Rejected)?;
+            Ok(i + len)
+        }
+        None => Err(Rejected),
+    }
+}
+
+/// Past the closing quote of the string whose contents start at `start`,
+/// its escapes, control characters and UTF-8 checked.
+fn string(b: &[u8], start: usize) -> Result<usize> {
+    let mut i = start;
+    loop {
+        i += memchr2(b'"', b'\\', &b[i..]).ok_or(Rejected)?;
+        if b[i] == b'"' {
+            break;
+        }
+        i += match b.get(i + 1) {
+            Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => 2,
+            Some(b'u')
+                if b.get(i + 2..i + 6)
+                    .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) =>
+            {
+                6
+            }
+            _ => return Err(Rejected),
+        };
+    }
+    let text = &b[start..i];
+    // One pass for the common case, printable ASCII (0x20..0x7f); a fold,
+    // not `any`, so that it vectorizes. Else the exact checks.
+    if text
+        .iter()
+        .fold(false, |bad, &x| bad | (x.wrapping_sub(0x20) >= 0x60))
+        && (text.iter().any(|&x| x < 0x20) || std::str::from_utf8(text).is_err())
+    {
+        return Err(Rejected);
+    }
+    Ok(i + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keep(k: &str) -> bool {
+        crate::features::FEATURES.contains(&k)
+    }
+
+    #[test]
+    fn keeps_the_named_fields_and_skips_the_rest() {
+        let body =
+            br#" {"messages": [{"role": "user", "content": "a \"quoted\" \u00e9 \\ b"}, [], {}],
+            "model" : "m", "n": -1.5e3, "x": [true, false, null, {"k": [1, 2]}], "stream": true,
+            "model": "last"} "#;
+        let got = fields(body, keep).unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got["model"], "last");
+        assert_eq!(got["stream"], true);
+        assert_eq!(fields(b"{}", keep).unwrap().len(), 0);
+        // An escaped key is decoded before it is matched.
+        assert_eq!(fields(br#"{"mod\u0065l": 1}"#, keep).unwrap()["model"], 1);
+    }
+
+    #[test]
+    fn rejects_what_json_does_not_allow() {
+        let bad: &[&[u8]] = &[
+            b"",
+            b"[]",
+            b"{",
+            b"{\"a\"}",
+            b"{\"a\":}",
+            b"{\"a\":1,}",
+            b"{\"a\":1 \"b\":2}",
+            b"{\"a\":[1,]}",
+            b"{\"a\":[1 2]}",
+            b"{\"a\":{\"k\" 1}}",
+            b"{\"a\":{1:1}}",
+            b"{\"a\":[}",
+            b"{\"a\":tru}",
+            b"{\"a\":01}",
+            b"{\"a\":\"x\ty\"}",
+            b"{\"a\":\"\\x\"}",
+            b"{\"a\":\"\\u12\"}",
+            b"{\"a\":\"\xff\"}",
+            b"{\"a\":\"open}",
+            b"{\"a\":1} x",
+            b"{\"a\":1}}",
+        ];
+        for body in bad {
+            assert_eq!(
+                fields(body, keep),
+                Err(Rejected),
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let deep = format!("{{\"a\":{}{}}}", "[".repeat(200), "]".repeat(200));
+        assert_eq!(fields(deep.as_bytes(), keep), Err(Rejected));
+        let fine = format!("{{\"a\":{}{}}}", "[".repeat(100), "]".repeat(100));
+        assert!(fields(fine.as_bytes(), keep).is_ok());
+    }
+
+    /// serde_json's answer, as the router asks it when this reader
+    /// rejects a body.
+    fn serde_fields(body: &[u8]) -> Option<Map<String, Value>> {
+        crate::features::scan_with_serde(body, false)
+            .ok()
+            .map(|s| s.fields)
+    }
+
+    fn json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (-1e6f64..1e6).prop_map(Value::from),
+            "(\\PC|[\"\\\\\n\t\u{1}]){0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
+                proptest::collection::vec(
+                    (prop_oneof![Just("model".to_string()), "[a-z]{0,3}"], inner),
+                    0..6
+                )
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// Whatever this reader accepts, serde_json reads the same; and it
+        /// accepts every object serde_json writes. Bodies are objects, as
+        /// written, then with up to three bytes replaced, inserted or
+        /// removed.
+        #[test]
+        fn json_skim_agrees_with_serde_json(
+            value in json(),
+            edits in proptest::collection::vec((0usize..4096, 0usize..3, proptest::sample::select(
+                b"{}[],:\"\\ 0-etaunl\x01\xff".to_vec())), 0..4),
+            pretty: bool,
+        ) {
+            let object = serde_json::json!({"model": value.clone(), "x": value, "stream": true});
+            let mut body = if pretty {
+                serde_json::to_vec_pretty(&object).unwrap()
+            } else {
+                serde_json::to_vec(&object).unwrap()
+            };
+            proptest::prop_assert_eq!(fields(&body, keep).ok(), serde_fields(&body));
+            for (at, op, byte) in edits {
+                let at = at % (body.len() + 1);
+                match op {
+                    0 if at < body.len() => body[at] = byte,
+                    1 => body.insert(at, byte),
+                    _ if at < body.len() => {
+                        body.remove(at);
+                    }
+                    _ => {}
+                }
+            }
+            if let Ok(got) = fields(&body, keep) {
+                proptest::prop_assert_eq!(Some(got), serde_fields(&body));
+            }
+        }
+    }
+}
