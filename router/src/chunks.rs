@@ -9,7 +9,6 @@
 //! cached prefixes keep their units for the policy's predictions.
 
 use kvroute_core::hash::BlockExtras;
-use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -109,10 +108,10 @@ impl Chunker {
         self.prompt.chain.len()
     }
 
-    fn message(&mut self, m: &kvroute_core::tokenize::ChatMessage) {
-        self.push(m.role.as_bytes());
+    fn message(&mut self, role: &str, content: &str) {
+        self.push(role.as_bytes());
         self.push(b"\n");
-        self.push(m.content.as_bytes());
+        self.push(content.as_bytes());
         self.push(b"\0");
     }
 }
@@ -120,7 +119,7 @@ impl Chunker {
 /// A chat's approximate prompt from its raw `messages` (see [`features::scan`]);
 /// `Ok(None)` when a message has content the router cannot read.
 pub fn chat(
-    raw: &[&RawValue],
+    raw: &[&[u8]],
     settings: &Settings,
     extras: BlockExtras<'_>,
 ) -> Result<Option<Prompt>, ApiError> {
@@ -131,7 +130,7 @@ pub fn chat(
 /// `from.1` when given; also returns the chunker after the last message,
 /// to resume the next turn from.
 pub fn chat_from(
-    raw: &[&RawValue],
+    raw: &[&[u8]],
     settings: &Settings,
     extras: BlockExtras<'_>,
     from: Option<(usize, Chunker)>,
@@ -144,7 +143,7 @@ pub fn chat_from(
         let Some(message) = features::raw_message(i, r)? else {
             return Ok(None);
         };
-        c.message(&message);
+        c.message(&message.role, &message.content);
     }
     let snapshot = c.clone();
     Ok(Some((c.finish(), snapshot)))
@@ -163,7 +162,7 @@ pub fn prompt(
             let Some(messages) = features::chat_messages(obj)? else {
                 return Ok(None);
             };
-            messages.iter().for_each(|m| c.message(m));
+            messages.iter().for_each(|m| c.message(&m.role, &m.content));
             return Ok(Some(c.finish()));
         }
         Api::Completion => match obj.get("prompt") {

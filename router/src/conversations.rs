@@ -18,7 +18,6 @@ use std::sync::Mutex;
 use kvroute_core::hash::BlockExtras;
 use kvroute_core::lru::Lru;
 use prometheus_client::metrics::counter::Counter;
-use serde_json::value::RawValue;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::chunks::{self, Chunker};
@@ -150,7 +149,7 @@ impl Conversations {
     /// resume that way.
     pub fn chat_prompt(
         &self,
-        (body, raw): (&[u8], &[&RawValue]),
+        (body, raw): (&[u8], &[&[u8]]),
         conversation: Option<Conversation<'_>>,
         settings: &Settings,
         extras: BlockExtras<'_>,
@@ -278,11 +277,11 @@ impl Conversations {
 
 /// Where each raw message ends within `body`, or `None` if one is not in
 /// it.
-fn message_ends(body: &[u8], raw: &[&RawValue]) -> Option<Vec<usize>> {
+fn message_ends(body: &[u8], raw: &[&[u8]]) -> Option<Vec<usize>> {
     raw.iter()
         .map(|r| {
-            let start = (r.get().as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
-            Some(start + r.get().len()).filter(|&end| end <= body.len())
+            let start = (r.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+            Some(start + r.len()).filter(|&end| end <= body.len())
         })
         .collect()
 }

@@ -8,6 +8,8 @@ use kvroute_core::tokenize::{
     ChatMessage, ChatTemplate, TokenizeError, Tokenizer, chat_prompt_tokens,
     completion_prompt_tokens, content_text, for_each_chat_token,
 };
+use std::borrow::Cow;
+
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::Xxh3;
@@ -75,17 +77,33 @@ pub fn parse(api: Api, body: &[u8], strict: bool) -> Result<Option<Map<String, V
 /// within `body`. Chat and completions bodies must be JSON objects; other
 /// APIs' bodies may be anything (`Ok(None)`).
 pub fn scan(api: Api, body: &[u8], messages: bool) -> Result<Option<Scanned<'_>>, ApiError> {
-    if !messages && let Ok(fields) = json_skim::fields(body, |k| FEATURES.contains(&k)) {
-        return Ok(Some(Scanned {
-            fields,
-            messages: None,
-        }));
+    if let Ok(scanned) = skim(body, messages) {
+        return Ok(Some(scanned));
     }
     match scan_with_serde(body, messages) {
         Ok(s) => Ok(Some(s)),
         Err(_) if api == Api::Other => Ok(None),
         Err(e) => Err(ApiError::BadRequest(format!("invalid JSON body: {e}"))),
     }
+}
+
+/// [`scan`] at memchr speed ([`json_skim`]); any body it rejects is read
+/// again by [`scan_with_serde`].
+pub(crate) fn skim(body: &[u8], messages: bool) -> Result<Scanned<'_>, json_skim::Rejected> {
+    let mut scanned = Scanned {
+        fields: Map::new(),
+        messages: None,
+    };
+    json_skim::members(body, |key, value| {
+        if let Some(name) = FEATURES.iter().find(|f| **f == key) {
+            let value = serde_json::from_slice(value).map_err(|_| json_skim::Rejected)?;
+            scanned.fields.insert((*name).into(), value);
+        } else if messages && key == "messages" {
+            scanned.messages = json_skim::elements(value);
+        }
+        Ok(())
+    })?;
+    Ok(scanned)
 }
 
 /// [`scan`] by serde_json alone, whose errors name what is wrong.
@@ -100,12 +118,12 @@ pub(crate) fn scan_with_serde(body: &[u8], messages: bool) -> serde_json::Result
 pub struct Scanned<'a> {
     /// The [`FEATURES`] fields.
     pub fields: Map<String, Value>,
-    /// The chat's messages, raw, when asked for and a list.
-    pub messages: Option<Vec<&'a RawValue>>,
+    /// The chat's messages, each its JSON text, when asked for and a list.
+    pub messages: Option<Vec<&'a [u8]>>,
 }
 
 /// A `messages` value: the raw elements of a list, else `None` (skipped).
-struct RawList<'a>(Option<Vec<&'a RawValue>>);
+struct RawList<'a>(Option<Vec<&'a [u8]>>);
 
 impl<'de> serde::Deserialize<'de> for RawList<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -121,7 +139,7 @@ impl<'de> serde::Deserialize<'de> for RawList<'de> {
             ) -> Result<Self::Value, A::Error> {
                 let mut items = Vec::new();
                 while let Some(item) = a.next_element::<&'de RawValue>()? {
-                    items.push(item);
+                    items.push(item.get().as_bytes());
                 }
                 Ok(RawList(Some(items)))
             }
@@ -376,23 +394,42 @@ pub(crate) fn no_messages() -> ApiError {
     ApiError::BadRequest("'messages' must not be empty".into())
 }
 
-/// Message `i` of a chat from its raw JSON (see [`chat_message`]).
-pub(crate) fn raw_message(i: usize, raw: &RawValue) -> Result<Option<ChatMessage>, ApiError> {
+/// A chat message's role and text, borrowed from the body when they need
+/// no unescaping.
+pub(crate) struct RawMessage<'a> {
+    pub(crate) role: Cow<'a, str>,
+    pub(crate) content: Cow<'a, str>,
+}
+
+/// Message `i` of a chat from its JSON text (see [`chat_message`]).
+pub(crate) fn raw_message(i: usize, raw: &[u8]) -> Result<Option<RawMessage<'_>>, ApiError> {
     // The common message, a string role and a string content, read without
     // building a map; anything else (and every error) the general way.
+    if let Some([role, content]) = json_skim::plain_strings(raw, ["role", "content"]) {
+        return Ok(Some(RawMessage {
+            role: Cow::Borrowed(role),
+            content: Cow::Borrowed(content),
+        }));
+    }
     #[derive(serde::Deserialize)]
     struct Plain<'a> {
         #[serde(borrow)]
-        role: std::borrow::Cow<'a, str>,
+        role: Cow<'a, str>,
         #[serde(borrow)]
-        content: std::borrow::Cow<'a, str>,
+        content: Cow<'a, str>,
     }
-    if let Ok(m) = serde_json::from_str::<Plain<'_>>(raw.get()) {
-        return Ok(Some(ChatMessage::new(m.role, m.content)));
+    if let Ok(m) = serde_json::from_slice::<Plain<'_>>(raw) {
+        return Ok(Some(RawMessage {
+            role: m.role,
+            content: m.content,
+        }));
     }
-    let mut m: Value = serde_json::from_str(raw.get())
+    let mut m: Value = serde_json::from_slice(raw)
         .map_err(|e| ApiError::BadRequest(format!("messages[{i}]: {e}")))?;
-    chat_message(i, &mut m)
+    Ok(chat_message(i, &mut m)?.map(|m| RawMessage {
+        role: Cow::Owned(m.role),
+        content: Cow::Owned(m.content),
+    }))
 }
 
 /// Message `i` of a chat, its text moved out of `m`; `Ok(None)` when it
@@ -454,7 +491,7 @@ impl Snapshot {
 /// the prompt and the snapshot after the last message; `Ok(None)` when a
 /// message has content the router cannot tokenize.
 pub fn streamed_chat(
-    raw: &[&RawValue],
+    raw: &[&[u8]],
     settings: &Settings,
     extras: BlockExtras<'_>,
     keep_all: bool,
@@ -481,7 +518,7 @@ pub fn streamed_chat(
         let Some(message) = raw_message(i, r)? else {
             return Ok(None);
         };
-        let one = std::slice::from_ref(&message);
+        let one = &[ChatMessage::new(message.role, message.content)];
         for_each_chat_token(tokenizer, template, one, false, |t| builder.push(t));
     }
     let snapshot = Snapshot {

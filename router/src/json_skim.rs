@@ -18,7 +18,6 @@
 use std::borrow::Cow;
 
 use memchr::memchr2;
-use serde_json::{Map, Value};
 
 /// Nesting deeper than this is refused (serde_json's recursion limit).
 const MAX_DEPTH: usize = 128;
@@ -30,11 +29,66 @@ pub(crate) struct Rejected;
 
 type Result<T> = std::result::Result<T, Rejected>;
 
-/// The top-level members of the JSON object `body` whose keys `keep`
-/// accepts, parsed; every other value is checked and skipped. A repeated
-/// key keeps its last value, as serde_json does.
-pub(crate) fn fields(body: &[u8], keep: impl Fn(&str) -> bool) -> Result<Map<String, Value>> {
-    let mut out = Map::new();
+/// Calls `f` with each member of the JSON object `body`, in order: its
+/// key, decoded, and its value's text, checked (strings and structure
+/// here, scalars by serde_json).
+pub(crate) fn members<'b>(
+    body: &'b [u8],
+    f: impl FnMut(Cow<'b, str>, &'b [u8]) -> Result<()>,
+) -> Result<()> {
+    walk::<true>(body, f)
+}
+
+/// The texts of the elements of `array`, a value [`members`] checked;
+/// `None` when it is not an array.
+pub(crate) fn elements(array: &[u8]) -> Option<Vec<&[u8]>> {
+    if array.first() != Some(&b'[') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut i = ws(array, 1);
+    while array.get(i).is_some_and(|&c| c != b']') {
+        let end = value::<false>(array, i, MAX_DEPTH).ok()?;
+        out.push(&array[i..end]);
+        i = ws(array, end);
+        if array.get(i) == Some(&b',') {
+            i = ws(array, i + 1);
+        }
+    }
+    Some(out)
+}
+
+/// The values of `keys` in `object`, a value [`members`] checked, when it
+/// is an object and each is a string without escapes; else `None`.
+pub(crate) fn plain_strings<'b, const N: usize>(
+    object: &'b [u8],
+    keys: [&str; N],
+) -> Option<[&'b str; N]> {
+    let mut found = [None; N];
+    walk::<false>(object, |key, value| {
+        if let Some(k) = keys.iter().position(|k| *k == key) {
+            found[k] = Some(value);
+        }
+        Ok(())
+    })
+    .ok()?;
+    let mut out = [""; N];
+    for (o, value) in out.iter_mut().zip(found) {
+        let text = value?.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+        if text.contains(&b'\\') {
+            return None;
+        }
+        *o = std::str::from_utf8(text).ok()?;
+    }
+    Some(out)
+}
+
+/// [`members`], checking the values when `CHECK` (else they are known to
+/// be JSON and only their ends are found).
+fn walk<'b, const CHECK: bool>(
+    body: &'b [u8],
+    mut f: impl FnMut(Cow<'b, str>, &'b [u8]) -> Result<()>,
+) -> Result<()> {
     let mut i = ws(body, 0);
     if body.get(i) != Some(&b'{') {
         return Err(Rejected);
@@ -44,17 +98,11 @@ pub(crate) fn fields(body: &[u8], keep: impl Fn(&str) -> bool) -> Result<Map<Str
         i += 1;
     } else {
         loop {
-            let (key, after) = key(body, i)?;
-            i = colon(body, after)?;
-            if keep(&key) {
-                let mut values = serde_json::Deserializer::from_slice(&body[i..]).into_iter();
-                let value: Value = values.next().ok_or(Rejected)?.map_err(|_| Rejected)?;
-                i += values.byte_offset();
-                out.insert(key.into_owned(), value);
-            } else {
-                // One level is the top-level object's.
-                i = value(body, i, MAX_DEPTH - 1)?;
-            }
+            let (key, after) = key::<CHECK>(body, i)?;
+            let start = colon(body, after)?;
+            // One level is the object's.
+            i = value::<CHECK>(body, start, MAX_DEPTH - 1)?;
+            f(key, &body[start..i])?;
             i = ws(body, i);
             match body.get(i) {
                 Some(b',') => i = ws(body, i + 1),
@@ -67,7 +115,7 @@ pub(crate) fn fields(body: &[u8], keep: impl Fn(&str) -> bool) -> Result<Map<Str
         }
     }
     if ws(body, i) == body.len() {
-        Ok(out)
+        Ok(())
     } else {
         Err(Rejected)
     }
@@ -82,16 +130,15 @@ fn ws(b: &[u8], mut i: usize) -> usize {
 }
 
 /// The key at `i` (a string), decoded, and the index after it.
-fn key(b: &[u8], i: usize) -> Result<(Cow<'_, str>, usize)> {
+fn key<const CHECK: bool>(b: &[u8], i: usize) -> Result<(Cow<'_, str>, usize)> {
     if b.get(i) != Some(&b'"') {
         return Err(Rejected);
     }
-    let end = string(b, i + 1)?;
+    let end = string::<CHECK>(b, i + 1)?;
     let raw = &b[i..end];
     let key = if raw.contains(&b'\\') {
         Cow::Owned(serde_json::from_slice(raw).map_err(|_| Rejected)?)
     } else {
-        // `string` checked it is UTF-8.
         Cow::Borrowed(std::str::from_utf8(&raw[1..raw.len() - 1]).map_err(|_| Rejected)?)
     };
     Ok((key, end))
@@ -108,9 +155,9 @@ fn colon(b: &[u8], i: usize) -> Result<usize> {
 }
 
 /// Past the value at `i`, nested at most `depth` deeper.
-fn value(b: &[u8], i: usize, depth: usize) -> Result<usize> {
+fn value<const CHECK: bool>(b: &[u8], i: usize, depth: usize) -> Result<usize> {
     match b.get(i) {
-        Some(b'"') => string(b, i + 1),
+        Some(b'"') => string::<CHECK>(b, i + 1),
         Some(b'[') => {
             let depth = depth.checked_sub(1).ok_or(Rejected)?;
             let mut i = ws(b, i + 1);
@@ -118,7 +165,7 @@ fn value(b: &[u8], i: usize, depth: usize) -> Result<usize> {
                 return Ok(i + 1);
             }
             loop {
-                i = ws(b, value(b, i, depth)?);
+                i = ws(b, value::<CHECK>(b, i, depth)?);
                 match b.get(i) {
                     Some(b',') => i = ws(b, i + 1),
                     Some(b']') => return Ok(i + 1),
@@ -136,8 +183,8 @@ fn value(b: &[u8], i: usize, depth: usize) -> Result<usize> {
                 if b.get(i) != Some(&b'"') {
                     return Err(Rejected);
                 }
-                i = colon(b, string(b, i + 1)?)?;
-                i = ws(b, value(b, i, depth)?);
+                i = colon(b, string::<CHECK>(b, i + 1)?)?;
+                i = ws(b, value::<CHECK>(b, i, depth)?);
                 match b.get(i) {
                     Some(b',') => i = ws(b, i + 1),
                     Some(b'}') => return Ok(i + 1),
@@ -153,17 +200,19 @@ fn value(b: &[u8], i: usize, depth: usize) -> Result<usize> {
             if len == 0 {
                 return Err(Rejected);
             }
-            serde_json::from_slice::<serde::de::IgnoredAny>(&b[i..i + len])
-                .map_err(|_| Rejected)?;
+            if CHECK {
+                serde_json::from_slice::<serde::de::IgnoredAny>(&b[i..i + len])
+                    .map_err(|_| Rejected)?;
+            }
             Ok(i + len)
         }
         None => Err(Rejected),
     }
 }
 
-/// Past the closing quote of the string whose contents start at `start`,
-/// its escapes, control characters and UTF-8 checked.
-fn string(b: &[u8], start: usize) -> Result<usize> {
+/// Past the closing quote of the string whose contents start at `start`;
+/// when `CHECK`, its escapes, control characters and UTF-8 checked.
+fn string<const CHECK: bool>(b: &[u8], start: usize) -> Result<usize> {
     let mut i = start;
     loop {
         i += memchr2(b'"', b'\\', &b[i..]).ok_or(Rejected)?;
@@ -178,15 +227,17 @@ fn string(b: &[u8], start: usize) -> Result<usize> {
             {
                 6
             }
+            Some(_) if !CHECK => 2,
             _ => return Err(Rejected),
         };
     }
     let text = &b[start..i];
     // One pass for the common case, printable ASCII (0x20..0x7f); a fold,
     // not `any`, so that it vectorizes. Else the exact checks.
-    if text
-        .iter()
-        .fold(false, |bad, &x| bad | (x.wrapping_sub(0x20) >= 0x60))
+    if CHECK
+        && text
+            .iter()
+            .fold(false, |bad, &x| bad | (x.wrapping_sub(0x20) >= 0x60))
         && (text.iter().any(|&x| x < 0x20) || std::str::from_utf8(text).is_err())
     {
         return Err(Rejected);
@@ -196,25 +247,68 @@ fn string(b: &[u8], start: usize) -> Result<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use serde_json::{Map, Value};
 
-    fn keep(k: &str) -> bool {
-        crate::features::FEATURES.contains(&k)
+    use crate::features::{scan_with_serde, skim};
+
+    /// What the router reads of a body: its fields and its messages' texts.
+    type Read = (Map<String, Value>, Option<Vec<Vec<u8>>>);
+
+    fn read(s: crate::features::Scanned<'_>) -> Read {
+        let messages = s.messages.map(|m| m.iter().map(|e| e.to_vec()).collect());
+        (s.fields, messages)
+    }
+
+    /// Through this module.
+    fn skimmed(body: &[u8]) -> Option<Read> {
+        skim(body, true).ok().map(read)
+    }
+
+    /// Through serde_json, as the router reads a body this module rejects.
+    fn parsed(body: &[u8]) -> Option<Read> {
+        scan_with_serde(body, true).ok().map(read)
     }
 
     #[test]
-    fn keeps_the_named_fields_and_skips_the_rest() {
+    fn keeps_the_routing_fields_and_the_messages_texts() {
         let body =
-            br#" {"messages": [{"role": "user", "content": "a \"quoted\" \u00e9 \\ b"}, [], {}],
+            br#" {"messages": [{"role": "user", "content": "a \"quoted\" \u00e9 \\ b"} , [], {}],
             "model" : "m", "n": -1.5e3, "x": [true, false, null, {"k": [1, 2]}], "stream": true,
             "model": "last"} "#;
-        let got = fields(body, keep).unwrap();
-        assert_eq!(got.len(), 2);
-        assert_eq!(got["model"], "last");
-        assert_eq!(got["stream"], true);
-        assert_eq!(fields(b"{}", keep).unwrap().len(), 0);
+        let (fields, messages) = skimmed(body).unwrap();
+        assert_eq!(fields.len(), 2);
+        assert_eq!(fields["model"], "last");
+        assert_eq!(fields["stream"], true);
+        let messages = messages.unwrap();
+        assert_eq!(messages.len(), 3);
+        assert_eq!(
+            messages[0],
+            br#"{"role": "user", "content": "a \"quoted\" \u00e9 \\ b"}"#
+        );
+        assert_eq!(messages[1], b"[]");
+        assert_eq!(skimmed(body), parsed(body));
+        assert_eq!(skimmed(b"{}").unwrap().0.len(), 0);
         // An escaped key is decoded before it is matched.
-        assert_eq!(fields(br#"{"mod\u0065l": 1}"#, keep).unwrap()["model"], 1);
+        assert_eq!(skimmed(br#"{"mod\u0065l": 1}"#).unwrap().0["model"], 1);
+    }
+
+    #[test]
+    fn plain_strings_are_strings_without_escapes() {
+        fn roles(m: &[u8]) -> Option<[&str; 2]> {
+            super::plain_strings(m, ["role", "content"])
+        }
+        assert_eq!(
+            roles(br#"{"content": "hi", "name": {"x": [1]}, "role": "user"}"#),
+            Some(["user", "hi"])
+        );
+        assert_eq!(
+            roles(br#"{"role": "a", "role": "b", "content": ""}"#),
+            Some(["b", ""])
+        );
+        assert_eq!(roles(br#"{"role": "user", "content": "a\nb"}"#), None);
+        assert_eq!(roles(br#"{"role": "user", "content": null}"#), None);
+        assert_eq!(roles(br#"{"role": "user"}"#), None);
+        assert_eq!(roles(b"[]"), None);
     }
 
     #[test]
@@ -241,27 +335,19 @@ mod tests {
             b"{\"a\":\"open}",
             b"{\"a\":1} x",
             b"{\"a\":1}}",
+            b"{\"messages\":[{\"content\":\"x\ty\"}]}",
         ];
         for body in bad {
-            assert_eq!(
-                fields(body, keep),
-                Err(Rejected),
+            assert!(
+                skim(body, true).is_err(),
                 "{:?}",
                 String::from_utf8_lossy(body)
             );
         }
         let deep = format!("{{\"a\":{}{}}}", "[".repeat(200), "]".repeat(200));
-        assert_eq!(fields(deep.as_bytes(), keep), Err(Rejected));
+        assert!(skim(deep.as_bytes(), true).is_err());
         let fine = format!("{{\"a\":{}{}}}", "[".repeat(100), "]".repeat(100));
-        assert!(fields(fine.as_bytes(), keep).is_ok());
-    }
-
-    /// serde_json's answer, as the router asks it when this reader
-    /// rejects a body.
-    fn serde_fields(body: &[u8]) -> Option<Map<String, Value>> {
-        crate::features::scan_with_serde(body, false)
-            .ok()
-            .map(|s| s.fields)
+        assert!(skim(fine.as_bytes(), true).is_ok());
     }
 
     fn json() -> impl proptest::strategy::Strategy<Value = Value> {
@@ -277,7 +363,15 @@ mod tests {
             prop_oneof![
                 proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
                 proptest::collection::vec(
-                    (prop_oneof![Just("model".to_string()), "[a-z]{0,3}"], inner),
+                    (
+                        prop_oneof![
+                            Just("model".to_string()),
+                            Just("role".to_string()),
+                            Just("content".to_string()),
+                            "[a-z]{0,3}"
+                        ],
+                        inner
+                    ),
                     0..6
                 )
                 .prop_map(|kv| Value::Object(kv.into_iter().collect())),
@@ -286,24 +380,31 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Whatever this reader accepts, serde_json reads the same; and it
-        /// accepts every object serde_json writes. Bodies are objects, as
+        /// Whatever this module accepts, serde_json reads the same; and it
+        /// accepts every object serde_json writes. Bodies are chats, as
         /// written, then with up to three bytes replaced, inserted or
         /// removed.
         #[test]
         fn json_skim_agrees_with_serde_json(
             value in json(),
+            text in "(\\PC|[\"\\\\\n])*",
             edits in proptest::collection::vec((0usize..4096, 0usize..3, proptest::sample::select(
                 b"{}[],:\"\\ 0-etaunl\x01\xff".to_vec())), 0..4),
             pretty: bool,
         ) {
-            let object = serde_json::json!({"model": value.clone(), "x": value, "stream": true});
+            let object = serde_json::json!({
+                "model": value.clone(),
+                "messages": [{"role": "user", "content": text}, value.clone()],
+                "x": value,
+                "stream": true,
+            });
             let mut body = if pretty {
                 serde_json::to_vec_pretty(&object).unwrap()
             } else {
                 serde_json::to_vec(&object).unwrap()
             };
-            proptest::prop_assert_eq!(fields(&body, keep).ok(), serde_fields(&body));
+            proptest::prop_assert!(skimmed(&body).is_some());
+            proptest::prop_assert_eq!(skimmed(&body), parsed(&body));
             for (at, op, byte) in edits {
                 let at = at % (body.len() + 1);
                 match op {
@@ -315,8 +416,8 @@ mod tests {
                     _ => {}
                 }
             }
-            if let Ok(got) = fields(&body, keep) {
-                proptest::prop_assert_eq!(Some(got), serde_fields(&body));
+            if let Some(got) = skimmed(&body) {
+                proptest::prop_assert_eq!(Some(got), parsed(&body));
             }
         }
     }
