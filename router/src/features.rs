@@ -3,13 +3,13 @@
 //! prompt as the engine will tokenize it. The body itself is forwarded
 //! unchanged (except where tenancy rewrites `cache_salt`).
 
+use std::borrow::Cow;
+
 use kvroute_core::hash::{BlockExtras, Chain, ChainState};
 use kvroute_core::tokenize::{
     ChatMessage, ChatTemplate, TokenizeError, Tokenizer, chat_prompt_tokens,
     completion_prompt_tokens, content_text, for_each_chat_token,
 };
-use std::borrow::Cow;
-
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::Xxh3;

@@ -1,19 +1,23 @@
-//! Reads the top-level fields of a JSON object without building the values
-//! it does not keep: a policy that reads no prompt needs a chat's `model`
-//! and `stream`, not its 200 KiB of messages.
+//! Reads a request body's top-level members without building the values
+//! routing does not need: a policy that reads no prompt needs a chat's
+//! `model` and `stream`, not its 200 KiB of messages, and approximate mode
+//! needs each message's role and content as text, not as a JSON map.
 //!
-//! Why by hand: serde_json, skipping a string value, checks every byte
-//! for a quote, a backslash or a control character eight bytes a step; on
-//! a 200 KiB prompt that was a fifth of round robin's CPU per request. Here
-//! a string's end is found with `memchr` (32 bytes a step), and its bytes
-//! are then checked in one pass the compiler vectorizes (printable ASCII?),
-//! with exact control-character and UTF-8 checks only when they are not. The grammar is JSON's (RFC 8259): strings, escapes, nesting
-//! (at most [`MAX_DEPTH`], serde_json's limit), separators; scalars (numbers
-//! and literals) are short and are checked by serde_json itself. The kept
-//! values are parsed by serde_json too. Only success is decided here: on
-//! any error the caller parses the body with serde_json, whose message the
-//! client gets, and `json_skim_agrees_with_serde_json` holds the two to the
-//! same answers.
+//! Why by hand: serde_json, skipping or borrowing a string, checks every
+//! byte for a quote, a backslash or a control character eight bytes a
+//! step; on a 200 KiB prompt that was a fifth of round robin's CPU per
+//! request. Here a string's end is found with `memchr` (32 bytes a step),
+//! and its bytes are then checked in one pass the compiler vectorizes
+//! (printable ASCII?), with the exact control-character and UTF-8 checks
+//! only when they are not. The grammar is JSON's (RFC 8259): strings,
+//! escapes, nesting (at most [`MAX_DEPTH`], serde_json's limit) and
+//! separators here; scalars (numbers and literals) are short and checked
+//! by serde_json, which also parses every value kept. Only success is
+//! decided here: on any error the caller reads the body again with
+//! serde_json, whose message the client gets, and the property test
+//! `json_skim_agrees_with_serde_json` holds the two to the same answers.
+//! Values [`members`] checked are walked again without the checks
+//! ([`elements`], [`plain_strings`]).
 
 use std::borrow::Cow;
 
