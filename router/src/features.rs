@@ -95,9 +95,9 @@ pub(crate) fn skim(body: &[u8], messages: bool) -> Result<Scanned<'_>, json_skim
         messages: None,
     };
     json_skim::members(body, |key, value| {
-        if let Some(name) = FEATURES.iter().find(|f| **f == key) {
+        if let Some(name) = feature(&key) {
             let value = serde_json::from_slice(value).map_err(|_| json_skim::Rejected)?;
-            scanned.fields.insert((*name).into(), value);
+            scanned.fields.insert(name.into(), value);
         } else if messages && key == "messages" {
             scanned.messages = json_skim::elements(value);
         }
@@ -177,7 +177,12 @@ impl<'de> serde::Deserialize<'de> for RawList<'de> {
 }
 
 /// The fields [`features`] reads.
-pub(crate) const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+
+/// `key` as one of [`FEATURES`].
+fn feature(key: &str) -> Option<&'static str> {
+    FEATURES.iter().find(|f| **f == key).copied()
+}
 
 /// [`scan`]'s visitor: keeps [`FEATURES`] (and the raw messages when
 /// asked), skips the rest.
@@ -230,7 +235,7 @@ impl<'de> serde::Deserialize<'de> for Key {
                 f.write_str("a key")
             }
             fn visit_str<E>(self, key: &str) -> Result<Key, E> {
-                Ok(match FEATURES.iter().find(|f| **f == key) {
+                Ok(match feature(key) {
                     Some(name) => Key::Feature(name),
                     None if key == "messages" => Key::Messages,
                     None => Key::Other,

@@ -162,36 +162,24 @@ fn colon(b: &[u8], i: usize) -> Result<usize> {
 fn value<const CHECK: bool>(b: &[u8], i: usize, depth: usize) -> Result<usize> {
     match b.get(i) {
         Some(b'"') => string::<CHECK>(b, i + 1),
-        Some(b'[') => {
+        Some(&open @ (b'[' | b'{')) => {
+            let close = if open == b'[' { b']' } else { b'}' };
             let depth = depth.checked_sub(1).ok_or(Rejected)?;
             let mut i = ws(b, i + 1);
-            if b.get(i) == Some(&b']') {
+            if b.get(i) == Some(&close) {
                 return Ok(i + 1);
             }
             loop {
+                if open == b'{' {
+                    if b.get(i) != Some(&b'"') {
+                        return Err(Rejected);
+                    }
+                    i = colon(b, string::<CHECK>(b, i + 1)?)?;
+                }
                 i = ws(b, value::<CHECK>(b, i, depth)?);
                 match b.get(i) {
                     Some(b',') => i = ws(b, i + 1),
-                    Some(b']') => return Ok(i + 1),
-                    _ => return Err(Rejected),
-                }
-            }
-        }
-        Some(b'{') => {
-            let depth = depth.checked_sub(1).ok_or(Rejected)?;
-            let mut i = ws(b, i + 1);
-            if b.get(i) == Some(&b'}') {
-                return Ok(i + 1);
-            }
-            loop {
-                if b.get(i) != Some(&b'"') {
-                    return Err(Rejected);
-                }
-                i = colon(b, string::<CHECK>(b, i + 1)?)?;
-                i = ws(b, value::<CHECK>(b, i, depth)?);
-                match b.get(i) {
-                    Some(b',') => i = ws(b, i + 1),
-                    Some(b'}') => return Ok(i + 1),
+                    Some(&c) if c == close => return Ok(i + 1),
                     _ => return Err(Rejected),
                 }
             }
@@ -354,35 +342,6 @@ mod tests {
         assert!(skim(fine.as_bytes(), true).is_ok());
     }
 
-    fn json() -> impl proptest::strategy::Strategy<Value = Value> {
-        use proptest::prelude::*;
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            (-1e6f64..1e6).prop_map(Value::from),
-            "(\\PC|[\"\\\\\n\t\u{1}]){0,12}".prop_map(Value::from),
-        ];
-        leaf.prop_recursive(4, 32, 6, |inner| {
-            prop_oneof![
-                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
-                proptest::collection::vec(
-                    (
-                        prop_oneof![
-                            Just("model".to_string()),
-                            Just("role".to_string()),
-                            Just("content".to_string()),
-                            "[a-z]{0,3}"
-                        ],
-                        inner
-                    ),
-                    0..6
-                )
-                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
-            ]
-        })
-    }
-
     proptest::proptest! {
         /// Whatever this module accepts, serde_json reads the same; and it
         /// accepts every object serde_json writes. Bodies are chats, as
@@ -390,7 +349,7 @@ mod tests {
         /// removed.
         #[test]
         fn json_skim_agrees_with_serde_json(
-            value in json(),
+            value in crate::proxy::tests::value(),
             text in "(\\PC|[\"\\\\\n])*",
             edits in proptest::collection::vec((0usize..4096, 0usize..3, proptest::sample::select(
                 b"{}[],:\"\\ 0-etaunl\x01\xff".to_vec())), 0..4),

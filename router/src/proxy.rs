@@ -1452,4 +1452,4 @@ impl Guard {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

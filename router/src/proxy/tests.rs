@@ -30,7 +30,7 @@ fn conversations() -> Conversations {
 }
 
 /// JSON values biased toward what the parser looks at.
-fn value() -> impl Strategy<Value = Value> {
+pub(crate) fn value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
