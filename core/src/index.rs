@@ -477,6 +477,13 @@ impl OccupancyIndex {
         }
     }
 
+    /// Whether any endpoint holds `block`, on the GPU or offloaded. A chain
+    /// none of whose endpoints holds its block `k` has no prefix held past
+    /// `k`: [`longest_prefix`](Self::longest_prefix) needs no later block.
+    pub fn holds_any(&self, block: BlockHash) -> bool {
+        self.tiers.iter().any(|t| t.blocks.contains_key(&block))
+    }
+
     /// Whether `slot` holds `block` in its GPU cache.
     pub fn holds(&self, slot: Slot, block: BlockHash) -> bool {
         self.tiers[GPU]

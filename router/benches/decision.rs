@@ -6,7 +6,8 @@
 //!
 //! - `approx`: the default policy on the router's own memory;
 //! - `exact`: the default policy on engine reports (each engine's index
-//!   holds 65,536 blocks; one holds the request's prompt);
+//!   holds 65,536 blocks; one holds the request's prompt); `exact_unseen`:
+//!   a prompt none holds;
 //! - `builtin`: the built-in tokenizer and template; `hf`: a byte-level
 //!   BPE tokenizer trained here with the `tokenizers` crate (its vocabulary
 //!   size is printed; no model can be downloaded) with Qwen2.5's template;
@@ -239,6 +240,18 @@ fn decisions(c: &mut Criterion) {
                 let body = Bytes::from(chat(kib, None).to_string());
                 g.bench_with_input(
                     BenchmarkId::new(mode, format!("{kib}KiB")),
+                    &body,
+                    |b, body| b.iter(|| black_box(setup.decide(body))),
+                );
+            }
+            if exact {
+                // A prompt no engine holds: hashed only as far as its
+                // first unheld block.
+                let mut unseen = chat(SIZES_KIB[2], None);
+                unseen["messages"][0]["content"] = json!(words(2, SIZES_KIB[2] * 1024));
+                let body = Bytes::from(unseen.to_string());
+                g.bench_with_input(
+                    BenchmarkId::new("exact_unseen", format!("{}KiB", SIZES_KIB[2])),
                     &body,
                     |b, body| b.iter(|| black_box(setup.decide(body))),
                 );

@@ -22,7 +22,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::chunks::{self, Chunker};
 use crate::errors::ApiError;
-use crate::features::{self, Prompt, Snapshot};
+use crate::features::{self, Held, Prompt, Snapshot};
 use crate::settings::Settings;
 
 /// Conversations remembered at most.
@@ -146,7 +146,9 @@ impl Conversations {
     /// from, and remembered for the next turn. Without a conversation (or
     /// with [`Scope::KeepTokens`]): computed whole, not remembered. `None`
     /// when `scope` is [`Scope::ResumedWithin`] and the prompt does not
-    /// resume that way.
+    /// resume that way. `held` ends the chain of a prompt computed whole
+    /// and not remembered, in exact mode.
+    #[allow(clippy::too_many_arguments)]
     pub fn chat_prompt(
         &self,
         (body, raw): (&[u8], &[&[u8]]),
@@ -155,6 +157,7 @@ impl Conversations {
         extras: BlockExtras<'_>,
         scope: Scope,
         exact: bool,
+        held: Option<Held<'_>>,
     ) -> Result<Option<Chat>, ApiError> {
         let keep_all = scope == Scope::KeepTokens;
         let within = match scope {
@@ -166,7 +169,7 @@ impl Conversations {
                 return Ok(None);
             }
             let prompt = if exact {
-                features::streamed_chat(raw, settings, extras, keep_all, None)?.map(|p| p.0)
+                features::streamed_chat(raw, settings, extras, keep_all, None, held)?.map(|p| p.0)
             } else {
                 chunks::chat(raw, settings, extras)?
             };
@@ -199,10 +202,10 @@ impl Conversations {
         };
         let memo = Some(memo);
         let computed = match from {
-            None if exact => features::streamed_chat(raw, settings, extras, false, None)?
+            None if exact => features::streamed_chat(raw, settings, extras, false, None, None)?
                 .map(|(p, s)| (p, Resume::Tokens(Box::new(s)))),
             Some((n, Resume::Tokens(s))) => {
-                features::streamed_chat(raw, settings, extras, false, Some((n, *s)))?
+                features::streamed_chat(raw, settings, extras, false, Some((n, *s)), None)?
                     .map(|(p, s)| (p, Resume::Tokens(Box::new(s))))
             }
             None => {

@@ -277,7 +277,8 @@ pub struct Prompt {
     pub tokens: u64,
     /// The first tokens, up to the key's `prefixTokens`.
     pub head: Vec<u32>,
-    /// The block hashes of its full blocks.
+    /// The block hashes of its full blocks; given [`Held`], only up to a
+    /// block no engine holds.
     pub chain: Vec<u64>,
     /// Every token, when asked for (`kvroute explain`); else empty.
     pub all: Vec<u32>,
@@ -303,8 +304,9 @@ pub fn prompt(
     settings: &Settings,
     extras: BlockExtras<'_>,
     keep_all: bool,
+    held: Option<Held<'_>>,
 ) -> Result<Option<Prompt>, ApiError> {
-    let mut builder = Builder::new(settings, extras, keep_all);
+    let mut builder = Builder::new(settings, extras, keep_all, held);
     let tokens = if api == Api::Chat {
         let Some(messages) = chat_messages(obj)? else {
             return Ok(None);
@@ -325,9 +327,26 @@ pub fn prompt(
     }))
 }
 
+/// Whether any engine holds a block (exact mode's index). Given it, a
+/// [`Prompt`]'s chain stops at the first block (of every [`HELD_EVERY`]th)
+/// none holds: no held prefix reaches past it, and a policy that
+/// [reads only held prefixes](kvroute_core::policy::PolicyConfig::reads_held_prefix_only)
+/// looks no further, so hashing the rest of a long prompt nobody has seen
+/// would be wasted.
+pub type Held<'a> = &'a dyn Fn(u64) -> bool;
+
+/// Blocks between two questions to [`Held`], the first after as many: the
+/// volatile-prefix sketch always gets its [`prefixes::BLOCKS`], and a
+/// prompt's chain costs a lock at most every 64 blocks.
+const HELD_EVERY: usize = prefixes::BLOCKS;
+
 /// Builds a [`Prompt`] one token at a time.
 struct Builder<'a> {
     chain: Chain<'a>,
+    /// Whether to go on hashing, when asked past every [`HELD_EVERY`] blocks.
+    held: Option<Held<'a>>,
+    /// Set once [`held`](Self::held) said no: tokens are only counted.
+    stopped: bool,
     head_len: usize,
     keep_all: bool,
     /// The current block's content hash, while contents are wanted.
@@ -336,9 +355,16 @@ struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    fn new(settings: &'a Settings, extras: BlockExtras<'a>, keep_all: bool) -> Self {
+    fn new(
+        settings: &'a Settings,
+        extras: BlockExtras<'a>,
+        keep_all: bool,
+        held: Option<Held<'a>>,
+    ) -> Self {
         Builder {
             chain: settings.hasher.chain(extras),
+            held,
+            stopped: false,
             head_len: settings.key.prefix_tokens,
             keep_all,
             content: Xxh3::new(),
@@ -358,11 +384,19 @@ impl<'a> Builder<'a> {
         if want_content {
             self.content.update(&token.to_le_bytes());
         }
-        if let Some(digest) = self.chain.push(token) {
-            self.prompt.chain.push(digest.to_u64());
+        if !self.stopped
+            && let Some(digest) = self.chain.push(token)
+        {
+            let hash = digest.to_u64();
+            self.prompt.chain.push(hash);
             if want_content {
                 self.prompt.contents.push(self.content.digest());
                 self.content.reset();
+            }
+            if self.prompt.chain.len().is_multiple_of(HELD_EVERY)
+                && self.held.is_some_and(|h| !h(hash))
+            {
+                self.stopped = true;
             }
         }
     }
@@ -494,13 +528,16 @@ impl Snapshot {
 /// tokenizer give the same tokens fed a message at a time), starting after
 /// the first `from.0` messages from snapshot `from.1` when given. Returns
 /// the prompt and the snapshot after the last message; `Ok(None)` when a
-/// message has content the router cannot tokenize.
+/// message has content the router cannot tokenize. Given `held` (and no
+/// snapshot to resume), the chain may stop early and the snapshot is not
+/// one to resume from.
 pub fn streamed_chat(
     raw: &[&[u8]],
     settings: &Settings,
     extras: BlockExtras<'_>,
     keep_all: bool,
     from: Option<(usize, Snapshot)>,
+    held: Option<Held<'_>>,
 ) -> Result<Option<(Prompt, Snapshot)>, ApiError> {
     if raw.is_empty() {
         return Err(no_messages());
@@ -510,13 +547,15 @@ pub fn streamed_chat(
             skip,
             Builder {
                 chain: settings.hasher.resume(s.chain, extras),
+                held: None,
+                stopped: false,
                 head_len: settings.key.prefix_tokens,
                 keep_all: false,
                 content: s.content,
                 prompt: s.prompt,
             },
         ),
-        None => (0, Builder::new(settings, extras, keep_all)),
+        None => (0, Builder::new(settings, extras, keep_all, held)),
     };
     let (tokenizer, template) = (&settings.tokenizer, &settings.template);
     for (i, r) in raw.iter().enumerate().skip(skip) {
@@ -620,7 +659,7 @@ mod tests {
             lora: None,
             cache_salt: Some(salt),
         };
-        let streamed = prompt(Api::Chat, &mut obj(body.clone()), &s, extras, true)
+        let streamed = prompt(Api::Chat, &mut obj(body.clone()), &s, extras, true, None)
             .unwrap()
             .unwrap();
         let tokens = prompt_tokens(Api::Chat, &mut obj(body), &s)
@@ -644,6 +683,44 @@ mod tests {
         );
         assert_eq!(streamed.chain, s.hasher.hashes(&tokens, extras));
         assert!(streamed.chain.len() > 10);
+    }
+
+    #[test]
+    fn a_chain_ends_past_a_block_no_engine_holds() {
+        let s = Settings::test();
+        let text = "Prefill is where the time to first token goes. ".repeat(400);
+        let body = json!({"messages": [{"role": "user", "content": text}]});
+        let bytes = body.to_string();
+        let raw = skim(bytes.as_bytes(), true).unwrap().messages.unwrap();
+        let extras = BlockExtras::default();
+        let of = |held: Option<Held<'_>>| {
+            let parsed = prompt(Api::Chat, &mut obj(body.clone()), &s, extras, false, held)
+                .unwrap()
+                .unwrap();
+            let streamed = streamed_chat(&raw, &s, extras, false, None, held)
+                .unwrap()
+                .unwrap()
+                .0;
+            assert_eq!(parsed, streamed);
+            parsed
+        };
+        let whole = of(None);
+        assert!(whole.chain.len() > 3 * HELD_EVERY, "{}", whole.chain.len());
+        // Asked after every 64 blocks: nothing held ends the chain at 64,
+        // a held prefix of 100 blocks at 128, a held prompt nowhere.
+        for (held_blocks, kept) in [
+            (0, HELD_EVERY),
+            (100, 2 * HELD_EVERY),
+            (whole.chain.len(), whole.chain.len()),
+        ] {
+            let holds = |h| whole.chain[..held_blocks].contains(&h);
+            let ended = of(Some(&holds));
+            assert_eq!(ended.chain, whole.chain[..kept], "{held_blocks} held");
+            assert_eq!(
+                (ended.tokens, &ended.head, &ended.contents),
+                (whole.tokens, &whole.head, &whole.contents)
+            );
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! decision, an applied update, a counter change. No I/O happens under it.
 
 use kvroute_core::contract::{Contract, EngineCache, Mismatch};
+use kvroute_core::hash::BlockHash;
 use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
 use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, Reason, Request};
@@ -310,6 +311,11 @@ impl Pool {
     pub fn routing(&self) -> (Arc<Settings>, bool) {
         let inner = self.lock();
         (inner.settings.clone(), inner.exact)
+    }
+
+    /// Whether any engine reports holding `block` (exact mode's index).
+    pub fn holds_any(&self, block: BlockHash) -> bool {
+        self.lock().index.holds_any(block)
     }
 
     /// Replaces the routing settings with `f(current)`, all at once. A new

@@ -32,7 +32,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use crate::config::{Config, Limits};
 use crate::conversations::{Conversation, Conversations, Memo, Scope};
 use crate::errors::ApiError;
-use crate::features::{self, Api};
+use crate::features::{self, Api, Held};
 use crate::health::Fault;
 use crate::hit_rate::{Gap, Usage, UsageScan};
 use crate::metrics::{Metrics, Model, ModelStatus, ModelTenant, Outcome, Why};
@@ -547,6 +547,8 @@ impl Proxy {
             tokenize,
             keep_tokens,
             exact,
+            held_by: (exact && !keep_tokens && settings.policy.reads_held_prefix_only())
+                .then(|| self.pool.clone()),
         };
         // Scanning a body's top-level fields is one fast pass: inline.
         let scan_only = !settings.policy.reads_request() && !self.tenancy.salted();
@@ -1149,6 +1151,10 @@ struct Input {
     /// Exact mode: the prompt is tokenized as the engines do. Else
     /// approximate mode reads it in byte chunks ([`chunks`](crate::chunks)).
     exact: bool,
+    /// The pool whose engines' index ends a chain early ([`Held`]): in
+    /// exact mode, for a policy that reads only held prefixes, unless every
+    /// token is kept (`explain`).
+    held_by: Option<Arc<Pool>>,
 }
 
 /// Parses the body, applies tenancy, and computes the prompt's tokens
@@ -1196,7 +1202,10 @@ fn analyze_resumed(
         tokenize,
         keep_tokens,
         exact,
+        held_by,
     } = input;
+    let holds = |block| held_by.as_ref().is_some_and(|p| p.holds_any(block));
+    let held: Option<Held<'_>> = held_by.is_some().then_some(&holds);
     let reads = settings.policy.reads_request();
     let salted = tenancy.salted();
     let streamed = api == Api::Chat
@@ -1262,7 +1271,8 @@ fn analyze_resumed(
                 (None, false) => Scope::Whole,
             };
             let chat = (&bytes[..], raw);
-            let Some(chat) = conversations.chat_prompt(chat, c, settings, extras, scope, exact)?
+            let Some(chat) =
+                conversations.chat_prompt(chat, c, settings, extras, scope, exact, held)?
             else {
                 return Ok(None);
             };
@@ -1271,7 +1281,9 @@ fn analyze_resumed(
         }
         _ if resumed_within.is_some() => return Ok(None),
         Some(o) if tokenize && reads && !exact => crate::chunks::prompt(api, o, settings, extras)?,
-        Some(o) if tokenize && reads => features::prompt(api, o, settings, extras, keep_tokens)?,
+        Some(o) if tokenize && reads => {
+            features::prompt(api, o, settings, extras, keep_tokens, held)?
+        }
         _ => None,
     }
     .unwrap_or_default();

@@ -243,6 +243,9 @@ proptest! {
             let model_held: BTreeSet<u64> = model.get(&s).map(|m| m.keys().copied().collect()).unwrap_or_default();
             prop_assert_eq!(held, model_held);
         }
+        for b in 0..12u64 {
+            prop_assert_eq!(index.holds_any(b), model.values().any(|m| m.contains_key(&b)), "block {}", b);
+        }
         let entries: usize = model.values().map(|m| m.len()).sum();
         prop_assert_eq!(index.entries(), entries);
         let distinct: BTreeSet<u64> = model.values().flat_map(|m| m.keys().copied()).collect();
@@ -264,6 +267,10 @@ fn offloaded_blocks_extend_a_prefix_at_their_weight_and_never_fill_capacity() {
         .unwrap();
     assert_eq!(index.usage(Slot(0)), Some((2, 2)));
     assert_eq!(index.offloaded(Slot(1)), 5);
+    assert!(
+        index.holds_any(6) && !index.holds_any(7),
+        "offloaded blocks are held"
+    );
     // Slot 0: 2 on the GPU, then 4 offloaded at 0.5 = 4. Slot 1: 1, then 5.
     assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5, 6]), vec![4, 3]);
     index.set_offload_weight(1.0);

@@ -263,6 +263,14 @@ impl PolicyConfig {
         )
     }
 
+    /// Whether the policy reads a request's chain, in exact mode, only as
+    /// far as engines hold its blocks, so the router may stop hashing it
+    /// past a block no engine holds. The approximate-prefix baseline
+    /// remembers whole chains of its own.
+    pub fn reads_held_prefix_only(&self) -> bool {
+        !matches!(self, PolicyConfig::ApproxPrefix(_))
+    }
+
     /// A fresh policy.
     pub fn build(&self) -> Box<dyn Policy> {
         match self {

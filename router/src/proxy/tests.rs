@@ -98,7 +98,7 @@ proptest! {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = Settings::test();
-        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false, exact: true };
+        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false, exact: true, held_by: None };
         match analyze(Bytes::from(body), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
@@ -113,7 +113,7 @@ proptest! {
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
-        let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false, exact: true };
+        let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false, exact: true, held_by: None };
         match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
@@ -154,6 +154,7 @@ fn round_robin_routes_without_tokenizing() {
         tokenize: true,
         keep_tokens: true,
         exact: true,
+        held_by: None,
     };
     let bytes = Bytes::from(body.to_string());
     let a = analyze(
@@ -214,6 +215,7 @@ fn chat_input() -> Input {
         tokenize: true,
         keep_tokens: false,
         exact: true,
+        held_by: None,
     }
 }
 
@@ -248,7 +250,7 @@ proptest! {
             let mut obj = features::parse(Api::Chat, &bytes, false).unwrap().unwrap();
             let extras = BlockExtras { lora: None, cache_salt: salt.as_deref() };
             let parsed = if exact {
-                features::prompt(Api::Chat, &mut obj, &s, extras, false)
+                features::prompt(Api::Chat, &mut obj, &s, extras, false, None)
             } else {
                 crate::chunks::prompt(Api::Chat, &mut obj, &s, extras)
             };
@@ -449,4 +451,84 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
     assert_eq!(c.prompt_tokens, a.prompt_tokens);
     // Another salt: another chain.
     assert_ne!(c.chain[0], a.chain[0]);
+}
+
+/// In exact mode a chain is hashed as far as the engines hold it: every
+/// 64 blocks the router asks whether any engine holds the last one.
+#[tokio::test]
+async fn exact_chains_end_past_the_blocks_engines_hold() {
+    let config = Config::default();
+    let metrics = Arc::new(Metrics::default());
+    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    let proxy = Arc::new(Proxy::new(pool.clone(), metrics, t, &config));
+    let specs = ["a", "b", "c"]
+        .iter()
+        .map(|name| crate::pool::EndpointSpec {
+            name: (*name).into(),
+            http: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
+            cache: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
+            ready: true,
+            draining: false,
+        })
+        .collect();
+    let streams = pool.set_endpoints(specs);
+    let body = |text: &str| {
+        let content = text.repeat(300);
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": content}]});
+        Bytes::from(chat.to_string())
+    };
+    let prompt = "Every block of this prompt is hashed only while an engine holds it. ";
+    let analyze = |bytes: Bytes, keep_tokens: bool| {
+        let proxy = proxy.clone();
+        let headers = HeaderMap::new();
+        async move {
+            let mut model = String::new();
+            let a = proxy
+                .analyze(
+                    "/v1/chat/completions",
+                    &headers,
+                    None,
+                    bytes,
+                    keep_tokens,
+                    &mut model,
+                )
+                .await
+                .unwrap();
+            a.chain
+        }
+    };
+    let whole = analyze(body(prompt), true).await;
+    assert!(whole.len() > 256, "{}", whole.len());
+    let hasher = pool.settings().hasher.clone();
+    let engine = kvroute_core::contract::EngineCache {
+        block_size: hasher.config().block_size as u32,
+        hash_algo: Some(hasher.config().algo),
+        hash_seed_set: false,
+        none_hash: Some(hasher.none_hash().to_u64()),
+        hashes_unverified: false,
+    };
+    // `b` holds 100 leading blocks, `c` 150.
+    for (s, held) in streams.start.iter().zip([0, 100, 150]) {
+        pool.apply_snapshot(
+            &s.name,
+            s.generation,
+            engine.clone(),
+            1 << 12,
+            &whole[..held],
+            &[],
+        )
+        .unwrap();
+    }
+    // Asked at 64 (held), 128 (held by `c`), 192 (held by none).
+    let ended = analyze(body(prompt), false).await;
+    assert_eq!(ended.len(), 192);
+    assert!(whole.starts_with(&ended));
+    let path = "/v1/chat/completions";
+    let decided = proxy.decide(path, &HeaderMap::new(), body(prompt)).await;
+    assert_eq!(decided.unwrap(), "c");
+    // A prompt nobody holds is hashed for 64 blocks: the volatile-prefix
+    // sketch's.
+    let other = analyze(body("A prompt no engine has seen. "), false).await;
+    assert_eq!(other.len(), 64);
 }
