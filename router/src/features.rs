@@ -328,25 +328,33 @@ pub fn prompt(
 }
 
 /// Whether any engine holds a block (exact mode's index). Given it, a
-/// [`Prompt`]'s chain stops at the first block (of every [`HELD_EVERY`]th)
+/// [`Prompt`]'s chain stops at the first block [asked about](asks) that
 /// none holds: no held prefix reaches past it, and a policy that
 /// [reads only held prefixes](kvroute_core::policy::PolicyConfig::reads_held_prefix_only)
-/// looks no further, so hashing the rest of a long prompt nobody has seen
-/// would be wasted.
+/// looks no further, so hashing the rest of a prompt nobody has seen would
+/// be wasted. Tokens are still counted, and the first blocks' contents
+/// hashed for the volatile-prefix sketch.
 pub type Held<'a> = &'a dyn Fn(u64) -> bool;
 
-/// Blocks between two questions to [`Held`], the first after as many: the
-/// volatile-prefix sketch always gets its [`prefixes::BLOCKS`], and a
-/// prompt's chain costs a lock at most every 64 blocks.
-const HELD_EVERY: usize = prefixes::BLOCKS;
+/// Blocks between two questions to [`Held`] once past the first few.
+const HELD_EVERY: usize = 64;
+
+/// Whether [`Held`] is asked about a chain's last block when it has
+/// `blocks`: after 1, 2, 4, ... 64 blocks, then every 64. An unseen prompt
+/// costs one block's hash, a held prefix of `n` blocks at most `2n` (and
+/// 63 more past 64), and a long held prompt a lock every 64 blocks.
+fn asks(blocks: usize) -> bool {
+    blocks.is_power_of_two() || blocks.is_multiple_of(HELD_EVERY)
+}
 
 /// Builds a [`Prompt`] one token at a time.
 struct Builder<'a> {
     chain: Chain<'a>,
-    /// Whether to go on hashing, when asked past every [`HELD_EVERY`] blocks.
+    /// Whether to go on hashing, when [`asks`] says to ask.
     held: Option<Held<'a>>,
     /// Set once [`held`](Self::held) said no: tokens are only counted.
     stopped: bool,
+    block_size: u64,
     head_len: usize,
     keep_all: bool,
     /// The current block's content hash, while contents are wanted.
@@ -365,6 +373,7 @@ impl<'a> Builder<'a> {
             chain: settings.hasher.chain(extras),
             held,
             stopped: false,
+            block_size: settings.hasher.config().block_size as u64,
             head_len: settings.key.prefix_tokens,
             keep_all,
             content: Xxh3::new(),
@@ -389,15 +398,13 @@ impl<'a> Builder<'a> {
         {
             let hash = digest.to_u64();
             self.prompt.chain.push(hash);
-            if want_content {
-                self.prompt.contents.push(self.content.digest());
-                self.content.reset();
-            }
-            if self.prompt.chain.len().is_multiple_of(HELD_EVERY)
-                && self.held.is_some_and(|h| !h(hash))
-            {
+            if asks(self.prompt.chain.len()) && self.held.is_some_and(|h| !h(hash)) {
                 self.stopped = true;
             }
+        }
+        if want_content && self.prompt.tokens.is_multiple_of(self.block_size) {
+            self.prompt.contents.push(self.content.digest());
+            self.content.reset();
         }
     }
 }
@@ -549,6 +556,7 @@ pub fn streamed_chat(
                 chain: settings.hasher.resume(s.chain, extras),
                 held: None,
                 stopped: false,
+                block_size: settings.hasher.config().block_size as u64,
                 head_len: settings.key.prefix_tokens,
                 keep_all: false,
                 content: s.content,
@@ -706,10 +714,12 @@ mod tests {
         };
         let whole = of(None);
         assert!(whole.chain.len() > 3 * HELD_EVERY, "{}", whole.chain.len());
-        // Asked after every 64 blocks: nothing held ends the chain at 64,
-        // a held prefix of 100 blocks at 128, a held prompt nowhere.
+        // Asked after 1, 2, 4, ... 64 blocks, then every 64: nothing held
+        // ends the chain at 1, 3 held blocks at 4, 100 at 128, a held
+        // prompt nowhere.
         for (held_blocks, kept) in [
-            (0, HELD_EVERY),
+            (0, 1),
+            (3, 4),
             (100, 2 * HELD_EVERY),
             (whole.chain.len(), whole.chain.len()),
         ] {

@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 
 use kvroute_core::lru::Lru;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Hashes per sketch.
 pub const SKETCH: usize = 1 << 16;
@@ -61,12 +62,25 @@ pub struct Volatility {
 }
 
 impl Volatility {
-    /// Looks at one request's `chain` (chained hashes) and `contents` (its
-    /// blocks' unchained content hashes, the first [`BLOCKS`] at most),
-    /// remembers both, and returns where it diverged if it is flagged.
-    pub fn observe(&mut self, chain: &[u64], contents: &[u64]) -> Option<Divergence> {
-        let n = chain.len().min(contents.len()).min(BLOCKS);
-        let (chain, contents) = (&chain[..n], &contents[..n]);
+    /// Looks at one request: `first`, its first block's chained hash (which
+    /// carries its extra keys: salt, adapter), and `contents`, its blocks'
+    /// unchained content hashes (the first [`BLOCKS`] at most). Its chained
+    /// hashes are folded from both, so the request's own chain need not
+    /// reach past its first block (exact mode stops hashing where no engine
+    /// holds a block). Remembers both and returns where the request
+    /// diverged if it is flagged.
+    pub fn observe(&mut self, first: Option<u64>, contents: &[u64]) -> Option<Divergence> {
+        let contents = &contents[..contents.len().min(BLOCKS)];
+        let mut h = first?;
+        let chain: Vec<u64> = (contents.iter().enumerate())
+            .map(|(i, c)| {
+                if i > 0 {
+                    h = xxh3_64_with_seed(&c.to_le_bytes(), h);
+                }
+                h
+            })
+            .collect();
+        let chain = &chain[..];
         let flagged = chain
             .iter()
             .position(|h| !self.chains.contains(*h))
@@ -160,10 +174,10 @@ mod tests {
     fn a_changing_early_block_before_a_stable_rest_is_flagged() {
         let mut v = Volatility::default();
         let (c, k) = prompt(20, Some(2), 0);
-        assert_eq!(v.observe(&c, &k), None, "nothing seen yet");
+        assert_eq!(v.observe(c.first().copied(), &k), None, "nothing seen yet");
         for r in 1..10 {
             let (c, k) = prompt(20, Some(2), r);
-            let d = v.observe(&c, &k).expect("flagged");
+            let d = v.observe(c.first().copied(), &k).expect("flagged");
             assert_eq!(d.block, 2);
             assert_eq!(d.anchor, 3, "the first stable block after it");
             v.record(&d, 16, "m", "t");
@@ -177,20 +191,24 @@ mod tests {
     fn repeats_new_prompts_and_growing_conversations_are_not() {
         let mut v = Volatility::default();
         let (c, k) = prompt(20, None, 0);
-        v.observe(&c, &k);
-        assert_eq!(v.observe(&c, &k), None, "a repeat is all known");
+        v.observe(c.first().copied(), &k);
+        assert_eq!(
+            v.observe(c.first().copied(), &k),
+            None,
+            "a repeat is all known"
+        );
         // A conversation that grows: new only at its end.
         let (c, k) = prompt(30, None, 0);
-        assert_eq!(v.observe(&c, &k), None);
+        assert_eq!(v.observe(c.first().copied(), &k), None);
         // New prompts with contents never seen.
         for r in 0..5 {
             let contents: Vec<u64> = (0..20).map(|b| 5_000 + r * 100 + b).collect();
             let chain: Vec<u64> = contents.iter().map(|c| c ^ 0xabc).collect();
-            assert_eq!(v.observe(&chain, &contents), None);
+            assert_eq!(v.observe(chain.first().copied(), &contents), None);
         }
         // A late change is not early.
         let (c, k) = prompt(40, Some(EARLY_BLOCKS + 2), 7);
-        assert_eq!(v.observe(&c, &k), None);
+        assert_eq!(v.observe(c.first().copied(), &k), None);
     }
 
     #[test]
@@ -199,7 +217,7 @@ mod tests {
         for r in 0..(SKETCH as u64 / 8) {
             let contents: Vec<u64> = (0..BLOCKS as u64 * 2).map(|b| r << 20 | b).collect();
             let chain: Vec<u64> = contents.iter().map(|c| !c).collect();
-            v.observe(&chain, &contents);
+            v.observe(chain.first().copied(), &contents);
             let d = Divergence {
                 block: 0,
                 anchor: r,

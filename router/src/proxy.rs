@@ -1043,7 +1043,7 @@ impl Proxy {
     /// [`prefixes`](crate::prefixes)) and counts one.
     fn volatile(&self, analysis: &Analysis, model: &str, tenant: &str) {
         let mut v = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(d) = v.observe(&analysis.chain, &analysis.contents) else {
+        let Some(d) = v.observe(analysis.chain.first().copied(), &analysis.contents) else {
             return;
         };
         v.record(&d, analysis.block_tokens as usize, model, tenant);

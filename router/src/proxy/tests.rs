@@ -453,8 +453,9 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
     assert_ne!(c.chain[0], a.chain[0]);
 }
 
-/// In exact mode a chain is hashed as far as the engines hold it: every
-/// 64 blocks the router asks whether any engine holds the last one.
+/// In exact mode a chain is hashed as far as the engines hold it: the
+/// router asks whether any engine holds its last block after 1, 2, 4, ...
+/// 64 blocks, then every 64.
 #[tokio::test]
 async fn exact_chains_end_past_the_blocks_engines_hold() {
     let config = Config::default();
@@ -520,15 +521,14 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
         )
         .unwrap();
     }
-    // Asked at 64 (held), 128 (held by `c`), 192 (held by none).
+    // Asked at 1, 2, 4, ... 64, 128 (held by `c`), 192 (held by none).
     let ended = analyze(body(prompt), false).await;
     assert_eq!(ended.len(), 192);
     assert!(whole.starts_with(&ended));
     let path = "/v1/chat/completions";
     let decided = proxy.decide(path, &HeaderMap::new(), body(prompt)).await;
     assert_eq!(decided.unwrap(), "c");
-    // A prompt nobody holds is hashed for 64 blocks: the volatile-prefix
-    // sketch's.
+    // A prompt nobody holds costs one block's hash.
     let other = analyze(body("A prompt no engine has seen. "), false).await;
-    assert_eq!(other.len(), 64);
+    assert_eq!(other.len(), 1);
 }
