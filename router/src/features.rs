@@ -554,13 +554,9 @@ pub fn streamed_chat(
             skip,
             Builder {
                 chain: settings.hasher.resume(s.chain, extras),
-                held: None,
-                stopped: false,
-                block_size: settings.hasher.config().block_size as u64,
-                head_len: settings.key.prefix_tokens,
-                keep_all: false,
                 content: s.content,
                 prompt: s.prompt,
+                ..Builder::new(settings, extras, false, None)
             },
         ),
         None => (0, Builder::new(settings, extras, keep_all, held)),
