@@ -11,7 +11,8 @@
 //! - `builtin`: the built-in tokenizer and template; `hf`: a byte-level
 //!   BPE tokenizer trained here with the `tokenizers` crate (its vocabulary
 //!   size is printed; no model can be downloaded) with Qwen2.5's template;
-//! - `follow_up`: a conversation's next turn, whose history was seen;
+//! - `follow_up`: a conversation's next turn, whose history was seen (with
+//!   either tokenizer in exact mode);
 //! - `round_robin`: a policy that reads no prompt.
 //!
 //! `cargo bench -p kvroute-router --bench decision`
@@ -241,6 +242,21 @@ fn decisions(c: &mut Criterion) {
                 g.bench_with_input(
                     BenchmarkId::new(mode, format!("{kib}KiB")),
                     &body,
+                    |b, body| b.iter(|| black_box(setup.decide(body))),
+                );
+            }
+            if exact && hf.is_some() {
+                // A conversation's next turn: its rendered prompt resumes
+                // the previous turn's.
+                let mut first = chat(SIZES_KIB[2], None);
+                first["prompt_cache_key"] = json!("conversation-1");
+                let mut next = chat(SIZES_KIB[2], Some(("It holds blocks.", "Which ones?")));
+                next["prompt_cache_key"] = json!("conversation-1");
+                setup.decide(&Bytes::from(first.to_string()));
+                let next = Bytes::from(next.to_string());
+                g.bench_with_input(
+                    BenchmarkId::new("follow_up_exact", format!("{}KiB", SIZES_KIB[2])),
+                    &next,
                     |b, body| b.iter(|| black_box(setup.decide(body))),
                 );
             }

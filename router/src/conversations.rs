@@ -17,6 +17,7 @@ use std::sync::Mutex;
 
 use kvroute_core::hash::BlockExtras;
 use kvroute_core::lru::Lru;
+use kvroute_core::tokenize::ChatMessage;
 use prometheus_client::metrics::counter::Counter;
 use xxhash_rust::xxh3::Xxh3;
 
@@ -48,10 +49,11 @@ struct Inner {
 
 #[derive(Clone, Debug)]
 struct Entry {
-    /// The body's bytes up to the end of the last message.
+    /// The body's bytes up to the end of the last message (of the rendered
+    /// prompt's, up to the snapshot, for [`Resume::Rendered`]).
     prefix_len: usize,
     prefix_hash: u128,
-    /// Messages the snapshot covers.
+    /// Messages the snapshot covers (none counted for a rendered prompt).
     messages: usize,
     snapshot: Resume,
 }
@@ -61,6 +63,9 @@ struct Entry {
 enum Resume {
     /// Exact mode: tokens and the engines' hashes.
     Tokens(Box<Snapshot>),
+    /// Exact mode with a model's tokenizer or template: the same, after a
+    /// prefix of the rendered prompt rather than of the body.
+    Rendered(Box<Snapshot>),
     /// Approximate mode: byte chunks.
     Chunks(Chunker),
 }
@@ -68,7 +73,7 @@ enum Resume {
 impl Resume {
     fn blocks(&self) -> usize {
         match self {
-            Resume::Tokens(s) => s.blocks(),
+            Resume::Tokens(s) | Resume::Rendered(s) => s.blocks(),
             Resume::Chunks(c) => c.blocks(),
         }
     }
@@ -182,7 +187,11 @@ impl Conversations {
         let mut hasher = Xxh3::new();
         let entry = self.get(id).filter(|e| {
             e.messages <= raw.len()
-                && matches!(e.snapshot, Resume::Tokens(_)) == exact
+                && match e.snapshot {
+                    Resume::Tokens(_) => exact,
+                    Resume::Chunks(_) => !exact,
+                    Resume::Rendered(_) => false,
+                }
                 && ends.get(e.messages.wrapping_sub(1)) == Some(&e.prefix_len)
                 && {
                     hasher.update(&body[..e.prefix_len]);
@@ -202,17 +211,18 @@ impl Conversations {
         };
         let memo = Some(memo);
         let computed = match from {
-            None if exact => features::streamed_chat(raw, settings, extras, false, None, None)?
-                .map(|(p, s)| (p, Resume::Tokens(Box::new(s)))),
             Some((n, Resume::Tokens(s))) => {
                 features::streamed_chat(raw, settings, extras, false, Some((n, *s)), None)?
                     .map(|(p, s)| (p, Resume::Tokens(Box::new(s))))
             }
-            None => {
-                chunks::chat_from(raw, settings, extras, None)?.map(|(p, c)| (p, Resume::Chunks(c)))
-            }
             Some((n, Resume::Chunks(c))) => chunks::chat_from(raw, settings, extras, Some((n, c)))?
                 .map(|(p, c)| (p, Resume::Chunks(c))),
+            // None, or a rendered prompt's entry (filtered out above).
+            _ if exact => features::streamed_chat(raw, settings, extras, false, None, None)?
+                .map(|(p, s)| (p, Resume::Tokens(Box::new(s)))),
+            _ => {
+                chunks::chat_from(raw, settings, extras, None)?.map(|(p, c)| (p, Resume::Chunks(c)))
+            }
         };
         let Some((prompt, snapshot)) = computed else {
             return Ok(Some(Chat { prompt: None, memo }));
@@ -235,6 +245,71 @@ impl Conversations {
             prompt: Some(prompt),
             memo,
         }))
+    }
+
+    /// The prompt of a chat in exact mode when the model's tokenizer or
+    /// template reads it (not [`features::streams_chats`]): rendered whole;
+    /// when the rendering starts with the text the conversation's snapshot
+    /// was taken after, only the rest is tokenized and hashed. The snapshot
+    /// kept for the next turn is taken before the prompt's last special
+    /// token ([`Tokenizer::encode_cut`](kvroute_core::tokenize::Tokenizer::encode_cut)):
+    /// usually the generation prompt's, which the next turn renders as the
+    /// start of the assistant's answer. `prompt: None` when the template or
+    /// the tokenizer fails: the request is routed without a chain.
+    pub fn rendered_prompt(
+        &self,
+        messages: Vec<ChatMessage>,
+        conversation: Conversation<'_>,
+        settings: &Settings,
+        extras: BlockExtras<'_>,
+    ) -> Chat {
+        let id = conversation.id(settings, extras, true);
+        let Ok(text) = settings.template.render(&messages, true) else {
+            return Chat {
+                prompt: None,
+                memo: None,
+            };
+        };
+        drop(messages);
+        let mut hasher = Xxh3::new();
+        let resumed = self.get(id).and_then(|e| match e.snapshot {
+            Resume::Rendered(s) => text.get(..e.prefix_len).and_then(|done| {
+                hasher.update(done.as_bytes());
+                (hasher.digest128() == e.prefix_hash).then_some((e.prefix_len, *s))
+            }),
+            _ => None,
+        });
+        let (memo, done, from) = match resumed {
+            Some((done, s)) => (Memo::Hit, done, Some(s)),
+            None => {
+                hasher.reset();
+                (Memo::Miss, 0, None)
+            }
+        };
+        let memo = Some(memo);
+        let Ok((tokens, cut)) = settings.tokenizer.encode_cut(&text[done..]) else {
+            return Chat { prompt: None, memo };
+        };
+        let snapshot_at = cut.map(|c| c.tokens);
+        let (prompt, snapshot) =
+            features::tokens_prompt(&tokens, settings, extras, from, snapshot_at);
+        if let (Some(cut), Some(snapshot)) = (cut, snapshot) {
+            let end = done + cut.at;
+            hasher.update(&text.as_bytes()[done..end]);
+            self.put(
+                id,
+                Entry {
+                    prefix_len: end,
+                    prefix_hash: hasher.digest128(),
+                    messages: 0,
+                    snapshot: Resume::Rendered(Box::new(snapshot)),
+                },
+            );
+        }
+        Chat {
+            prompt: Some(prompt),
+            memo,
+        }
     }
 
     /// A cache counting its evictions in `evictions`.

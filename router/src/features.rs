@@ -381,6 +381,25 @@ impl<'a> Builder<'a> {
         }
     }
 
+    /// Goes on from `s`.
+    fn resume(settings: &'a Settings, extras: BlockExtras<'a>, s: Snapshot) -> Self {
+        Builder {
+            chain: settings.hasher.resume(s.chain, extras),
+            content: s.content,
+            prompt: s.prompt,
+            ..Builder::new(settings, extras, false, None)
+        }
+    }
+
+    /// Where the prompt stands, to resume from.
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            chain: self.chain.state(),
+            content: self.content.clone(),
+            prompt: self.prompt.clone(),
+        }
+    }
+
     fn push(&mut self, token: u32) {
         self.prompt.tokens += 1;
         if self.prompt.head.len() < self.head_len {
@@ -550,15 +569,7 @@ pub fn streamed_chat(
         return Err(no_messages());
     }
     let (skip, mut builder) = match from {
-        Some((skip, s)) => (
-            skip,
-            Builder {
-                chain: settings.hasher.resume(s.chain, extras),
-                content: s.content,
-                prompt: s.prompt,
-                ..Builder::new(settings, extras, false, None)
-            },
-        ),
+        Some((skip, s)) => (skip, Builder::resume(settings, extras, s)),
         None => (0, Builder::new(settings, extras, keep_all, held)),
     };
     let (tokenizer, template) = (&settings.tokenizer, &settings.template);
@@ -569,13 +580,29 @@ pub fn streamed_chat(
         let one = &[ChatMessage::new(message.role, message.content)];
         for_each_chat_token(tokenizer, template, one, false, |t| builder.push(t));
     }
-    let snapshot = Snapshot {
-        chain: builder.chain.state(),
-        content: builder.content.clone(),
-        prompt: builder.prompt.clone(),
-    };
+    let snapshot = builder.snapshot();
     for_each_chat_token(tokenizer, template, &[], true, |t| builder.push(t));
     Ok(Some((builder.prompt, snapshot)))
+}
+
+/// The prompt of `tokens`, which follow snapshot `from` when given, and
+/// the snapshot after the first `snapshot_at` of them when asked.
+pub fn tokens_prompt(
+    tokens: &[u32],
+    settings: &Settings,
+    extras: BlockExtras<'_>,
+    from: Option<Snapshot>,
+    snapshot_at: Option<usize>,
+) -> (Prompt, Option<Snapshot>) {
+    let mut builder = match from {
+        Some(s) => Builder::resume(settings, extras, s),
+        None => Builder::new(settings, extras, false, None),
+    };
+    let (before, after) = tokens.split_at(snapshot_at.unwrap_or(0).min(tokens.len()));
+    before.iter().for_each(|&t| builder.push(t));
+    let snapshot = snapshot_at.map(|_| builder.snapshot());
+    after.iter().for_each(|&t| builder.push(t));
+    (builder.prompt, snapshot)
 }
 
 /// The prompt's token ids as the engine computes them (see [`prompt`]).

@@ -1281,6 +1281,25 @@ fn analyze_resumed(
         }
         _ if resumed_within.is_some() => return Ok(None),
         Some(o) if tokenize && reads && !exact => crate::chunks::prompt(api, o, settings, extras)?,
+        // A model's tokenizer or template: resumed by the rendered prompt.
+        Some(o)
+            if tokenize
+                && reads
+                && api == Api::Chat
+                && conversation.is_some()
+                && !keep_tokens
+                && !features::streams_chats(settings) =>
+        {
+            let c = Conversation {
+                tenant: tenant.as_deref(),
+                key: conversation.as_deref().unwrap_or_default(),
+            };
+            features::chat_messages(o)?.and_then(|messages| {
+                let chat = conversations.rendered_prompt(messages, c, settings, extras);
+                memo = chat.memo;
+                chat.prompt
+            })
+        }
         Some(o) if tokenize && reads => {
             features::prompt(api, o, settings, extras, keep_tokens, held)?
         }

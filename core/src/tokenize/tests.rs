@@ -164,6 +164,26 @@ fn truncation_in_tokenizer_json_is_ignored_as_transformers_does() {
 }
 
 #[test]
+fn a_text_may_be_cut_before_its_last_special_token() {
+    let tokenizer = Tokenizer::from_tokenizer_json(WORDLEVEL_JSON.as_bytes()).unwrap();
+    let text = "hello <s> world, <s>hello";
+    let (ids, cut) = tokenizer.encode_cut(text).unwrap();
+    assert_eq!(ids, tokenizer.encode(text, false).unwrap());
+    let cut = cut.unwrap();
+    assert_eq!((cut.tokens, cut.at), (4, 17));
+    let head = tokenizer.encode(&text[..cut.at], false).unwrap();
+    assert_eq!(head, ids[..cut.tokens]);
+    // No special token, or the built-in tokenizer: no cut.
+    assert_eq!(tokenizer.encode_cut("hello world").unwrap().1, None);
+    assert_eq!(Tokenizer::builtin().encode_cut(text).unwrap().1, None);
+    // A special token that strips the whitespace on its left does not cut.
+    let mut json: serde_json::Value = serde_json::from_str(WORDLEVEL_JSON).unwrap();
+    json["added_tokens"][1]["lstrip"] = serde_json::json!(true);
+    let lstrip = Tokenizer::from_tokenizer_json(json.to_string().as_bytes()).unwrap();
+    assert_eq!(lstrip.encode_cut(text).unwrap().1, None);
+}
+
+#[test]
 fn invalid_tokenizer_json_is_a_clear_error() {
     let err = Tokenizer::from_tokenizer_json(b"{ not json").unwrap_err();
     assert!(

@@ -49,6 +49,42 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes `text` as [`encode`](Self::encode) does without special
+    /// tokens, and says where it may be cut: `(i, at)`, the index and byte
+    /// offset of its last token that is a special added token not stripping
+    /// the whitespace on its left. A Hugging Face tokenizer splits its input
+    /// on added tokens before normalizing, pre-tokenizing or encoding any
+    /// of it, so the first `i` ids are those of `text[..at]` encoded alone,
+    /// whatever follows `at`: a chat rendered again with more turns after
+    /// the same text encodes only what follows. The tail is encoded again to
+    /// check it. `None` for the built-in tokenizer, whose ids the router
+    /// reads a message at a time instead, and when no token qualifies.
+    pub fn encode_cut(&self, text: &str) -> Result<(Vec<u32>, Option<Cut>), TokenizeError> {
+        let Self::HuggingFace(tokenizer) = self else {
+            return self.encode(text, false).map(|ids| (ids, None));
+        };
+        let encoding = tokenizer
+            .encode(text, false)
+            .map_err(TokenizeError::Encode)?;
+        let added = tokenizer.get_added_vocabulary().get_added_tokens_decoder();
+        let ids = encoding.get_ids();
+        let cut = ids
+            .iter()
+            .zip(encoding.get_offsets())
+            .enumerate()
+            .rev()
+            .find(|(_, (id, _))| added.get(id).is_some_and(|t| t.special && !t.lstrip))
+            .map(|(i, (_, &(at, _)))| Cut { tokens: i, at })
+            .filter(|c| {
+                text.get(c.at..).is_some_and(|tail| {
+                    tokenizer
+                        .encode_fast(tail, false)
+                        .is_ok_and(|e| e.get_ids() == &ids[c.tokens..])
+                })
+            });
+        Ok((ids.to_vec(), cut))
+    }
+
     /// `"builtin"` or `"huggingface"`, for logs and metrics.
     pub fn name(&self) -> &'static str {
         match self {
@@ -56,6 +92,15 @@ impl Tokenizer {
             Self::HuggingFace(_) => "huggingface",
         }
     }
+}
+
+/// Where an encoded text may be cut ([`Tokenizer::encode_cut`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    /// Tokens before the cut.
+    pub tokens: usize,
+    /// The cut's byte offset in the text.
+    pub at: usize,
 }
 
 impl fmt::Debug for Tokenizer {

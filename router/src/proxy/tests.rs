@@ -265,6 +265,89 @@ proptest! {
     }
 }
 
+/// A byte-level BPE with ChatML's special tokens, trained here (no model
+/// can be downloaded), and Qwen2.5's chat template.
+fn hf_settings() -> Settings {
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    static JSON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let json = JSON.get_or_init(|| {
+        let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+        let mut trainer = TrainerWrapper::BpeTrainer(
+            BpeTrainerBuilder::new()
+                .vocab_size(600)
+                .show_progress(false)
+                .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+                .special_tokens(
+                    specials
+                        .iter()
+                        .map(|t| tokenizers::AddedToken::from(*t, true))
+                        .collect(),
+                )
+                .build(),
+        );
+        let mut tokenizer = tokenizers::Tokenizer::new(BPE::default());
+        tokenizer.with_pre_tokenizer(Some(ByteLevel::default()));
+        let corpus = (0..400).map(|i| {
+            format!("the cache holds block {i} of the prompt, and the router routes it there\n")
+        });
+        tokenizer.train(&mut trainer, corpus).unwrap();
+        tokenizer.to_string(false).unwrap()
+    });
+    const QWEN: &str = include_str!(
+        "../../../core/tests/fixtures/tokenize/qwen2.5-instruct.tokenizer_config.json"
+    );
+    let mut s = Settings::test();
+    s.tokenizer =
+        Arc::new(kvroute_core::tokenize::Tokenizer::from_tokenizer_json(json.as_bytes()).unwrap());
+    s.template = Arc::new(
+        kvroute_core::tokenize::ChatTemplate::from_tokenizer_config(QWEN.as_bytes()).unwrap(),
+    );
+    s
+}
+
+proptest! {
+    /// With a model's tokenizer and template, each turn of a growing
+    /// conversation resumes the previous one's rendered prompt and computes
+    /// exactly what a whole computation does.
+    #[test]
+    fn rendered_conversations_equal_whole_ones(
+        turns in proptest::collection::vec(
+            ("(user|assistant|system)", "([a-z \n\"é日🦀]|<\\|im_start\\|>|<\\|im_end\\|>){0,40}"),
+            1..6,
+        ),
+        salt in proptest::option::of("[a-z]{1,4}"),
+    ) {
+        let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+        let s = hf_settings();
+        let shared = conversations();
+        for n in 1..=turns.len() {
+            let mut body: Value = serde_json::from_slice(&chat(&turns[..n], "c")).unwrap();
+            if let Some(salt) = &salt {
+                body["cache_salt"] = json!(salt);
+            }
+            let bytes = Bytes::from(body.to_string());
+            let run = |bytes: Bytes, c: &Conversations| {
+                analyze(bytes, chat_input(), &t, &s, &ModelList::default(), c).unwrap()
+            };
+            let a = run(bytes.clone(), &shared);
+            let whole = run(bytes, &conversations());
+            prop_assert_eq!(a.memo, Some(if n == 1 { Memo::Miss } else { Memo::Hit }));
+            prop_assert_eq!(whole.memo, Some(Memo::Miss));
+            body.as_object_mut().unwrap().remove("prompt_cache_key");
+            let keyless = run(Bytes::from(body.to_string()), &shared);
+            prop_assert_eq!(keyless.memo, None);
+            prop_assert!(keyless.prompt_tokens > 0);
+            for x in [&a, &whole] {
+                prop_assert_eq!(&x.chain, &keyless.chain);
+                prop_assert_eq!(x.prompt_tokens, keyless.prompt_tokens);
+                prop_assert_eq!(&x.contents, &keyless.contents);
+            }
+        }
+    }
+}
+
 #[test]
 fn an_edited_history_or_another_conversation_misses() {
     let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
