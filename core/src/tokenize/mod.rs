@@ -90,7 +90,7 @@ pub use error::TokenizeError;
 pub use jinja::JinjaTemplate;
 pub use prompt::{chat_prompt_tokens, completion_prompt_tokens, for_each_chat_token};
 pub use template::ChatTemplate;
-pub use tokenizer::{Cut, Tokenizer};
+pub use tokenizer::{Cut, MAX_CUT_TAIL, Tokenizer};
 
 #[cfg(test)]
 mod tests;

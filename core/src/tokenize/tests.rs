@@ -173,8 +173,12 @@ fn a_text_may_be_cut_before_its_last_special_token() {
     assert_eq!((cut.tokens, cut.at), (4, 17));
     let head = tokenizer.encode(&text[..cut.at], false).unwrap();
     assert_eq!(head, ids[..cut.tokens]);
-    // No special token, or the built-in tokenizer: no cut.
+    // No special token, one only at the start, a long tail, or the
+    // built-in tokenizer: no cut.
     assert_eq!(tokenizer.encode_cut("hello world").unwrap().1, None);
+    assert_eq!(tokenizer.encode_cut("<s>hello world").unwrap().1, None);
+    let long = format!("hello <s>{}", " world".repeat(3000));
+    assert_eq!(tokenizer.encode_cut(&long).unwrap().1, None);
     assert_eq!(Tokenizer::builtin().encode_cut(text).unwrap().1, None);
     // A special token that strips the whitespace on its left does not cut.
     let mut json: serde_json::Value = serde_json::from_str(WORDLEVEL_JSON).unwrap();

@@ -57,8 +57,10 @@ impl Tokenizer {
     /// of it, so the first `i` ids are those of `text[..at]` encoded alone,
     /// whatever follows `at`: a chat rendered again with more turns after
     /// the same text encodes only what follows. The tail is encoded again to
-    /// check it. `None` for the built-in tokenizer, whose ids the router
-    /// reads a message at a time instead, and when no token qualifies.
+    /// check the cut, so a cut is only offered past the text's start and
+    /// with at most [`MAX_CUT_TAIL`] bytes after it. `None` for the built-in
+    /// tokenizer, whose ids the router reads a message at a time instead,
+    /// and when no token qualifies.
     pub fn encode_cut(&self, text: &str) -> Result<(Vec<u32>, Option<Cut>), TokenizeError> {
         let Self::HuggingFace(tokenizer) = self else {
             return self.encode(text, false).map(|ids| (ids, None));
@@ -75,6 +77,7 @@ impl Tokenizer {
             .rev()
             .find(|(_, (id, _))| added.get(id).is_some_and(|t| t.special && !t.lstrip))
             .map(|(i, (_, &(at, _)))| Cut { tokens: i, at })
+            .filter(|c| c.at > 0 && text.len().saturating_sub(c.at) <= MAX_CUT_TAIL)
             .filter(|c| {
                 text.get(c.at..).is_some_and(|tail| {
                     tokenizer
@@ -93,6 +96,10 @@ impl Tokenizer {
         }
     }
 }
+
+/// The most bytes after a [`Cut`]: its check encodes them again. A chat
+/// template's last special token usually opens the generation prompt.
+pub const MAX_CUT_TAIL: usize = 16 * 1024;
 
 /// Where an encoded text may be cut ([`Tokenizer::encode_cut`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
