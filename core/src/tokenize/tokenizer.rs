@@ -50,12 +50,12 @@ impl Tokenizer {
     }
 
     /// Encodes `text` as [`encode`](Self::encode) does without special
-    /// tokens, and says where it may be cut: `(i, at)`, the index and byte
-    /// offset of its last token that is a special added token not stripping
-    /// the whitespace on its left. A Hugging Face tokenizer splits its input
-    /// on added tokens before normalizing, pre-tokenizing or encoding any
-    /// of it, so the first `i` ids are those of `text[..at]` encoded alone,
-    /// whatever follows `at`: a chat rendered again with more turns after
+    /// tokens, and says where it may be cut: the [`Cut`] before its last
+    /// token that is a special added token not stripping the whitespace on
+    /// its left. A Hugging Face tokenizer splits its input on added tokens
+    /// before normalizing, pre-tokenizing or encoding any of it, so the
+    /// first `cut.tokens` ids are those of `text[..cut.at]` encoded alone,
+    /// whatever follows: a chat rendered again with more turns after
     /// the same text encodes only what follows. The tail is encoded again to
     /// check the cut, so a cut is only offered past the text's start and
     /// with at most [`MAX_CUT_TAIL`] bytes after it. `None` for the built-in
