@@ -12,7 +12,7 @@
 //!   BPE tokenizer trained here with the `tokenizers` crate (its vocabulary
 //!   size is printed; no model can be downloaded) with Qwen2.5's template;
 //! - `follow_up`: a conversation's next turn, whose history was seen (with
-//!   either tokenizer in exact mode);
+//!   either tokenizer in exact mode); `first_turn`: a new conversation's;
 //! - `round_robin`: a policy that reads no prompt.
 //!
 //! `cargo bench -p kvroute-router --bench decision`
@@ -258,6 +258,23 @@ fn decisions(c: &mut Criterion) {
                     BenchmarkId::new("follow_up_exact", format!("{}KiB", SIZES_KIB[2])),
                     &next,
                     |b, body| b.iter(|| black_box(setup.decide(body))),
+                );
+                // A new conversation's first turn: computed whole and
+                // remembered.
+                let mut n = 0;
+                g.bench_function(
+                    BenchmarkId::new("first_turn_exact", format!("{}KiB", SIZES_KIB[2])),
+                    |b| {
+                        b.iter_batched(
+                            || {
+                                n += 1;
+                                first["prompt_cache_key"] = json!(format!("new-{n}"));
+                                Bytes::from(first.to_string())
+                            },
+                            |body| black_box(setup.decide(&body)),
+                            criterion::BatchSize::PerIteration,
+                        )
+                    },
                 );
             }
             if exact {
