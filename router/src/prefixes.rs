@@ -80,7 +80,6 @@ impl Volatility {
                 h
             })
             .collect();
-        let chain = &chain[..];
         let flagged = chain
             .iter()
             .position(|h| !self.chains.contains(*h))
@@ -99,7 +98,10 @@ impl Volatility {
                     }
                 })
             });
-        for (sketch, hashes) in [(&mut self.chains, chain), (&mut self.contents, contents)] {
+        for (sketch, hashes) in [
+            (&mut self.chains, &chain[..]),
+            (&mut self.contents, contents),
+        ] {
             for &h in hashes {
                 sketch.touch(h);
             }
