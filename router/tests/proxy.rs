@@ -218,8 +218,24 @@ async fn approximate_mode_follows_its_own_history() {
 async fn exact_mode_with_a_hugging_face_tokenizer_and_chat_template() {
     let fixtures =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/fixtures/tokenize");
-    let tokenizer = fixtures.join("wordlevel.tokenizer.json");
+    // The word-level fixture with ChatML's markers as special tokens, as a
+    // Qwen tokenizer has them.
+    let mut json: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("wordlevel.tokenizer.json")).unwrap(),
+    )
+    .unwrap();
+    for (id, content) in [(9, "<|im_start|>"), (10, "<|im_end|>")] {
+        json["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+        json["model"]["vocab"][content] = json!(id);
+    }
+    let tokenizer =
+        std::env::temp_dir().join(format!("kvroute-chatml-{}.json", std::process::id()));
+    std::fs::write(&tokenizer, json.to_string()).unwrap();
     let template = fixtures.join("qwen2.5-instruct.tokenizer_config.json");
+    let written = tokenizer.clone();
     let (t1, c1) = (tokenizer.clone(), template.clone());
     let stack = Stack::start(
         "hf",
@@ -247,6 +263,34 @@ async fn exact_mode_with_a_hugging_face_tokenizer_and_chat_template() {
         metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 1"),
         "the router's chain matched the engine's blocks: {metrics}"
     );
+    // A conversation: its second turn resumes the first's rendered prompt
+    // and still matches the engine's blocks.
+    let mut turn = chat(&system, "hello again", 2);
+    turn["prompt_cache_key"] = json!("c-1");
+    let r = stack.post("/v1/chat/completions", turn.clone()).await;
+    assert_eq!(r.status(), 200);
+    turn["messages"].as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": "hello"}),
+        json!({"role": "user", "content": "world"}),
+    ]);
+    let r = stack.post("/v1/chat/completions", turn).await;
+    assert_eq!(r.headers()["x-kvroute-endpoint"], holder.as_str());
+    let metrics = stack.metrics().await;
+    for (result, n) in [("miss", 1), ("hit", 1)] {
+        assert_eq!(
+            sum_of(
+                &metrics,
+                &format!("kvroute_conversation_prompts_total{{result=\"{result}\"}}")
+            ),
+            f64::from(n),
+            "{metrics}"
+        );
+    }
+    assert!(
+        metrics.contains("kvroute_routing_decisions_total{reason=\"warm\"} 3"),
+        "{metrics}"
+    );
+    let _ = std::fs::remove_file(&written);
     stack.stop().await;
 }
 
