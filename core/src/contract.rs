@@ -28,6 +28,19 @@ pub struct EngineCache {
     pub hashes_unverified: bool,
 }
 
+impl EngineCache {
+    /// What an engine hashing exactly as `hasher` reports.
+    pub fn of(hasher: &BlockHasher) -> Self {
+        EngineCache {
+            block_size: hasher.config().block_size as u32,
+            hash_algo: Some(hasher.config().algo),
+            hash_seed_set: hasher.config().seed.is_some(),
+            none_hash: Some(hasher.none_hash().to_u64()),
+            hashes_unverified: false,
+        }
+    }
+}
+
 /// One field on which an engine and the router differ.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Mismatch {
@@ -142,26 +155,16 @@ mod tests {
         .unwrap()
     }
 
-    fn engine_of(h: &BlockHasher) -> EngineCache {
-        EngineCache {
-            block_size: h.config().block_size as u32,
-            hash_algo: Some(h.config().algo),
-            hash_seed_set: h.config().seed.is_some(),
-            none_hash: Some(h.none_hash().to_u64()),
-            hashes_unverified: false,
-        }
-    }
-
     #[test]
     fn the_same_hashing_matches() {
         let h = hasher(16, HashAlgo::Sha256, Some("42"));
-        assert_eq!(Contract::check(&engine_of(&h), &h), Contract::Match);
+        assert_eq!(Contract::check(&EngineCache::of(&h), &h), Contract::Match);
     }
 
     #[test]
     fn each_differing_field_is_named() {
         let router = hasher(16, HashAlgo::Sha256, None);
-        let other_size = engine_of(&hasher(32, HashAlgo::Sha256, None));
+        let other_size = EngineCache::of(&hasher(32, HashAlgo::Sha256, None));
         assert_eq!(
             Contract::check(&other_size, &router).mismatches(),
             [Mismatch {
@@ -170,13 +173,13 @@ mod tests {
                 router: "16".into()
             }]
         );
-        let other_algo = engine_of(&hasher(16, HashAlgo::XxhashCbor, None));
+        let other_algo = EngineCache::of(&hasher(16, HashAlgo::XxhashCbor, None));
         let c = Contract::check(&other_algo, &router);
         assert_eq!(c.as_str(), "mismatch");
         assert_eq!(c.mismatches()[0].field, "hashAlgo");
         assert_eq!(c.mismatches()[0].engine, "xxhash_cbor");
         // Another seed: only NONE_HASH tells, and it does.
-        let other_seed = engine_of(&hasher(16, HashAlgo::Sha256, Some("1")));
+        let other_seed = EngineCache::of(&hasher(16, HashAlgo::Sha256, Some("1")));
         let c = Contract::check(&other_seed, &router);
         assert_eq!(c.mismatches().len(), 1);
         assert_eq!(c.mismatches()[0].field, "hashSeed");
@@ -185,7 +188,7 @@ mod tests {
     #[test]
     fn without_none_hash_only_whether_a_seed_is_set_is_compared() {
         let router = hasher(16, HashAlgo::Sha256, Some("1"));
-        let mut engine = engine_of(&hasher(16, HashAlgo::Sha256, Some("2")));
+        let mut engine = EngineCache::of(&hasher(16, HashAlgo::Sha256, Some("2")));
         engine.none_hash = None;
         assert_eq!(Contract::check(&engine, &router), Contract::Match);
         engine.hash_seed_set = false;
@@ -203,7 +206,7 @@ mod tests {
     #[test]
     fn hashes_that_failed_verification_are_a_mismatch() {
         let h = hasher(16, HashAlgo::Sha256, None);
-        let mut engine = engine_of(&h);
+        let mut engine = EngineCache::of(&h);
         engine.hashes_unverified = true;
         let c = Contract::check(&engine, &h);
         assert_eq!(c.mismatches().len(), 1);
@@ -213,7 +216,7 @@ mod tests {
     #[test]
     fn an_unknown_algorithm_is_a_mismatch() {
         let router = hasher(16, HashAlgo::Sha256, None);
-        let mut engine = engine_of(&router);
+        let mut engine = EngineCache::of(&router);
         engine.hash_algo = None;
         assert_eq!(
             Contract::check(&engine, &router).mismatches()[0].field,

@@ -150,14 +150,7 @@ impl Setup {
         let streams = pool.set_endpoints(specs);
         let setup = Setup { runtime, proxy };
         if exact {
-            let hashing = pool.settings().hasher.config().clone();
-            let engine = EngineCache {
-                block_size: hashing.block_size as u32,
-                hash_algo: Some(hashing.algo),
-                hash_seed_set: hashing.seed.is_some(),
-                none_hash: Some(pool.settings().hasher.none_hash().to_u64()),
-                hashes_unverified: false,
-            };
+            let engine = EngineCache::of(&pool.settings().hasher);
             let chain = setup.chain(&chat(SIZES_KIB[2], None));
             for (i, s) in streams.start.iter().enumerate() {
                 // Each engine holds 65,536 blocks of other prompts; the
@@ -187,6 +180,17 @@ impl Setup {
             .iter()
             .map(|h| u64::from_str_radix(h, 16).unwrap())
             .collect()
+    }
+
+    /// Decides a 220 KiB conversation's first turn; returns it and the
+    /// next turn's body, whose history this one is.
+    fn seen_conversation(&self) -> (Value, Bytes) {
+        let mut first = chat(SIZES_KIB[2], None);
+        first["prompt_cache_key"] = json!("conversation-1");
+        let mut next = chat(SIZES_KIB[2], Some(("It holds blocks.", "Which ones?")));
+        next["prompt_cache_key"] = json!("conversation-1");
+        self.decide(&Bytes::from(first.to_string()));
+        (first, Bytes::from(next.to_string()))
     }
 
     fn decide(&self, body: &Bytes) -> String {
@@ -248,12 +252,7 @@ fn decisions(c: &mut Criterion) {
             if exact && hf.is_some() {
                 // A conversation's next turn: its rendered prompt resumes
                 // the previous turn's.
-                let mut first = chat(SIZES_KIB[2], None);
-                first["prompt_cache_key"] = json!("conversation-1");
-                let mut next = chat(SIZES_KIB[2], Some(("It holds blocks.", "Which ones?")));
-                next["prompt_cache_key"] = json!("conversation-1");
-                setup.decide(&Bytes::from(first.to_string()));
-                let next = Bytes::from(next.to_string());
+                let (mut first, next) = setup.seen_conversation();
                 g.bench_with_input(
                     BenchmarkId::new("follow_up_exact", format!("{}KiB", SIZES_KIB[2])),
                     &next,
@@ -297,12 +296,7 @@ fn decisions(c: &mut Criterion) {
     g.sample_size(10).measurement_time(Duration::from_secs(3));
     for (mode, exact) in [("approx", false), ("exact", true)] {
         let setup = Setup::new(settings(None, PolicyConfig::default()), exact);
-        let mut first = chat(SIZES_KIB[2], None);
-        first["prompt_cache_key"] = json!("conversation-1");
-        let mut next = chat(SIZES_KIB[2], Some(("It holds blocks.", "Which ones?")));
-        next["prompt_cache_key"] = json!("conversation-1");
-        setup.decide(&Bytes::from(first.to_string()));
-        let next = Bytes::from(next.to_string());
+        let (_, next) = setup.seen_conversation();
         g.bench_with_input(
             BenchmarkId::new(format!("follow_up_{mode}"), "220KiB"),
             &next,

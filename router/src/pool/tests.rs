@@ -139,14 +139,7 @@ async fn cache_updates_from_a_stale_watcher_are_ignored() {
     p.set_endpoints(vec![a.clone()]);
     // Generation 1 is a's watcher. A snapshot from another generation is
     // ignored; its own applies.
-    let hasher = p.settings().hasher.clone();
-    let engine = kvroute_core::contract::EngineCache {
-        block_size: hasher.config().block_size as u32,
-        hash_algo: Some(hasher.config().algo),
-        hash_seed_set: false,
-        none_hash: Some(hasher.none_hash().to_u64()),
-        hashes_unverified: false,
-    };
+    let engine = kvroute_core::contract::EngineCache::of(&p.settings().hasher);
     p.apply_snapshot("a", 99, engine.clone(), 8, &[1, 2], &[])
         .unwrap();
     p.apply_cache("a", 99, CacheEvent::Stored(&[3])).unwrap();

@@ -207,6 +207,15 @@ fn chat(messages: &[(String, String)], conversation: &str) -> Bytes {
     Bytes::from(body.to_string())
 }
 
+/// [`chat`] of conversation `c`, with `cache_salt` when given.
+fn salted_chat(messages: &[(String, String)], salt: Option<&str>) -> Value {
+    let mut body: Value = serde_json::from_slice(&chat(messages, "c")).unwrap();
+    if let Some(salt) = salt {
+        body["cache_salt"] = json!(salt);
+    }
+    body
+}
+
 fn chat_input() -> Input {
     Input {
         api: Api::Chat,
@@ -233,10 +242,7 @@ proptest! {
         let s = Settings::test();
         let shared = conversations();
         for n in 1..=turns.len() {
-            let mut body: Value = serde_json::from_slice(&chat(&turns[..n], "c")).unwrap();
-            if let Some(salt) = &salt {
-                body["cache_salt"] = json!(salt);
-            }
+            let mut body = salted_chat(&turns[..n], salt.as_deref());
             let bytes = Bytes::from(body.to_string());
             let a = analyze(bytes.clone(), chat_input(), &t, &s, &ModelList::default(), &shared).unwrap();
             let whole = analyze(bytes.clone(), chat_input(), &t, &s, &ModelList::default(), &conversations()).unwrap();
@@ -323,10 +329,7 @@ proptest! {
         let s = hf_settings();
         let shared = conversations();
         for n in 1..=turns.len() {
-            let mut body: Value = serde_json::from_slice(&chat(&turns[..n], "c")).unwrap();
-            if let Some(salt) = &salt {
-                body["cache_salt"] = json!(salt);
-            }
+            let mut body = salted_chat(&turns[..n], salt.as_deref());
             let bytes = Bytes::from(body.to_string());
             let run = |bytes: Bytes, c: &Conversations| {
                 analyze(bytes, chat_input(), &t, &s, &ModelList::default(), c).unwrap()
@@ -584,14 +587,7 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
     };
     let whole = analyze(body(prompt), true).await;
     assert!(whole.len() > 256, "{}", whole.len());
-    let hasher = pool.settings().hasher.clone();
-    let engine = kvroute_core::contract::EngineCache {
-        block_size: hasher.config().block_size as u32,
-        hash_algo: Some(hasher.config().algo),
-        hash_seed_set: false,
-        none_hash: Some(hasher.none_hash().to_u64()),
-        hashes_unverified: false,
-    };
+    let engine = kvroute_core::contract::EngineCache::of(&pool.settings().hasher);
     // `b` holds 100 leading blocks, `c` 150.
     for (s, held) in streams.start.iter().zip([0, 100, 150]) {
         pool.apply_snapshot(
