@@ -132,7 +132,14 @@ impl Clients {
 /// budget: its permit holds the body's share of the budget until dropped.
 #[derive(Debug)]
 pub(crate) struct Received {
+    /// The body while it is one frame: forwarded as hyper read it, with
+    /// no copy.
+    first: Option<Bytes>,
+    /// The body once a second frame came: one contiguous copy, as the
+    /// JSON scan and the tokenizer read it.
     buf: BytesMut,
+    /// The declared length, the copy's capacity.
+    declared: usize,
     permit: Option<OwnedSemaphorePermit>,
     /// KiB of the budget held.
     reserved: usize,
@@ -147,7 +154,9 @@ impl Received {
             return Err(ApiError::TooLarge { limit });
         }
         let mut received = Received {
-            buf: BytesMut::with_capacity(declared.unwrap_or(0)),
+            first: None,
+            buf: BytesMut::new(),
+            declared: declared.unwrap_or(0),
             permit: None,
             reserved: declared.unwrap_or(0).div_ceil(1024),
         };
@@ -156,9 +165,10 @@ impl Received {
     }
 
     /// Appends `data`; an undeclared length reserves ahead, a MiB at a time.
-    pub(crate) fn push(&mut self, proxy: &Proxy, data: &[u8]) -> Result<(), ApiError> {
+    pub(crate) fn push(&mut self, proxy: &Proxy, data: Bytes) -> Result<(), ApiError> {
         let limit = proxy.limits.max_body_bytes;
-        let len = self.buf.len() + data.len();
+        let held = self.first.as_ref().map_or(self.buf.len(), Bytes::len);
+        let len = held + data.len();
         if len > limit {
             return Err(ApiError::TooLarge { limit });
         }
@@ -170,13 +180,22 @@ impl Received {
             proxy.reserve(want - self.reserved, &mut self.permit)?;
             self.reserved = want;
         }
-        self.buf.extend_from_slice(data);
+        if self.first.is_none() && self.buf.is_empty() {
+            self.first = Some(data);
+            return Ok(());
+        }
+        if let Some(first) = self.first.take() {
+            self.buf.reserve(self.declared.max(len));
+            self.buf.extend_from_slice(&first);
+        }
+        self.buf.extend_from_slice(&data);
         Ok(())
     }
 
     /// The whole body and its budget.
     pub(crate) fn finish(self) -> (Bytes, Option<OwnedSemaphorePermit>) {
-        (self.buf.freeze(), self.permit)
+        let body = self.first.unwrap_or_else(|| self.buf.freeze());
+        (body, self.permit)
     }
 }
 
@@ -421,7 +440,7 @@ impl Proxy {
                 let frame = frame
                     .map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?;
                 if let Ok(data) = frame.into_data() {
-                    received.push(self, &data)?;
+                    received.push(self, data)?;
                 }
             }
             Ok(())

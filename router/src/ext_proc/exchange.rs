@@ -254,7 +254,7 @@ impl Exchange {
                 Ok(Vec::new())
             }
             (Phase::Body(mut pending), Message::RequestBody(b)) => {
-                if let Err(e) = pending.received.push(&self.proxy, &b.body) {
+                if let Err(e) = pending.received.push(&self.proxy, b.body.into()) {
                     self.phase = Phase::Body(pending);
                     return Err(self.refuse(e));
                 }
