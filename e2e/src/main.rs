@@ -52,6 +52,9 @@ enum Command {
     /// Send unique large prompts through kvroute-router and compare its
     /// memory after the first tenth with the end.
     BenchSoak(bench::SoakArgs),
+    /// A bare hyper reverse proxy, round robin, that reads no body: the
+    /// HTTP stack's floor, a target of bench-proxy.
+    BareProxy(bench::BareArgs),
 }
 
 /// The longest a scenario may take, start to end.
@@ -61,6 +64,7 @@ fn main() -> anyhow::Result<()> {
     let (out, bin_dir, only, duration, inference_perf_venv) = match Cli::parse().command {
         Command::BenchProxy(args) => return bench::run(&args),
         Command::BenchSoak(args) => return bench::soak(&args),
+        Command::BareProxy(args) => return bench::bare_proxy(&args),
         Command::Report {
             out,
             bin_dir,

@@ -10,6 +10,7 @@
 //! across machines, since absolute figures on a shared 2-core box move
 //! from run to run.
 
+mod bare;
 mod measure;
 mod targets;
 
@@ -23,6 +24,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::suite::procs::{Bins, pip_install};
+pub use bare::{BareArgs, bare_proxy};
 use targets::{Bed, MODEL, Target};
 
 /// SGLang's gateway version installed for comparison.

@@ -1,8 +1,8 @@
 //! The proxies under test and the fixed upstream they share, each started
 //! as its own process tree so its CPU time and memory can be read from
 //! `/proc`: nginx with fixed responses as the engines, nginx as a
-//! round-robin reverse proxy, SGLang's gateway (`smg`), and
-//! `kvroute-router` in three modes.
+//! round-robin reverse proxy, a bare hyper proxy (the HTTP stack's floor),
+//! SGLang's gateway (`smg`), and `kvroute-router` in three modes.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -26,6 +26,9 @@ pub enum Target {
     Direct,
     /// nginx, round robin with upstream keepalive.
     Nginx,
+    /// `kvroute-e2e bare-proxy`: hyper's server and client, round robin,
+    /// nothing else (see `bare.rs`).
+    Hyper,
     /// SGLang's gateway, `--policy round_robin`.
     SmgRoundRobin,
     /// SGLang's gateway, `--policy cache_aware`.
@@ -42,9 +45,10 @@ pub enum Target {
 
 impl Target {
     /// Every target, in report order.
-    pub const ALL: [Target; 7] = [
+    pub const ALL: [Target; 8] = [
         Target::Direct,
         Target::Nginx,
+        Target::Hyper,
         Target::SmgRoundRobin,
         Target::SmgCacheAware,
         Target::KvrouteRoundRobin,
@@ -57,6 +61,7 @@ impl Target {
         match self {
             Target::Direct => "direct",
             Target::Nginx => "nginx",
+            Target::Hyper => "hyper-floor",
             Target::SmgRoundRobin => "smg-round-robin",
             Target::SmgCacheAware => "smg-cache-aware",
             Target::KvrouteRoundRobin => "kvroute-round-robin",
@@ -168,6 +173,27 @@ impl Bed {
                 let conf = self.logs.join("nginx-proxy.conf");
                 std::fs::write(&conf, proxy_conf(&self.logs, port, &self.upstream))?;
                 procs.push(nginx(&self.logs, name, &conf)?);
+                port
+            }
+            Target::Hyper => {
+                let upstream: Vec<String> = self
+                    .upstream
+                    .iter()
+                    .map(|p| format!("127.0.0.1:{p}"))
+                    .collect();
+                let args = [
+                    "bare-proxy".to_owned(),
+                    format!("--listen=127.0.0.1:{port}"),
+                    format!("--upstream={}", upstream.join(",")),
+                ];
+                procs.push(Proc::spawn(
+                    &self.bins,
+                    &self.logs,
+                    name,
+                    "kvroute-e2e",
+                    &args,
+                    &[],
+                )?);
                 port
             }
             Target::SmgRoundRobin | Target::SmgCacheAware => {
