@@ -353,7 +353,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "peak_rss_mib": peak_rss.iter().map(|(t, k)| (t.name(), *k as f64 / 1024.0)).collect::<BTreeMap<_, _>>(),
         "skipped": skipped.iter().map(|(t, why)| (t.name(), why)).collect::<BTreeMap<_, _>>(),
         "mixed": mixed.iter().map(|(t, m)| (t.name(), m)).collect::<BTreeMap<_, _>>(),
-        "goals": goals.iter().map(|g| json!({"goal": g.what, "measured": g.measured, "met": g.met})).collect::<Vec<_>>(),
+        "goals": goals.iter().map(|g| json!({"goal": g.what, "measured": g.measured, "hyper_floor": g.floor, "met": g.met})).collect::<Vec<_>>(),
     });
     std::fs::write(
         args.out.join("bench-proxy.json"),
@@ -413,6 +413,9 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
 struct Goal {
     what: String,
     measured: f64,
+    /// The same ratio of the bare hyper proxy (`hyper-floor`), which
+    /// neither routes nor reads the body: what the HTTP stack alone costs.
+    floor: Option<f64>,
     met: bool,
 }
 
@@ -439,7 +442,7 @@ impl Metric {
 /// Each: the target, its figure over the baseline's, at most or at least.
 fn goals(figures: &BTreeMap<(Cell, Target), Figures>) -> Vec<Goal> {
     use Metric::{Cpu, P99, Rate};
-    use Target::{KvrouteApprox, KvrouteExact, KvrouteRoundRobin, Nginx, SmgCacheAware};
+    use Target::{Hyper, KvrouteApprox, KvrouteExact, KvrouteRoundRobin, Nginx, SmgCacheAware};
     let cell = |kib, connections| Cell {
         kib,
         stream: false,
@@ -462,9 +465,10 @@ fn goals(figures: &BTreeMap<(Cell, Target), Figures>) -> Vec<Goal> {
     specs
         .into_iter()
         .filter_map(|(t, cell, metric, base, op, bound)| {
-            let a = figures.get(&(cell, t)).and_then(|f| metric.of(f))?;
-            let b = figures.get(&(cell, base)).and_then(|f| metric.of(f))?;
-            let measured = a / b;
+            let of = |t| figures.get(&(cell, t)).and_then(|f| metric.of(f));
+            let b = of(base)?;
+            let measured = of(t)? / b;
+            let floor = of(Hyper).map(|h| h / b);
             let name = match metric {
                 Cpu => "CPU per request",
                 Rate => "req/s",
@@ -479,6 +483,7 @@ fn goals(figures: &BTreeMap<(Cell, Target), Figures>) -> Vec<Goal> {
                     cell.connections
                 ),
                 measured,
+                floor,
                 met: if op == "≤" {
                     measured <= bound
                 } else {
@@ -551,11 +556,15 @@ fn render(
     for (t, why) in skipped {
         let _ = writeln!(md, "\n{} skipped: {why}", t.name());
     }
-    md.push_str("\n## Goals\n\n| goal | measured | met |\n|---|---|---|\n");
+    md.push_str(
+        "\n## Goals\n\n`hyper floor`: the same ratio of `hyper-floor`, a bare hyper proxy that neither routes nor reads the body.\n\n\
+         | goal | measured | hyper floor | met |\n|---|---|---|---|\n",
+    );
     for g in goals {
+        let floor = g.floor.map_or("—".into(), |f| format!("{f:.2}"));
         let _ = writeln!(
             md,
-            "| {} | {:.2} | {} |",
+            "| {} | {:.2} | {floor} | {} |",
             g.what,
             g.measured,
             if g.met { "yes" } else { "no" }
@@ -700,4 +709,45 @@ pub fn soak(args: &SoakArgs) -> anyhow::Result<()> {
         serde_json::to_string_pretty(&report)?,
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn goals_are_ratios_to_their_baseline_beside_the_hyper_floor() {
+        let small = Cell {
+            kib: 1,
+            stream: false,
+            connections: 64,
+        };
+        let cpu = |cpu_us: f64, rate: f64| Figures {
+            rate,
+            cpu_us: Some(cpu_us),
+            ..Figures::default()
+        };
+        let figures = BTreeMap::from([
+            ((small, Target::Nginx), cpu(10.0, 1000.0)),
+            ((small, Target::Hyper), cpu(14.0, 700.0)),
+            ((small, Target::KvrouteRoundRobin), cpu(9.0, 950.0)),
+            ((small, Target::KvrouteApprox), cpu(20.0, 600.0)),
+        ]);
+        let goals = goals(&figures);
+        let find = |what: &str| goals.iter().find(|g| g.what == what).unwrap();
+        let rr = find("kvroute-round-robin CPU per request ≤ 1 × nginx's (1 KiB, 64 connections)");
+        assert!(rr.met && (rr.measured - 0.9).abs() < 1e-9);
+        assert_eq!(rr.floor, Some(1.4));
+        let rate = find("kvroute-round-robin req/s ≥ 0.9 × nginx's (1 KiB, 64 connections)");
+        assert!(rate.met && rate.floor == Some(0.7));
+        let approx = find("kvroute-approx CPU per request ≤ 1.5 × nginx's (1 KiB, 64 connections)");
+        assert!(!approx.met && approx.measured == 2.0);
+        // No run of 200 KiB, no SGLang: those goals are not reported.
+        assert_eq!(
+            goals.len(),
+            4,
+            "{:?}",
+            goals.iter().map(|g| &g.what).collect::<Vec<_>>()
+        );
+    }
 }
