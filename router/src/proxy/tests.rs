@@ -539,16 +539,21 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
     assert_ne!(c.chain[0], a.chain[0]);
 }
 
+/// A proxy with `config` over a pool of the test settings (no endpoints
+/// yet), tenants shared.
+fn test_proxy(config: &Config) -> (Arc<Proxy>, Arc<Pool>) {
+    let metrics = Arc::new(Metrics::default());
+    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
+    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+    (Arc::new(Proxy::new(pool.clone(), metrics, t, config)), pool)
+}
+
 /// In exact mode a chain is hashed as far as the engines hold it: the
 /// router asks whether any engine holds its last block after 1, 2, 4, ...
 /// 64 blocks, then every 64.
 #[tokio::test]
 async fn exact_chains_end_past_the_blocks_engines_hold() {
-    let config = Config::default();
-    let metrics = Arc::new(Metrics::default());
-    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
-    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
-    let proxy = Arc::new(Proxy::new(pool.clone(), metrics, t, &config));
+    let (proxy, pool) = test_proxy(&Config::default());
     let specs = ["a", "b", "c"]
         .iter()
         .map(|name| crate::pool::EndpointSpec {
@@ -616,10 +621,7 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
 fn a_body_read_in_one_frame_is_forwarded_without_a_copy() {
     let mut config = Config::default();
     config.limits.max_body_bytes = 10_000;
-    let metrics = Arc::new(Metrics::default());
-    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
-    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
-    let proxy = Proxy::new(pool, metrics, t, &config);
+    let (proxy, _) = test_proxy(&config);
     let frame = Bytes::from(vec![b'x'; 4_000]);
     for declared in [Some(4_000), None] {
         let mut one = Received::new(&proxy, declared).unwrap();
