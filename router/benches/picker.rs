@@ -88,7 +88,7 @@ async fn router(exact: bool, name: &str) -> std::net::SocketAddr {
         admin_listen: "127.0.0.1:0".parse().expect("addr"),
         ext_proc: Some(ExtProc {
             listen: "127.0.0.1:0".parse().expect("addr"),
-            tls: None,
+            ..ExtProc::default()
         }),
         ..Config::default()
     };

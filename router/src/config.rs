@@ -122,15 +122,37 @@ impl Config {
 
 /// The endpoint picker's listener (Envoy `ext_proc` over gRPC).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct ExtProc {
-    /// Its address, e.g. `0.0.0.0:9002` (the Gateway API Inference
+    /// Its address. Default: `0.0.0.0:9002` (the Gateway API Inference
     /// Extension's conventional picker port).
     pub listen: SocketAddr,
     /// TLS (gRPC over HTTP/2 with TLS), with client certificates required
     /// when `clientCaFile` is set; unset: plaintext (h2c).
-    #[serde(default)]
     pub tls: Option<Tls>,
+    /// Gateway connections at most; at the cap a new one closes the oldest
+    /// with no stream open, or is closed itself. Lowered at start, with
+    /// `limits.maxConnections`, to fit the open-file limit. Default: 1024.
+    pub max_connections: usize,
+    /// Time from a stream's start to its first message (the request
+    /// headers), milliseconds; a stream that sends none is ended. Default:
+    /// 10000.
+    pub first_message_timeout_ms: u64,
+    /// A connection with no stream open is closed after this long,
+    /// milliseconds. Default: 60000.
+    pub idle_timeout_ms: u64,
+}
+
+impl Default for ExtProc {
+    fn default() -> Self {
+        ExtProc {
+            listen: "0.0.0.0:9002".parse().expect("a valid address"),
+            tls: None,
+            max_connections: 1024,
+            first_message_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
+        }
+    }
 }
 
 /// Where the endpoint set comes from: one source, written as a map of one
@@ -397,9 +419,19 @@ pub struct Tenancy {
 pub struct Limits {
     /// Largest request body, bytes. Default: 32 MiB.
     pub max_body_bytes: usize,
-    /// Request bodies held in memory at once, bytes; a request that would
-    /// exceed it gets 503 with `Retry-After`. Default: 512 MiB.
+    /// Request bodies held in memory at once, bytes, counted as they
+    /// arrive (a declared `Content-Length` reserves nothing); a request
+    /// that would exceed it gets 503 with `Retry-After`. Default: 512 MiB.
     pub max_body_bytes_in_flight: usize,
+    /// Of those, what one tenant's requests may hold (when the request's
+    /// credentials name a tenant); more gets 429 with `Retry-After`. At
+    /// least `maxBodyBytes`. Default: 128 MiB.
+    pub max_body_bytes_per_tenant: usize,
+    /// The slowest a body may arrive, bytes per second on average since
+    /// its headers, checked after its first 2 s; slower senders get 408,
+    /// so that trickling clients cannot hold the body budget. Default:
+    /// 16384.
+    pub body_min_bytes_per_s: u64,
     /// Prompts waiting for a tokenizer worker; more get 503 with
     /// `Retry-After`. Default: 1024.
     pub tokenize_queue: usize,
@@ -469,6 +501,8 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 32 << 20,
             max_body_bytes_in_flight: 512 << 20,
+            max_body_bytes_per_tenant: 128 << 20,
+            body_min_bytes_per_s: 16 << 10,
             tokenize_queue: 1024,
             max_tokenize_bytes: 2 << 20,
             max_connections: 10_000,
@@ -693,6 +727,10 @@ impl Config {
             ),
             ("limits.maxConnections", self.limits.max_connections),
             (
+                "limits.bodyMinBytesPerS",
+                self.limits.body_min_bytes_per_s as usize,
+            ),
+            (
                 "limits.headerReadTimeoutMs",
                 self.limits.header_read_timeout_ms as usize,
             ),
@@ -708,6 +746,17 @@ impl Config {
         ] {
             if value == 0 {
                 return Err(invalid(field, &0, "must be at least 1"));
+            }
+        }
+        if let Some(e) = &self.ext_proc {
+            for (field, value) in [
+                ("extProc.maxConnections", e.max_connections as u64),
+                ("extProc.firstMessageTimeoutMs", e.first_message_timeout_ms),
+                ("extProc.idleTimeoutMs", e.idle_timeout_ms),
+            ] {
+                if value == 0 {
+                    return Err(invalid(field, &0, "must be at least 1"));
+                }
             }
         }
         if self.limits.api_threads > 1024 {
@@ -728,6 +777,13 @@ impl Config {
             return Err(invalid(
                 "limits.maxBodyBytesInFlight",
                 &self.limits.max_body_bytes_in_flight,
+                "must be at least limits.maxBodyBytes",
+            ));
+        }
+        if self.limits.max_body_bytes_per_tenant < self.limits.max_body_bytes {
+            return Err(invalid(
+                "limits.maxBodyBytesPerTenant",
+                &self.limits.max_body_bytes_per_tenant,
                 "must be at least limits.maxBodyBytes",
             ));
         }

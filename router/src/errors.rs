@@ -24,6 +24,12 @@ pub enum ApiError {
         /// The limit.
         ms: u64,
     },
+    /// The client sent its body slower than `limits.bodyMinBytesPerS`.
+    #[error("the request body arrived slower than {min_bytes_per_s} bytes/s")]
+    BodyTooSlow {
+        /// The limit.
+        min_bytes_per_s: u64,
+    },
     /// No such model or path.
     #[error("{0}")]
     NotFound(String),
@@ -50,6 +56,10 @@ pub enum ApiError {
     /// the tokenizer queue is full.
     #[error("the router is at its limit for {0}; retry later")]
     Saturated(&'static str, u64),
+    /// The tenant's request bodies in memory are at
+    /// `limits.maxBodyBytesPerTenant`.
+    #[error("this tenant's request bodies in memory are at their limit; retry later")]
+    TenantSaturated(u64),
     /// Every attempt failed before a response.
     #[error("upstream failed: {0}")]
     Upstream(String),
@@ -75,7 +85,10 @@ impl ApiError {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::BodyTimeout { .. } | ApiError::BodyTooSlow { .. } => {
+                StatusCode::REQUEST_TIMEOUT
+            }
+            ApiError::TenantSaturated(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Saturated(..) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -95,6 +108,8 @@ impl ApiError {
             ApiError::Unauthenticated(_) => ("authentication_error", "unauthenticated"),
             ApiError::Forbidden(_) => ("permission_error", "forbidden"),
             ApiError::BodyTimeout { .. } => ("invalid_request_error", "request_timeout"),
+            ApiError::BodyTooSlow { .. } => ("invalid_request_error", "request_too_slow"),
+            ApiError::TenantSaturated(_) => ("rate_limit_error", "tenant_saturated"),
             ApiError::Saturated(..) => ("server_error", "router_saturated"),
             ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
             ApiError::TooLarge { .. } => ("invalid_request_error", "request_too_large"),
@@ -124,7 +139,8 @@ impl ApiError {
         match self {
             ApiError::Overloaded { retry_after }
             | ApiError::Unavailable { retry_after }
-            | ApiError::Saturated(_, retry_after) => Some(*retry_after),
+            | ApiError::Saturated(_, retry_after)
+            | ApiError::TenantSaturated(retry_after) => Some(*retry_after),
             _ => None,
         }
     }
@@ -156,6 +172,8 @@ mod tests {
             (ApiError::Forbidden("x".into()), 403),
             (ApiError::BodyTimeout { ms: 1 }, 408),
             (ApiError::Saturated("request bodies", 1), 503),
+            (ApiError::TenantSaturated(1), 429),
+            (ApiError::BodyTooSlow { min_bytes_per_s: 1 }, 408),
             (ApiError::TooLarge { limit: 1 }, 413),
             (ApiError::Overloaded { retry_after: 2 }, 429),
             (ApiError::Unavailable { retry_after: 3 }, 503),

@@ -7,6 +7,7 @@
 //! from [`discovery`]; engines' caches from [`cache_watch`]. Every routing
 //! decision is made by `kvroute-core`.
 
+pub mod body;
 pub mod cache_watch;
 pub mod chunks;
 pub mod config;

@@ -1,9 +1,17 @@
-//! Serving a listener with limits: at most `maxConnections` connections
-//! (more are closed as soon as they are accepted, and counted), a timer for
-//! hyper so the header-read timeout works, an idle timeout for connections
-//! with no request in progress, and HTTP/2 stream and reset limits. On stop
-//! it stops accepting, lets every connection finish its requests, and
-//! returns when the last one closed.
+//! Serving a listener with limits: at most `max_connections` connections,
+//! a timer for hyper so the header-read timeout works, an idle timeout for
+//! connections with no request in progress, and HTTP/2 stream and reset
+//! limits. At the cap, a new connection closes the oldest one with no
+//! request in progress (idle, or still sending its first headers), so idle
+//! sockets cannot lock out a health probe; when every connection has a
+//! request in progress, the new one is closed at once. Both are counted.
+//! On stop it stops accepting, lets every connection finish its requests,
+//! and returns when the last one closed.
+//!
+//! Every listener's cap fits the process's open-file limit
+//! ([`fit_to_open_files`]), which the process raises to its hard limit at
+//! start ([`raise_open_file_limit`]): no listener can take the descriptors
+//! another one needs.
 //!
 //! The API port's connections are dealt to threads of their own, each
 //! with a single-threaded runtime ([`serve_on_threads`]); the admin port's
@@ -13,10 +21,11 @@
 //! must finish within the header-read timeout. Not here: the body-read
 //! timeout (the proxy reads bodies).
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -28,18 +37,21 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
-use crate::config::Limits;
+use crate::config::{ExtProc, Limits};
 use crate::metrics::{ListenerReason, Metrics};
 
-/// File descriptors kept free for upstream connections, WatchCache streams,
-/// files and the admin port when fitting `maxConnections` to the process
-/// limit.
-const FD_RESERVE: u64 = 1024;
+/// The admin port's connection cap: probes and scrapes need few, and idle
+/// ones make room for new ones.
+pub const ADMIN_MAX_CONNECTIONS: usize = 128;
+/// The admin port's time to receive a request's headers.
+pub const ADMIN_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The admin port's idle timeout.
+pub const ADMIN_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Connection limits of one listener.
 #[derive(Clone, Debug)]
@@ -63,31 +75,29 @@ pub struct ConnLimits {
 }
 
 impl ConnLimits {
-    /// The API listener's limits: `maxConnections` lowered to fit the
-    /// process's open-file limit, leaving room for an upstream connection
-    /// per client connection and a reserve.
-    pub fn api(limits: &Limits) -> Self {
-        let mut max = limits.max_connections;
-        // Two descriptors per connection: its own and an upstream one.
-        if let Some(nofile) = open_file_limit() {
-            let fits = (nofile.saturating_sub(FD_RESERVE) / 2).max(1) as usize;
-            if fits < max {
-                tracing::warn!(
-                    configured = max,
-                    open_file_limit = nofile,
-                    using = fits,
-                    "limits.maxConnections lowered to fit the open-file limit (raise `ulimit -n` for more)"
-                );
-                max = fits;
-            }
-        }
-        Self::with_max(limits, max)
+    /// The API listener's limits with `max_connections` (see
+    /// [`fit_to_open_files`]).
+    pub fn api(limits: &Limits, max_connections: usize) -> Self {
+        Self::with_max(limits, max_connections)
     }
 
-    /// The admin listener's: the API's timeouts and a small connection cap
-    /// of its own, so neither port can starve the other.
+    /// The endpoint picker's: its own cap and idle timeout, the API's
+    /// HTTP/2 limits.
+    pub fn picker(limits: &Limits, picker: &ExtProc, max_connections: usize) -> Self {
+        ConnLimits {
+            idle_timeout: Duration::from_millis(picker.idle_timeout_ms),
+            ..Self::with_max(limits, max_connections)
+        }
+    }
+
+    /// The admin listener's: a small cap of its own and short timeouts, so
+    /// neither port can starve the other.
     pub fn admin(limits: &Limits) -> Self {
-        Self::with_max(limits, 64)
+        ConnLimits {
+            header_read_timeout: ADMIN_HEADER_READ_TIMEOUT,
+            idle_timeout: ADMIN_IDLE_TIMEOUT,
+            ..Self::with_max(limits, ADMIN_MAX_CONNECTIONS)
+        }
     }
 
     fn with_max(limits: &Limits, max_connections: usize) -> Self {
@@ -104,17 +114,80 @@ impl ConnLimits {
     }
 }
 
-/// The soft `RLIMIT_NOFILE`, read from `/proc/self/limits` (Linux); `None`
-/// elsewhere or when unlimited.
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit, logging what it
+/// did; a failure leaves the limit as it was.
+pub fn raise_open_file_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current >= limit.maximum {
+        return;
+    }
+    let from = limit.current;
+    limit.current = limit.maximum;
+    match setrlimit(Resource::Nofile, limit.clone()) {
+        Ok(()) => tracing::debug!(from = ?from, to = ?limit.current, "raised the open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
+    }
+}
+
+/// The soft `RLIMIT_NOFILE`; `None` when unlimited.
 fn open_file_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
+/// Connection caps that fit the open-file limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caps {
+    /// The API port's (two descriptors a connection: its own and one
+    /// upstream).
+    pub api: usize,
+    /// The endpoint picker's (one a connection).
+    pub picker: usize,
+}
+
+/// Fits the configured caps (0 for a listener not served) to the process's
+/// open-file limit (see [`fit_caps`]), warning when it lowered them.
+pub fn fit_to_open_files(api: usize, picker: usize) -> Caps {
+    let wanted = Caps { api, picker };
+    let Some(nofile) = open_file_limit() else {
+        return wanted;
+    };
+    let caps = fit_caps(wanted, nofile);
+    if caps != wanted {
+        tracing::warn!(
+            open_file_limit = nofile,
+            api = caps.api,
+            picker = caps.picker,
+            "limits.maxConnections and extProc.maxConnections lowered to fit the open-file limit (raise the hard `ulimit -n` for more)"
+        );
+    }
+    caps
+}
+
+/// The caps within `nofile` descriptors: a reserve (an eighth, at most
+/// 1024) for upstream pools, WatchCache streams, files and logs, then
+/// [`ADMIN_MAX_CONNECTIONS`], and what is left shared by the API and the
+/// picker in proportion to what each wants (each keeps at least one).
+pub fn fit_caps(wanted: Caps, nofile: u64) -> Caps {
+    let reserve = (nofile / 8).min(1024) + ADMIN_MAX_CONNECTIONS as u64;
+    let left = nofile.saturating_sub(reserve);
+    let need = 2 * wanted.api as u64 + wanted.picker as u64;
+    if need <= left {
+        return wanted;
+    }
+    let scale = |n: usize| {
+        let fitted = (n as u128 * left as u128 / need as u128) as usize;
+        if n == 0 { 0 } else { fitted.max(1) }
+    };
+    Caps {
+        api: scale(wanted.api),
+        picker: scale(wanted.picker),
+    }
 }
 
 /// Serves `app` on `listener` until `stopped` turns true, then waits for
-/// open connections to finish. `name` labels the metrics (`api`, `admin`).
-/// Connections are served on the caller's runtime.
+/// open connections to finish. `name` labels the metrics (`api`, `admin`,
+/// `picker`). Connections are served on the caller's runtime.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -130,14 +203,12 @@ pub async fn serve(
         metrics.clone(),
         name,
     ));
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    accept(listener, &slots, stopped, &metrics, name, |tcp, slot| {
+    let open = Arc::new(Connections::new(limits.max_connections));
+    accept(listener, &open, stopped, &metrics, name, |tcp, slot| {
         tokio::spawn(opener.clone().open(tcp, slot));
     })
     .await;
-    // Every connection holds a slot until it closes.
-    let max = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
-    let _ = slots.acquire_many(max).await;
+    open.all_closed().await;
 }
 
 /// As [`serve`], with the connections dealt to `limits.threads` threads
@@ -177,8 +248,8 @@ pub async fn serve_on_threads(
             }
         }
     }
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    accept(listener, &slots, stopped, &metrics, name, |tcp, slot| {
+    let open = Arc::new(Connections::new(limits.max_connections));
+    accept(listener, &open, stopped, &metrics, name, |tcp, slot| {
         let Some(worker) = workers
             .iter()
             .min_by_key(|w| w.open.load(Ordering::Relaxed))
@@ -207,15 +278,120 @@ pub async fn serve_on_threads(
     .await;
 }
 
-/// Accepts connections until `stopped` turns true, each within the
-/// `slots` (more are closed at once) and handed to `open`.
+/// A listener's open connections, oldest first, within its cap.
+#[derive(Debug)]
+struct Connections {
+    max: usize,
+    open: Mutex<BTreeMap<u64, Arc<Connection>>>,
+    next: AtomicU64,
+    /// Notified when a connection leaves `open`.
+    closed: Notify,
+}
+
+/// One open connection, as its listener sees it.
+#[derive(Debug)]
+struct Connection {
+    activity: Arc<Activity>,
+    /// Notified to close it, when a new connection needs its place.
+    evict: Notify,
+}
+
+/// A connection's place among its listener's [`Connections`], given up
+/// when dropped.
+#[derive(Debug)]
+struct Slot {
+    open: Arc<Connections>,
+    id: u64,
+    connection: Arc<Connection>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut open = self.open.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.remove(&self.id);
+        drop(open);
+        self.open.closed.notify_waiters();
+    }
+}
+
+/// Whether a new connection was admitted, and what it cost.
+enum Admitted {
+    /// Within the cap.
+    Free(Slot),
+    /// In the place of the oldest connection with no request in progress,
+    /// which is told to close.
+    Evicted(Slot),
+}
+
+impl Connections {
+    fn new(max: usize) -> Self {
+        Connections {
+            max: max.max(1),
+            open: Mutex::default(),
+            next: AtomicU64::new(0),
+            closed: Notify::new(),
+        }
+    }
+
+    /// A place for a new connection, or `None` when every open one has a
+    /// request in progress.
+    fn admit(self: &Arc<Self>) -> Option<Admitted> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut evicted = false;
+        if open.len() >= self.max {
+            let idle = open
+                .iter()
+                .find(|(_, c)| c.activity.active.load(Ordering::SeqCst) == 0)
+                .map(|(id, _)| *id)?;
+            if let Some(old) = open.remove(&idle) {
+                old.evict.notify_one();
+            }
+            evicted = true;
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let connection = Arc::new(Connection {
+            activity: Arc::new(Activity::new()),
+            evict: Notify::new(),
+        });
+        open.insert(id, connection.clone());
+        let slot = Slot {
+            open: self.clone(),
+            id,
+            connection,
+        };
+        Some(if evicted {
+            Admitted::Evicted(slot)
+        } else {
+            Admitted::Free(slot)
+        })
+    }
+
+    /// Resolves once every admitted connection has closed (or was told to).
+    async fn all_closed(&self) {
+        loop {
+            let closed = self.closed.notified();
+            if self
+                .open
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            {
+                return;
+            }
+            closed.await;
+        }
+    }
+}
+
+/// Accepts connections until `stopped` turns true, each within the open
+/// connections' cap, and hands them to `serve`.
 async fn accept(
     listener: TcpListener,
-    slots: &Arc<Semaphore>,
+    open: &Arc<Connections>,
     mut stopped: watch::Receiver<bool>,
     metrics: &Metrics,
     name: &'static str,
-    mut open: impl FnMut(TcpStream, OwnedSemaphorePermit),
+    mut serve: impl FnMut(TcpStream, Slot),
 ) {
     loop {
         let accepted = tokio::select! {
@@ -233,20 +409,29 @@ async fn accept(
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            refused(metrics, name, "max_connections");
-            drop(tcp);
-            continue;
+        let slot = match open.admit() {
+            Some(Admitted::Free(slot)) => slot,
+            Some(Admitted::Evicted(slot)) => {
+                metrics
+                    .connections_evicted
+                    .get_or_create(&crate::metrics::Listener { listener: name })
+                    .inc();
+                slot
+            }
+            None => {
+                refused(metrics, name, "max_connections");
+                continue;
+            }
         };
         // Small SSE chunks must not wait for delayed ACKs.
         let _ = tcp.set_nodelay(true);
-        open(tcp, slot);
+        serve(tcp, slot);
     }
 }
 
 /// A thread serving the connections sent to it.
 struct Worker {
-    connections: mpsc::UnboundedSender<(std::net::TcpStream, OwnedSemaphorePermit)>,
+    connections: mpsc::UnboundedSender<(std::net::TcpStream, Slot)>,
     /// Its open connections.
     open: Arc<AtomicUsize>,
     thread: std::thread::JoinHandle<()>,
@@ -261,8 +446,7 @@ impl Worker {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let (connections, mut received) =
-            mpsc::unbounded_channel::<(std::net::TcpStream, OwnedSemaphorePermit)>();
+        let (connections, mut received) = mpsc::unbounded_channel::<(std::net::TcpStream, Slot)>();
         let open = Arc::new(AtomicUsize::new(0));
         let counted = open.clone();
         // The caller's subscriber, scoped or global, logs for the thread.
@@ -346,24 +530,36 @@ impl Opener {
         }
     }
 
-    /// Serves `tcp` (after the TLS handshake, with TLS) until it closes;
-    /// `slot` is held until then.
-    async fn open(self: Arc<Self>, tcp: TcpStream, slot: OwnedSemaphorePermit) {
-        let (app, stopped) = (self.app.clone(), self.stopped.clone());
-        match &self.tls {
-            None => connection(&self.builder, tcp, app, self.idle, stopped).await,
-            Some(tls) => match tokio::time::timeout(self.handshake, tls.accept(tcp)).await {
-                Ok(Ok(stream)) => connection(&self.builder, stream, app, self.idle, stopped).await,
-                failed => {
-                    let reason = if failed.is_err() {
-                        "tls_timeout"
-                    } else {
-                        "tls_handshake"
-                    };
-                    tracing::debug!(listener = self.name, reason, "TLS handshake failed");
-                    refused(&self.metrics, self.name, reason);
-                }
-            },
+    /// Serves `tcp` (after the TLS handshake, with TLS) until it closes
+    /// or is evicted; `slot` is held until then.
+    async fn open(self: Arc<Self>, tcp: TcpStream, slot: Slot) {
+        let this = slot.connection.clone();
+        let serve = async {
+            let (app, stopped) = (self.app.clone(), self.stopped.clone());
+            let activity = this.activity.clone();
+            match &self.tls {
+                None => connection(&self.builder, tcp, app, activity, self.idle, stopped).await,
+                Some(tls) => match tokio::time::timeout(self.handshake, tls.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        connection(&self.builder, stream, app, activity, self.idle, stopped).await
+                    }
+                    failed => {
+                        let reason = if failed.is_err() {
+                            "tls_timeout"
+                        } else {
+                            "tls_handshake"
+                        };
+                        tracing::debug!(listener = self.name, reason, "TLS handshake failed");
+                        refused(&self.metrics, self.name, reason);
+                    }
+                },
+            }
+        };
+        tokio::select! {
+            () = serve => {}
+            () = this.evict.notified() => {
+                tracing::debug!(listener = self.name, "closed an idle connection for a new one");
+            }
         }
         drop(slot);
     }
@@ -382,10 +578,10 @@ async fn connection(
     builder: &auto::Builder<TokioExecutor>,
     io: impl AsyncRead + AsyncWrite + Unpin + Send + 'static,
     app: Router,
+    activity: Arc<Activity>,
     idle: Duration,
     mut stopped: watch::Receiver<bool>,
 ) {
-    let activity = Arc::new(Activity::new());
     let service = {
         let activity = activity.clone();
         hyper::service::service_fn(move |request: Request<Incoming>| {

@@ -65,6 +65,7 @@ fn trim_arenas_periodically() {}
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     trim_arenas_periodically();
+    kvroute_router::listener::raise_open_file_limit();
     let cli = Cli::parse();
     let mut config = match &cli.config {
         Some(path) => Config::load(path)?,
@@ -74,8 +75,8 @@ async fn main() -> anyhow::Result<()> {
         config.listen = Some(listen);
     }
     if let Some(listen) = cli.ext_proc_listen {
-        let tls = config.ext_proc.take().and_then(|e| e.tls);
-        config.ext_proc = Some(kvroute_router::config::ExtProc { listen, tls });
+        let picker = config.ext_proc.get_or_insert_with(Default::default);
+        picker.listen = listen;
     }
     if let Some(admin) = cli.admin_listen {
         config.admin_listen = admin;

@@ -79,10 +79,17 @@ pub struct Outcome {
 /// `{listener, reason}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ListenerReason {
-    /// `api` or `admin`.
+    /// `api`, `admin` or `picker`.
     pub listener: &'static str,
     /// Why the connection was closed.
     pub reason: &'static str,
+}
+
+/// `{listener}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Listener {
+    /// `api`, `admin` or `picker`.
+    pub listener: &'static str,
 }
 
 /// `{endpoint, kind}`.
@@ -120,8 +127,14 @@ pub struct Metrics {
     pub restorations: Family<Why, Counter>,
     /// `kvroute_connections_refused_total{listener,reason}`.
     pub connections_refused: Family<ListenerReason, Counter>,
+    /// `kvroute_connections_evicted_total{listener}`.
+    pub connections_evicted: Family<Listener, Counter>,
     /// `kvroute_routing_decisions_total{reason}`.
     pub routing_decisions: Family<Why, Counter>,
+    /// `kvroute_request_bodies_refused_total{reason}`.
+    pub bodies_refused: Family<Why, Counter>,
+    /// `kvroute_request_body_bytes`.
+    pub body_bytes: Gauge,
     /// `kvroute_first_choice_total`.
     pub first_choice: Counter,
     /// `kvroute_routed_total`.
@@ -171,7 +184,10 @@ impl Default for Metrics {
             ejections_refused: Family::default(),
             restorations: Family::default(),
             connections_refused: Family::default(),
+            connections_evicted: Family::default(),
             routing_decisions: Family::default(),
+            bodies_refused: Family::default(),
+            body_bytes: Gauge::default(),
             first_choice: Counter::default(),
             routed: Counter::default(),
             prompt_tokens: Family::default(),
@@ -221,9 +237,24 @@ impl Default for Metrics {
             m.connections_refused.clone(),
         );
         r.register(
+            "kvroute_connections_evicted",
+            "Connections with no request in progress closed to make room for a new one at the listener's cap, by listener",
+            m.connections_evicted.clone(),
+        );
+        r.register(
             "kvroute_routing_decisions",
             "Routing decisions by reason: warm (longest cached prefix), cold (no cached prefix; rendezvous first choice), spill (first choice over its load bound), retry (a later attempt)",
             m.routing_decisions.clone(),
+        );
+        r.register(
+            "kvroute_request_bodies_refused",
+            "Request bodies refused while they arrived, by reason: too_large (limits.maxBodyBytes), budget (limits.maxBodyBytesInFlight), tenant_budget (limits.maxBodyBytesPerTenant), too_slow (limits.bodyMinBytesPerS), timeout (limits.bodyReadTimeoutMs)",
+            m.bodies_refused.clone(),
+        );
+        r.register(
+            "kvroute_request_body_bytes",
+            "Bytes of request bodies held in memory (counted by the KiB as they arrive)",
+            m.body_bytes.clone(),
         );
         r.register(
             "kvroute_first_choice",
@@ -316,6 +347,12 @@ impl Metrics {
                 kind,
             })
             .inc();
+    }
+
+    /// The exposition text without the pool's gauges.
+    #[cfg(test)]
+    pub(crate) fn render_text(&self) -> String {
+        kvroute_telemetry::metrics::encode(&[&self.registry])
     }
 
     /// The exposition text, with the pool's gauges.

@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use axum::http::request::Parts;
 use axum::http::{Request, Response, StatusCode, Uri};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::stream;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -24,11 +24,12 @@ use hyper_util::rt::TokioExecutor;
 use kvroute_core::hash::BlockExtras;
 use kvroute_core::keys::{KeyInput, RoutingKey};
 use kvroute_core::policy::Request as RouteRequest;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use crate::body::{self, BodyBudget, Received};
 use crate::config::{Config, Limits};
 use crate::conversations::{Conversation, Conversations, Memo, Scope};
 use crate::errors::ApiError;
@@ -79,8 +80,8 @@ pub struct Proxy {
     private_headers: Vec<HeaderName>,
     clients: Clients,
     queued: AtomicUsize,
-    /// Request bodies in memory, in KiB permits.
-    bodies: Arc<Semaphore>,
+    /// Request bodies in memory.
+    bodies: Arc<BodyBudget>,
     tokenizers: Workers,
     models: Arc<Models>,
     /// Tenants named in metrics.
@@ -125,77 +126,6 @@ impl Clients {
             .with(std::cell::Cell::get)
             .map_or(last, |k| k.min(last));
         &self.0[k]
-    }
-}
-
-/// A request body as it arrives, within `limits.maxBodyBytes` and the body
-/// budget: its permit holds the body's share of the budget until dropped.
-#[derive(Debug)]
-pub(crate) struct Received {
-    /// The body while it is one frame: forwarded as hyper read it, with
-    /// no copy.
-    first: Option<Bytes>,
-    /// The body once a second frame came: one contiguous copy, as the
-    /// JSON scan and the tokenizer read it.
-    buf: BytesMut,
-    /// The declared length, the copy's capacity.
-    declared: usize,
-    permit: Option<OwnedSemaphorePermit>,
-    /// KiB of the budget held.
-    reserved: usize,
-}
-
-impl Received {
-    /// Reserves a `declared` length at once (refused when over the limit
-    /// or the budget).
-    pub(crate) fn new(proxy: &Proxy, declared: Option<usize>) -> Result<Self, ApiError> {
-        let limit = proxy.limits.max_body_bytes;
-        if declared.is_some_and(|n| n > limit) {
-            return Err(ApiError::TooLarge { limit });
-        }
-        let mut received = Received {
-            first: None,
-            buf: BytesMut::new(),
-            declared: declared.unwrap_or(0),
-            permit: None,
-            reserved: declared.unwrap_or(0).div_ceil(1024),
-        };
-        proxy.reserve(received.reserved, &mut received.permit)?;
-        Ok(received)
-    }
-
-    /// Appends `data`; an undeclared length reserves ahead, a MiB at a time.
-    pub(crate) fn push(&mut self, proxy: &Proxy, data: Bytes) -> Result<(), ApiError> {
-        let limit = proxy.limits.max_body_bytes;
-        let held = self.first.as_ref().map_or(self.buf.len(), Bytes::len);
-        let len = held + data.len();
-        if len > limit {
-            return Err(ApiError::TooLarge { limit });
-        }
-        if len.div_ceil(1024) > self.reserved {
-            let want = len
-                .div_ceil(1024)
-                .max(self.reserved + 1024)
-                .min(limit.div_ceil(1024));
-            proxy.reserve(want - self.reserved, &mut self.permit)?;
-            self.reserved = want;
-        }
-        if self.first.is_none() && self.buf.is_empty() {
-            self.first = Some(data);
-            return Ok(());
-        }
-        if let Some(first) = self.first.take() {
-            self.buf.reserve(self.declared.max(len));
-            self.buf.extend_from_slice(&first);
-        }
-        self.buf.extend_from_slice(&data);
-        Ok(())
-    }
-
-    /// The whole body and its budget.
-    pub(crate) fn finish(self) -> (Bytes, Option<OwnedSemaphorePermit>) {
-        let body = self.first.unwrap_or_else(|| self.buf.freeze());
-        (body, self.permit)
     }
 }
 
@@ -318,7 +248,6 @@ impl Proxy {
         {
             private_headers.push(h.clone());
         }
-        let kib = |bytes: usize| bytes.div_ceil(1024).min(Semaphore::MAX_PERMITS);
         let tenant_labels = tenancy
             .tenants()
             .chain(config.telemetry.tenant_labels.iter().cloned())
@@ -337,7 +266,7 @@ impl Proxy {
             private_headers,
             clients,
             queued: AtomicUsize::new(0),
-            bodies: Arc::new(Semaphore::new(kib(limits.max_body_bytes_in_flight))),
+            bodies: BodyBudget::new(&limits, &metrics),
             tokenizers: Workers::new(limits.tokenize_queue),
             limits,
             models: Arc::default(),
@@ -401,61 +330,42 @@ impl Proxy {
         self.metrics.requests.get_or_create(&labels).inc();
     }
 
-    /// Reserves `kib` more of the body budget, or refuses at once.
-    fn reserve(&self, kib: usize, held: &mut Option<OwnedSemaphorePermit>) -> Result<(), ApiError> {
-        if kib == 0 {
-            return Ok(());
-        }
-        let saturated =
-            || ApiError::Saturated("request bodies in memory", self.limits.retry_after_s);
-        let n = u32::try_from(kib).map_err(|_| saturated())?;
-        let permit = self
-            .bodies
-            .clone()
-            .try_acquire_many_owned(n)
-            .map_err(|_| saturated())?;
-        match held {
-            Some(h) => h.merge(permit),
-            None => *held = Some(permit),
-        }
-        Ok(())
-    }
-
-    /// Reads the body within `limits.maxBodyBytes`, the body budget and
-    /// `limits.bodyReadTimeoutMs`. The permit holds the body's share of the
-    /// budget until the caller drops it.
+    /// Reads the body within its limits ([`crate::body`]) for `tenant`.
+    /// The body's share of the budget is held until the caller drops it.
     async fn read_body(
         &self,
         parts: &Parts,
         mut body: Body,
-    ) -> Result<(Bytes, Option<OwnedSemaphorePermit>), ApiError> {
+        tenant: Option<&str>,
+    ) -> Result<(Bytes, body::Held), ApiError> {
         let declared = parts
             .headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
-        let mut received = Received::new(self, declared)?;
-        let read = async {
-            while let Some(frame) = body.frame().await {
-                let frame = frame
-                    .map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?;
-                if let Ok(data) = frame.into_data() {
-                    received.push(self, data)?;
-                }
+        let mut received = Received::new(&self.bodies, declared, tenant)?;
+        loop {
+            let (deadline, _) = received.deadline();
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(Some(frame)) => frame
+                    .map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?,
+                Ok(None) => return Ok(received.finish()),
+                Err(_) => return Err(received.expired()),
+            };
+            if let Ok(data) = frame.into_data() {
+                received.push(data)?;
             }
-            Ok(())
-        };
-        let ms = self.limits.body_read_timeout_ms;
-        match tokio::time::timeout(Duration::from_millis(ms), read).await {
-            Ok(Ok(())) => Ok(received.finish()),
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(ApiError::BodyTimeout { ms }),
         }
     }
 
-    /// `limits.bodyReadTimeoutMs`.
-    pub(crate) fn body_timeout(&self) -> Duration {
-        Duration::from_millis(self.limits.body_read_timeout_ms)
+    /// The budget of request bodies in memory.
+    pub(crate) fn bodies(&self) -> &Arc<BodyBudget> {
+        &self.bodies
+    }
+
+    /// `limits.firstByteTimeoutMs`.
+    pub(crate) fn first_byte_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.first_byte_timeout_ms)
     }
 
     async fn handle(
@@ -467,7 +377,7 @@ impl Proxy {
         let decision_start = Instant::now();
         let path = parts.uri.path();
         let tenant = self.admit(path, &parts.headers, labels)?;
-        let (bytes, _budget) = self.read_body(parts, body).await?;
+        let (bytes, _budget) = self.read_body(parts, body, tenant.as_deref()).await?;
         let (analysis, plan) = self
             .route(path, &parts.headers, tenant, bytes, labels, &|_| true)
             .await?;

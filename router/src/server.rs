@@ -159,7 +159,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             kvroute_proto::tls::client(&t.ca_file, identity, t.server_name.as_deref())
         })
         .transpose()?;
-    let ext_proc_tls = config
+    let picker_tls = config
         .ext_proc
         .as_ref()
         .and_then(|e| e.tls.as_ref())
@@ -229,6 +229,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
 
     let (stop, stopped) = watch::channel(false);
     let mut tasks = Vec::new();
+    let caps = listener::fit_to_open_files(
+        api.as_ref().map_or(0, |_| config.limits.max_connections),
+        config.ext_proc.as_ref().map_or(0, |e| e.max_connections),
+    );
     let api_addr = api.as_ref().map(|(_, addr)| *addr);
     if let Some((api, _)) = api {
         tasks.push(tokio::spawn(listener::serve_on_threads(
@@ -236,7 +240,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             api_routes(proxy.clone()),
             ConnLimits {
                 tls,
-                ..ConnLimits::api(&config.limits)
+                ..ConnLimits::api(&config.limits, caps.api)
             },
             stopped.clone(),
             metrics.clone(),
@@ -245,10 +249,15 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         )));
     }
     let ext_proc_addr = ext_proc.as_ref().map(|(_, addr)| *addr);
-    if let Some((ext_proc, _)) = ext_proc {
+    if let (Some((ext_proc, _)), Some(picker)) = (ext_proc, config.ext_proc.clone()) {
+        let conn = ConnLimits {
+            tls: picker_tls,
+            ..ConnLimits::picker(&config.limits, &picker, caps.picker)
+        };
         let (proxy, limits, stopped) = (proxy.clone(), config.limits.clone(), stopped.clone());
+        let metrics = metrics.clone();
         tasks.push(tokio::spawn(async move {
-            crate::ext_proc::serve(ext_proc, ext_proc_tls, proxy, &limits, stopped).await;
+            crate::ext_proc::serve(ext_proc, conn, &picker, proxy, &limits, stopped, metrics).await;
         }));
     }
     tasks.push(tokio::spawn(listener::serve(

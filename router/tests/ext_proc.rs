@@ -318,7 +318,7 @@ async fn picker(
         |c| {
             c.ext_proc = Some(kvroute_router::config::ExtProc {
                 listen: "127.0.0.1:0".parse().unwrap(),
-                tls: None,
+                ..Default::default()
             });
             config(c);
         },
@@ -716,6 +716,7 @@ async fn the_picker_speaks_mutual_tls() {
                     key_file: path("server.key"),
                     client_ca_file: Some(path("ca.crt")),
                 }),
+                ..Default::default()
             });
         },
     )

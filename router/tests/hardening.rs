@@ -408,8 +408,25 @@ async fn slow_idle_and_excess_connections_are_closed() {
         closed_by_peer(&mut idle).await,
         "idle connections are closed"
     );
-    // Four connections held open; the fifth is closed at once, and the
-    // admin port still answers.
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn at_the_cap_a_new_connection_closes_an_idle_one_or_is_closed() {
+    let stack = Stack::start(
+        "busy-conns",
+        1,
+        false,
+        |c| c.extra_latency_ms = 5_000,
+        |c| {
+            c.resilience.health_check = None;
+            c.limits.max_connections = 4;
+        },
+    )
+    .await;
+    // Four connections with no request in progress (half-sent headers):
+    // a fifth closes the oldest of them and is served.
+    let addr = stack.router.addr();
     let mut held = Vec::new();
     for _ in 0..4 {
         let mut c = TcpStream::connect(addr).await.unwrap();
@@ -418,7 +435,39 @@ async fn slow_idle_and_excess_connections_are_closed() {
             .unwrap();
         held.push(c);
     }
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut fifth = TcpStream::connect(addr).await.unwrap();
+    fifth
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), fifth.read(&mut buf))
+        .await
+        .expect("an answer")
+        .unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    assert!(closed_by_peer(&mut held[0]).await, "the oldest was closed");
+    let metrics = stack.metrics().await;
+    assert!(
+        metrics.contains("kvroute_connections_evicted_total{listener=\"api\"} 1"),
+        "{metrics}"
+    );
+    drop(held);
+    drop(fifth);
+    // Four connections with requests in progress: a fifth is closed at
+    // once.
+    let body = serde_json::to_string(&chat("busy", "hold on", 1)).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        c.write_all(request.as_bytes()).await.unwrap();
+        held.push(c);
+    }
+    eventually("four requests in flight", || in_flight(&stack) == 4).await;
     let mut excess = TcpStream::connect(addr).await.unwrap();
     let mut buf = [0u8; 16];
     let n = tokio::time::timeout(Duration::from_secs(2), excess.read(&mut buf))

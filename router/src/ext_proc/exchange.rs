@@ -4,16 +4,20 @@
 //! 1. Request headers: checks the credentials (and that the path is
 //!    proxied when a body follows) and reads the subset hint. It answers
 //!    nothing yet: the decision needs the body.
-//! 2. Request body chunks: kept, within `limits.maxBodyBytes`, the body
-//!    budget and `limits.bodyReadTimeoutMs`; chunks may split anywhere.
+//! 2. Request body chunks: kept within the body limits of
+//!    [`crate::body`] (size, budget, timeout, minimum rate); chunks may
+//!    split anywhere.
 //! 3. The body's end (`end_of_stream`, or the request trailers): the same
 //!    decision as the HTTP proxy's ([`Proxy::route`]), among the hinted
 //!    endpoints. The answer: the headers response with the ranked
 //!    `x-gateway-destination-endpoint` list and the same `envoy.lb`
 //!    metadata, then the body (rewritten when tenancy sets `cache_salt`),
 //!    in chunks; then the trailers response if trailers ended it. A request
-//!    without a body goes to the least loaded endpoint at once.
-//! 4. Response headers: the endpoint that served (`…-served`, which may
+//!    without a body goes to the least loaded endpoint at once. Once the
+//!    answers are sent, the body's budget is given back.
+//! 4. Response headers, within `limits.firstByteTimeoutMs` of the pick
+//!    (else the stream ends with `DEADLINE_EXCEEDED` and the request's
+//!    load is released): the endpoint that served (`…-served`, which may
 //!    differ from the pick when the gateway fell back) takes the request's
 //!    load, and the policy learns it there, not at the pick.
 //! 5. Response body and trailers: passed back as they come, never
@@ -27,6 +31,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -35,15 +40,16 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::policy::Request as RouteRequest;
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Status, Streaming};
 
 use super::envoy::{self, Direction, Headers, Subset};
+use crate::body::{Held, Received};
 use crate::errors::ApiError;
 use crate::health::Fault;
 use crate::pool::{InFlight, Target};
-use crate::proxy::{Analysis, Expected, Guard, Labels, Proxy, Received};
+use crate::proxy::{Analysis, Expected, Guard, Labels, Proxy};
 
 /// Serves one `Process` stream: reads the gateway's messages and sends the
 /// answers on `out` until the request is over or the stream ends.
@@ -51,11 +57,13 @@ pub(crate) async fn run(
     proxy: Arc<Proxy>,
     mut inbound: Streaming<ProcessingRequest>,
     out: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    first_message: Duration,
 ) {
     let mut exchange = Exchange {
         proxy,
         echo_response: true,
         started: Instant::now(),
+        first_message,
         phase: Phase::Start,
     };
     loop {
@@ -63,8 +71,7 @@ pub(crate) async fn run(
             Some(deadline) => match tokio::time::timeout_at(deadline, inbound.message()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    let ms = exchange.proxy.body_timeout().as_millis() as u64;
-                    let stop = exchange.refuse(ApiError::BodyTimeout { ms });
+                    let stop = exchange.expired();
                     send(&out, Vec::new(), Some(stop)).await;
                     return;
                 }
@@ -76,7 +83,10 @@ pub(crate) async fn run(
             // The gateway closed its side: the request is over.
             Ok(None) => return exchange.ended(),
             Err(status) => {
-                tracing::debug!(%status, "the gateway reset the ext_proc stream");
+                // A message over the size limit, a malformed one, or the
+                // gateway's reset: say why (a reset stream drops it).
+                tracing::debug!(%status, "the ext_proc stream failed");
+                let _ = out.send(Err(status)).await;
                 return;
             }
         };
@@ -89,6 +99,7 @@ pub(crate) async fn run(
         if !send(&out, answers, stop).await || matches!(exchange.phase, Phase::Done) {
             return;
         }
+        exchange.forwarded();
     }
 }
 
@@ -132,8 +143,10 @@ struct Exchange {
     /// Whether response body chunks go back to the gateway
     /// (`FULL_DUPLEX_STREAMED`), or are acknowledged only.
     echo_response: bool,
-    /// When the request headers arrived.
+    /// When the stream opened, then when the request headers arrived.
     started: Instant,
+    /// `extProc.firstMessageTimeoutMs`.
+    first_message: Duration,
     phase: Phase,
 }
 
@@ -158,7 +171,6 @@ struct Pending {
     labels: Labels,
     received: Received,
     subset: Option<Subset>,
-    deadline: Instant,
 }
 
 /// A decided request.
@@ -172,14 +184,52 @@ struct Picked {
     load: InFlight,
     sent: Instant,
     /// The body's share of the budget, until the body has gone out.
-    budget: Option<OwnedSemaphorePermit>,
+    budget: Option<Held>,
 }
 
 impl Exchange {
+    /// When the phase in progress times out: the first message's, the
+    /// body's deadline, or
+    /// `limits.firstByteTimeoutMs` after the pick for the response
+    /// headers (the gateway's filter may never send them).
     fn deadline(&self) -> Option<Instant> {
         match &self.phase {
-            Phase::Body(p) => Some(p.deadline),
+            Phase::Start => Some(self.started + self.first_message),
+            Phase::Body(p) => Some(p.received.deadline().0),
+            Phase::Sent(p) => Some(p.sent + self.proxy.first_byte_timeout()),
             _ => None,
+        }
+    }
+
+    /// Ends the phase whose [`deadline`](Self::deadline) passed.
+    fn expired(&mut self) -> Stop {
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Start => Stop::Protocol(Status::deadline_exceeded(
+                "no request headers within extProc.firstMessageTimeoutMs",
+            )),
+            Phase::Body(p) => {
+                let error = p.received.expired();
+                refused(p.labels, error)
+            }
+            Phase::Sent(mut p) => {
+                // Its load goes with it.
+                p.labels.count(StatusCode::GATEWAY_TIMEOUT.as_str());
+                Stop::Protocol(Status::deadline_exceeded(
+                    "no response headers from the gateway within limits.firstByteTimeoutMs",
+                ))
+            }
+            phase => {
+                self.phase = phase;
+                protocol("a deadline in a phase without one")
+            }
+        }
+    }
+
+    /// The answers sent so far are on their way: the body they carried no
+    /// longer needs its budget.
+    fn forwarded(&mut self) {
+        if let Phase::Sent(p) = &mut self.phase {
+            p.budget = None;
         }
     }
 
@@ -236,7 +286,9 @@ impl Exchange {
                                 .map
                                 .get(axum::http::header::CONTENT_LENGTH)
                                 .and_then(|v| v.to_str().ok()?.parse().ok());
-                            Ok((tenant, Received::new(&self.proxy, declared)?))
+                            let bodies = self.proxy.bodies();
+                            let received = Received::new(bodies, declared, tenant.as_deref())?;
+                            Ok((tenant, received))
                         });
                 let (tenant, received) = match admitted {
                     Ok(a) => a,
@@ -249,12 +301,11 @@ impl Exchange {
                     labels,
                     received,
                     subset,
-                    deadline: self.started + self.proxy.body_timeout(),
                 }));
                 Ok(Vec::new())
             }
             (Phase::Body(mut pending), Message::RequestBody(b)) => {
-                if let Err(e) = pending.received.push(&self.proxy, b.body.into()) {
+                if let Err(e) = pending.received.push(b.body.into()) {
                     self.phase = Phase::Body(pending);
                     return Err(self.refuse(e));
                 }
@@ -369,7 +420,7 @@ impl Exchange {
             cached,
             load,
             sent: Instant::now(),
-            budget,
+            budget: Some(budget),
         }));
         self.proxy
             .metrics

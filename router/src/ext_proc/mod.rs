@@ -11,6 +11,12 @@
 //! `SEND`, and should forward the `envoy.lb.subset_hint` and `envoy.lb`
 //! metadata namespaces and accept `envoy.lb` back. Also served: gRPC health
 //! (`grpc.health.v1`) for `liveness`, `readiness` and the ext_proc service.
+//!
+//! The listener has the limits of [`crate::listener`] (a connection cap,
+//! an idle timeout, HTTP/2 stream limits); a stream must send its first
+//! message within `extProc.firstMessageTimeoutMs`, and a message may be as
+//! large as `limits.maxBodyBytes` (a larger or malformed one ends the
+//! stream with the gRPC error that says so).
 //! Not here: the HTTP proxy ([`crate::proxy`]), whose decision this shares.
 
 pub mod envoy;
@@ -27,28 +33,38 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::server::NamedService;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-use crate::config::Limits;
+use crate::config::{ExtProc, Limits};
+use crate::listener::{self, ConnLimits};
+use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 
 /// Answers queued per exchange before the picker waits for the gateway to
 /// read them (a large body goes back in many chunks).
 const ANSWERS_QUEUED: usize = 16;
 
+/// Room in a message beside its body chunk: headers and metadata.
+const MESSAGE_OVERHEAD: usize = 256 << 10;
+
 /// The `ExternalProcessor` service: one exchange per request stream.
 #[derive(Clone, Debug)]
 pub struct Picker {
     proxy: Arc<Proxy>,
+    /// `extProc.firstMessageTimeoutMs`.
+    first_message: Duration,
 }
 
 impl Picker {
-    /// A picker deciding with `proxy`'s pool, policy, tenancy and limits.
-    pub fn new(proxy: Arc<Proxy>) -> Self {
-        Picker { proxy }
+    /// A picker deciding with `proxy`'s pool, policy, tenancy and limits,
+    /// ending streams that send nothing within `first_message`.
+    pub fn new(proxy: Arc<Proxy>, first_message: Duration) -> Self {
+        Picker {
+            proxy,
+            first_message,
+        }
     }
 }
 
@@ -61,65 +77,47 @@ impl ExternalProcessor for Picker {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let (out, answers) = mpsc::channel(ANSWERS_QUEUED);
-        tokio::spawn(exchange::run(self.proxy.clone(), request.into_inner(), out));
+        let inbound = request.into_inner();
+        tokio::spawn(exchange::run(
+            self.proxy.clone(),
+            inbound,
+            out,
+            self.first_message,
+        ));
         Ok(Response::new(ReceiverStream::new(answers)))
     }
 }
 
 /// The picker's TLS settings from `tls`'s PEM files, checked as the API
 /// listener's are (an unreadable or invalid file is an error naming it).
-pub fn tls(tls: &crate::config::Tls) -> Result<ServerTlsConfig, kvroute_proto::tls::TlsError> {
-    let ca = tls.client_ca_file.as_deref();
-    kvroute_proto::tls::https_server(&tls.cert_file, &tls.key_file, ca)?;
-    let read = |path: &std::path::Path| {
-        std::fs::read(path)
-            .map_err(|e| kvroute_proto::tls::TlsError::Invalid(format!("{}: {e}", path.display())))
-    };
-    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(
-        read(&tls.cert_file)?,
-        read(&tls.key_file)?,
-    ));
-    if let Some(ca) = ca {
-        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
-    }
-    Ok(config)
+pub fn tls(
+    tls: &crate::config::Tls,
+) -> Result<Arc<rustls::ServerConfig>, kvroute_proto::tls::TlsError> {
+    kvroute_proto::tls::https_server(&tls.cert_file, &tls.key_file, tls.client_ca_file.as_deref())
 }
 
-/// Serves the picker and its health on `listener` (over `tls` when set)
-/// until `stopped` turns true, then lets the open exchanges finish.
+/// Serves the picker and its health on `listener` within `conn` (its
+/// connection cap, TLS and timeouts; see [`crate::listener`]) until
+/// `stopped` turns true, then lets the open exchanges finish.
 pub async fn serve(
     listener: TcpListener,
-    tls: Option<ServerTlsConfig>,
+    conn: ConnLimits,
+    picker: &ExtProc,
     proxy: Arc<Proxy>,
     limits: &Limits,
-    mut stopped: watch::Receiver<bool>,
+    stopped: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
     let readiness = tokio::spawn(report_health(proxy.clone(), reporter));
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        builder = match builder.tls_config(tls) {
-            Ok(b) => b,
-            Err(e) => {
-                readiness.abort();
-                tracing::error!(error = %e, "the ext_proc listener's TLS settings failed");
-                return;
-            }
-        };
-    }
-    let served = builder
-        .max_concurrent_streams(limits.http2_max_concurrent_streams)
-        .add_service(health)
-        .add_service(ExternalProcessorServer::new(Picker::new(proxy)))
-        .serve_with_incoming_shutdown(incoming, async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        })
-        .await;
+    let first_message = Duration::from_millis(picker.first_message_timeout_ms);
+    let processor = ExternalProcessorServer::new(Picker::new(proxy, first_message))
+        .max_decoding_message_size(limits.max_body_bytes.saturating_add(MESSAGE_OVERHEAD));
+    let app = tonic::service::Routes::new(health)
+        .add_service(processor)
+        .into_axum_router();
+    listener::serve(listener, app, conn, stopped, metrics, "picker").await;
     readiness.abort();
-    if let Err(e) = served {
-        tracing::error!(error = %e, "the ext_proc listener failed");
-    }
 }
 
 /// Keeps the gRPC health services current: `liveness` always serving;

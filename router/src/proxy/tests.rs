@@ -616,32 +616,3 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
     let other = analyze(body("A prompt no engine has seen. "), false).await;
     assert_eq!(other.len(), 1);
 }
-
-#[test]
-fn a_body_read_in_one_frame_is_forwarded_without_a_copy() {
-    let mut config = Config::default();
-    config.limits.max_body_bytes = 10_000;
-    let (proxy, _) = test_proxy(&config);
-    let frame = Bytes::from(vec![b'x'; 4_000]);
-    for declared in [Some(4_000), None] {
-        let mut one = Received::new(&proxy, declared).unwrap();
-        one.push(&proxy, frame.clone()).unwrap();
-        let (body, permit) = one.finish();
-        assert_eq!(body.as_ptr(), frame.as_ptr(), "the frame itself");
-        assert_eq!(body.len(), 4_000);
-        assert!(permit.is_some());
-    }
-    // More frames are joined into one buffer, in order.
-    let mut two = Received::new(&proxy, Some(8_000)).unwrap();
-    two.push(&proxy, frame.clone()).unwrap();
-    two.push(&proxy, Bytes::from(vec![b'y'; 4_000])).unwrap();
-    let (body, _) = two.finish();
-    assert_eq!(&body[..4_000], &frame[..]);
-    assert!(body[4_000..].iter().all(|&b| b == b'y'));
-    // The limit counts every frame, the first one held too.
-    let mut three = Received::new(&proxy, None).unwrap();
-    three.push(&proxy, frame.clone()).unwrap();
-    three.push(&proxy, frame.clone()).unwrap();
-    let e = three.push(&proxy, frame).unwrap_err();
-    assert_eq!(e.status().as_u16(), 413, "{e}");
-}
