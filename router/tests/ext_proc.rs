@@ -803,3 +803,155 @@ async fn salted_tenancy_rewrites_the_body_and_checks_keys() {
     stack.stop().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+impl Envoy {
+    /// The gRPC error that ended the stream.
+    async fn error(&mut self) -> tonic::Status {
+        match tokio::time::timeout(Duration::from_secs(20), self.from.message()).await {
+            Ok(Err(status)) => status,
+            other => panic!("expected a gRPC error, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn declared_lengths_reserve_nothing_on_the_picker() {
+    let (stack, mut client) = picker("xp-declared", 2, false, |c| {
+        c.limits.body_min_bytes_per_s = 1;
+    })
+    .await;
+    // 16 streams each declaring 32 MiB and sending one byte: old code
+    // reserved 512 MiB, the whole budget.
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        let envoy = Envoy::open(&mut client).await;
+        envoy
+            .request_headers(
+                "/v1/chat/completions",
+                &[("content-length", "33554432")],
+                None,
+            )
+            .await;
+        envoy
+            .send(
+                Message::RequestBody(HttpBody {
+                    body: b" ".to_vec(),
+                    end_of_stream: false,
+                    ..HttpBody::default()
+                }),
+                None,
+            )
+            .await;
+        held.push(envoy);
+    }
+    let body = serde_json::to_vec(&chat("honest", "q", 1)).unwrap();
+    let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[64]).await;
+    let d = envoy.decision().await;
+    assert_eq!(d.body, body);
+    let metrics = stack.metrics().await;
+    assert!(
+        sum_of(&metrics, "kvroute_request_body_bytes") <= 17.0 * 1024.0,
+        "{metrics}"
+    );
+    drop((held, envoy));
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn silent_streams_and_missing_response_headers_time_out() {
+    let (stack, mut client) = picker("xp-deadlines", 1, false, |c| {
+        let picker = c.ext_proc.as_mut().unwrap();
+        picker.first_message_timeout_ms = 300;
+        c.limits.first_byte_timeout_ms = 300;
+    })
+    .await;
+    // A stream that never sends a message is ended.
+    let mut silent = Envoy::open(&mut client).await;
+    let status = silent.error().await;
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
+    // A pick whose response headers never come releases its load.
+    let body = serde_json::to_vec(&chat("s", "u", 1)).unwrap();
+    let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[64]).await;
+    let d = envoy.decision().await;
+    assert_eq!(in_flight(&stack, d.endpoints[0]), 1);
+    let status = envoy.error().await;
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
+    eventually("the load is released", || {
+        in_flight(&stack, d.endpoints[0]) == 0
+    })
+    .await;
+    let metrics = stack.metrics().await;
+    assert!(metrics.contains("status=\"504\"} 1"), "{metrics}");
+    // The defaults end a silent stream within a minute.
+    let defaults = kvroute_router::config::ExtProc::default();
+    assert!(defaults.first_message_timeout_ms <= 60_000);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_and_malformed_messages_get_a_grpc_error() {
+    let (stack, mut client) = picker("xp-malformed", 1, false, |c| {
+        c.limits.max_body_bytes = 64 << 10;
+    })
+    .await;
+    // A chunk over the decode limit (the body limit and some room).
+    let envoy = Envoy::open(&mut client).await;
+    envoy
+        .request_headers("/v1/chat/completions", &[], None)
+        .await;
+    let mut envoy = envoy;
+    envoy
+        .send(
+            Message::RequestBody(HttpBody {
+                body: vec![b' '; 1 << 20],
+                end_of_stream: false,
+                ..HttpBody::default()
+            }),
+            None,
+        )
+        .await;
+    let status = envoy.error().await;
+    assert_ne!(status.code(), tonic::Code::Ok, "{status}");
+    assert!(status.message().contains("too large"), "{status}");
+    // Bytes that are no ProcessingRequest, sent as a gRPC message.
+    let status = raw_grpc(stack.router.ext_proc_addr.unwrap(), &[0xff; 7]).await;
+    assert_ne!(status, "0", "a malformed message is not a success");
+    stack.stop().await;
+}
+
+/// Sends `message` as one gRPC message on a `Process` stream, over a bare
+/// HTTP/2 connection, and returns the `grpc-status` that ended it.
+async fn raw_grpc(addr: SocketAddr, message: &[u8]) -> String {
+    use http_body_util::BodyExt;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    frame.extend_from_slice(message);
+    let request = hyper::Request::post(format!(
+        "http://{addr}/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(http_body_util::Full::new(bytes::Bytes::from(frame)))
+    .unwrap();
+    let response = send.send_request(request).await.unwrap();
+    if let Some(status) = response.headers().get("grpc-status") {
+        return status.to_str().unwrap().to_owned();
+    }
+    let collected = tokio::time::timeout(Duration::from_secs(20), response.into_body().collect())
+        .await
+        .unwrap()
+        .unwrap();
+    let trailers = collected.trailers().cloned().unwrap_or_default();
+    trailers
+        .get("grpc-status")
+        .map(|s| s.to_str().unwrap().to_owned())
+        .unwrap_or_else(|| "none".into())
+}
