@@ -169,6 +169,40 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Checks what clap's parsers cannot: the URLs and endpoints, with the
+    /// ranks' port offsets. The message names the flag and the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        let url = reqwest::Url::parse(&self.engine_url)
+            .map_err(|e| e.to_string())
+            .and_then(|u| match (u.scheme(), u.host_str()) {
+                ("http" | "https", Some(h)) if !h.is_empty() => Ok(()),
+                ("http" | "https", _) => Err("it has no host".to_owned()),
+                (scheme, _) => Err(format!("the scheme is {scheme}, not http or https")),
+            });
+        if let Err(why) = url {
+            return Err(format!(
+                "--engine-url {:?} is not an http(s) URL: {why}",
+                self.engine_url
+            ));
+        }
+        let last_rank = self.data_parallel_size.saturating_sub(1);
+        let endpoints = [
+            ("--kv-events-endpoint", Some(&self.kv_events_endpoint)),
+            (
+                "--kv-events-replay-endpoint",
+                self.kv_events_replay_endpoint.as_ref(),
+            ),
+        ];
+        for (flag, endpoint) in endpoints {
+            if let Some(endpoint) = endpoint {
+                offset_port(endpoint, last_rank).map_err(|why| format!("{flag} {why}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -190,12 +224,12 @@ pub fn offset_port(endpoint: &str, by: u32) -> Result<String, String> {
     let rest = endpoint.strip_prefix("tcp://").ok_or_else(bad)?;
     let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
     let port: u16 = port.parse().map_err(|_| bad())?;
-    if host.is_empty() {
+    if host.is_empty() || host == "*" || host.contains(char::is_whitespace) {
         return Err(bad());
     }
     let port = port
         .checked_add(u16::try_from(by).map_err(|_| bad())?)
-        .ok_or_else(|| format!("{endpoint}: port + rank {by} is over 65535"))?;
+        .ok_or_else(|| format!("{endpoint:?}: port + rank {by} is over 65535"))?;
     Ok(format!("tcp://{host}:{port}"))
 }
 
@@ -225,6 +259,7 @@ impl Agent {
 
 /// Starts following every rank and serving them.
 pub async fn start(config: Config) -> Result<Agent, StartError> {
+    config.validate().map_err(StartError::Config)?;
     let hasher = BlockHasher::new(HashConfig {
         algo: config.prefix_caching_hash_algo,
         block_size: config.block_size as usize,

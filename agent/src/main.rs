@@ -25,6 +25,12 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Err(e) = cli.config.validate() {
+        // One line naming the flag, as clap's own errors; before anything
+        // is bound or logged.
+        eprintln!("error: {}", kvroute_agent::StartError::Config(e));
+        std::process::exit(2);
+    }
     let _telemetry = kvroute_telemetry::init("kvroute-agent", cli.log_format, None)?;
     let agent = kvroute_agent::start(cli.config).await?;
     let stop = kvroute_telemetry::shutdown_signal();
