@@ -7,15 +7,19 @@
 //! - [`verify`]: recomputing hashes from the engine's tokens, to catch a
 //!   wrong algorithm or seed;
 //! - [`rank`]: one data-parallel rank: batches in, WatchCache out;
-//! - [`zmq`]: the SUB and replay sockets (pure-Rust ZMQ, see there);
+//! - [`zmq`]: following the SUB and replay sockets, under size limits;
+//! - [`zmtp`]: the ZMTP 3 client those sockets speak (see there for why
+//!   it is not a crate's);
+//! - [`throttle`]: log lines about what a peer controls, a few per kind;
 //! - [`load`]: load and capacity from vLLM's `/metrics`, restarts from
 //!   `/health`;
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`.
 //!
 //! [`start`] runs it all; the binary is a thin wrapper.
 //!
-//! Crates: ZMQ is `zeromq` (zmq.rs), a pure-Rust ZMTP implementation on
-//! tokio, so the image carries no libzmq (checked against libzmq by
+//! Crates: ZMQ is the agent's own ZMTP 3 client ([`zmtp`]), because the
+//! pure-Rust `zeromq` crate cannot refuse a message before buffering it
+//! whole; the image carries no libzmq either way (checked against libzmq by
 //! pyzmq in CI); msgpack is `rmpv`, the `rmp` family's dynamic values,
 //! because vLLM's events are a union of shapes across versions.
 
@@ -25,8 +29,10 @@ pub mod load;
 pub mod metrics;
 pub mod rank;
 pub mod resident;
+pub mod throttle;
 pub mod verify;
 pub mod zmq;
+pub mod zmtp;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -47,7 +53,7 @@ use crate::rank::Rank;
 #[derive(Clone, Debug, clap::Args)]
 pub struct Config {
     /// vLLM's KV events PUB endpoint, as its `--kv-events-config` `endpoint`
-    /// seen from the agent (rank r's is this port + r).
+    /// seen from the agent: `tcp://host:port` (rank r's is this port + r).
     #[arg(
         long,
         env = "KVROUTE_AGENT_KV_EVENTS_ENDPOINT",
@@ -76,7 +82,8 @@ pub struct Config {
     )]
     pub admin_listen: SocketAddr,
 
-    /// vLLM's HTTP base URL, for `/metrics` and `/health`.
+    /// vLLM's HTTP base URL (http or https, with a host), for `/metrics`
+    /// and `/health`.
     #[arg(
         long,
         env = "KVROUTE_AGENT_ENGINE_URL",
