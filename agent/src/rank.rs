@@ -181,11 +181,14 @@ impl Rank {
     }
 
     fn restart_locked(&self, state: &mut State, reason: &'static str) {
-        tracing::warn!(
-            rank = self.rank,
-            reason,
-            "starting a new incarnation: the resident set is cleared"
-        );
+        if let Some(left_out) = self.metrics.log_allowed(self.rank, reason) {
+            tracing::warn!(
+                rank = self.rank,
+                reason,
+                left_out,
+                "starting a new incarnation: the resident set is cleared"
+            );
+        }
         self.metrics.restart(self.rank, reason);
         state.resident.clear();
         state.sequence.reset();

@@ -187,12 +187,15 @@ pub async fn follow(
             };
             drop(frames);
             if let Step::Replay { from, pending } = rank.live(message) {
-                tracing::info!(
-                    rank = r,
-                    from,
-                    to = pending.seq - 1,
-                    "gap in KV events: asking for a replay"
-                );
+                if let Some(left_out) = metrics.log_allowed(r, "gap") {
+                    tracing::info!(
+                        rank = r,
+                        from,
+                        to = pending.seq - 1,
+                        left_out,
+                        "gap in KV events: asking for a replay"
+                    );
+                }
                 if let Some(endpoint) = &endpoints.replay {
                     match replay(endpoint, from, &rank, &metrics).await {
                         Ok(applied) => tracing::debug!(rank = r, applied, "replayed"),

@@ -407,10 +407,16 @@ async fn a_replay_flood_is_applied_as_it_comes_and_memory_goes_back() {
         agent.counter("kvroute_agent_resident_blocks", None).await,
         BATCHES + 2
     );
+    let since = std::time::Instant::now();
     until("resident memory back within 64 MiB of before", || async {
         agent.memory().0 < before + 64 * MIB
     })
     .await;
+    eprintln!(
+        "replay flood: resident {} MiB {:.1} s after it",
+        agent.memory().0 / MIB,
+        since.elapsed().as_secs_f64()
+    );
     assert_eq!(agent.readyz().await.0, 200);
 }
 
