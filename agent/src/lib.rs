@@ -7,15 +7,19 @@
 //! - [`verify`]: recomputing hashes from the engine's tokens, to catch a
 //!   wrong algorithm or seed;
 //! - [`rank`]: one data-parallel rank: batches in, WatchCache out;
-//! - [`zmq`]: the SUB and replay sockets (pure-Rust ZMQ, see there);
+//! - [`zmq`]: following the SUB and replay sockets, under size limits;
+//! - [`zmtp`]: the ZMTP 3 client those sockets speak (see there for why
+//!   it is not a crate's);
+//! - [`throttle`]: log lines about what a peer controls, a few per kind;
 //! - [`load`]: load and capacity from vLLM's `/metrics`, restarts from
 //!   `/health`;
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`.
 //!
 //! [`start`] runs it all; the binary is a thin wrapper.
 //!
-//! Crates: ZMQ is `zeromq` (zmq.rs), a pure-Rust ZMTP implementation on
-//! tokio, so the image carries no libzmq (checked against libzmq by
+//! Crates: ZMQ is the agent's own ZMTP 3 client ([`zmtp`]), because the
+//! pure-Rust `zeromq` crate cannot refuse a message before buffering it
+//! whole; the image carries no libzmq either way (checked against libzmq by
 //! pyzmq in CI); msgpack is `rmpv`, the `rmp` family's dynamic values,
 //! because vLLM's events are a union of shapes across versions.
 
@@ -25,8 +29,10 @@ pub mod load;
 pub mod metrics;
 pub mod rank;
 pub mod resident;
+pub mod throttle;
 pub mod verify;
 pub mod zmq;
+pub mod zmtp;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -47,7 +53,7 @@ use crate::rank::Rank;
 #[derive(Clone, Debug, clap::Args)]
 pub struct Config {
     /// vLLM's KV events PUB endpoint, as its `--kv-events-config` `endpoint`
-    /// seen from the agent (rank r's is this port + r).
+    /// seen from the agent: `tcp://host:port` (rank r's is this port + r).
     #[arg(
         long,
         env = "KVROUTE_AGENT_KV_EVENTS_ENDPOINT",
@@ -76,7 +82,8 @@ pub struct Config {
     )]
     pub admin_listen: SocketAddr,
 
-    /// vLLM's HTTP base URL, for `/metrics` and `/health`.
+    /// vLLM's HTTP base URL (http or https, with a host), for `/metrics`
+    /// and `/health`.
     #[arg(
         long,
         env = "KVROUTE_AGENT_ENGINE_URL",
@@ -169,6 +176,40 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Checks what clap's parsers cannot: the URLs and endpoints, with the
+    /// ranks' port offsets. The message names the flag and the bad value.
+    pub fn validate(&self) -> Result<(), String> {
+        let url = reqwest::Url::parse(&self.engine_url)
+            .map_err(|e| e.to_string())
+            .and_then(|u| match (u.scheme(), u.host_str()) {
+                ("http" | "https", Some(h)) if !h.is_empty() => Ok(()),
+                ("http" | "https", _) => Err("it has no host".to_owned()),
+                (scheme, _) => Err(format!("the scheme is {scheme}, not http or https")),
+            });
+        if let Err(why) = url {
+            return Err(format!(
+                "--engine-url {:?} is not an http(s) URL: {why}",
+                self.engine_url
+            ));
+        }
+        let last_rank = self.data_parallel_size.saturating_sub(1);
+        let endpoints = [
+            ("--kv-events-endpoint", Some(&self.kv_events_endpoint)),
+            (
+                "--kv-events-replay-endpoint",
+                self.kv_events_replay_endpoint.as_ref(),
+            ),
+        ];
+        for (flag, endpoint) in endpoints {
+            if let Some(endpoint) = endpoint {
+                offset_port(endpoint, last_rank).map_err(|why| format!("{flag} {why}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -190,12 +231,12 @@ pub fn offset_port(endpoint: &str, by: u32) -> Result<String, String> {
     let rest = endpoint.strip_prefix("tcp://").ok_or_else(bad)?;
     let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
     let port: u16 = port.parse().map_err(|_| bad())?;
-    if host.is_empty() {
+    if host.is_empty() || host == "*" || host.contains(char::is_whitespace) {
         return Err(bad());
     }
     let port = port
         .checked_add(u16::try_from(by).map_err(|_| bad())?)
-        .ok_or_else(|| format!("{endpoint}: port + rank {by} is over 65535"))?;
+        .ok_or_else(|| format!("{endpoint:?}: port + rank {by} is over 65535"))?;
     Ok(format!("tcp://{host}:{port}"))
 }
 
@@ -225,6 +266,7 @@ impl Agent {
 
 /// Starts following every rank and serving them.
 pub async fn start(config: Config) -> Result<Agent, StartError> {
+    config.validate().map_err(StartError::Config)?;
     let hasher = BlockHasher::new(HashConfig {
         algo: config.prefix_caching_hash_algo,
         block_size: config.block_size as usize,

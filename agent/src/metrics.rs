@@ -9,6 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::events::Event;
+use crate::throttle::Throttle;
 use crate::verify::Checked;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -41,6 +42,7 @@ pub struct Metrics {
     restarts: Family<RankKind, Counter>,
     verified: Family<RankKind, Counter>,
     scrapes: Family<RankKind, Counter>,
+    throttle: Throttle,
 }
 
 impl Metrics {
@@ -75,7 +77,7 @@ impl Metrics {
         );
         registry.register(
             "kvroute_agent_malformed",
-            "Messages or events skipped, by reason (frames, sequence, payload, oversized, too_many_media)",
+            "Messages or events skipped, by reason (frames: a wrong count or over the limit, sequence, payload, oversized: over the size limit, read past unkept, too_many_media, block_size: a BlockStored of another block size)",
             m.malformed.clone(),
         );
         registry.register(
@@ -94,6 +96,12 @@ impl Metrics {
             m.scrapes.clone(),
         );
         Metrics { registry, ..m }
+    }
+
+    /// Whether a line of `kind` for `rank` may be logged now (see
+    /// [`Throttle`]); lines about what a peer controls ask first.
+    pub fn log_allowed(&self, rank: u32, kind: &'static str) -> Option<u64> {
+        self.throttle.allow(rank, kind)
     }
 
     /// The counters' registry.

@@ -14,9 +14,18 @@
 //!   cleared, new incarnation;
 //! - more GPU blocks than the engine's capacity (removals missed) is a set
 //!   known wrong: cleared, new incarnation;
-//! - a `BlockStored` whose block size is not the configured one is a fault:
-//!   the rank stops serving (a clear error on WatchCache and `/readyz`),
-//!   since every hash a router computes would be wrong;
+//! - a `BlockStored` whose block size is not the configured one is skipped
+//!   (counted as malformed, `block_size`), and it, or a `block_size` other
+//!   than the configured one in `vllm:cache_config_info`, is a fault: the
+//!   rank stops serving (a clear error on WatchCache and `/readyz`), since
+//!   every hash a router computes would be wrong;
+//! - the fault lasts while the engine says so, and clears when both agree
+//!   with the configured size again: the scrapes' `cache_config_info`
+//!   does, and either a `BlockStored` of the configured size came, or a
+//!   whole scrape interval passed with none of another size (an idle
+//!   engine, out of service while the rank does not serve, sends no
+//!   events to clear it). The set holds no block of the odd size, so
+//!   serving resumes with the same incarnation;
 //! - a hash recomputed from the event's tokens that differs from the
 //!   reported one sets `hash_verification_failed` in the config (and sends
 //!   every subscriber a new snapshot), which routers' contract check reads.
@@ -55,7 +64,15 @@ struct State {
     verifier: Verifier,
     config: v1::CacheConfig,
     load: v1::LoadReport,
-    /// Why the rank does not serve, when it does not.
+    /// The block size of the last `BlockStored` of another size than the
+    /// configured one, while it stands.
+    events_block_size: Option<u32>,
+    /// Such a `BlockStored` came since the last scrape.
+    odd_since_scrape: bool,
+    /// `vllm:cache_config_info`'s block size at the last scrape, when not
+    /// the configured one.
+    metrics_block_size: Option<u32>,
+    /// Why the rank does not serve, when it does not (from the above).
     fault: Option<String>,
     /// A batch or a replay arrived, or the stream was quiet long enough.
     synced: bool,
@@ -96,6 +113,9 @@ impl Rank {
                 verifier: Verifier::new(hasher),
                 config,
                 load: v1::LoadReport::default(),
+                events_block_size: None,
+                odd_since_scrape: false,
+                metrics_block_size: None,
                 fault: None,
                 synced: false,
             }),
@@ -161,11 +181,14 @@ impl Rank {
     }
 
     fn restart_locked(&self, state: &mut State, reason: &'static str) {
-        tracing::warn!(
-            rank = self.rank,
-            reason,
-            "starting a new incarnation: the resident set is cleared"
-        );
+        if let Some(left_out) = self.metrics.log_allowed(self.rank, reason) {
+            tracing::warn!(
+                rank = self.rank,
+                reason,
+                left_out,
+                "starting a new incarnation: the resident set is cleared"
+            );
+        }
         self.metrics.restart(self.rank, reason);
         state.resident.clear();
         state.sequence.reset();
@@ -176,22 +199,44 @@ impl Rank {
     fn apply(&self, state: &mut State, seq: u64, batch: &Batch) {
         state.sequence.applied(seq);
         state.synced = true;
-        self.metrics.batch(self.rank, &batch.events);
         let block_size = state.config.block_size;
+        // The engine's last word on its block size in this batch.
+        let last_size = batch.events.iter().rev().find_map(|e| match e {
+            Event::Stored(s) => Some(s.block_size),
+            _ => None,
+        });
+        let odd = |e: &Event| matches!(e, Event::Stored(s) if s.block_size != block_size);
+        let kept;
+        let batch = match batch.events.iter().filter(|e| odd(e)).count() {
+            0 => batch,
+            skipped => {
+                for _ in 0..skipped {
+                    self.metrics.malformed(self.rank, "block_size");
+                }
+                kept = Batch {
+                    ts: batch.ts,
+                    events: batch.events.iter().filter(|e| !odd(e)).cloned().collect(),
+                    dp_rank: batch.dp_rank,
+                };
+                &kept
+            }
+        };
+        match last_size {
+            Some(size) if size != block_size => {
+                state.events_block_size = Some(size);
+                state.odd_since_scrape = true;
+            }
+            Some(_) => state.events_block_size = None,
+            None => {}
+        }
+        self.refresh_fault(state);
+        self.metrics.batch(self.rank, &batch.events);
         let mut mismatch = None;
         for event in &batch.events {
             let Event::Stored(s) = event else { continue };
-            if s.block_size != block_size {
-                self.fault(
-                    state,
-                    format!("vLLM stores blocks of {} tokens", s.block_size),
-                );
-            }
-            if s.block_size == block_size {
-                let checked = state.verifier.check(s);
-                self.metrics.verified(self.rank, &checked);
-                mismatch = mismatch.or(checked.mismatched);
-            }
+            let checked = state.verifier.check(s);
+            self.metrics.verified(self.rank, &checked);
+            mismatch = mismatch.or(checked.mismatched);
         }
         if let Some((reported, recomputed)) = mismatch
             && !state.config.hash_verification_failed
@@ -253,20 +298,45 @@ impl Rank {
         }
     }
 
-    /// The engine's block size is not the configured one: every hash a
-    /// router computes would be wrong, so the rank stops serving.
-    fn fault(&self, state: &mut State, what: String) {
-        if state.fault.is_some() {
+    /// Recomputes the fault from what the engine last said of its block
+    /// size: a rank that starts to disagree stops serving (its streams
+    /// end: every hash a router computes would be wrong); one that agrees
+    /// again serves. Logged on each change only.
+    fn refresh_fault(&self, state: &mut State) {
+        let configured = state.config.block_size;
+        let said: Vec<String> = [
+            state
+                .events_block_size
+                .map(|bs| format!("vLLM stores blocks of {bs} tokens")),
+            state
+                .metrics_block_size
+                .map(|bs| format!("vLLM's cache_config_info says block_size {bs}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let fault = (!said.is_empty()).then(|| {
+            format!(
+                "{} but the agent was started with --block-size {configured}: start it (and the \
+                 routers) with vLLM's block size",
+                said.join(" and ")
+            )
+        });
+        if fault == state.fault {
             return;
         }
-        let fault = format!(
-            "{what} but the agent was started with --block-size {}: start it (and the routers) \
-             with vLLM's block size",
-            state.config.block_size
-        );
-        tracing::error!(rank = self.rank, "{fault}");
-        state.fault = Some(fault);
-        state.feed.end_streams();
+        match &fault {
+            Some(fault) => {
+                tracing::error!(rank = self.rank, "{fault}");
+                state.feed.end_streams();
+            }
+            None => tracing::warn!(
+                rank = self.rank,
+                block_size = configured,
+                "vLLM's events and cache_config_info agree with --block-size again: serving"
+            ),
+        }
+        state.fault = fault;
     }
 
     /// The stream was quiet since subscribing: nothing to wait for.
@@ -275,18 +345,20 @@ impl Rank {
     }
 
     /// The engine's capacity (`num_gpu_blocks`) and block size as its
-    /// metrics report them; a new capacity sends every subscriber a new
-    /// snapshot.
+    /// metrics report them, at each scrape; a new capacity sends every
+    /// subscriber a new snapshot.
     pub fn engine_config(&self, capacity: u64, block_size: Option<u32>) {
         let mut state = self.lock();
-        if let Some(bs) = block_size
-            && bs != state.config.block_size
-        {
-            self.fault(
-                &mut state,
-                format!("vLLM's cache_config_info says block_size {bs}"),
-            );
+        let configured = state.config.block_size;
+        state.metrics_block_size = block_size.filter(|&bs| bs != configured);
+        if block_size == Some(configured) {
+            // An odd `BlockStored` stands until a whole interval between
+            // scrapes brings none (or one of the configured size comes).
+            if !std::mem::take(&mut state.odd_since_scrape) {
+                state.events_block_size = None;
+            }
         }
+        self.refresh_fault(&mut state);
         if capacity != state.config.capacity_blocks {
             state.config.capacity_blocks = capacity;
             let snapshot = snapshot(&state);
@@ -478,6 +550,46 @@ mod tests {
         r.live(batch(1, vec![stored(&[1000], "GPU")]));
         assert_ne!(r.position().0, incarnation, "101 of 100 do not");
         assert!(r.stats().0.is_empty(), "cleared");
+    }
+
+    fn sized(hashes: &[u64], block_size: u32) -> Event {
+        let Event::Stored(s) = stored(hashes, "GPU") else {
+            unreachable!()
+        };
+        Event::Stored(Stored { block_size, ..s })
+    }
+
+    #[test]
+    fn an_odd_block_size_stops_serving_until_the_engine_agrees_again() {
+        let r = rank();
+        let (incarnation, _) = r.position();
+        r.live(batch(0, vec![sized(&[1], 16), sized(&[2], 4)]));
+        let why = r.not_ready().expect("faulted");
+        assert!(why.contains("blocks of 4 tokens"), "{why}");
+        assert_eq!(r.stats().0, [("GPU".to_owned(), 1)], "block 2 skipped");
+        r.live(batch(1, vec![sized(&[3], 16)]));
+        assert_eq!(r.not_ready(), None, "the events agree again");
+
+        // An idle engine: its scrapes clear it once an interval passes
+        // with no odd event.
+        r.live(batch(2, vec![sized(&[4], 4)]));
+        r.engine_config(100, Some(16));
+        assert!(
+            r.not_ready().is_some(),
+            "the odd event came in this interval"
+        );
+        r.engine_config(100, Some(16));
+        assert_eq!(r.not_ready(), None);
+
+        // The engine's own config disagreeing holds until it agrees.
+        r.engine_config(100, Some(8));
+        r.live(batch(3, vec![sized(&[5], 16)]));
+        let why = r.not_ready().expect("faulted");
+        assert!(why.contains("block_size 8"), "{why}");
+        r.engine_config(100, Some(16));
+        assert_eq!(r.not_ready(), None);
+        assert_eq!(r.stats().0, [("GPU".to_owned(), 3)], "1, 3 and 5");
+        assert_eq!(r.position().0, incarnation, "same incarnation");
     }
 
     #[test]
