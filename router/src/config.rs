@@ -44,8 +44,11 @@ pub struct Config {
     pub tls: Option<Tls>,
     /// A file holding a bearer token that `/debug/*` on the admin port
     /// requires (`Authorization: Bearer <token>`); `/metrics`, `/healthz`
-    /// stay open. Unset: `/debug/*` is open to whoever reaches the port.
+    /// stay open. Unset: `/debug/*` answers only on a loopback
+    /// `adminListen`, or with `debug.open`.
     pub admin_token_file: Option<PathBuf>,
+    /// The admin port's `/debug` endpoints.
+    pub debug: DebugEndpoints,
     /// TLS for the router's gRPC streams: WatchCache to the engines and
     /// WatchPool to the operator; unset: plaintext.
     pub grpc_tls: Option<GrpcTls>,
@@ -99,6 +102,7 @@ impl Default for Config {
             telemetry: Telemetry::default(),
             tls: None,
             admin_token_file: None,
+            debug: DebugEndpoints::default(),
             grpc_tls: None,
             ext_proc: None,
         }
@@ -141,6 +145,32 @@ pub struct ExtProc {
     /// A connection with no stream open is closed after this long,
     /// milliseconds. Default: 60000.
     pub idle_timeout_ms: u64,
+    /// Whether only the gateways can reach the picker's port (a
+    /// NetworkPolicy, the chart's `router.picker.allowedFrom`). Only a
+    /// trusted picker, or one whose gateways present a certificate
+    /// (`tls.clientCaFile`), has the statuses it reports feed ejection
+    /// and may serve salted tenancy with the tenant from
+    /// `tenancy.tenantHeader`. Default: false.
+    pub trusted_network: bool,
+}
+
+impl ExtProc {
+    /// Whether what the gateways say can be trusted: their network is
+    /// declared trusted, or they are authenticated by certificate.
+    pub fn trusted(&self) -> bool {
+        self.trusted_network || self.tls.as_ref().is_some_and(|t| t.client_ca_file.is_some())
+    }
+}
+
+/// The admin port's `/debug` endpoints.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct DebugEndpoints {
+    /// Serve them without `adminTokenFile`'s token on a non-loopback admin
+    /// address (they show which prompts' blocks are cached). Without a
+    /// token they are served only when `adminListen` is a loopback
+    /// address, or with this. Default: false.
+    pub open: bool,
 }
 
 impl Default for ExtProc {
@@ -151,6 +181,7 @@ impl Default for ExtProc {
             max_connections: 1024,
             first_message_timeout_ms: 10_000,
             idle_timeout_ms: 60_000,
+            trusted_network: false,
         }
     }
 }
@@ -748,6 +779,17 @@ impl Config {
                 return Err(invalid(field, &0, "must be at least 1"));
             }
         }
+        if let Some(e) = &self.ext_proc
+            && self.tenancy.mode == TenancyMode::Salted
+            && self.tenancy.api_keys_file.is_none()
+            && !e.trusted()
+        {
+            return Err(invalid(
+                "extProc.trustedNetwork",
+                &false,
+                "salted tenancy with the tenant from tenancy.tenantHeader alone needs a trusted picker: set extProc.tls.clientCaFile (gateways authenticated by certificate) or extProc.trustedNetwork: true (only gateways reach the port), or tenancy.apiKeysFile",
+            ));
+        }
         if let Some(e) = &self.ext_proc {
             for (field, value) in [
                 ("extProc.maxConnections", e.max_connections as u64),
@@ -990,6 +1032,25 @@ telemetry: {logFormat: json, endpointHeader: ""}
             c.tenancy.tenant_header,
             Some(Header::from_static("x-tenant"))
         );
+    }
+
+    #[test]
+    fn salted_header_tenancy_needs_a_trusted_picker() {
+        let base = "tenancy: {mode: salted, tenantHeader: x-t, secretFile: s}\n";
+        let parse = |picker: &str| {
+            let c: Config = serde_yaml::from_str(&format!("{base}extProc: {picker}")).unwrap();
+            c.validate().map_err(|e| e.to_string())
+        };
+        let err = parse("{listen: '127.0.0.1:9002'}").unwrap_err();
+        assert!(err.starts_with("extProc.trustedNetwork: "), "{err}");
+        assert!(err.contains("tenancy.tenantHeader"), "{err}");
+        parse("{listen: '127.0.0.1:9002', trustedNetwork: true}").unwrap();
+        parse("{listen: '127.0.0.1:9002', tls: {certFile: c, keyFile: k, clientCaFile: ca}}")
+            .unwrap();
+        // Without a picker, the API port's rule stands (an authenticating
+        // gateway sets the header).
+        let c: Config = serde_yaml::from_str(base).unwrap();
+        c.validate().unwrap();
     }
 
     #[test]

@@ -47,6 +47,9 @@ use crate::tenancy::Tenancy;
 /// large prompt never stalls the workers that carry streams.
 const INLINE_BODY_BYTES: usize = 16 << 10;
 
+/// How long an explain waits for the one before it (503 after).
+const EXPLAIN_WAIT: Duration = Duration::from_secs(10);
+
 /// The `model` label of requests whose model the endpoints do not serve:
 /// labels come only from served models, so clients cannot add series.
 const UNKNOWN_MODEL: &str = "unknown";
@@ -82,6 +85,8 @@ pub struct Proxy {
     queued: AtomicUsize,
     /// Request bodies in memory.
     bodies: Arc<BodyBudget>,
+    /// Explains running: one at a time.
+    explains: Arc<Semaphore>,
     tokenizers: Workers,
     models: Arc<Models>,
     /// Tenants named in metrics.
@@ -267,6 +272,7 @@ impl Proxy {
             clients,
             queued: AtomicUsize::new(0),
             bodies: BodyBudget::new(&limits, &metrics),
+            explains: Arc::new(Semaphore::new(1)),
             tokenizers: Workers::new(limits.tokenize_queue),
             limits,
             models: Arc::default(),
@@ -504,7 +510,8 @@ impl Proxy {
             };
         let analysis = if let Some(analysis) = resumed {
             analysis
-        } else if bytes.len() <= INLINE_BODY_BYTES || scan_only {
+        } else if bytes.len() <= INLINE_BODY_BYTES || scan_only || keep_tokens {
+            // (`keep_tokens`: an explain, on a thread of its own.)
             analyze(
                 bytes,
                 input,
@@ -553,6 +560,30 @@ impl Proxy {
     /// changing any state (`POST /debug/explain`): the same checks and
     /// analysis as a proxied request, then the pool's explanation.
     pub async fn explain(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Explanation, ApiError> {
+        // One at a time, on a blocking thread: an explain tokenizes its
+        // prompt whole, and must not take the request path's tokenizer
+        // workers or its event loops.
+        let retry_after = self.limits.retry_after_s;
+        let one = tokio::time::timeout(EXPLAIN_WAIT, self.explains.clone().acquire_owned())
+            .await
+            .map_err(|_| ApiError::Saturated("explain requests", retry_after))?
+            .expect("the semaphore is never closed");
+        let (proxy, path, headers) = (self.clone(), path.to_owned(), headers.clone());
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let _one = one;
+            runtime.block_on(proxy.explain_here(&path, &headers, body))
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("explaining: {e}")))?
+    }
+
+    async fn explain_here(
         self: &Arc<Self>,
         path: &str,
         headers: &HeaderMap,

@@ -262,7 +262,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     }
     tasks.push(tokio::spawn(listener::serve(
         admin,
-        admin_routes(proxy, admin_token),
+        admin_routes(proxy, debug_access(&config, admin_token)),
         ConnLimits::admin(&config.limits),
         stopped,
         metrics,
@@ -303,7 +303,28 @@ fn api_routes(proxy: Arc<Proxy>) -> Router {
         .with_state(proxy)
 }
 
-fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
+/// Who may call `/debug/*` on the admin port.
+#[derive(Clone, Debug)]
+enum DebugAccess {
+    /// Callers with `adminTokenFile`'s token.
+    Token(Arc<String>),
+    /// Anyone who reaches the port: a loopback `adminListen`, or
+    /// `debug.open`.
+    Open,
+    /// No one: neither a token nor an open or loopback listener.
+    Closed,
+}
+
+/// The access rule `config` sets, with the token read from its file.
+fn debug_access(config: &Config, token: Option<Arc<String>>) -> DebugAccess {
+    match token {
+        Some(token) => DebugAccess::Token(token),
+        None if config.debug.open || config.admin_listen.ip().is_loopback() => DebugAccess::Open,
+        None => DebugAccess::Closed,
+    }
+}
+
+fn admin_routes(proxy: Arc<Proxy>, access: DebugAccess) -> Router {
     let debug = Router::new()
         .route(
             "/debug/pool",
@@ -316,15 +337,18 @@ fn admin_routes(proxy: Arc<Proxy>, token: Option<Arc<String>>) -> Router {
         )
         .layer(axum::middleware::from_fn(
             move |request: Request, next: axum::middleware::Next| {
-                let token = token.clone();
+                let access = access.clone();
                 async move {
-                    match token {
-                        Some(t) if !bearer_is(request.headers(), &t) => ApiError::Unauthenticated(
-                            "the admin port's /debug endpoints need Authorization: Bearer <adminTokenFile's token>".into(),
-                        )
-                        .into_response(),
-                        _ => next.run(request).await,
-                    }
+                    let refused = match &access {
+                        DebugAccess::Token(t) if !bearer_is(request.headers(), t) => {
+                            "the admin port's /debug endpoints need Authorization: Bearer <adminTokenFile's token>"
+                        }
+                        DebugAccess::Closed => {
+                            "the admin port's /debug endpoints are served without a token only on a loopback adminListen or with debug.open: true; set adminTokenFile to use them here"
+                        }
+                        _ => return next.run(request).await,
+                    };
+                    ApiError::Unauthenticated(refused.into()).into_response()
                 }
             },
         ));

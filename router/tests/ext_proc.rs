@@ -955,3 +955,38 @@ async fn raw_grpc(addr: SocketAddr, message: &[u8]) -> String {
         .map(|s| s.to_str().unwrap().to_owned())
         .unwrap_or_else(|| "none".into())
 }
+
+/// Statuses a gateway reports feed ejection only from a trusted picker:
+/// anyone who reaches an untrusted one could eject healthy endpoints.
+#[tokio::test]
+async fn only_a_trusted_picker_reports_statuses_that_eject() {
+    for trusted in [false, true] {
+        let (stack, mut client) = picker("xp-trust", 4, false, |c| {
+            c.resilience.health_check = None;
+            c.ext_proc.as_mut().unwrap().trusted_network = trusted;
+        })
+        .await;
+        let body = serde_json::to_vec(&chat("s", "u", 1)).unwrap();
+        for _ in 0..12 {
+            let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[64]).await;
+            let d = envoy.decision().await;
+            envoy
+                .response_headers("503", "application/json", Some(d.endpoints[0]))
+                .await;
+            envoy.response_body(&["{}"]).await;
+        }
+        let ejected = stack
+            .router
+            .pool
+            .status()
+            .iter()
+            .filter(|e| e.ejected)
+            .count();
+        if trusted {
+            assert!(ejected > 0, "a trusted picker's 503s eject");
+        } else {
+            assert_eq!(ejected, 0, "an untrusted picker's 503s eject nothing");
+        }
+        stack.stop().await;
+    }
+}

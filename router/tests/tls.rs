@@ -160,6 +160,48 @@ async fn debug_endpoints_need_the_admin_token() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Without a token, `/debug/*` answers only on a loopback admin address
+/// or when `debug.open` says so: it is an oracle of which prompts are
+/// cached.
+#[tokio::test]
+async fn debug_endpoints_without_a_token_answer_only_on_loopback_or_when_open() {
+    for (open, expected) in [(false, 401), (true, 200)] {
+        let stack = Stack::start(
+            "admin-wildcard",
+            1,
+            false,
+            |_| {},
+            |c| {
+                c.resilience.health_check = None;
+                c.admin_listen = "0.0.0.0:0".parse().unwrap();
+                c.debug.open = open;
+            },
+        )
+        .await;
+        let port = stack.router.admin_addr.port();
+        for path in ["/debug/pool", "/debug/prefixes"] {
+            let r = stack
+                .client
+                .get(format!("http://127.0.0.1:{port}{path}"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), expected, "{path} with debug.open {open}");
+        }
+        let explain = stack
+            .client
+            .post(format!("http://127.0.0.1:{port}/debug/explain"))
+            .json(&chat("guess", "a prompt", 1))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(explain.status(), expected);
+        let probe = format!("http://127.0.0.1:{port}/healthz");
+        assert_eq!(stack.client.get(probe).send().await.unwrap().status(), 200);
+        stack.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn watch_cache_streams_run_over_mutual_tls() {
     let stack = Stack::start(

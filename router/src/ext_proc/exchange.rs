@@ -57,13 +57,13 @@ pub(crate) async fn run(
     proxy: Arc<Proxy>,
     mut inbound: Streaming<ProcessingRequest>,
     out: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    first_message: Duration,
+    rules: Rules,
 ) {
     let mut exchange = Exchange {
         proxy,
         echo_response: true,
         started: Instant::now(),
-        first_message,
+        rules,
         phase: Phase::Start,
     };
     loop {
@@ -145,9 +145,20 @@ struct Exchange {
     echo_response: bool,
     /// When the stream opened, then when the request headers arrived.
     started: Instant,
-    /// `extProc.firstMessageTimeoutMs`.
-    first_message: Duration,
+    rules: Rules,
     phase: Phase,
+}
+
+/// What the picker's configuration sets for every exchange.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rules {
+    /// `extProc.firstMessageTimeoutMs`.
+    pub(crate) first_message: Duration,
+    /// Whether the gateway's reports are trusted ([`ExtProc::trusted`]):
+    /// only then do the statuses it reports feed ejection.
+    ///
+    /// [`ExtProc::trusted`]: crate::config::ExtProc::trusted
+    pub(crate) trusted: bool,
 }
 
 enum Phase {
@@ -194,7 +205,7 @@ impl Exchange {
     /// headers (the gateway's filter may never send them).
     fn deadline(&self) -> Option<Instant> {
         match &self.phase {
-            Phase::Start => Some(self.started + self.first_message),
+            Phase::Start => Some(self.started + self.rules.first_message),
             Phase::Body(p) => Some(p.received.deadline().0),
             Phase::Sent(p) => Some(p.sent + self.proxy.first_byte_timeout()),
             _ => None,
@@ -500,7 +511,7 @@ impl Exchange {
         if let Some(a) = &analysis {
             self.proxy.pool.learn(&a.request(), &target);
         }
-        if status.is_server_error() {
+        if status.is_server_error() && self.rules.trusted {
             self.proxy.pool.failed(&target.name, Fault::Status);
         }
         Guard::new(

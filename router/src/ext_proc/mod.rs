@@ -12,6 +12,10 @@
 //! metadata namespaces and accept `envoy.lb` back. Also served: gRPC health
 //! (`grpc.health.v1`) for `liveness`, `readiness` and the ext_proc service.
 //!
+//! Whoever reaches the port can say which endpoint served and with what
+//! status: only a trusted picker (`extProc.trustedNetwork`, or gateways
+//! authenticated by certificate) has those statuses feed ejection.
+//!
 //! The listener has the limits of [`crate::listener`] (a connection cap,
 //! an idle timeout, HTTP/2 stream limits); a stream must send its first
 //! message within `extProc.firstMessageTimeoutMs`, and a message may be as
@@ -53,18 +57,18 @@ const MESSAGE_OVERHEAD: usize = 256 << 10;
 #[derive(Clone, Debug)]
 pub struct Picker {
     proxy: Arc<Proxy>,
-    /// `extProc.firstMessageTimeoutMs`.
-    first_message: Duration,
+    rules: exchange::Rules,
 }
 
 impl Picker {
     /// A picker deciding with `proxy`'s pool, policy, tenancy and limits,
-    /// ending streams that send nothing within `first_message`.
-    pub fn new(proxy: Arc<Proxy>, first_message: Duration) -> Self {
-        Picker {
-            proxy,
-            first_message,
-        }
+    /// as `config` says.
+    pub fn new(proxy: Arc<Proxy>, config: &ExtProc) -> Self {
+        let rules = exchange::Rules {
+            first_message: Duration::from_millis(config.first_message_timeout_ms),
+            trusted: config.trusted(),
+        };
+        Picker { proxy, rules }
     }
 }
 
@@ -78,12 +82,7 @@ impl ExternalProcessor for Picker {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let (out, answers) = mpsc::channel(ANSWERS_QUEUED);
         let inbound = request.into_inner();
-        tokio::spawn(exchange::run(
-            self.proxy.clone(),
-            inbound,
-            out,
-            self.first_message,
-        ));
+        tokio::spawn(exchange::run(self.proxy.clone(), inbound, out, self.rules));
         Ok(Response::new(ReceiverStream::new(answers)))
     }
 }
@@ -110,8 +109,7 @@ pub async fn serve(
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
     let readiness = tokio::spawn(report_health(proxy.clone(), reporter));
-    let first_message = Duration::from_millis(picker.first_message_timeout_ms);
-    let processor = ExternalProcessorServer::new(Picker::new(proxy, first_message))
+    let processor = ExternalProcessorServer::new(Picker::new(proxy, picker))
         .max_decoding_message_size(limits.max_body_bytes.saturating_add(MESSAGE_OVERHEAD));
     let app = tonic::service::Routes::new(health)
         .add_service(processor)
