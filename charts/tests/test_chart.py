@@ -260,6 +260,7 @@ def main():
         except helm.HelmError as e:
             check(f"{what} fails rendering, naming {field}", field in str(e), str(e))
 
+    check_picker_network_policy()
     check_dashboard()
     check_dockerfile()
     if failures:
@@ -326,6 +327,36 @@ def router_accepts(bins, config, mounts):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+def check_picker_network_policy():
+    """The picker port admits only router.picker.allowedFrom under the
+    chart's NetworkPolicy (nothing when empty), whose routers then trust the
+    gateways; without a NetworkPolicy NOTES.txt warns."""
+    gateways = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}]
+    for allowed in ([], gateways):
+        values = {"networkPolicy": {"enabled": True},
+                  "router": {"picker": {"enabled": True, "allowedFrom": allowed}},
+                  "pools": [{"name": "p"}]}
+        docs = render(values)
+        policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-routers"))
+        picker_rules = [r for r in policy["spec"]["ingress"]
+                        if any(p["port"] == 9002 for p in r.get("ports", []))]
+        want = [{"from": gateways, "ports": [{"port": 9002, "protocol": "TCP"}]}] if allowed else []
+        check(f"the picker port admits {'the gateways' if allowed else 'nothing'} under the NetworkPolicy",
+              picker_rules == want, picker_rules)
+        config = next(yaml.safe_load(d["data"]["router.yaml"]) for d in docs
+                      if d["kind"] == "ConfigMap" and "router.yaml" in d["data"])
+        check(f"extProc.trustedNetwork is {bool(allowed)} with allowedFrom {'set' if allowed else 'empty'}",
+              config["extProc"].get("trustedNetwork") is bool(allowed), config["extProc"])
+    chart = helm.Chart.load(CHART)
+    for policy, warns in ((False, True), (True, False)):
+        values = {"networkPolicy": {"enabled": policy}, "router": {"picker": {"enabled": True}},
+                  "pools": [{"name": "p"}]}
+        out = chart.render(values, name="kv", namespace="kvroute", is_install=True)
+        notes = next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+        check(f"NOTES.txt {'warns' if warns else 'does not warn'} about the picker "
+              f"{'without' if warns else 'with'} a NetworkPolicy", ("WARNING" in notes) == warns, notes)
 
 
 def check_service_monitors(monitors, name):

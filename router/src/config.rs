@@ -158,7 +158,11 @@ impl ExtProc {
     /// Whether what the gateways say can be trusted: their network is
     /// declared trusted, or they are authenticated by certificate.
     pub fn trusted(&self) -> bool {
-        self.trusted_network || self.tls.as_ref().is_some_and(|t| t.client_ca_file.is_some())
+        self.trusted_network
+            || self
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.client_ca_file.is_some())
     }
 }
 
