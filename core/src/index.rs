@@ -9,41 +9,68 @@
 //!
 //! ## Layout and memory
 //!
-//! One table, block hash → bitset of the slots holding it: 8 bytes of key,
-//! 16 bytes of bitset (a 64-bit word inline; a boxed word slice once a pool
-//! has more than 64 slots) and a control byte, in a SwissTable kept between
-//! 7/16 and 7/8 full. That is 28 to 55 bytes per distinct block, shared by
-//! all its holders, so a (block, endpoint) entry costs at most about 55
-//! bytes, and less when endpoints share blocks. Applying a stored or removed
-//! block touches that one table once. An endpoint never holds more blocks
-//! than the capacity it reported: a delta that would exceed it is refused
-//! with [`IndexError::OverCapacity`], and the caller resyncs that endpoint.
+//! One table per tier, block hash → bitset of the slots holding it: 8 bytes
+//! of key, 16 bytes of bitset (a 64-bit word inline; a boxed word slice once
+//! a pool has more than 64 slots) and a control byte, in SwissTables kept
+//! between 7/16 and 7/8 full. That is 28 to 55 bytes per distinct block,
+//! shared by all its holders, so a (block, endpoint) entry costs at most
+//! about 55 bytes, and less when endpoints share blocks. Applying a stored
+//! or removed block touches that one table once.
+//!
+//! Each table is split into [`SHARDS`] shards by a randomly keyed hash of the
+//! block (an engine cannot aim its hashes at one shard), so growing a table
+//! rehashes one shard, 1/64 of it, at a time, and forgetting an endpoint can
+//! be done a shard at a time ([`begin_remove_endpoint`] and
+//! [`remove_step`]): a caller that holds a lock around the index releases it
+//! between steps, and no step costs more than a scan of one shard.
+//!
+//! [`begin_remove_endpoint`]: OccupancyIndex::begin_remove_endpoint
+//! [`remove_step`]: OccupancyIndex::remove_step
+//!
+//! ## Bounds
+//!
+//! What one endpoint can make the index hold is bounded twice:
+//!
+//! 1. By the capacity it reported: a GPU delta that would exceed it is
+//!    refused with [`IndexError::OverCapacity`] (the engine contradicts
+//!    itself), and the caller resyncs that endpoint.
+//! 2. By the index's own [`Bounds`], per tier and per endpoint, whatever the
+//!    engine claims: blocks stored beyond the bound are dropped (the first
+//!    ones of a batch are kept, in chain order) and counted
+//!    ([`dropped`](OccupancyIndex::dropped)). A dropped block is one the
+//!    index does not know, so it can only cost a miss, never a false hit.
+//!    The tier is then *lossy* until it is complete again (a snapshot or a
+//!    clear): a removal of a block it does not hold may be one it dropped,
+//!    so it is ignored instead of refused. Every block the engine removes
+//!    still goes: the index holds no more copies of a block than the
+//!    engine does.
+//!
+//! The default bounds are unbounded; the router sets its own
+//! (`limits.maxIndexBlocksPerEndpoint`, `limits.maxOffloadedBlocksPerEndpoint`).
 //!
 //! Reference counts follow vLLM: two physical blocks can carry the same hash
 //! (the same prefix computed twice concurrently), each stored and removed on
 //! its own. The hash stays held until its last copy is removed, and every
-//! copy counts against the capacity. Extra copies are rare and live in a
-//! small side table.
-//!
-//! Forgetting an endpoint (or replacing its contents with a new snapshot)
-//! scans the table once: rare (an engine restart or a lost stream) and a few
-//! milliseconds at a million entries.
+//! copy counts against the capacity and the bounds. Extra copies are rare
+//! and live in a small side table.
 //!
 //! ## Offloaded blocks
 //!
 //! Blocks an engine keeps on another medium than its GPU cache (vLLM's KV
 //! offloading to CPU memory or disk) live in a second table of the same
 //! shape, one tier for every such medium. They do not count against the
-//! capacity, which is the GPU cache's. A request's prefix is served from
-//! the GPU as far as the GPU holds it, then loaded back from the offloaded
-//! tier as far as either holds it; loading is cheaper than computing but not
-//! free, so [`longest_prefix`](OccupancyIndex::longest_prefix) counts each
-//! offloaded block of the prefix as [`offload_weight`] of a GPU block
+//! capacity, which is the GPU cache's, but against their own bound. A
+//! request's prefix is served from the GPU as far as the GPU holds it, then
+//! loaded back from the offloaded tier as far as either holds it; loading is
+//! cheaper than computing but not free, so
+//! [`longest_prefix`](OccupancyIndex::longest_prefix) counts each offloaded
+//! block of the prefix as [`offload_weight`] of a GPU block
 //! (`policy.offloadWeight`, default [`DEFAULT_OFFLOAD_WEIGHT`]).
 //!
 //! [`offload_weight`]: OccupancyIndex::set_offload_weight
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
@@ -82,6 +109,10 @@ pub enum CacheEvent<'a> {
 /// block: loading it back costs less than computing it, more than nothing.
 pub const DEFAULT_OFFLOAD_WEIGHT: f32 = 0.5;
 
+/// Shards per tier table (see the module docs).
+pub const SHARDS: usize = 1 << SHARD_BITS;
+const SHARD_BITS: u32 = 6;
+
 /// Why an event was refused. A refused event changes nothing.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum IndexError {
@@ -106,6 +137,68 @@ pub enum IndexError {
         /// The block.
         block: BlockHash,
     },
+}
+
+/// A tier of the index: the GPU cache, or every offload medium together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// The GPU cache (the medium the capacity is of).
+    Gpu,
+    /// Any other medium (CPU memory, disk).
+    Offloaded,
+}
+
+impl Tier {
+    /// Both tiers.
+    pub const ALL: [Tier; 2] = [Tier::Gpu, Tier::Offloaded];
+
+    /// As a metric label: `gpu` or `offloaded`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Gpu => "gpu",
+            Tier::Offloaded => "offloaded",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Tier::Gpu => GPU,
+            Tier::Offloaded => OFFLOADED,
+        }
+    }
+}
+
+/// The most blocks (copies included) the index holds per endpoint and tier,
+/// whatever the endpoint reports; see the module docs. The GPU bound in
+/// effect is the smaller of `gpu` and the endpoint's capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    /// GPU blocks per endpoint.
+    pub gpu: usize,
+    /// Offloaded blocks per endpoint.
+    pub offloaded: usize,
+}
+
+impl Bounds {
+    /// No bound beyond the reported capacity (the default).
+    pub const UNBOUNDED: Bounds = Bounds {
+        gpu: usize::MAX,
+        offloaded: usize::MAX,
+    };
+
+    fn of(&self, tier: usize) -> usize {
+        if tier == GPU {
+            self.gpu
+        } else {
+            self.offloaded
+        }
+    }
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds::UNBOUNDED
+    }
 }
 
 /// Bitset of the slots holding one block.
@@ -172,28 +265,62 @@ impl Holders {
 #[derive(Clone, Debug)]
 struct EndpointBlocks {
     capacity: usize,
-    /// Physical GPU blocks held, copies included.
-    physical: usize,
-    /// Distinct blocks held, per tier (GPU, offloaded).
+    /// Physical blocks held per tier (GPU, offloaded), copies included.
+    held: [usize; 2],
+    /// Distinct blocks held, per tier.
     distinct: [usize; 2],
+    /// Per tier: blocks were dropped to stay within a bound since the tier
+    /// was last complete (see the module docs).
+    lossy: [bool; 2],
 }
 
-/// One tier's table: block → holders, and copies beyond the first.
+/// One shard of a tier: block → holders, and copies beyond the first.
 #[derive(Clone, Debug, Default)]
-struct Table {
+struct Shard {
     blocks: HashMap<BlockHash, Holders, RandomState>,
     /// (block, slot) → copies beyond the first.
     copies: HashMap<(BlockHash, u32), u32, RandomState>,
 }
 
+/// One tier's table, in shards picked by a keyed hash of the block.
+#[derive(Clone, Debug)]
+struct Table {
+    shards: Box<[Shard]>,
+    pick: RandomState,
+    /// Distinct blocks over every shard.
+    len: usize,
+}
+
+impl Default for Table {
+    fn default() -> Self {
+        Table {
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            pick: RandomState::default(),
+            len: 0,
+        }
+    }
+}
+
 impl Table {
+    fn shard_of(&self, block: BlockHash) -> usize {
+        (self.pick.hash_one(block) >> (64 - SHARD_BITS)) as usize
+    }
+
+    fn get(&self, block: &BlockHash) -> Option<&Holders> {
+        self.shards[self.shard_of(*block)].blocks.get(block)
+    }
+
     /// Adds one copy of each block to `slot`; returns the new distinct ones.
     fn store(&mut self, slot: Slot, blocks: &[BlockHash]) -> usize {
         let mut new = 0;
         for &block in blocks {
-            let holders = self.blocks.entry(block).or_insert(Holders::Small(0));
+            let shard = &mut self.shards[self.shard_of(block)];
+            let holders = shard.blocks.entry(block).or_insert_with(|| {
+                self.len += 1;
+                Holders::Small(0)
+            });
             if holders.test(slot.index()) {
-                *self.copies.entry((block, slot.0)).or_insert(0) += 1;
+                *shard.copies.entry((block, slot.0)).or_insert(0) += 1;
             } else {
                 holders.set(slot.index());
                 new += 1;
@@ -205,40 +332,65 @@ impl Table {
     /// Removes one copy of `block` from `slot`: `None` if it holds none,
     /// else whether that was the last copy.
     fn remove(&mut self, slot: Slot, block: BlockHash) -> Option<bool> {
-        let holders = self.blocks.get_mut(&block)?;
+        let shard = &mut self.shards[self.shard_of(block)];
+        let holders = shard.blocks.get_mut(&block)?;
         if !holders.test(slot.index()) {
             return None;
         }
         let mut last_copy = true;
-        if !self.copies.is_empty()
-            && let Some(extra) = self.copies.get_mut(&(block, slot.0))
+        if !shard.copies.is_empty()
+            && let Some(extra) = shard.copies.get_mut(&(block, slot.0))
         {
             *extra -= 1;
             if *extra == 0 {
-                self.copies.remove(&(block, slot.0));
+                shard.copies.remove(&(block, slot.0));
             }
             last_copy = false;
         }
         if last_copy && holders.clear(slot.index()) {
-            self.blocks.remove(&block);
+            shard.blocks.remove(&block);
+            self.len -= 1;
         }
         Some(last_copy)
+    }
+
+    /// Forgets `slot`'s blocks in shard `shard`.
+    fn remove_slot_in(&mut self, slot: Slot, shard: usize) {
+        let shard = &mut self.shards[shard];
+        let before = shard.blocks.len();
+        shard
+            .blocks
+            .retain(|_, holders| !holders.clear(slot.index()));
+        self.len -= before - shard.blocks.len();
+        if !shard.copies.is_empty() {
+            shard.copies.retain(|&(_, s), _| s != slot.0);
+        }
     }
 
     /// Forgets `slot`'s blocks (`distinct` of them, some with copies).
     fn remove_slot(&mut self, slot: Slot, distinct: usize) {
         if distinct > 0 {
-            self.blocks
-                .retain(|_, holders| !holders.clear(slot.index()));
+            for shard in 0..SHARDS {
+                self.remove_slot_in(slot, shard);
+            }
         }
-        if !self.copies.is_empty() {
-            self.copies.retain(|&(_, s), _| s != slot.0);
-        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&BlockHash, &Holders)> {
+        self.shards.iter().flat_map(|s| s.blocks.iter())
     }
 }
 
 const GPU: usize = 0;
 const OFFLOADED: usize = 1;
+
+/// A slot whose entries are being forgotten a shard at a time.
+#[derive(Clone, Copy, Debug)]
+struct Retiring {
+    slot: Slot,
+    /// The next shard to scan.
+    next: usize,
+}
 
 /// Which endpoints of one pool hold which blocks. See the module docs.
 #[derive(Clone, Debug)]
@@ -246,6 +398,13 @@ pub struct OccupancyIndex {
     tiers: [Table; 2],
     endpoints: Vec<Option<EndpointBlocks>>,
     offload_weight: f32,
+    bounds: Bounds,
+    /// Blocks dropped to stay within the bounds, per tier, ever.
+    dropped: [u64; 2],
+    /// Slots being forgotten; their bits in the tables are stale.
+    retiring: Vec<Retiring>,
+    /// Bitset of the retiring slots, which queries ignore.
+    hidden: Vec<u64>,
 }
 
 impl Default for OccupancyIndex {
@@ -254,6 +413,10 @@ impl Default for OccupancyIndex {
             tiers: Default::default(),
             endpoints: Vec::new(),
             offload_weight: DEFAULT_OFFLOAD_WEIGHT,
+            bounds: Bounds::UNBOUNDED,
+            dropped: [0, 0],
+            retiring: Vec::new(),
+            hidden: Vec::new(),
         }
     }
 }
@@ -274,13 +437,24 @@ impl OccupancyIndex {
         };
     }
 
+    /// Sets the per-endpoint bounds. Applies to later stores: blocks held
+    /// beyond a lowered bound stay until removed.
+    pub fn set_bounds(&mut self, bounds: Bounds) {
+        self.bounds = bounds;
+    }
+
+    /// The per-endpoint bounds.
+    pub fn bounds(&self) -> Bounds {
+        self.bounds
+    }
+
     /// Applies one event to `slot`'s blocks. On error nothing changes.
     pub fn apply(&mut self, slot: Slot, event: CacheEvent<'_>) -> Result<(), IndexError> {
         match event {
             CacheEvent::Snapshot { capacity, blocks } => self.snapshot(slot, capacity, blocks),
             CacheEvent::Stored(blocks) => {
                 let ep = self.endpoint(slot)?;
-                let would_hold = ep.physical + blocks.len();
+                let would_hold = ep.held[GPU] + blocks.len();
                 if would_hold > ep.capacity {
                     return Err(IndexError::OverCapacity {
                         slot: slot.0,
@@ -288,12 +462,12 @@ impl OccupancyIndex {
                         would_hold,
                     });
                 }
-                self.store(slot, GPU, blocks);
+                self.store_bounded(slot, GPU, blocks);
                 Ok(())
             }
             CacheEvent::Offloaded(blocks) => {
                 self.endpoint(slot)?;
-                self.store(slot, OFFLOADED, blocks);
+                self.store_bounded(slot, OFFLOADED, blocks);
                 Ok(())
             }
             CacheEvent::Removed(blocks) => self.remove_all(slot, GPU, blocks),
@@ -312,9 +486,8 @@ impl OccupancyIndex {
         self.tiers[tier].remove_slot(slot, distinct);
         let ep = self.endpoint_mut(slot);
         ep.distinct[tier] = 0;
-        if tier == GPU {
-            ep.physical = 0;
-        }
+        ep.held[tier] = 0;
+        ep.lossy[tier] = false;
         Ok(())
     }
 
@@ -324,7 +497,13 @@ impl OccupancyIndex {
         tier: usize,
         blocks: &[BlockHash],
     ) -> Result<(), IndexError> {
-        self.endpoint(slot)?;
+        if self.endpoint(slot)?.lossy[tier] {
+            // A block not held may be one dropped for the bound.
+            for &block in blocks {
+                self.remove(slot, tier, block);
+            }
+            return Ok(());
+        }
         for (i, &block) in blocks.iter().enumerate() {
             if !self.remove(slot, tier, block) {
                 // Put back what this event removed, so a refused event
@@ -371,22 +550,33 @@ impl OccupancyIndex {
         }
         self.endpoints[slot.index()] = Some(EndpointBlocks {
             capacity,
-            physical: 0,
+            held: [0, 0],
             distinct: [0, 0],
+            lossy: [false, false],
         });
-        self.tiers[GPU].blocks.reserve(blocks.len());
-        self.store(slot, GPU, blocks);
+        self.store_bounded(slot, GPU, blocks);
         Ok(())
     }
 
-    /// Adds one copy of each block to `slot`'s `tier` (capacity already
+    /// Adds one copy of each block to `slot`'s `tier` as far as the tier's
+    /// bound allows (capacity already checked); drops and counts the rest.
+    fn store_bounded(&mut self, slot: Slot, tier: usize, blocks: &[BlockHash]) {
+        let bound = self.bounds.of(tier);
+        let room = bound.saturating_sub(self.endpoint_mut(slot).held[tier]);
+        let kept = blocks.len().min(room);
+        if kept < blocks.len() {
+            self.dropped[tier] += (blocks.len() - kept) as u64;
+            self.endpoint_mut(slot).lossy[tier] = true;
+        }
+        self.store(slot, tier, &blocks[..kept]);
+    }
+
+    /// Adds one copy of each block to `slot`'s `tier` (bounds already
     /// checked).
     fn store(&mut self, slot: Slot, tier: usize, blocks: &[BlockHash]) {
         let new = self.tiers[tier].store(slot, blocks);
         let ep = self.endpoint_mut(slot);
-        if tier == GPU {
-            ep.physical += blocks.len();
-        }
+        ep.held[tier] += blocks.len();
         ep.distinct[tier] += new;
     }
 
@@ -397,22 +587,67 @@ impl OccupancyIndex {
             return false;
         };
         let ep = self.endpoint_mut(slot);
-        if tier == GPU {
-            ep.physical -= 1;
-        }
+        ep.held[tier] -= 1;
         ep.distinct[tier] -= usize::from(last_copy);
         true
     }
 
     /// Forgets everything `slot` holds, and the slot itself (its next event
-    /// must be a snapshot).
+    /// must be a snapshot). A scan of every shard: see
+    /// [`begin_remove_endpoint`](Self::begin_remove_endpoint) for one in
+    /// steps.
     pub fn remove_endpoint(&mut self, slot: Slot) {
+        self.begin_remove_endpoint(slot);
+        while let Some(i) = self.retiring.iter().position(|r| r.slot == slot) {
+            self.retire_step(i);
+        }
+    }
+
+    /// Forgets `slot` at once for every query and event (its next event
+    /// must be a snapshot), leaving its table entries to
+    /// [`remove_step`](Self::remove_step). A snapshot for the slot before
+    /// they are gone finishes them first.
+    pub fn begin_remove_endpoint(&mut self, slot: Slot) {
         let Some(ep) = self.endpoints.get_mut(slot.index()).and_then(Option::take) else {
             return;
         };
-        for (tier, table) in self.tiers.iter_mut().enumerate() {
-            table.remove_slot(slot, ep.distinct[tier]);
+        if ep.distinct == [0, 0] {
+            return;
         }
+        let (word, bit) = (slot.index() / 64, 1u64 << (slot.index() % 64));
+        if self.hidden.len() <= word {
+            self.hidden.resize(word + 1, 0);
+        }
+        self.hidden[word] |= bit;
+        self.retiring.push(Retiring { slot, next: 0 });
+    }
+
+    /// Scans one shard (of each tier) for the first endpoint being removed;
+    /// returns whether any removal is still in progress.
+    pub fn remove_step(&mut self) -> bool {
+        if !self.retiring.is_empty() {
+            self.retire_step(0);
+        }
+        !self.retiring.is_empty()
+    }
+
+    fn retire_step(&mut self, i: usize) {
+        let Retiring { slot, next } = self.retiring[i];
+        for table in &mut self.tiers {
+            table.remove_slot_in(slot, next);
+        }
+        if next + 1 < SHARDS {
+            self.retiring[i].next = next + 1;
+        } else {
+            self.retiring.swap_remove(i);
+            self.hidden[slot.index() / 64] &= !(1u64 << (slot.index() % 64));
+        }
+    }
+
+    fn is_hidden(&self, slot: usize) -> bool {
+        self.hidden
+            .get(slot / 64)
+            .is_some_and(|w| w & (1 << (slot % 64)) != 0)
     }
 
     /// For each slot, how many leading blocks of `chain` it holds, written to
@@ -422,7 +657,7 @@ impl OccupancyIndex {
     /// each counts as the offload weight of a block (rounded down).
     pub fn longest_prefix(&self, chain: &[BlockHash], out: &mut Vec<u32>) {
         self.depths(chain, false, out);
-        if self.tiers[OFFLOADED].blocks.is_empty() || self.offload_weight == 0.0 {
+        if self.tiers[OFFLOADED].len == 0 || self.offload_weight == 0.0 {
             return;
         }
         let mut either = Vec::new();
@@ -438,12 +673,8 @@ impl OccupancyIndex {
         out.clear();
         out.resize(self.endpoints.len(), 0);
         let words = self.endpoints.len().div_ceil(64).max(1);
-        let tier = |t: usize, block: &BlockHash| {
-            self.tiers[t]
-                .blocks
-                .get(block)
-                .map_or(&[][..], Holders::words)
-        };
+        let tier =
+            |t: usize, block: &BlockHash| self.tiers[t].get(block).map_or(&[][..], Holders::words);
         let held = |block: &BlockHash| {
             let gpu = tier(GPU, block);
             let offloaded = if either { tier(OFFLOADED, block) } else { &[] };
@@ -455,7 +686,10 @@ impl OccupancyIndex {
             return;
         };
         let first = held(first);
-        let mut active: Vec<u64> = (0..words).map(first).collect();
+        // Slots being removed hold nothing, whatever their stale bits say.
+        let mut active: Vec<u64> = (0..words)
+            .map(|w| first(w) & !self.hidden.get(w).copied().unwrap_or(0))
+            .collect();
         if active.iter().all(|&w| w == 0) {
             return;
         }
@@ -480,25 +714,26 @@ impl OccupancyIndex {
     /// Whether any endpoint holds `block`, on the GPU or offloaded. A chain
     /// none of whose endpoints holds its block `k` has no prefix held past
     /// `k`: [`longest_prefix`](Self::longest_prefix) needs no later block.
+    /// (An endpoint being removed may still count: a hint, never a hit.)
     pub fn holds_any(&self, block: BlockHash) -> bool {
-        self.tiers.iter().any(|t| t.blocks.contains_key(&block))
+        self.tiers.iter().any(|t| t.get(&block).is_some())
     }
 
     /// Whether `slot` holds `block` in its GPU cache.
     pub fn holds(&self, slot: Slot, block: BlockHash) -> bool {
-        self.tiers[GPU]
-            .blocks
-            .get(&block)
-            .is_some_and(|h| h.test(slot.index()))
+        !self.is_hidden(slot.index())
+            && self.tiers[GPU]
+                .get(&block)
+                .is_some_and(|h| h.test(slot.index()))
     }
 
     /// The distinct GPU blocks `slot` holds (a scan of the whole index: for
     /// tests and debugging, not the request path).
     pub fn blocks_of(&self, slot: Slot) -> impl Iterator<Item = BlockHash> + '_ {
+        let hidden = self.is_hidden(slot.index());
         self.tiers[GPU]
-            .blocks
             .iter()
-            .filter(move |(_, h)| h.test(slot.index()))
+            .filter(move |(_, h)| !hidden && h.test(slot.index()))
             .map(|(&b, _)| b)
     }
 
@@ -507,7 +742,7 @@ impl OccupancyIndex {
     pub fn usage(&self, slot: Slot) -> Option<(usize, usize)> {
         self.endpoint(slot)
             .ok()
-            .map(|ep| (ep.physical, ep.capacity))
+            .map(|ep| (ep.held[GPU], ep.capacity))
     }
 
     /// Distinct offloaded blocks `slot` holds.
@@ -517,16 +752,28 @@ impl OccupancyIndex {
 
     /// (block, endpoint) entries in the index, GPU tier.
     pub fn entries(&self) -> usize {
+        self.tier_entries(Tier::Gpu)
+    }
+
+    /// (block, endpoint) entries in `tier` (endpoints being removed not
+    /// counted).
+    pub fn tier_entries(&self, tier: Tier) -> usize {
         self.endpoints
             .iter()
             .flatten()
-            .map(|ep| ep.distinct[GPU])
+            .map(|ep| ep.distinct[tier.index()])
             .sum()
+    }
+
+    /// Blocks dropped from `tier` to stay within the bounds, since the index
+    /// was made.
+    pub fn dropped(&self, tier: Tier) -> u64 {
+        self.dropped[tier.index()]
     }
 
     /// Distinct blocks held by any endpoint's GPU cache.
     pub fn distinct_blocks(&self) -> usize {
-        self.tiers[GPU].blocks.len()
+        self.tiers[GPU].len
     }
 }
 

@@ -519,9 +519,30 @@ pub struct Limits {
     /// dealt to. 0: one per CPU the process may use (its cgroup quota
     /// included). Default: 0.
     pub api_threads: usize,
+    /// GPU-cache blocks the occupancy index holds per endpoint, copies
+    /// included, whatever capacity the engine reports (the smaller of the
+    /// two applies). Blocks an engine stores beyond it are dropped (misses,
+    /// never false hits) and counted in
+    /// `kvroute_index_dropped_blocks_total{medium="gpu"}`. An entry costs at
+    /// most about 55 bytes: the default is at most ~230 MiB per endpoint.
+    /// Default: 4194304 (2^22).
+    pub max_index_blocks_per_endpoint: usize,
+    /// Offloaded blocks (every medium but the GPU cache, together) the
+    /// index holds per endpoint, at the same cost; beyond it they are
+    /// dropped and counted (`medium="offloaded"`). 0 indexes none.
+    /// Default: 4194304 (2^22).
+    pub max_offloaded_blocks_per_endpoint: usize,
 }
 
 impl Limits {
+    /// The occupancy index's per-endpoint bounds.
+    pub fn index_bounds(&self) -> kvroute_core::index::Bounds {
+        kvroute_core::index::Bounds {
+            gpu: self.max_index_blocks_per_endpoint,
+            offloaded: self.max_offloaded_blocks_per_endpoint,
+        }
+    }
+
     /// `apiThreads` resolved: 0 becomes the CPUs the process may use.
     pub fn api_threads(&self) -> usize {
         match self.api_threads {
@@ -554,6 +575,8 @@ impl Default for Limits {
             first_byte_timeout_ms: 300_000,
             retry_after_s: 1,
             api_threads: 0,
+            max_index_blocks_per_endpoint: 1 << 22,
+            max_offloaded_blocks_per_endpoint: 1 << 22,
         }
     }
 }
@@ -764,6 +787,10 @@ impl Config {
             (
                 "limits.bodyMinBytesPerS",
                 self.limits.body_min_bytes_per_s as usize,
+            ),
+            (
+                "limits.maxIndexBlocksPerEndpoint",
+                self.limits.max_index_blocks_per_endpoint,
             ),
             (
                 "limits.headerReadTimeoutMs",

@@ -19,7 +19,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::pool::{EndpointStatus, Pool};
+use crate::pool::{EndpointStatus, Pool, TierStats};
 
 /// Histogram buckets, seconds.
 const BUCKETS: [f64; 16] = [
@@ -104,6 +104,11 @@ pub struct EndpointKind {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EndpointLabel {
     endpoint: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Medium {
+    medium: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -377,13 +382,13 @@ impl Metrics {
                 present
             });
         }
-        let gauges = pool_gauges(&endpoints, pool.index_entries());
+        let gauges = pool_gauges(&endpoints, &pool.index_stats());
         kvroute_telemetry::metrics::encode(&[&self.registry, &gauges])
     }
 }
 
 /// The pool's gauges as of now, in a registry of their own.
-fn pool_gauges(endpoints: &[EndpointStatus], index_entries: usize) -> Registry {
+fn pool_gauges(endpoints: &[EndpointStatus], index: &[TierStats]) -> Registry {
     let mut r = Registry::default();
     let mut per_endpoint =
         |name: &str, help: &str, value: &dyn Fn(&EndpointStatus) -> Option<f64>| {
@@ -464,12 +469,25 @@ fn pool_gauges(endpoints: &[EndpointStatus], index_entries: usize) -> Registry {
         &Contract::STATES,
         &|e| e.contract,
     );
-    let entries = Gauge::<i64>::default();
-    entries.set(i64::try_from(index_entries).unwrap_or(i64::MAX));
+    let entries = Family::<Medium, Gauge>::default();
+    let dropped = Family::<Medium, Counter>::default();
+    for t in index {
+        let medium = Medium {
+            medium: t.tier.as_str(),
+        };
+        let n = i64::try_from(t.entries).unwrap_or(i64::MAX);
+        entries.get_or_create(&medium).set(n);
+        dropped.get_or_create(&medium).inc_by(t.dropped);
+    }
     r.register(
         "kvroute_index_entries",
-        "(block, endpoint) entries in the occupancy index",
+        "(block, endpoint) entries in the occupancy index, by medium: gpu, or offloaded (every other medium)",
         entries,
+    );
+    r.register(
+        "kvroute_index_dropped_blocks",
+        "Blocks engines reported stored that the occupancy index dropped to hold at most limits.maxIndexBlocksPerEndpoint (gpu) or limits.maxOffloadedBlocksPerEndpoint (offloaded) per endpoint: misses, never false hits",
+        dropped,
     );
     r
 }
@@ -539,7 +557,14 @@ mod tests {
         );
         assert!(text.contains("# TYPE kvroute_decision_seconds histogram"));
         assert!(text.contains("# TYPE kvroute_requests counter"));
-        assert!(text.contains("kvroute_index_entries 0\n"), "{text}");
+        assert!(
+            text.contains("kvroute_index_entries{medium=\"gpu\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_index_dropped_blocks_total{medium=\"offloaded\"} 0\n"),
+            "{text}"
+        );
         assert!(text.ends_with("# EOF\n"), "one exposition: {text}");
         assert_eq!(text.matches("# EOF").count(), 1);
     }

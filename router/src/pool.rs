@@ -10,10 +10,14 @@
 //!
 //! Everything sits behind one mutex, held for microseconds: a routing
 //! decision, an applied update, a counter change. No I/O happens under it.
+//! Work that grows with an engine's cache is done in steps that release it
+//! in between: a snapshot is applied [`SNAPSHOT_CHUNK`] blocks at a time,
+//! and a forgotten endpoint's entries go one index shard at a time (hidden
+//! from routing at once).
 
 use kvroute_core::contract::{Contract, EngineCache, Mismatch};
 use kvroute_core::hash::BlockHash;
-use kvroute_core::index::{CacheEvent, IndexError, OccupancyIndex};
+use kvroute_core::index::{Bounds, CacheEvent, IndexError, OccupancyIndex, Tier};
 use kvroute_core::load::{EngineLoad, LoadTracker, Ticket};
 use kvroute_core::policy::{Context, Endpoint, LeastLoaded, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
@@ -27,6 +31,10 @@ use crate::config::Resilience;
 use crate::health::{self, Event, Fault, Outlier};
 use crate::metrics::{Metrics, Why};
 use crate::settings::Settings;
+
+/// Blocks of a snapshot applied under one hold of the lock: about a
+/// millisecond of work, so routing never waits longer for a snapshot.
+pub const SNAPSHOT_CHUNK: usize = 8192;
 
 /// The clock the health state machine is given: tokio's, so tests can
 /// pause it.
@@ -206,6 +214,17 @@ impl std::fmt::Debug for Pool {
     }
 }
 
+/// One tier of the occupancy index, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierStats {
+    /// The tier.
+    pub tier: Tier,
+    /// (block, endpoint) entries in it.
+    pub entries: usize,
+    /// Blocks dropped from it to stay within the per-endpoint bound, ever.
+    pub dropped: u64,
+}
+
 /// A snapshot of one endpoint, for metrics and `/debug/pool`.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct EndpointStatus {
@@ -283,6 +302,18 @@ impl Pool {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Bounds what one endpoint can make the index hold, per tier (the
+    /// router's `limits`); unbounded until set.
+    pub fn set_index_bounds(&self, bounds: Bounds) {
+        self.lock().index.set_bounds(bounds);
+    }
+
+    /// Forgets the entries of removed endpoints one index shard at a time,
+    /// releasing the lock in between.
+    fn finish_removals(&self) {
+        while self.lock().index.remove_step() {}
+    }
+
     /// Routable endpoints as of the last change; watch it to wait for
     /// readiness.
     pub fn ready(&self) -> watch::Receiver<usize> {
@@ -351,7 +382,7 @@ impl Pool {
                 streams.start.extend(restart_stream(&mut inner, &name));
             } else {
                 let slot = m.slot;
-                inner.index.remove_endpoint(slot);
+                inner.index.begin_remove_endpoint(slot);
                 if let Some(m) = inner.members.get_mut(&name) {
                     m.contract = now.clone();
                 }
@@ -359,6 +390,7 @@ impl Pool {
             changes.push((name, now));
         }
         drop(inner);
+        self.finish_removals();
         for (name, contract) in changes {
             log_contract(&name, &contract);
         }
@@ -431,12 +463,15 @@ impl Pool {
         } = &mut *inner;
         outlier.set_endpoints(members.keys().map(String::as_str));
         self.publish_ready(&inner);
+        drop(inner);
+        self.finish_removals();
         streams
     }
 
     fn forget(&self, inner: &mut Inner, name: &str) {
         if let Some(m) = inner.members.remove(name) {
-            inner.index.remove_endpoint(m.slot);
+            // Its entries go in steps once the lock is released.
+            inner.index.begin_remove_endpoint(m.slot);
             inner.load.remove(m.slot);
             inner.policy.endpoint_removed(m.slot);
             inner.slots.release(name);
@@ -708,8 +743,13 @@ impl Pool {
     /// Applies a snapshot for the watcher `(name, generation)`: checks the
     /// engine's cache settings against the routing settings, then indexes
     /// `blocks` if they match (else drops the endpoint's entries). A stale
-    /// watcher's snapshot is ignored (Ok). An error means the index refused
-    /// it: the watcher drops the endpoint and resyncs.
+    /// watcher's snapshot is ignored (Ok), and so is the rest of one whose
+    /// watcher became stale while it was applied. An error means the index
+    /// refused it: the watcher drops the endpoint and resyncs.
+    ///
+    /// The old entries go a shard at a time, then the blocks come in
+    /// [`SNAPSHOT_CHUNK`]s, the lock released in between: routing meanwhile
+    /// sees a part of the new contents (misses, never false hits).
     pub fn apply_snapshot(
         &self,
         name: &str,
@@ -732,24 +772,51 @@ impl Pool {
         m.engine = Some(engine);
         m.contract = contract.clone();
         let slot = m.slot;
-        let applied = if contract == Contract::Match {
-            let index = &mut inner.index;
-            index
-                .apply(slot, CacheEvent::Snapshot { capacity, blocks })
-                .and_then(|()| {
-                    offloaded
-                        .iter()
-                        .try_for_each(|b| index.apply(slot, CacheEvent::Offloaded(b)))
-                })
-        } else {
-            inner.index.remove_endpoint(slot);
-            Ok(())
-        };
+        let matched = contract == Contract::Match;
+        // Refused before anything changes, as the index would.
+        let refused = (matched && blocks.len() > capacity).then_some(IndexError::OverCapacity {
+            slot: slot.0,
+            capacity,
+            would_hold: blocks.len(),
+        });
+        if refused.is_none() {
+            inner.index.begin_remove_endpoint(slot);
+        }
         drop(inner);
         if changed {
             log_contract(name, &contract);
         }
-        applied
+        if let Some(e) = refused {
+            return Err(e);
+        }
+        self.finish_removals();
+        if !matched {
+            return Ok(());
+        }
+        let empty = CacheEvent::Snapshot {
+            capacity,
+            blocks: &[],
+        };
+        let events = std::iter::once(empty)
+            .chain(blocks.chunks(SNAPSHOT_CHUNK).map(CacheEvent::Stored))
+            .chain(
+                offloaded
+                    .iter()
+                    .flat_map(|b| b.chunks(SNAPSHOT_CHUNK))
+                    .map(CacheEvent::Offloaded),
+            );
+        for event in events {
+            let mut inner = self.lock();
+            let current = inner
+                .members
+                .get(name)
+                .is_some_and(|m| m.generation == generation && m.contract == Contract::Match);
+            if !current {
+                return Ok(());
+            }
+            inner.index.apply(slot, event)?;
+        }
+        Ok(())
     }
 
     /// Applies one WatchCache change for the watcher `(name, generation)`.
@@ -801,7 +868,9 @@ impl Pool {
         m.stream = state;
         let slot = m.slot;
         if state != StreamState::Live {
-            inner.index.remove_endpoint(slot);
+            inner.index.begin_remove_endpoint(slot);
+            drop(inner);
+            self.finish_removals();
         }
     }
 
@@ -834,9 +903,19 @@ impl Pool {
             .collect()
     }
 
-    /// (block, endpoint) entries in the index.
+    /// (block, endpoint) entries in the index, GPU tier.
     pub fn index_entries(&self) -> usize {
         self.lock().index.entries()
+    }
+
+    /// Each tier's entries and drops.
+    pub fn index_stats(&self) -> [TierStats; 2] {
+        let inner = self.lock();
+        Tier::ALL.map(|tier| TierStats {
+            tier,
+            entries: inner.index.tier_entries(tier),
+            dropped: inner.index.dropped(tier),
+        })
     }
 
     /// Every endpoint's name and HTTP address, routable or not.

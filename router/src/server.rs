@@ -198,6 +198,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics.clone(),
         config.limits.endpoint_concurrency,
     );
+    pool.set_index_bounds(config.limits.index_bounds());
     // Discovery owns the WatchCache watchers; aborting it stops them.
     let mut watchers = Watchers::new(grpc_tls.clone());
     let discovery = match &config.discovery {

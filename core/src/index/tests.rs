@@ -306,3 +306,211 @@ fn offloaded_blocks_extend_a_prefix_at_their_weight_and_never_fill_capacity() {
     assert_eq!(prefixes(&index, &[1, 2, 3]), vec![2, 0]);
     assert_eq!(index.distinct_blocks(), 2);
 }
+
+fn bounded(gpu: usize, offloaded: usize) -> OccupancyIndex {
+    let mut index = OccupancyIndex::new();
+    index.set_bounds(Bounds { gpu, offloaded });
+    index
+}
+
+#[test]
+fn stores_beyond_the_bound_are_dropped_and_counted_never_refused() {
+    // The engine claims a huge cache; the index keeps 3 blocks of it.
+    let mut index = bounded(3, 10);
+    snap(&mut index, 0, usize::MAX, &[1]);
+    index
+        .apply(Slot(0), CacheEvent::Stored(&[2, 3, 4, 5]))
+        .unwrap();
+    assert_eq!(index.usage(Slot(0)), Some((3, usize::MAX)));
+    assert_eq!(index.dropped(Tier::Gpu), 2);
+    assert_eq!(index.dropped(Tier::Offloaded), 0);
+    // The first blocks of a batch are kept, in chain order: a miss past 3.
+    assert_eq!(prefixes(&index, &[1, 2, 3, 4, 5]), vec![3]);
+    // Removing a dropped block is no divergence, and changes nothing held.
+    index.apply(Slot(0), CacheEvent::Removed(&[5, 4])).unwrap();
+    assert_eq!(index.usage(Slot(0)), Some((3, usize::MAX)));
+    // A removed block that was held goes, and frees room.
+    index.apply(Slot(0), CacheEvent::Removed(&[2])).unwrap();
+    assert!(!index.holds(Slot(0), 2));
+    assert_eq!(prefixes(&index, &[1, 2, 3]), vec![1]);
+    index.apply(Slot(0), CacheEvent::Stored(&[6, 7])).unwrap();
+    assert!(index.holds(Slot(0), 6) && !index.holds(Slot(0), 7));
+    assert_eq!(index.dropped(Tier::Gpu), 3);
+    assert_eq!(index.tier_entries(Tier::Gpu), 3);
+}
+
+#[test]
+fn a_copy_dropped_for_the_bound_never_outlives_the_engines_last_copy() {
+    let mut index = bounded(2, 10);
+    snap(&mut index, 0, 100, &[1, 2]);
+    // A second copy of 1 does not fit: the index holds 1 once, the engine
+    // twice.
+    index.apply(Slot(0), CacheEvent::Stored(&[1])).unwrap();
+    assert_eq!(index.dropped(Tier::Gpu), 1);
+    index.apply(Slot(0), CacheEvent::Removed(&[1])).unwrap();
+    assert!(
+        !index.holds(Slot(0), 1),
+        "a miss while the engine has one copy left"
+    );
+    index.apply(Slot(0), CacheEvent::Removed(&[1])).unwrap();
+    assert!(!index.holds(Slot(0), 1));
+    assert_eq!(index.usage(Slot(0)), Some((1, 100)));
+}
+
+#[test]
+fn the_reported_capacity_still_bounds_below_the_index_bound() {
+    let mut index = bounded(10, 10);
+    snap(&mut index, 0, 3, &[1, 2]);
+    assert_eq!(
+        index.apply(Slot(0), CacheEvent::Stored(&[3, 4])),
+        Err(IndexError::OverCapacity {
+            slot: 0,
+            capacity: 3,
+            would_hold: 4
+        })
+    );
+    assert_eq!(index.dropped(Tier::Gpu), 0);
+}
+
+#[test]
+fn a_snapshot_over_the_bound_is_truncated_and_a_complete_one_is_strict_again() {
+    let mut index = bounded(2, 10);
+    snap(&mut index, 0, 1000, &[1, 2, 3, 4]);
+    assert_eq!(index.usage(Slot(0)), Some((2, 1000)));
+    assert_eq!(index.dropped(Tier::Gpu), 2);
+    // Lossy: removing what it may have dropped is fine.
+    index.apply(Slot(0), CacheEvent::Removed(&[4])).unwrap();
+    // A clear makes the tier complete: unknown removals diverge again.
+    index.apply(Slot(0), CacheEvent::GpuCleared).unwrap();
+    index.apply(Slot(0), CacheEvent::Stored(&[5])).unwrap();
+    assert_eq!(
+        index.apply(Slot(0), CacheEvent::Removed(&[6])),
+        Err(IndexError::NotHeld { slot: 0, block: 6 })
+    );
+    snap(&mut index, 0, 1000, &[7]);
+    assert_eq!(
+        index.apply(Slot(0), CacheEvent::Removed(&[8])),
+        Err(IndexError::NotHeld { slot: 0, block: 8 })
+    );
+}
+
+#[test]
+fn offloaded_blocks_have_their_own_bound() {
+    let mut index = bounded(10, 2);
+    snap(&mut index, 0, 4, &[1]);
+    index
+        .apply(Slot(0), CacheEvent::Offloaded(&[2, 3, 4, 5]))
+        .unwrap();
+    assert_eq!(index.offloaded(Slot(0)), 2);
+    assert_eq!(index.dropped(Tier::Offloaded), 2);
+    assert_eq!(index.tier_entries(Tier::Offloaded), 2);
+    assert_eq!(index.dropped(Tier::Gpu), 0);
+    index
+        .apply(Slot(0), CacheEvent::OffloadRemoved(&[5, 2]))
+        .unwrap();
+    assert_eq!(index.offloaded(Slot(0)), 1);
+    index.apply(Slot(0), CacheEvent::OffloadCleared).unwrap();
+    assert_eq!(
+        index.apply(Slot(0), CacheEvent::OffloadRemoved(&[9])),
+        Err(IndexError::NotHeld { slot: 0, block: 9 })
+    );
+    // Zero keeps no offloaded block at all.
+    let mut index = bounded(10, 0);
+    snap(&mut index, 0, 4, &[1]);
+    index.apply(Slot(0), CacheEvent::Offloaded(&[2])).unwrap();
+    assert_eq!(index.offloaded(Slot(0)), 0);
+    assert!(!index.holds_any(2));
+}
+
+#[test]
+fn an_endpoint_removed_in_steps_is_gone_at_once_for_queries() {
+    let mut index = OccupancyIndex::new();
+    let blocks: Vec<u64> = (0..10_000).collect();
+    snap(&mut index, 0, 20_000, &blocks);
+    snap(&mut index, 1, 20_000, &blocks[..5]);
+    index
+        .apply(Slot(0), CacheEvent::Offloaded(&[20_000]))
+        .unwrap();
+    index.begin_remove_endpoint(Slot(0));
+    assert_eq!(prefixes(&index, &blocks[..8]), vec![0, 5]);
+    assert!(!index.holds(Slot(0), 7));
+    assert_eq!(index.blocks_of(Slot(0)).count(), 0);
+    assert_eq!(index.entries(), 5);
+    assert_eq!(
+        index.apply(Slot(0), CacheEvent::Stored(&[1])),
+        Err(IndexError::NoSnapshot(0))
+    );
+    let mut steps = 0;
+    while index.remove_step() {
+        steps += 1;
+    }
+    assert_eq!(steps, SHARDS - 1);
+    assert_eq!(index.distinct_blocks(), 5);
+    assert!(!index.holds_any(20_000));
+    // A snapshot for a slot still being removed finishes the removal first.
+    snap(&mut index, 2, 20_000, &blocks);
+    index.begin_remove_endpoint(Slot(2));
+    index.remove_step();
+    snap(&mut index, 2, 20_000, &[3]);
+    assert!(!index.remove_step(), "nothing left to remove");
+    assert_eq!(index.blocks_of(Slot(2)).collect::<Vec<_>>(), vec![3]);
+    assert_eq!(prefixes(&index, &[0, 1, 2, 3]), vec![0, 4, 0]);
+}
+
+proptest! {
+    /// Whatever an honest engine with a cache larger than the bounds does
+    /// (stores and removals of blocks it holds, clears), the index holds a
+    /// sub-multiset of the engine's blocks within the bound: a dropped block
+    /// costs a miss, never a false hit, and nothing is refused.
+    #[test]
+    fn bounded_index_holds_a_subset_of_the_engine(
+        ops in prop::collection::vec((0u8..5, prop::collection::vec(0u64..10, 0..6)), 1..120),
+        chain in prop::collection::vec(0u64..10, 0..8),
+    ) {
+        const BOUND: usize = 4;
+        let mut index = bounded(BOUND, BOUND);
+        let mut engine: [HashMap<u64, u32>; 2] = Default::default();
+        snap(&mut index, 0, usize::MAX, &[]);
+        for (kind, blocks) in ops {
+            let tier = usize::from(kind % 2 == 1);
+            match kind {
+                0 | 1 => {
+                    let event = if tier == 0 { CacheEvent::Stored(&blocks) } else { CacheEvent::Offloaded(&blocks) };
+                    prop_assert!(index.apply(Slot(0), event).is_ok());
+                    for &b in &blocks { *engine[tier].entry(b).or_default() += 1; }
+                }
+                2 | 3 => {
+                    // The engine removes only what it holds.
+                    let mut removed = Vec::new();
+                    for &b in &blocks {
+                        if let Some(n) = engine[tier].get_mut(&b) {
+                            *n -= 1;
+                            if *n == 0 { engine[tier].remove(&b); }
+                            removed.push(b);
+                        }
+                    }
+                    let event = if tier == 0 { CacheEvent::Removed(&removed) } else { CacheEvent::OffloadRemoved(&removed) };
+                    prop_assert!(index.apply(Slot(0), event).is_ok());
+                }
+                _ => {
+                    prop_assert!(index.apply(Slot(0), CacheEvent::GpuCleared).is_ok());
+                    engine[0].clear();
+                }
+            }
+            let (used, _) = index.usage(Slot(0)).unwrap();
+            prop_assert!(used <= BOUND && index.offloaded(Slot(0)) <= BOUND);
+            for b in index.blocks_of(Slot(0)) {
+                prop_assert!(engine[0].contains_key(&b), "block {} is held but the engine removed it", b);
+            }
+        }
+        let mut out = Vec::new();
+        index.longest_prefix(&chain, &mut out);
+        let mut naive = OccupancyIndex::new();
+        let all = |m: &HashMap<u64, u32>| m.iter().flat_map(|(&b, &n)| std::iter::repeat_n(b, n as usize)).collect::<Vec<_>>();
+        snap(&mut naive, 0, usize::MAX, &all(&engine[0]));
+        naive.apply(Slot(0), CacheEvent::Offloaded(&all(&engine[1]))).unwrap();
+        let mut want = Vec::new();
+        naive.longest_prefix(&chain, &mut want);
+        prop_assert!(out.first().copied().unwrap_or(0) <= want.first().copied().unwrap_or(0));
+    }
+}

@@ -228,3 +228,35 @@ async fn a_dropped_guard_ends_the_load() {
     assert_eq!(p.status()[0].in_flight, 0);
     assert_eq!(p.status()[0].prefill_tokens, 0);
 }
+
+#[tokio::test]
+async fn a_large_snapshot_is_applied_in_chunks_within_the_index_bounds() {
+    let p = pool(8);
+    p.set_index_bounds(Bounds {
+        gpu: 3 * SNAPSHOT_CHUNK,
+        offloaded: 10,
+    });
+    let mut a = spec("a", 1);
+    a.cache = Some(SocketAddr::from(([127, 0, 0, 1], 9)));
+    p.set_endpoints(vec![a]);
+    let engine = kvroute_core::contract::EngineCache::of(&p.settings().hasher);
+    let blocks: Vec<u64> = (1..=5 * SNAPSHOT_CHUNK as u64 + 7).collect();
+    p.apply_snapshot("a", 1, engine.clone(), usize::MAX, &blocks, &[&[1, 2, 3]])
+        .unwrap();
+    let [gpu, offloaded] = p.index_stats();
+    assert_eq!(gpu.entries, 3 * SNAPSHOT_CHUNK);
+    assert_eq!(gpu.dropped, 2 * SNAPSHOT_CHUNK as u64 + 7);
+    assert_eq!((offloaded.entries, offloaded.dropped), (3, 0));
+    // The engine's capacity still refuses a snapshot larger than itself.
+    assert!(matches!(
+        p.apply_snapshot("a", 1, engine.clone(), 4, &blocks, &[]),
+        Err(IndexError::OverCapacity { .. })
+    ));
+    // A new snapshot replaces the old contents; a lost stream drops them.
+    p.apply_snapshot("a", 1, engine, usize::MAX, &[7, 8], &[])
+        .unwrap();
+    assert_eq!(p.index_entries(), 2);
+    p.set_stream("a", 1, StreamState::Connecting);
+    assert_eq!(p.index_stats()[0].entries, 0);
+    assert!(!p.holds_any(7));
+}
