@@ -185,7 +185,7 @@ impl Received {
     }
 
     /// Bytes received so far.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.first.as_ref().map_or(self.buf.len(), Bytes::len)
     }
 

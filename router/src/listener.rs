@@ -124,7 +124,7 @@ pub fn raise_open_file_limit() {
     }
     let from = limit.current;
     limit.current = limit.maximum;
-    match setrlimit(Resource::Nofile, limit.clone()) {
+    match setrlimit(Resource::Nofile, limit) {
         Ok(()) => tracing::debug!(from = ?from, to = ?limit.current, "raised the open-file limit"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
     }

@@ -990,3 +990,111 @@ async fn only_a_trusted_picker_reports_statuses_that_eject() {
         stack.stop().await;
     }
 }
+
+/// One message a gateway might send, in any order: (kind, body size,
+/// end_of_stream).
+fn any_message() -> impl proptest::strategy::Strategy<Value = (u8, usize, bool)> {
+    use proptest::prelude::*;
+    (
+        0u8..6,
+        prop_oneof![0usize..64, 64usize..4096, 60_000usize..400_000],
+        any::<bool>(),
+    )
+}
+
+fn message_of((kind, size, end): (u8, usize, bool), body: &[u8]) -> Message {
+    let chunk = || HttpBody {
+        body: body.iter().copied().cycle().take(size).collect(),
+        end_of_stream: end,
+        ..HttpBody::default()
+    };
+    match kind {
+        0 => Message::RequestHeaders(HttpHeaders {
+            headers: headers(&[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("content-type", "application/json"),
+            ]),
+            end_of_stream: end,
+            ..HttpHeaders::default()
+        }),
+        1 => Message::RequestBody(chunk()),
+        2 => Message::RequestTrailers(HttpTrailers {
+            trailers: headers(&[("x-done", "1")]),
+        }),
+        3 => Message::ResponseHeaders(HttpHeaders {
+            headers: headers(&[(":status", if end { "503" } else { "200" })]),
+            end_of_stream: false,
+            ..HttpHeaders::default()
+        }),
+        4 => Message::ResponseBody(chunk()),
+        _ => Message::ResponseTrailers(HttpTrailers::default()),
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 4, ..Default::default() })]
+
+    /// Random message orders and sizes (over and under the limits): every
+    /// stream ends once the gateway closes its side, an error is never a
+    /// gRPC OK, and nothing is left held: no load, no body budget.
+    #[test]
+    fn any_message_order_ends_and_releases_everything(
+        streams in proptest::collection::vec(proptest::collection::vec(any_message(), 0..8), 24)
+    ) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            let (stack, client) = picker("xp-prop", 2, false, |c| {
+                c.limits.max_body_bytes = 64 << 10;
+                c.limits.first_byte_timeout_ms = 2_000;
+            })
+            .await;
+            let body = serde_json::to_vec(&chat("prop", "q", 1)).unwrap();
+            let runs = streams.into_iter().map(|messages| {
+                let mut client = client.clone();
+                let body = body.clone();
+                async move {
+                    let mut envoy = Envoy::open(&mut client).await;
+                    for m in messages {
+                        let sent = envoy.to.as_ref().unwrap().send(ProcessingRequest {
+                            request: Some(message_of(m, &body)),
+                            ..ProcessingRequest::default()
+                        });
+                        if sent.await.is_err() {
+                            break;
+                        }
+                    }
+                    envoy.to = None;
+                    loop {
+                        let next = tokio::time::timeout(Duration::from_secs(20), envoy.from.message())
+                            .await
+                            .expect("the stream ends once the gateway closes its side");
+                        match next {
+                            Ok(Some(_)) => {}
+                            Ok(None) => break,
+                            Err(status) => {
+                                assert_ne!(status.code(), tonic::Code::Ok, "{status}");
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+            futures_util::future::join_all(runs).await;
+            eventually("no load left", || {
+                stack.router.pool.status().iter().all(|e| e.in_flight == 0 && e.prefill_tokens == 0)
+            })
+            .await;
+            let mut held = f64::NAN;
+            for _ in 0..500 {
+                held = sum_of(&stack.metrics().await, "kvroute_request_body_bytes");
+                if held == 0.0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(held, 0.0, "no body budget left held");
+            stack.stop().await;
+        });
+    }
+}
