@@ -541,6 +541,21 @@ pub struct Resilience {
     pub max_ejected_percent: u32,
     /// Active health checks; `null` turns them off.
     pub health_check: Option<HealthCheck>,
+    /// The hang deadline's floor, milliseconds: an attempt that gets no
+    /// first response byte within max(this, `hungTtftMultiple` × the
+    /// request's predicted time to first token at the endpoint), plus for
+    /// a non-streaming request `hungMsPerToken` × its `max_tokens` (its
+    /// answer comes whole), is cancelled, counted as a `timeout` fault and
+    /// retried elsewhere. An endpoint ejected for timeouts is not restored
+    /// by health checks, only by one trial request at a time. A
+    /// non-streaming request without `max_tokens` has no hang deadline,
+    /// only `limits.firstByteTimeoutMs`, which also caps it. Default: 10000.
+    pub hung_after_ms: u64,
+    /// See `hungAfterMs`; at least 1. Default: 4.
+    pub hung_ttft_multiple: f64,
+    /// See `hungAfterMs`: the time allowed per requested output token of a
+    /// non-streaming request, milliseconds. Default: 100.
+    pub hung_ms_per_token: u64,
 }
 
 impl Default for Resilience {
@@ -552,6 +567,9 @@ impl Default for Resilience {
             ejection_max_ms: 300_000,
             max_ejected_percent: 50,
             health_check: Some(HealthCheck::default()),
+            hung_after_ms: 10_000,
+            hung_ttft_multiple: 4.0,
+            hung_ms_per_token: 100,
         }
     }
 }
@@ -792,6 +810,17 @@ impl Config {
                 "resilience.maxEjectedPercent",
                 &self.resilience.max_ejected_percent,
                 "must be between 0 and 100",
+            ));
+        }
+        if self.resilience.hung_after_ms == 0 {
+            return Err(invalid("resilience.hungAfterMs", &0, "must be at least 1"));
+        }
+        let multiple = self.resilience.hung_ttft_multiple;
+        if !(multiple.is_finite() && multiple >= 1.0) {
+            return Err(invalid(
+                "resilience.hungTtftMultiple",
+                &multiple,
+                "must be a number of at least 1",
             ));
         }
         if let Some(h) = &self.resilience.health_check {
