@@ -11,7 +11,10 @@
 //!    engine's fault and never reach this module.
 //! 2. `ejectAfterFailures` passive faults in a row eject an endpoint for
 //!    `ejectionBase × 2^(ejections − 1)`, capped at `ejectionMax`. A broken
-//!    stream ejects at once. When the time passes it is routable again on
+//!    stream ejects at once, and so does a timeout: its deadline already
+//!    allows for the slowness the router predicts ([`crate::hang`]), and a
+//!    load-aware policy sends a hung engine so few requests (their load
+//!    never drains) that waiting for several would take minutes. When the time passes it is routable again on
 //!    probation: one fault ejects it again (for twice as long), one success
 //!    ends the probation and resets the doubling.
 //! 3. `healthCheck.unhealthyThreshold` failed active checks in a row eject
@@ -266,7 +269,9 @@ impl Outlier {
         // A failed trial is judged; the next request is a trial again
         // unless this one ejects.
         s.trial = false;
-        let due = s.probation || fault == Fault::Stream || s.consecutive >= threshold;
+        let due = s.probation
+            || matches!(fault, Fault::Stream | Fault::Timeout)
+            || s.consecutive >= threshold;
         if due {
             let ejections = s.ejections + 1;
             let factor = 1u32 << (ejections - 1).min(20);
@@ -424,11 +429,15 @@ mod tests {
     }
 
     #[test]
-    fn a_broken_stream_ejects_at_once() {
+    fn a_broken_stream_or_a_timeout_ejects_at_once() {
         let t0 = Instant::now();
-        let mut o = outlier(2);
+        let mut o = outlier(4);
         assert_eq!(
             ejected_for(&o.failure("e1", Fault::Stream, t0)),
+            Some(5 * S)
+        );
+        assert_eq!(
+            ejected_for(&o.failure("e2", Fault::Timeout, t0)),
             Some(5 * S)
         );
     }
@@ -507,7 +516,6 @@ mod tests {
     fn a_hung_endpoint_is_readmitted_by_one_trial_request_not_by_checks() {
         let t0 = Instant::now();
         let mut o = outlier(4);
-        o.failure("e0", Fault::Timeout, t0);
         assert_eq!(
             ejected_for(&o.failure("e0", Fault::Timeout, t0)),
             Some(5 * S)

@@ -716,15 +716,29 @@ impl Proxy {
             // client goes away while it waits, or the response ends.
             let load = self.pool.start(request, target, uncached);
             let sent = Instant::now();
-            let sent_at = self.send(parts, bytes, target, sent, hang).await;
-            let first = match sent_at {
-                // No byte has reached the client yet: the first body
-                // frame is awaited within the hang deadline, so a hung
-                // engine that sent its headers is retried too.
-                Ok(response) if hang.is_some() && !retried(response.status()) => {
-                    self.first_frame(response, target, sent, hang).await
+            let (first, load) = match self.upstream_request(parts, bytes, target) {
+                Err(e) => (Err(e), load),
+                Ok(upstream) => {
+                    let attempt = self
+                        .clone()
+                        .attempt(upstream, target.clone(), load, sent, hang);
+                    // With a hang deadline the attempt outlives a client
+                    // that leaves, until its first byte or the deadline,
+                    // so a hung engine is found even when every client
+                    // gives up sooner; without one, leaving cancels it.
+                    let mut task = Watched {
+                        task: tokio::spawn(attempt),
+                        abort: hang.is_none(),
+                    };
+                    match (&mut task.task).await {
+                        Ok(done) => done,
+                        Err(e) => {
+                            let e = ApiError::Internal(format!("the attempt failed: {e}"));
+                            last_error = e;
+                            continue;
+                        }
+                    }
                 }
-                other => other.map(|r| (r, None)),
             };
             match first {
                 Ok((response, _)) if retried(response.status()) => {
@@ -755,11 +769,14 @@ impl Proxy {
                     // Dropping the response future or body first cancels
                     // the request at the engine.
                     drop(load);
-                    if let Some(fault) = fault {
-                        self.pool.failed(&target.name, fault);
-                    }
                     let kind = fault.map_or("transport", Fault::as_str);
-                    self.failure(target, kind);
+                    // The attempt counted its own timeout.
+                    if fault != Some(Fault::Timeout) {
+                        if let Some(fault) = fault {
+                            self.pool.failed(&target.name, fault);
+                        }
+                        self.failure(target, kind);
+                    }
                     if let Some(times) = self.warnings.admit(&target.name, kind) {
                         tracing::info!(endpoint = %target.name, error = %e, attempt, times, "attempt failed");
                     }
@@ -818,19 +835,45 @@ impl Proxy {
         self.metrics.upstream_failure(&target.name, kind);
     }
 
-    /// Sends one attempt at `sent`, for its response headers within the
-    /// hang deadline `hang` ([`crate::hang`]), else within
-    /// `limits.firstByteTimeoutMs`. An error carries the engine's [`Fault`]
-    /// when it is one: refused or failed connections and timeouts are; an
-    /// upload the engine cut off is not counted against it.
-    async fn send(
+    /// One attempt sent at `sent` and holding `load`: the response headers,
+    /// then, with a hang deadline ([`crate::hang`]), the first body frame
+    /// within it. A timeout is counted against the endpoint here, whether
+    /// or not the client still waits.
+    #[allow(clippy::type_complexity)]
+    async fn attempt(
+        self: Arc<Self>,
+        upstream: Request<Full<Bytes>>,
+        target: Target,
+        load: InFlight,
+        sent: Instant,
+        hang: Option<Duration>,
+    ) -> (
+        Result<(Response<Incoming>, Option<Frame<Bytes>>), (ApiError, Option<Fault>)>,
+        InFlight,
+    ) {
+        let outcome = match self.send(upstream, &target, sent, hang).await {
+            // No byte has reached the client yet: the first body frame is
+            // awaited within the hang deadline, so a hung engine that
+            // sent its headers is retried too.
+            Ok(response) if hang.is_some() && !retried(response.status()) => {
+                self.first_frame(response, &target, sent, hang).await
+            }
+            other => other.map(|r| (r, None)),
+        };
+        if let Err((_, Some(Fault::Timeout))) = &outcome {
+            self.pool.failed(&target.name, Fault::Timeout);
+            self.failure(&target, Fault::Timeout.as_str());
+        }
+        (outcome, load)
+    }
+
+    /// The request to send to `target`.
+    fn upstream_request(
         &self,
         parts: &Parts,
         bytes: &Bytes,
         target: &Target,
-        sent: Instant,
-        hang: Option<Duration>,
-    ) -> Result<Response<Incoming>, (ApiError, Option<Fault>)> {
+    ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri: Uri = format!("http://{}{path}", target.http)
             .parse()
@@ -856,6 +899,21 @@ impl Proxy {
         request
             .headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        Ok(request)
+    }
+
+    /// Sends `request` at `sent`, for its response headers within the hang
+    /// deadline `hang`, else within `limits.firstByteTimeoutMs`. An error
+    /// carries the engine's [`Fault`] when it is one: refused or failed
+    /// connections and timeouts are; an upload the engine cut off is not
+    /// counted against it.
+    async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+        target: &Target,
+        sent: Instant,
+        hang: Option<Duration>,
+    ) -> Result<Response<Incoming>, (ApiError, Option<Fault>)> {
         let timeout = hang.unwrap_or(self.hang.cap());
         match tokio::time::timeout_at(sent + timeout, self.clients.get().request(request)).await {
             Ok(Ok(response)) => Ok(response),
@@ -1061,6 +1119,20 @@ impl Proxy {
         self.models
             .get(self.clients.get(), || self.pool.addresses())
             .await
+    }
+}
+
+/// An attempt's task, aborted when dropped if `abort`.
+struct Watched<T> {
+    task: tokio::task::JoinHandle<T>,
+    abort: bool,
+}
+
+impl<T> Drop for Watched<T> {
+    fn drop(&mut self) {
+        if self.abort {
+            self.task.abort();
+        }
     }
 }
 

@@ -81,7 +81,9 @@ async fn steady(
         i += 1;
         let client = stack.client.clone();
         let url = url.clone();
-        let body = json!({"prompt": format!("request {i} of steady traffic"), "max_tokens": 2});
+        // Distinct from the first bytes, so that routing keys spread.
+        let key = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let body = json!({"prompt": format!("{key:016x} steady traffic"), "max_tokens": 2});
         pending.push(tokio::spawn(async move {
             let at = start.elapsed();
             let send = async {
