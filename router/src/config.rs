@@ -1082,4 +1082,21 @@ telemetry: {logFormat: json, endpointHeader: ""}
         let off: Config = serde_yaml::from_str("telemetry: {endpointHeader: ''}").unwrap();
         assert_eq!(off.telemetry.endpoint_header, OptionalHeader(None));
     }
+
+    #[test]
+    fn the_hang_deadline_settings_are_checked() {
+        for (yaml, err) in [
+            (
+                "resilience: {hungAfterMs: 0}",
+                "resilience.hungAfterMs: must be at least 1 (got 0)",
+            ),
+            (
+                "resilience: {hungTtftMultiple: 0.5}",
+                "resilience.hungTtftMultiple: must be a number of at least 1 (got 0.5)",
+            ),
+        ] {
+            let c: Config = serde_yaml::from_str(yaml).unwrap();
+            assert_eq!(c.validate().unwrap_err().to_string(), err);
+        }
+    }
 }

@@ -157,7 +157,7 @@ impl State {
     /// (whether or not [`Outlier::tick`] has seen its time pass), only
     /// while no trial is in flight.
     fn admits(&self, now: Instant) -> bool {
-        !self.is_ejected(now) && !(self.hung && self.trial)
+        !(self.is_ejected(now) || (self.hung && self.trial))
     }
 }
 
