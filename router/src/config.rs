@@ -577,7 +577,8 @@ impl Default for Resilience {
 /// Active health checks: `GET path` on every endpoint every `intervalMs`.
 /// A check fails on a connect error, a non-2xx status or no answer within
 /// `timeoutMs`; `unhealthyThreshold` failures in a row eject the endpoint
-/// until a check passes, and a passing check restores any ejected endpoint.
+/// until a check passes, and a passing check restores any ejected endpoint
+/// except one ejected as hung (see `Resilience::hung_after_ms`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct HealthCheck {
