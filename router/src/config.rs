@@ -599,6 +599,21 @@ pub struct Resilience {
     pub max_ejected_percent: u32,
     /// Active health checks; `null` turns them off.
     pub health_check: Option<HealthCheck>,
+    /// The hang deadline's floor, milliseconds: an attempt that gets no
+    /// first response byte within max(this, `hungTtftMultiple` × the
+    /// request's predicted time to first token at the endpoint), plus for
+    /// a non-streaming request `hungMsPerToken` × its `max_tokens` (its
+    /// answer comes whole), is cancelled, counted as a `timeout` fault and
+    /// retried elsewhere. An endpoint ejected for timeouts is not restored
+    /// by health checks, only by one trial request at a time. A
+    /// non-streaming request without `max_tokens` has no hang deadline,
+    /// only `limits.firstByteTimeoutMs`, which also caps it. Default: 10000.
+    pub hung_after_ms: u64,
+    /// See `hungAfterMs`; at least 1. Default: 4.
+    pub hung_ttft_multiple: f64,
+    /// See `hungAfterMs`: the time allowed per requested output token of a
+    /// non-streaming request, milliseconds. Default: 100.
+    pub hung_ms_per_token: u64,
 }
 
 impl Default for Resilience {
@@ -610,6 +625,9 @@ impl Default for Resilience {
             ejection_max_ms: 300_000,
             max_ejected_percent: 50,
             health_check: Some(HealthCheck::default()),
+            hung_after_ms: 10_000,
+            hung_ttft_multiple: 4.0,
+            hung_ms_per_token: 100,
         }
     }
 }
@@ -617,7 +635,8 @@ impl Default for Resilience {
 /// Active health checks: `GET path` on every endpoint every `intervalMs`.
 /// A check fails on a connect error, a non-2xx status or no answer within
 /// `timeoutMs`; `unhealthyThreshold` failures in a row eject the endpoint
-/// until a check passes, and a passing check restores any ejected endpoint.
+/// until a check passes, and a passing check restores any ejected endpoint
+/// except one ejected as hung (see `Resilience::hung_after_ms`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct HealthCheck {
@@ -865,6 +884,17 @@ impl Config {
                 "resilience.maxEjectedPercent",
                 &self.resilience.max_ejected_percent,
                 "must be between 0 and 100",
+            ));
+        }
+        if self.resilience.hung_after_ms == 0 {
+            return Err(invalid("resilience.hungAfterMs", &0, "must be at least 1"));
+        }
+        let multiple = self.resilience.hung_ttft_multiple;
+        if !(multiple.is_finite() && multiple >= 1.0) {
+            return Err(invalid(
+                "resilience.hungTtftMultiple",
+                &multiple,
+                "must be a number of at least 1",
             ));
         }
         if let Some(h) = &self.resilience.health_check {
@@ -1144,5 +1174,22 @@ telemetry: {logFormat: json, endpointHeader: ""}
         );
         let off: Config = serde_yaml::from_str("telemetry: {endpointHeader: ''}").unwrap();
         assert_eq!(off.telemetry.endpoint_header, OptionalHeader(None));
+    }
+
+    #[test]
+    fn the_hang_deadline_settings_are_checked() {
+        for (yaml, err) in [
+            (
+                "resilience: {hungAfterMs: 0}",
+                "resilience.hungAfterMs: must be at least 1 (got 0)",
+            ),
+            (
+                "resilience: {hungTtftMultiple: 0.5}",
+                "resilience.hungTtftMultiple: must be a number of at least 1 (got 0.5)",
+            ),
+        ] {
+            let c: Config = serde_yaml::from_str(yaml).unwrap();
+            assert_eq!(c.validate().unwrap_err().to_string(), err);
+        }
     }
 }

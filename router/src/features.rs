@@ -52,6 +52,9 @@ pub struct Features {
     pub prompt_cache_key: Option<String>,
     /// `cache_salt` as the client sent it.
     pub cache_salt: Option<String>,
+    /// `max_completion_tokens`, else `max_tokens`, when a whole number
+    /// (the engine judges other values).
+    pub max_tokens: Option<u64>,
 }
 
 /// Parses `body` as a JSON object. Chat and completions bodies must be one,
@@ -177,7 +180,14 @@ impl<'de> serde::Deserialize<'de> for RawList<'de> {
 }
 
 /// The fields [`features`] reads.
-const FEATURES: [&str; 4] = ["model", "stream", "prompt_cache_key", "cache_salt"];
+const FEATURES: [&str; 6] = [
+    "model",
+    "stream",
+    "prompt_cache_key",
+    "cache_salt",
+    "max_tokens",
+    "max_completion_tokens",
+];
 
 /// `key` as one of [`FEATURES`].
 fn feature(key: &str) -> Option<&'static str> {
@@ -266,6 +276,10 @@ pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
         stream,
         prompt_cache_key: string_field(obj, "prompt_cache_key")?,
         cache_salt: string_field(obj, "cache_salt")?,
+        max_tokens: obj
+            .get("max_completion_tokens")
+            .and_then(Value::as_u64)
+            .or_else(|| obj.get("max_tokens").and_then(Value::as_u64)),
     })
 }
 

@@ -11,17 +11,29 @@
 //!    engine's fault and never reach this module.
 //! 2. `ejectAfterFailures` passive faults in a row eject an endpoint for
 //!    `ejectionBase × 2^(ejections − 1)`, capped at `ejectionMax`. A broken
-//!    stream ejects at once. When the time passes it is routable again on
+//!    stream ejects at once, and so does a timeout: its deadline already
+//!    allows for the slowness the router predicts ([`crate::hang`]), and a
+//!    load-aware policy sends a hung engine so few requests (their load
+//!    never drains) that waiting for several would take minutes. When the time passes it is routable again on
 //!    probation: one fault ejects it again (for twice as long), one success
 //!    ends the probation and resets the doubling.
 //! 3. `healthCheck.unhealthyThreshold` failed active checks in a row eject
 //!    an endpoint until a check passes. A passing check restores any
-//!    ejected endpoint (as Envoy's `successful_active_health_check_uneject_host`).
+//!    ejected endpoint (as Envoy's `successful_active_health_check_uneject_host`)
+//!    except a hung one (rule 5).
 //! 4. At most `maxEjectedPercent` of the endpoints (rounded down) are
 //!    ejected at once. An ejection beyond that is refused and counted: the
 //!    endpoint keeps taking traffic, and its retries cover its failures. So
 //!    a fleet that fails partially degrades partially, never to an outage;
 //!    a single endpoint is never ejected at the default of 50 %.
+//! 5. An endpoint ejected by a [`Fault::Timeout`] (no first byte within the
+//!    hang deadline) is *hung*: its `/health` may well answer while it
+//!    serves nothing, so a passing check does not restore it. When its
+//!    time passes it is half-open: it takes one request at a time (the
+//!    trial, claimed with [`Outlier::begin`], released unjudged with
+//!    [`Outlier::abandon`] when the client leaves) until one succeeds,
+//!    which restores it fully, or fails, which ejects it again (rule 2's
+//!    probation, for twice as long).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -76,6 +88,10 @@ pub enum Restore {
     Expired,
     /// An active health check passed.
     HealthCheck,
+    /// A hung endpoint's time passed: it takes one trial request at a time.
+    HalfOpen,
+    /// A half-open endpoint's trial request succeeded: it takes all traffic.
+    Trial,
 }
 
 impl Restore {
@@ -84,6 +100,8 @@ impl Restore {
         match self {
             Restore::Expired => "expired",
             Restore::HealthCheck => "health_check",
+            Restore::HalfOpen => "half_open",
+            Restore::Trial => "trial",
         }
     }
 }
@@ -124,11 +142,22 @@ struct State {
     /// `Some(None)`: ejected until a check passes.
     ejected: Option<Option<Instant>>,
     probation: bool,
+    /// Ejected for a hang, or half-open after one (rule 5).
+    hung: bool,
+    /// Half-open with its trial request in flight.
+    trial: bool,
 }
 
 impl State {
     fn is_ejected(&self, now: Instant) -> bool {
         matches!(self.ejected, Some(until) if until.is_none_or(|t| t > now))
+    }
+
+    /// Whether a new request may go to it: not ejected, and when half-open
+    /// (whether or not [`Outlier::tick`] has seen its time pass), only
+    /// while no trial is in flight.
+    fn admits(&self, now: Instant) -> bool {
+        !(self.is_ejected(now) || (self.hung && self.trial))
     }
 }
 
@@ -164,6 +193,34 @@ impl Outlier {
         self.states.get(name).is_some_and(|s| s.is_ejected(now))
     }
 
+    /// Whether a new request may go to `name` at `now`: it is not ejected
+    /// and, when half-open, its trial is not in flight (rule 5).
+    pub fn admits(&self, name: &str, now: Instant) -> bool {
+        self.states.get(name).is_none_or(|s| s.admits(now))
+    }
+
+    /// A request is sent to `name` at `now`; returns whether it is the
+    /// half-open endpoint's trial, which the caller must end with
+    /// [`success`](Self::success), [`failure`](Self::failure) or
+    /// [`abandon`](Self::abandon).
+    pub fn begin(&mut self, name: &str, now: Instant) -> bool {
+        match self.states.get_mut(name) {
+            Some(s) if s.hung && !s.trial && !s.is_ejected(now) => {
+                s.trial = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The trial request to `name` ended unjudged (the client went away):
+    /// the next request is the trial.
+    pub fn abandon(&mut self, name: &str) {
+        if let Some(s) = self.states.get_mut(name) {
+            s.trial = false;
+        }
+    }
+
     /// How many endpoints are ejected at `now`.
     pub fn ejected(&self, now: Instant) -> usize {
         self.states.values().filter(|s| s.is_ejected(now)).count()
@@ -183,9 +240,14 @@ impl Outlier {
             {
                 s.ejected = None;
                 s.probation = true;
+                let why = if s.hung {
+                    Restore::HalfOpen
+                } else {
+                    Restore::Expired
+                };
                 events.push(Event::Restored {
                     endpoint: name.clone(),
-                    why: Restore::Expired,
+                    why,
                 });
             }
         }
@@ -204,7 +266,12 @@ impl Outlier {
             return events;
         }
         s.consecutive += 1;
-        let due = s.probation || fault == Fault::Stream || s.consecutive >= threshold;
+        // A failed trial is judged; the next request is a trial again
+        // unless this one ejects.
+        s.trial = false;
+        let due = s.probation
+            || matches!(fault, Fault::Stream | Fault::Timeout)
+            || s.consecutive >= threshold;
         if due {
             let ejections = s.ejections + 1;
             let factor = 1u32 << (ejections - 1).min(20);
@@ -216,12 +283,20 @@ impl Outlier {
 
     /// A request to `name` succeeded.
     pub fn success(&mut self, name: &str, now: Instant) -> Vec<Event> {
-        let events = self.tick(now);
+        let mut events = self.tick(now);
         if let Some(s) = self.states.get_mut(name) {
             s.consecutive = 0;
             if s.probation && !s.is_ejected(now) {
                 s.probation = false;
                 s.ejections = 0;
+            }
+            if s.hung && !s.is_ejected(now) {
+                s.hung = false;
+                s.trial = false;
+                events.push(Event::Restored {
+                    endpoint: name.to_owned(),
+                    why: Restore::Trial,
+                });
             }
         }
         events
@@ -236,7 +311,7 @@ impl Outlier {
         };
         if passed {
             s.failed_checks = 0;
-            if s.is_ejected(now) {
+            if s.is_ejected(now) && !s.hung {
                 s.ejected = None;
                 s.probation = true;
                 events.push(Event::Restored {
@@ -268,6 +343,8 @@ impl Outlier {
         s.ejections += 1;
         s.consecutive = 0;
         s.probation = false;
+        s.hung = fault == Fault::Timeout;
+        s.trial = false;
         Event::Ejected {
             endpoint: name.to_owned(),
             fault,
@@ -352,11 +429,15 @@ mod tests {
     }
 
     #[test]
-    fn a_broken_stream_ejects_at_once() {
+    fn a_broken_stream_or_a_timeout_ejects_at_once() {
         let t0 = Instant::now();
-        let mut o = outlier(2);
+        let mut o = outlier(4);
         assert_eq!(
             ejected_for(&o.failure("e1", Fault::Stream, t0)),
+            Some(5 * S)
+        );
+        assert_eq!(
+            ejected_for(&o.failure("e2", Fault::Timeout, t0)),
             Some(5 * S)
         );
     }
@@ -429,6 +510,67 @@ mod tests {
         assert!(o.is_ejected("e0", t0));
         assert_eq!(o.check("e0", true, t0 + S).len(), 1);
         assert!(!o.is_ejected("e0", t0 + S));
+    }
+
+    #[test]
+    fn a_hung_endpoint_is_readmitted_by_one_trial_request_not_by_checks() {
+        let t0 = Instant::now();
+        let mut o = outlier(4);
+        assert_eq!(
+            ejected_for(&o.failure("e0", Fault::Timeout, t0)),
+            Some(5 * S)
+        );
+        assert!(
+            o.check("e0", true, t0 + S).is_empty(),
+            "a passing check does not restore a hung endpoint"
+        );
+        assert!(!o.admits("e0", t0 + S));
+        // Its time passed: half-open, even before a tick says so.
+        let t1 = t0 + 5 * S;
+        assert!(o.admits("e0", t1));
+        assert!(o.begin("e0", t1), "the first request is the trial");
+        assert!(!o.admits("e0", t1), "one trial at a time");
+        assert!(!o.begin("e0", t1));
+        assert_eq!(
+            o.tick(t1),
+            vec![Event::Restored {
+                endpoint: "e0".into(),
+                why: Restore::HalfOpen
+            }]
+        );
+        // The client left: the next request is the trial.
+        o.abandon("e0");
+        assert!(o.begin("e0", t1));
+        // The trial failed: ejected again, for twice as long, still hung.
+        assert_eq!(
+            ejected_for(&o.failure("e0", Fault::Timeout, t1)),
+            Some(10 * S)
+        );
+        assert!(o.check("e0", true, t1 + S).is_empty());
+        let t2 = t1 + 10 * S;
+        assert_eq!(o.tick(t2).len(), 1);
+        assert!(o.begin("e0", t2));
+        assert_eq!(
+            o.success("e0", t2),
+            vec![Event::Restored {
+                endpoint: "e0".into(),
+                why: Restore::Trial
+            }]
+        );
+        assert!(o.admits("e0", t2));
+        assert!(!o.begin("e0", t2), "restored: no more trials");
+        assert!(o.admits("e0", t2), "takes all traffic");
+    }
+
+    #[test]
+    fn a_refused_hung_ejection_leaves_the_endpoint_taking_traffic() {
+        let t0 = Instant::now();
+        let mut o = outlier(1);
+        for _ in 0..4 {
+            o.failure("e0", Fault::Timeout, t0);
+        }
+        assert!(o.admits("e0", t0));
+        assert!(!o.begin("e0", t0), "not hung: no trial");
     }
 
     #[test]

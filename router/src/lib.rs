@@ -16,6 +16,7 @@ pub mod discovery;
 pub mod errors;
 pub mod ext_proc;
 pub mod features;
+pub mod hang;
 pub mod health;
 pub mod health_checks;
 pub mod hit_rate;
@@ -30,6 +31,7 @@ pub mod server;
 pub mod settings;
 pub mod telemetry;
 pub mod tenancy;
+pub mod throttle;
 
 pub use config::Config;
 

@@ -31,6 +31,7 @@ use crate::config::Resilience;
 use crate::health::{self, Event, Fault, Outlier};
 use crate::metrics::{Metrics, Why};
 use crate::settings::Settings;
+use crate::throttle::Warnings;
 
 /// Blocks of a snapshot applied under one hold of the lock: about a
 /// millisecond of work, so routing never waits longer for a snapshot.
@@ -206,6 +207,8 @@ pub struct Pool {
     /// Signalled whenever a request ends, for requests queued on full
     /// endpoints.
     released: Notify,
+    /// Refused ejections repeat with every failure: logged throttled.
+    warnings: Warnings,
 }
 
 impl std::fmt::Debug for Pool {
@@ -295,6 +298,7 @@ impl Pool {
             concurrency,
             ready: watch::channel(0).0,
             released: Notify::new(),
+            warnings: Warnings::default(),
         })
     }
 
@@ -614,13 +618,33 @@ impl Pool {
         target: &Target,
         uncached_tokens: u64,
     ) -> InFlight {
-        // One lock for both: this is the request path.
+        // One lock for all: this is the request path.
         let mut inner = self.lock();
         inner.learn(request, target);
         let ticket = inner
             .load
             .start(target.slot, request.prompt_tokens, uncached_tokens);
-        self.in_flight(ticket)
+        let trial = inner.outlier.begin(&target.name, now());
+        drop(inner);
+        let mut load = self.in_flight(ticket);
+        if trial {
+            load.trial = Some(target.name.clone());
+        }
+        load
+    }
+
+    /// The predicted time to first token at `target` for a request with
+    /// `uncached_tokens` to prefill there, by the policy's prefill model
+    /// over the endpoint's load now (before the request is counted).
+    pub fn predicted_ttft(&self, target: &Target, uncached_tokens: u64) -> std::time::Duration {
+        let inner = self.lock();
+        let load = inner.load.load(target.slot);
+        let s = inner
+            .settings
+            .policy
+            .prefill_model()
+            .ttft_s(&load, uncached_tokens, now());
+        std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
     }
 
     /// Lets the policy learn that `target` serves `request` (approximate
@@ -649,6 +673,7 @@ impl Pool {
         InFlight {
             pool: self.clone(),
             ticket: Some(ticket),
+            trial: None,
         }
     }
 
@@ -720,8 +745,10 @@ impl Pool {
                     self.metrics.ejections.get_or_create(&Why { reason }).inc();
                 }
                 Event::Refused { endpoint, fault } => {
-                    tracing::warn!(%endpoint, reason = fault.as_str(), "endpoint not ejected: the ejected share is at resilience.maxEjectedPercent");
                     let reason = fault.as_str();
+                    if let Some(n) = self.warnings.admit(endpoint, reason) {
+                        tracing::warn!(%endpoint, reason, times = n, "endpoint not ejected: the ejected share is at resilience.maxEjectedPercent");
+                    }
                     self.metrics
                         .ejections_refused
                         .get_or_create(&Why { reason })
@@ -1008,7 +1035,7 @@ impl Inner {
     }
 
     fn is_routable(&self, m: &Member, now: std::time::Instant) -> bool {
-        m.spec.ready && !m.spec.draining && !self.outlier.is_ejected(&m.spec.name, now)
+        m.spec.ready && !m.spec.draining && self.outlier.admits(&m.spec.name, now)
     }
 }
 
@@ -1019,6 +1046,9 @@ impl Inner {
 pub struct InFlight {
     pool: Arc<Pool>,
     ticket: Option<Ticket>,
+    /// The half-open endpoint whose trial this request is: released
+    /// unjudged if it ends without a success or failure reported.
+    trial: Option<Arc<str>>,
 }
 
 impl InFlight {
@@ -1033,7 +1063,12 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some(t) = self.ticket.take() {
-            self.pool.lock().load.finish(t);
+            let mut inner = self.pool.lock();
+            inner.load.finish(t);
+            if let Some(name) = self.trial.take() {
+                inner.outlier.abandon(&name);
+            }
+            drop(inner);
             self.pool.released.notify_waiters();
         }
     }

@@ -41,6 +41,7 @@ use crate::models::{ModelList, Models};
 use crate::pool::{InFlight, Plan, Pool, Target};
 use crate::prefixes::{Offender, Volatility};
 use crate::tenancy::Tenancy;
+use crate::throttle::Warnings;
 
 /// Bodies up to this size are tokenized on the async worker that read
 /// them (microseconds); larger ones on the bounded tokenizer pool, so a
@@ -97,6 +98,10 @@ pub struct Proxy {
     prefixes: std::sync::Mutex<Volatility>,
     /// Conversations' prompt snapshots.
     conversations: Arc<Conversations>,
+    /// When an attempt counts as hung.
+    hang: crate::hang::Deadline,
+    /// Per-request warnings, throttled per endpoint and reason.
+    warnings: Warnings,
 }
 
 thread_local! {
@@ -157,6 +162,10 @@ pub(crate) struct Analysis {
     contents: Vec<u64>,
     /// Whether a conversation's prompt was resumed.
     memo: Option<Memo>,
+    /// Whether the client asked for a streamed response.
+    stream: bool,
+    /// The output tokens the client asked for at most.
+    max_tokens: Option<u64>,
 }
 
 impl Analysis {
@@ -280,6 +289,8 @@ impl Proxy {
             gap: std::sync::Mutex::default(),
             prefixes: std::sync::Mutex::default(),
             conversations: Arc::new(Conversations::new(metrics.conversation_evictions.clone())),
+            hang: crate::hang::Deadline::new(&config.resilience, &config.limits),
+            warnings: Warnings::default(),
             metrics,
         }
     }
@@ -729,28 +740,52 @@ impl Proxy {
                 ("retry", 0)
             };
             self.count_decision(reason);
+            let uncached = request.prompt_tokens - cached;
+            let ttft = self.pool.predicted_ttft(target, uncached);
+            let hang = self.hang.of(analysis.stream, analysis.max_tokens, ttft);
             // Counted until dropped: whether this attempt fails, the
             // client goes away while it waits, or the response ends.
-            let load = self
-                .pool
-                .start(request, target, request.prompt_tokens - cached);
+            let load = self.pool.start(request, target, uncached);
             let sent = Instant::now();
-            match self.send(parts, bytes, target).await {
-                Ok(response)
-                    if response.status().is_server_error()
-                        || response.status() == StatusCode::TOO_MANY_REQUESTS =>
-                {
+            let (first, load) = match self.upstream_request(parts, bytes, target) {
+                Err(e) => (Err(e), load),
+                Ok(upstream) => {
+                    let attempt = self
+                        .clone()
+                        .attempt(upstream, target.clone(), load, sent, hang);
+                    // With a hang deadline the attempt outlives a client
+                    // that leaves, until its first byte or the deadline,
+                    // so a hung engine is found even when every client
+                    // gives up sooner; without one, leaving cancels it.
+                    let mut task = Watched {
+                        task: tokio::spawn(attempt),
+                        abort: hang.is_none(),
+                    };
+                    match (&mut task.task).await {
+                        Ok(done) => done,
+                        Err(e) => {
+                            let e = ApiError::Internal(format!("the attempt failed: {e}"));
+                            last_error = e;
+                            continue;
+                        }
+                    }
+                }
+            };
+            match first {
+                Ok((response, _)) if retried(response.status()) => {
                     drop(load);
                     let status = response.status();
                     if status.is_server_error() {
                         self.pool.failed(&target.name, Fault::Status);
                     }
                     self.failure(target, "status");
-                    tracing::info!(endpoint = %target.name, %status, attempt, "retrying on the next endpoint");
+                    if let Some(times) = self.warnings.admit(&target.name, "status") {
+                        tracing::info!(endpoint = %target.name, %status, attempt, times, "retrying on the next endpoint");
+                    }
                     last_error = ApiError::Upstream(format!("{} answered {status}", target.name));
                     last_response = Some(response);
                 }
-                Ok(response) => {
+                Ok((response, first)) => {
                     if attempt == 0 {
                         self.count_first_choice(&by, cached);
                     }
@@ -759,16 +794,23 @@ impl Proxy {
                         prompt_tokens: request.prompt_tokens,
                     };
                     let labels = labels.hand_over();
-                    return Ok(self.respond(response, load, target, sent, labels, expected));
+                    return Ok(self.respond(response, first, load, target, sent, labels, expected));
                 }
                 Err((e, fault)) => {
+                    // Dropping the response future or body first cancels
+                    // the request at the engine.
                     drop(load);
-                    if let Some(fault) = fault {
-                        self.pool.failed(&target.name, fault);
-                    }
                     let kind = fault.map_or("transport", Fault::as_str);
-                    self.failure(target, kind);
-                    tracing::info!(endpoint = %target.name, error = %e, attempt, "attempt failed");
+                    // The attempt counted its own timeout.
+                    if fault != Some(Fault::Timeout) {
+                        if let Some(fault) = fault {
+                            self.pool.failed(&target.name, fault);
+                        }
+                        self.failure(target, kind);
+                    }
+                    if let Some(times) = self.warnings.admit(&target.name, kind) {
+                        tracing::info!(endpoint = %target.name, error = %e, attempt, times, "attempt failed");
+                    }
                     last_error = e;
                 }
             }
@@ -824,15 +866,45 @@ impl Proxy {
         self.metrics.upstream_failure(&target.name, kind);
     }
 
-    /// Sends one attempt. An error carries the engine's [`Fault`] when it is
-    /// one: refused or failed connections and timeouts are; an upload the
-    /// engine cut off is not counted against it.
-    async fn send(
+    /// One attempt sent at `sent` and holding `load`: the response headers,
+    /// then, with a hang deadline ([`crate::hang`]), the first body frame
+    /// within it. A timeout is counted against the endpoint here, whether
+    /// or not the client still waits.
+    #[allow(clippy::type_complexity)]
+    async fn attempt(
+        self: Arc<Self>,
+        upstream: Request<Full<Bytes>>,
+        target: Target,
+        load: InFlight,
+        sent: Instant,
+        hang: Option<Duration>,
+    ) -> (
+        Result<(Response<Incoming>, Option<Frame<Bytes>>), (ApiError, Option<Fault>)>,
+        InFlight,
+    ) {
+        let outcome = match self.send(upstream, &target, sent, hang).await {
+            // No byte has reached the client yet: the first body frame is
+            // awaited within the hang deadline, so a hung engine that
+            // sent its headers is retried too.
+            Ok(response) if hang.is_some() && !retried(response.status()) => {
+                self.first_frame(response, &target, sent, hang).await
+            }
+            other => other.map(|r| (r, None)),
+        };
+        if let Err((_, Some(Fault::Timeout))) = &outcome {
+            self.pool.failed(&target.name, Fault::Timeout);
+            self.failure(&target, Fault::Timeout.as_str());
+        }
+        (outcome, load)
+    }
+
+    /// The request to send to `target`.
+    fn upstream_request(
         &self,
         parts: &Parts,
         bytes: &Bytes,
         target: &Target,
-    ) -> Result<Response<Incoming>, (ApiError, Option<Fault>)> {
+    ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri: Uri = format!("http://{}{path}", target.http)
             .parse()
@@ -858,8 +930,23 @@ impl Proxy {
         request
             .headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-        let timeout = Duration::from_millis(self.limits.first_byte_timeout_ms);
-        match tokio::time::timeout(timeout, self.clients.get().request(request)).await {
+        Ok(request)
+    }
+
+    /// Sends `request` at `sent`, for its response headers within the hang
+    /// deadline `hang`, else within `limits.firstByteTimeoutMs`. An error
+    /// carries the engine's [`Fault`] when it is one: refused or failed
+    /// connections and timeouts are; an upload the engine cut off is not
+    /// counted against it.
+    async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+        target: &Target,
+        sent: Instant,
+        hang: Option<Duration>,
+    ) -> Result<Response<Incoming>, (ApiError, Option<Fault>)> {
+        let timeout = hang.unwrap_or(self.hang.cap());
+        match tokio::time::timeout_at(sent + timeout, self.clients.get().request(request)).await {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(e)) => {
                 let upload_cut = std::error::Error::source(&e)
@@ -868,22 +955,46 @@ impl Proxy {
                 let fault = (!upload_cut).then_some(Fault::Connect);
                 Err((ApiError::Upstream(format!("{}: {e}", target.name)), fault))
             }
-            Err(_) => Err((
-                ApiError::Timeout(format!(
-                    "{} sent no response within {} ms",
-                    target.name, self.limits.first_byte_timeout_ms
-                )),
-                Some(Fault::Timeout),
+            Err(_) => Err(timed_out(target, timeout)),
+        }
+    }
+
+    /// Awaits the first body frame of `response` (from an attempt sent at
+    /// `sent`) within the hang deadline `hang`. A stream that breaks or
+    /// stays silent is the engine's fault; the response is dropped, which
+    /// cancels the request at the engine.
+    #[allow(clippy::type_complexity)]
+    async fn first_frame(
+        &self,
+        response: Response<Incoming>,
+        target: &Target,
+        sent: Instant,
+        hang: Option<Duration>,
+    ) -> Result<(Response<Incoming>, Option<Frame<Bytes>>), (ApiError, Option<Fault>)> {
+        let timeout = hang.unwrap_or(self.hang.cap());
+        let (head, mut incoming) = response.into_parts();
+        if hyper::body::Body::is_end_stream(&incoming) {
+            return Ok((Response::from_parts(head, incoming), None));
+        }
+        match tokio::time::timeout_at(sent + timeout, incoming.frame()).await {
+            Ok(Some(Ok(frame))) => Ok((Response::from_parts(head, incoming), Some(frame))),
+            Ok(None) => Ok((Response::from_parts(head, incoming), None)),
+            Ok(Some(Err(e))) => Err((
+                ApiError::Upstream(format!("{}: {e}", target.name)),
+                Some(Fault::Stream),
             )),
+            Err(_) => Err(timed_out(target, timeout)),
         }
     }
 
     /// Streams the engine's response back frame by frame. The guard
     /// records the first byte and the end; a broken stream ejects the
     /// endpoint and, for event streams, ends with an error event.
+    #[allow(clippy::too_many_arguments)]
     fn respond(
         self: &Arc<Self>,
         response: Response<Incoming>,
+        first: Option<Frame<Bytes>>,
         load: InFlight,
         target: &Target,
         sent: Instant,
@@ -916,9 +1027,14 @@ impl Proxy {
             parts.status,
             expected,
         );
-        let frames = stream::unfold(Some((incoming, guard)), move |state| async move {
-            let (mut incoming, mut guard) = state?;
-            match incoming.frame().await {
+        let first = first.map(Ok);
+        let frames = stream::unfold(Some((incoming, guard, first)), move |state| async move {
+            let (mut incoming, mut guard, first) = state?;
+            let next = match first {
+                Some(frame) => Some(frame),
+                None => incoming.frame().await,
+            };
+            match next {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         guard.data(data);
@@ -927,7 +1043,10 @@ impl Proxy {
                     if hyper::body::Body::is_end_stream(&incoming) {
                         guard.done();
                     }
-                    Some((Ok::<_, std::io::Error>(frame), Some((incoming, guard))))
+                    Some((
+                        Ok::<_, std::io::Error>(frame),
+                        Some((incoming, guard, None)),
+                    ))
                 }
                 Some(Err(e)) => {
                     guard.broke(&e.to_string());
@@ -1032,6 +1151,37 @@ impl Proxy {
             .get(self.clients.get(), || self.pool.addresses())
             .await
     }
+}
+
+/// An attempt's task, aborted when dropped if `abort`.
+struct Watched<T> {
+    task: tokio::task::JoinHandle<T>,
+    abort: bool,
+}
+
+impl<T> Drop for Watched<T> {
+    fn drop(&mut self) {
+        if self.abort {
+            self.task.abort();
+        }
+    }
+}
+
+/// Whether an engine's answer with `status` is retried elsewhere.
+fn retried(status: StatusCode) -> bool {
+    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+/// The error of an attempt at `target` that sent nothing within `timeout`.
+fn timed_out(target: &Target, timeout: Duration) -> (ApiError, Option<Fault>) {
+    (
+        ApiError::Timeout(format!(
+            "{} sent no response within {} ms",
+            target.name,
+            timeout.as_millis()
+        )),
+        Some(Fault::Timeout),
+    )
 }
 
 /// Copies end-to-end headers: not hop-by-hop ones, not those the
@@ -1284,6 +1434,8 @@ fn analyze_resumed(
     Ok(Some(Analysis {
         bytes,
         model: feats.model,
+        stream: feats.stream,
+        max_tokens: feats.max_tokens,
         chain: prompt.chain,
         key,
         prompt_tokens,
@@ -1435,7 +1587,9 @@ impl Guard {
     }
 
     fn broke(&mut self, error: &str) {
-        tracing::warn!(endpoint = %self.name, error, "upstream stream broke");
+        if let Some(times) = self.proxy.warnings.admit(&self.name, "stream") {
+            tracing::warn!(endpoint = %self.name, error, times, "upstream stream broke");
+        }
         self.proxy.pool.failed(&self.name, Fault::Stream);
         self.proxy.metrics.upstream_failure(&self.name, "stream");
         self.labels.count("stream_error");

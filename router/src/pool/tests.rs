@@ -26,6 +26,7 @@ fn pool(concurrency: u32) -> Arc<Pool> {
             ejection_max_ms: 3000,
             max_ejected_percent: 50,
             health_check: None,
+            ..Resilience::default()
         },
         Arc::new(Metrics::default()),
         concurrency,
