@@ -28,9 +28,11 @@ pub mod prefixes;
 pub mod proxy;
 pub mod server;
 pub mod settings;
+pub mod tasks;
 pub mod telemetry;
 pub mod tenancy;
 
 pub use config::Config;
 
 pub use server::{Running, StartError, start};
+pub use tasks::TaskDied;
