@@ -2,6 +2,10 @@
 //! serves `EndpointDiscovery.WatchPool` to routers, writes status and Events
 //! while it holds the leader Lease, and serves `/metrics`, `/healthz` and
 //! `/readyz`.
+//!
+//! Errors are one line on stderr: a flag's bad value names the flag and
+//! exits with status 2 before anything starts (as clap's own errors do);
+//! any other failure exits with status 1.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -142,14 +146,44 @@ struct RunConfig {
     engine_tls_server_name: Option<String>,
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+impl RunConfig {
+    /// Checks what clap's parsers cannot; the message names the flag and
+    /// the bad value.
+    fn validate(&self) -> Result<(), String> {
+        if let Some(url) = &self.otlp_endpoint
+            && let Err(why) = kvroute_telemetry::check_http_url(url)
+        {
+            return Err(format!(
+                "--otlp-endpoint {url:?} is not an http(s) URL with a host: {why}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    if let Command::Run(config) = &cli.command
+        && let Err(e) = config.validate()
+    {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::from(2);
+    }
+    let done = match cli.command {
         Command::Crdgen { out } => out
             .iter()
             .try_for_each(|dir| kvroute_operator::api::write_crds(dir)),
         Command::Run(config) => tokio::runtime::Runtime::new()
-            .context("start the tokio runtime")?
-            .block_on(run(*config)),
+            .context("start the tokio runtime")
+            .and_then(|runtime| runtime.block_on(run(*config))),
+    };
+    match done {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the contexts name the flag, then the causes.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 

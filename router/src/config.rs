@@ -10,7 +10,11 @@ use axum::http::HeaderName;
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::KeyConfig;
 use kvroute_core::policy::PolicyConfig;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// The longest any duration setting may be, milliseconds: one day. Longer
+/// is a unit slip, and a deadline computed from it could overflow.
+pub const MAX_DURATION_MS: u64 = 86_400_000;
 
 /// The whole configuration.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -45,7 +49,8 @@ pub struct Config {
     /// A file holding a bearer token that `/debug/*` on the admin port
     /// requires (`Authorization: Bearer <token>`); `/metrics`, `/healthz`
     /// stay open. Unset: `/debug/*` answers only on a loopback
-    /// `adminListen`, or with `debug.open`.
+    /// `adminListen`, or with `debug.open`. A file that cannot be read, or
+    /// holds no token, stops the start.
     pub admin_token_file: Option<PathBuf>,
     /// The admin port's `/debug` endpoints.
     pub debug: DebugEndpoints,
@@ -260,8 +265,8 @@ impl StaticDiscovery {
 pub struct StaticDiscovery {
     /// The file (see [`crate::discovery::StaticFile`] for its format).
     pub file: PathBuf,
-    /// How often the file is checked for changes, milliseconds. Default:
-    /// 2000.
+    /// How often the file is checked for changes, milliseconds, 1 to
+    /// 86400000 (one day). Default: 2000.
     #[serde(default = "default_reload_ms")]
     pub reload_ms: u64,
 }
@@ -271,7 +276,8 @@ pub struct StaticDiscovery {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperatorDiscovery {
     /// The operator's gRPC URL, e.g. `http://kvroute-operator.kvroute:9443`
-    /// (a Service over its replicas). Set this, `urls`, or both.
+    /// (a Service over its replicas): `http://` or, with `grpcTls`,
+    /// `https://`, and a host. Set this, `urls`, or both.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub url: String,
     /// Operator replicas to fail over between, in order after `url`: when
@@ -363,7 +369,9 @@ pub struct Routing {
     /// Header carrying a conversation key, besides the body's
     /// `prompt_cache_key`. Default: `x-conversation-id`.
     pub conversation_header: Header,
-    /// The engines' KV block size, tokens. Default: 16 (vLLM's).
+    /// The engines' KV block size, tokens, 1 to 4096
+    /// ([`kvroute_core::hash::MAX_BLOCK_SIZE`]: vLLM's block sizes are
+    /// small, and a larger one is a typing mistake). Default: 16 (vLLM's).
     pub block_size: usize,
     /// The engines' `--prefix-caching-hash-algo`. Default: sha256.
     pub hash_algo: HashAlgo,
@@ -377,12 +385,40 @@ pub struct Routing {
     pub tokenizer_config: Option<PathBuf>,
     /// LoRA adapters by served name, with their path on the engines (vLLM's
     /// `--lora-modules name=path`); adapters the engines list in
-    /// `/v1/models` need no entry. Default: none.
+    /// `/v1/models` need no entry. Each path is a YAML string: quote one
+    /// that reads as a number or a boolean (`{a: "5"}`). Default: none.
+    #[serde(deserialize_with = "lora_paths")]
     pub lora_adapters: BTreeMap<String, String>,
     /// What a block the engine keeps offloaded (vLLM KV offloading to CPU
     /// or disk) is worth in a cached prefix, as a share of a GPU block,
     /// 0 to 1. Default: 0.5.
     pub offload_weight: f32,
+}
+
+/// `routing.loraAdapters` as written: every path a YAML string. YAML would
+/// read a plain `5` as the path "5" otherwise, which nothing downstream
+/// catches: the adapter's blocks would hash apart from the engines'.
+fn lora_paths<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+    struct Path(String);
+    impl<'de> Deserialize<'de> for Path {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Text;
+            impl serde::de::Visitor<'_> for Text {
+                type Value = Path;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("the adapter's path as a string (quote one that reads as a number)")
+                }
+                fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Path, E> {
+                    Ok(Path(v.to_owned()))
+                }
+            }
+            // `any`, not `str`: a YAML deserializer hands a plain `5` to
+            // `deserialize_str` as text, and to `deserialize_any` as a number.
+            d.deserialize_any(Text)
+        }
+    }
+    let paths = BTreeMap::<String, Path>::deserialize(d)?;
+    Ok(paths.into_iter().map(|(name, Path(p))| (name, p)).collect())
 }
 
 impl Default for Routing {
@@ -736,7 +772,18 @@ pub enum ConfigError {
     /// The routing policy's parameters are unusable.
     #[error("routing.policy: {0}")]
     Policy(String),
-    /// The file could not be read.
+    /// A file a field names could not be read.
+    #[error("{field}: cannot read {path}: {source}")]
+    File {
+        /// The field, as written in YAML.
+        field: &'static str,
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The configuration file could not be read.
     #[error("reading {path}: {source}")]
     Read {
         /// The file.
@@ -766,6 +813,17 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// Reading `path`, which `field` names, failed with `source`.
+    pub fn file(field: &'static str, path: &std::path::Path, source: std::io::Error) -> Self {
+        ConfigError::File {
+            field,
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
 impl Config {
     /// Reads and validates a YAML file.
     pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
@@ -781,54 +839,16 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks what types cannot.
+    /// Checks what types cannot: every duration and count in range, the
+    /// URLs, and the fields that depend on each other. The error names the
+    /// first bad field, as written in YAML, and its value.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |field, value: &dyn std::fmt::Display, reason| ConfigError::Invalid {
-            field,
-            value: value.to_string(),
-            reason,
-        };
         if let Err(reason) = self.routing.policy.validate() {
             return Err(ConfigError::Policy(reason));
         }
-        if self.routing.block_size == 0 {
-            return Err(invalid("routing.blockSize", &0, "must be at least 1"));
-        }
-        if self.limits.max_body_bytes == 0 {
-            return Err(invalid("limits.maxBodyBytes", &0, "must be at least 1"));
-        }
-        for (field, value) in [
-            (
-                "limits.maxBodyBytesInFlight",
-                self.limits.max_body_bytes_in_flight,
-            ),
-            ("limits.maxConnections", self.limits.max_connections),
-            (
-                "limits.bodyMinBytesPerS",
-                self.limits.body_min_bytes_per_s as usize,
-            ),
-            (
-                "limits.maxIndexBlocksPerEndpoint",
-                self.limits.max_index_blocks_per_endpoint,
-            ),
-            (
-                "limits.headerReadTimeoutMs",
-                self.limits.header_read_timeout_ms as usize,
-            ),
-            ("limits.idleTimeoutMs", self.limits.idle_timeout_ms as usize),
-            (
-                "limits.bodyReadTimeoutMs",
-                self.limits.body_read_timeout_ms as usize,
-            ),
-            (
-                "limits.http2MaxConcurrentStreams",
-                self.limits.http2_max_concurrent_streams as usize,
-            ),
-        ] {
-            if value == 0 {
-                return Err(invalid(field, &0, "must be at least 1"));
-            }
-        }
+        self.validate_durations()?;
+        self.validate_counts()?;
+        self.validate_urls()?;
         if let Some(e) = &self.ext_proc
             && self.tenancy.mode == TenancyMode::Salted
             && self.tenancy.api_keys_file.is_none()
@@ -840,22 +860,27 @@ impl Config {
                 "salted tenancy with the tenant from tenancy.tenantHeader alone needs a trusted picker: set extProc.tls.clientCaFile (gateways authenticated by certificate) or extProc.trustedNetwork: true (only gateways reach the port), or tenancy.apiKeysFile",
             ));
         }
-        if let Some(e) = &self.ext_proc {
-            for (field, value) in [
-                ("extProc.maxConnections", e.max_connections as u64),
-                ("extProc.firstMessageTimeoutMs", e.first_message_timeout_ms),
-                ("extProc.idleTimeoutMs", e.idle_timeout_ms),
-            ] {
-                if value == 0 {
-                    return Err(invalid(field, &0, "must be at least 1"));
-                }
-            }
-        }
-        if self.limits.api_threads > 1024 {
+        let l = &self.limits;
+        if l.max_body_bytes_in_flight < l.max_body_bytes {
             return Err(invalid(
-                "limits.apiThreads",
-                &self.limits.api_threads,
-                "must be at most 1024 (0: one per CPU)",
+                "limits.maxBodyBytesInFlight",
+                &l.max_body_bytes_in_flight,
+                "must be at least limits.maxBodyBytes",
+            ));
+        }
+        if l.max_body_bytes_per_tenant < l.max_body_bytes {
+            return Err(invalid(
+                "limits.maxBodyBytesPerTenant",
+                &l.max_body_bytes_per_tenant,
+                "must be at least limits.maxBodyBytes",
+            ));
+        }
+        let r = &self.resilience;
+        if r.ejection_max_ms < r.ejection_base_ms {
+            return Err(invalid(
+                "resilience.ejectionMaxMs",
+                &r.ejection_max_ms,
+                "must be at least resilience.ejectionBaseMs",
             ));
         }
         if self.tls.is_some() && self.api_listen().is_none() {
@@ -865,29 +890,14 @@ impl Config {
                 "configures the API listener, which does not run without listen when extProc is set",
             ));
         }
-        if self.limits.max_body_bytes_in_flight < self.limits.max_body_bytes {
+        if let Some(h) = &r.health_check
+            && !h.path.starts_with('/')
+        {
             return Err(invalid(
-                "limits.maxBodyBytesInFlight",
-                &self.limits.max_body_bytes_in_flight,
-                "must be at least limits.maxBodyBytes",
+                "resilience.healthCheck.path",
+                &h.path,
+                "must start with /",
             ));
-        }
-        if self.limits.max_body_bytes_per_tenant < self.limits.max_body_bytes {
-            return Err(invalid(
-                "limits.maxBodyBytesPerTenant",
-                &self.limits.max_body_bytes_per_tenant,
-                "must be at least limits.maxBodyBytes",
-            ));
-        }
-        if self.resilience.max_ejected_percent > 100 {
-            return Err(invalid(
-                "resilience.maxEjectedPercent",
-                &self.resilience.max_ejected_percent,
-                "must be between 0 and 100",
-            ));
-        }
-        if self.resilience.hung_after_ms == 0 {
-            return Err(invalid("resilience.hungAfterMs", &0, "must be at least 1"));
         }
         let multiple = self.resilience.hung_ttft_multiple;
         if !(multiple.is_finite() && multiple >= 1.0) {
@@ -897,25 +907,6 @@ impl Config {
                 "must be a number of at least 1",
             ));
         }
-        if let Some(h) = &self.resilience.health_check {
-            if !h.path.starts_with('/') {
-                return Err(invalid(
-                    "resilience.healthCheck.path",
-                    &h.path,
-                    "must start with /",
-                ));
-            }
-            if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_threshold == 0 {
-                return Err(invalid(
-                    "resilience.healthCheck",
-                    &format!(
-                        "intervalMs {}, timeoutMs {}, unhealthyThreshold {}",
-                        h.interval_ms, h.timeout_ms, h.unhealthy_threshold
-                    ),
-                    "every value must be at least 1",
-                ));
-            }
-        }
         for path in &self.proxy.allowed_paths {
             if !path.starts_with("/v1/") || path.parse::<axum::http::Uri>().is_err() {
                 return Err(invalid(
@@ -924,23 +915,6 @@ impl Config {
                     "must be a path under /v1/",
                 ));
             }
-        }
-        if self.limits.endpoint_concurrency == 0 {
-            return Err(invalid(
-                "limits.endpointConcurrency",
-                &0,
-                "must be at least 1",
-            ));
-        }
-        if self.resilience.attempts == 0 {
-            return Err(invalid("resilience.attempts", &0, "must be at least 1"));
-        }
-        if self.resilience.eject_after_failures == 0 {
-            return Err(invalid(
-                "resilience.ejectAfterFailures",
-                &0,
-                "must be at least 1",
-            ));
         }
         if self.tenancy.mode == TenancyMode::Salted && self.tenancy.secret_file.is_none() {
             return Err(invalid(
@@ -968,25 +942,6 @@ impl Config {
                 "set both or neither",
             ));
         }
-        if let Discovery::Operator(o) = &self.discovery {
-            let urls = o.all_urls();
-            if urls.is_empty() {
-                return Err(invalid(
-                    "discovery.operator.url",
-                    &"",
-                    "set url, urls or both",
-                ));
-            }
-            for url in urls {
-                if url.starts_with("https://") != self.grpc_tls.is_some() {
-                    return Err(invalid(
-                        "discovery.operator.urls",
-                        &url,
-                        "use https:// exactly when grpcTls is set",
-                    ));
-                }
-            }
-        }
         if let Some((name, _)) = self
             .routing
             .lora_adapters
@@ -1008,6 +963,190 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// Every duration: at most [`MAX_DURATION_MS`], and at least 1 ms
+    /// except where 0 has a meaning (no queueing; retry at once).
+    fn validate_durations(&self) -> Result<(), ConfigError> {
+        let l = &self.limits;
+        let r = &self.resilience;
+        let mut at_least_1 = vec![
+            ("limits.headerReadTimeoutMs", l.header_read_timeout_ms),
+            ("limits.idleTimeoutMs", l.idle_timeout_ms),
+            ("limits.bodyReadTimeoutMs", l.body_read_timeout_ms),
+            ("limits.connectTimeoutMs", l.connect_timeout_ms),
+            ("limits.firstByteTimeoutMs", l.first_byte_timeout_ms),
+            ("resilience.ejectionBaseMs", r.ejection_base_ms),
+            ("resilience.ejectionMaxMs", r.ejection_max_ms),
+            ("resilience.hungAfterMs", r.hung_after_ms),
+        ];
+        if let Discovery::Static(s) = &self.discovery {
+            at_least_1.push(("discovery.static.reloadMs", s.reload_ms));
+        }
+        if let Some(e) = &self.ext_proc {
+            at_least_1.push(("extProc.firstMessageTimeoutMs", e.first_message_timeout_ms));
+            at_least_1.push(("extProc.idleTimeoutMs", e.idle_timeout_ms));
+        }
+        if let Some(h) = &r.health_check {
+            at_least_1.push(("resilience.healthCheck.intervalMs", h.interval_ms));
+            at_least_1.push(("resilience.healthCheck.timeoutMs", h.timeout_ms));
+        }
+        for (field, ms) in at_least_1 {
+            if !(1..=MAX_DURATION_MS).contains(&ms) {
+                return Err(invalid(field, &ms, "must be 1 to 86400000 (one day)"));
+            }
+        }
+        for (field, ms) in [
+            ("limits.queueTimeoutMs", l.queue_timeout_ms),
+            ("limits.retryAfterS", l.retry_after_s.saturating_mul(1000)),
+        ] {
+            if ms > MAX_DURATION_MS {
+                let value = if field.ends_with('S') {
+                    l.retry_after_s
+                } else {
+                    ms
+                };
+                return Err(invalid(field, &value, "must be at most one day"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every count and size that 0 would turn into "refuse everything" or
+    /// "never": at least 1; and those with a hard ceiling.
+    fn validate_counts(&self) -> Result<(), ConfigError> {
+        let l = &self.limits;
+        let r = &self.resilience;
+        let mut at_least_1: Vec<(&'static str, u64)> = vec![
+            ("limits.maxBodyBytes", l.max_body_bytes as u64),
+            (
+                "limits.maxBodyBytesInFlight",
+                l.max_body_bytes_in_flight as u64,
+            ),
+            ("limits.bodyMinBytesPerS", l.body_min_bytes_per_s),
+            ("limits.tokenizeQueue", l.tokenize_queue as u64),
+            ("limits.maxTokenizeBytes", l.max_tokenize_bytes as u64),
+            ("limits.maxConnections", l.max_connections as u64),
+            (
+                "limits.maxIndexBlocksPerEndpoint",
+                l.max_index_blocks_per_endpoint as u64,
+            ),
+            (
+                "limits.http2MaxConcurrentStreams",
+                u64::from(l.http2_max_concurrent_streams),
+            ),
+            (
+                "limits.endpointConcurrency",
+                u64::from(l.endpoint_concurrency),
+            ),
+            ("resilience.attempts", u64::from(r.attempts)),
+            (
+                "resilience.ejectAfterFailures",
+                u64::from(r.eject_after_failures),
+            ),
+        ];
+        if let Some(e) = &self.ext_proc {
+            at_least_1.push(("extProc.maxConnections", e.max_connections as u64));
+        }
+        if let Some(h) = &r.health_check {
+            at_least_1.push((
+                "resilience.healthCheck.unhealthyThreshold",
+                u64::from(h.unhealthy_threshold),
+            ));
+        }
+        for (field, value) in at_least_1 {
+            if value == 0 {
+                return Err(invalid(field, &0, "must be at least 1"));
+            }
+        }
+        let block_size = self.routing.block_size;
+        if !(1..=kvroute_core::hash::MAX_BLOCK_SIZE).contains(&block_size) {
+            return Err(invalid(
+                "routing.blockSize",
+                &block_size,
+                "must be 1 to 4096 (the engines' block size in tokens)",
+            ));
+        }
+        if l.api_threads > 1024 {
+            return Err(invalid(
+                "limits.apiThreads",
+                &l.api_threads,
+                "must be at most 1024 (0: one per CPU)",
+            ));
+        }
+        if r.max_ejected_percent > 100 {
+            return Err(invalid(
+                "resilience.maxEjectedPercent",
+                &r.max_ejected_percent,
+                "must be between 0 and 100",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The operator's URLs and the trace collector's.
+    fn validate_urls(&self) -> Result<(), ConfigError> {
+        if let Discovery::Operator(o) = &self.discovery {
+            let urls = o.all_urls();
+            if urls.is_empty() {
+                return Err(invalid(
+                    "discovery.operator.url",
+                    &"",
+                    "set url, urls or both",
+                ));
+            }
+            for (i, url) in urls.iter().enumerate() {
+                let field = if i == 0 && !o.url.is_empty() {
+                    "discovery.operator.url"
+                } else {
+                    "discovery.operator.urls"
+                };
+                if kvroute_telemetry::check_http_url(url).is_err() {
+                    return Err(invalid(
+                        field,
+                        &format!("{url:?}"),
+                        "is not an http(s) URL with a host",
+                    ));
+                }
+                if url.starts_with("https://") != self.grpc_tls.is_some() {
+                    return Err(invalid(
+                        field,
+                        url,
+                        "use https:// exactly when grpcTls is set",
+                    ));
+                }
+            }
+            for (field, value) in [
+                ("discovery.operator.namespace", &o.namespace),
+                ("discovery.operator.pool", &o.pool),
+            ] {
+                if value.is_empty() {
+                    return Err(invalid(field, &"", "must not be empty"));
+                }
+            }
+        }
+        if let Some(url) = &self.telemetry.otlp_endpoint
+            && kvroute_telemetry::check_http_url(url).is_err()
+        {
+            return Err(invalid(
+                "telemetry.otlpEndpoint",
+                &format!("{url:?}"),
+                "is not an http(s) URL with a host",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn invalid(
+    field: &'static str,
+    value: &dyn std::fmt::Display,
+    reason: &'static str,
+) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        value: value.to_string(),
+        reason,
     }
 }
 
@@ -1141,7 +1280,10 @@ telemetry: {logFormat: json, endpointHeader: ""}
         assert!(err.contains("blockSzie"), "{err}");
         let c: Config = serde_yaml::from_str("routing: {blockSize: 0}").unwrap();
         let err = c.validate().unwrap_err().to_string();
-        assert_eq!(err, "routing.blockSize: must be at least 1 (got 0)");
+        assert_eq!(
+            err,
+            "routing.blockSize: must be 1 to 4096 (the engines' block size in tokens) (got 0)"
+        );
         let c: Config = serde_yaml::from_str("limits: {apiThreads: 5000}").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert_eq!(
@@ -1181,7 +1323,7 @@ telemetry: {logFormat: json, endpointHeader: ""}
         for (yaml, err) in [
             (
                 "resilience: {hungAfterMs: 0}",
-                "resilience.hungAfterMs: must be at least 1 (got 0)",
+                "resilience.hungAfterMs: must be 1 to 86400000 (one day) (got 0)",
             ),
             (
                 "resilience: {hungTtftMultiple: 0.5}",
@@ -1191,5 +1333,174 @@ telemetry: {logFormat: json, endpointHeader: ""}
             let c: Config = serde_yaml::from_str(yaml).unwrap();
             assert_eq!(c.validate().unwrap_err().to_string(), err);
         }
+    }
+
+    /// The error a file gets, whether parsing or validation finds it.
+    fn error_of(yaml: &str) -> String {
+        match serde_yaml::from_str::<Config>(yaml) {
+            Ok(c) => c
+                .validate()
+                .map_or_else(|e| e.to_string(), |()| "valid".into()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn every_duration_and_count_is_in_range() {
+        let cases = [
+            (
+                "discovery: {static: {file: e.yaml, reloadMs: 0}}",
+                "discovery.static.reloadMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "discovery: {static: {file: e.yaml, reloadMs: 18446744073709551615}}",
+                "discovery.static.reloadMs: must be 1 to 86400000 (one day) (got 18446744073709551615)",
+            ),
+            (
+                "limits: {queueTimeoutMs: 86400001}",
+                "limits.queueTimeoutMs: must be at most one day (got 86400001)",
+            ),
+            (
+                "limits: {retryAfterS: 18446744073709551615}",
+                "limits.retryAfterS: must be at most one day (got 18446744073709551615)",
+            ),
+            (
+                "limits: {connectTimeoutMs: 0}",
+                "limits.connectTimeoutMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "limits: {firstByteTimeoutMs: 0}",
+                "limits.firstByteTimeoutMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "limits: {tokenizeQueue: 0}",
+                "limits.tokenizeQueue: must be at least 1 (got 0)",
+            ),
+            (
+                "limits: {maxTokenizeBytes: 0}",
+                "limits.maxTokenizeBytes: must be at least 1 (got 0)",
+            ),
+            (
+                "resilience: {ejectionBaseMs: 0}",
+                "resilience.ejectionBaseMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "resilience: {ejectionBaseMs: 10000, ejectionMaxMs: 5000}",
+                "resilience.ejectionMaxMs: must be at least resilience.ejectionBaseMs (got 5000)",
+            ),
+            (
+                "resilience: {healthCheck: {intervalMs: 0}}",
+                "resilience.healthCheck.intervalMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "resilience: {healthCheck: {timeoutMs: 0}}",
+                "resilience.healthCheck.timeoutMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "resilience: {healthCheck: {unhealthyThreshold: 0}}",
+                "resilience.healthCheck.unhealthyThreshold: must be at least 1 (got 0)",
+            ),
+            (
+                "extProc: {idleTimeoutMs: 0}",
+                "extProc.idleTimeoutMs: must be 1 to 86400000 (one day) (got 0)",
+            ),
+            (
+                "routing: {blockSize: 4294967295}",
+                "routing.blockSize: must be 1 to 4096 (the engines' block size in tokens) (got 4294967295)",
+            ),
+            (
+                "routing: {blockSize: 4097}",
+                "routing.blockSize: must be 1 to 4096 (the engines' block size in tokens) (got 4097)",
+            ),
+        ];
+        for (yaml, error) in cases {
+            assert_eq!(error_of(yaml), error, "{yaml}");
+        }
+        for fine in [
+            "discovery: {static: {file: e.yaml, reloadMs: 1}}",
+            "limits: {queueTimeoutMs: 0, retryAfterS: 0, queueSize: 0}",
+            "routing: {blockSize: 4096}",
+            "resilience: {healthCheck: null, ejectionBaseMs: 86400000, ejectionMaxMs: 86400000}",
+        ] {
+            assert_eq!(error_of(fine), "valid", "{fine}");
+        }
+    }
+
+    #[test]
+    fn urls_must_be_http_urls_with_a_host() {
+        let op = |url: &str| {
+            format!("discovery: {{operator: {{url: '{url}', namespace: ml, pool: p}}}}")
+        };
+        assert_eq!(
+            error_of(&op("not a url")),
+            "discovery.operator.url: is not an http(s) URL with a host (got \"not a url\")"
+        );
+        for bad in ["kvroute-operator:9443", "ftp://op:9443", "http://"] {
+            let err = error_of(&op(bad));
+            assert!(
+                err.starts_with("discovery.operator.url: is not an http(s) URL"),
+                "{bad}: {err}"
+            );
+        }
+        assert_eq!(
+            error_of(
+                "discovery: {operator: {url: 'http://a:1', urls: [nope], namespace: ml, pool: p}}"
+            ),
+            "discovery.operator.urls: is not an http(s) URL with a host (got \"nope\")"
+        );
+        assert_eq!(
+            error_of("discovery: {operator: {url: 'http://a:1', namespace: '', pool: p}}"),
+            "discovery.operator.namespace: must not be empty (got )"
+        );
+        assert_eq!(
+            error_of("telemetry: {otlpEndpoint: 'otel:4317'}"),
+            "telemetry.otlpEndpoint: is not an http(s) URL with a host (got \"otel:4317\")"
+        );
+        assert_eq!(error_of(&op("http://op.kvroute:9443")), "valid");
+        assert_eq!(
+            error_of("telemetry: {otlpEndpoint: 'http://otel:4317'}"),
+            "valid"
+        );
+    }
+
+    #[test]
+    fn parameters_a_policy_does_not_have_are_refused() {
+        let err = error_of("routing: {policy: {name: round-robin, slack: 2}}");
+        assert!(
+            err.starts_with("routing.policy: unknown field `slack`"),
+            "{err}"
+        );
+        let err = error_of("routing: {policy: {name: kvroute, slack: 2}}");
+        assert!(
+            err.starts_with("routing.policy: unknown field `slack`"),
+            "{err}"
+        );
+        assert_eq!(error_of("routing: {policy: {name: round-robin}}"), "valid");
+    }
+
+    #[test]
+    fn lora_paths_are_strings() {
+        for (yaml, shown) in [
+            ("routing: {loraAdapters: {a: 5}}", "integer `5`"),
+            ("routing: {loraAdapters: {a: true}}", "boolean `true`"),
+            ("routing: {loraAdapters: {a: ~}}", "unit value"),
+            ("routing: {loraAdapters: {a: [x]}}", "sequence"),
+        ] {
+            let err = error_of(yaml);
+            assert!(
+                err.starts_with("routing.loraAdapters.a: invalid type"),
+                "{yaml}: {err}"
+            );
+            assert!(err.contains(shown), "{yaml}: {err}");
+            assert!(
+                err.contains("the adapter's path as a string"),
+                "{yaml}: {err}"
+            );
+        }
+        let c: Config =
+            serde_yaml::from_str("routing: {loraAdapters: {a: '5', b: /models/b}}").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.routing.lora_adapters["a"], "5");
+        assert_eq!(c.routing.lora_adapters["b"], "/models/b");
     }
 }

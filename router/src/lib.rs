@@ -29,6 +29,7 @@ pub mod prefixes;
 pub mod proxy;
 pub mod server;
 pub mod settings;
+pub mod tasks;
 pub mod telemetry;
 pub mod tenancy;
 pub mod throttle;
@@ -36,3 +37,4 @@ pub mod throttle;
 pub use config::Config;
 
 pub use server::{Running, StartError, start};
+pub use tasks::TaskDied;

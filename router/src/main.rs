@@ -1,5 +1,12 @@
 //! `kvroute-router`: the data-plane proxy. `--help` lists the flags; the
 //! configuration file is documented in the README.
+//!
+//! How it ends: a configuration mistake (a value, or a file it names)
+//! prints one line naming the field and exits with status 2, as clap's flag
+//! errors do; any other failure to start (a port taken) prints one line and
+//! exits with status 1; a background task that
+//! dies ([`kvroute_router::tasks`]) logs one line naming it and exits with
+//! status 1; SIGTERM or Ctrl-C drains and exits with status 0.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -62,13 +69,22 @@ fn trim_arenas_periodically() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn trim_arenas_periodically() {}
 
+/// Prints `error` in one line and exits with `status`.
+fn fail(status: i32, error: &dyn std::fmt::Display) -> ! {
+    eprintln!("error: {error}");
+    std::process::exit(status)
+}
+
+/// The exit status of a configuration mistake, as clap's.
+const BAD_CONFIG: i32 = 2;
+
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() {
     trim_arenas_periodically();
     kvroute_router::listener::raise_open_file_limit();
     let cli = Cli::parse();
     let mut config = match &cli.config {
-        Some(path) => Config::load(path)?,
+        Some(path) => Config::load(path).unwrap_or_else(|e| fail(BAD_CONFIG, &e)),
         None => Config::default(),
     };
     if let Some(listen) = cli.listen {
@@ -89,9 +105,18 @@ async fn main() -> anyhow::Result<()> {
     if let Some(format) = cli.log_format {
         config.telemetry.log_format = format;
     }
+    // Overrides included, before logging starts.
+    if let Err(e) = config.validate() {
+        fail(BAD_CONFIG, &e);
+    }
     // Held to the end of main: dropping it flushes the last spans.
-    let _telemetry = kvroute_router::telemetry::init(&config.telemetry)?;
-    let running = kvroute_router::start(config).await?;
+    let telemetry =
+        kvroute_router::telemetry::init(&config.telemetry).unwrap_or_else(|e| fail(1, &e));
+    let mut running = match kvroute_router::start(config).await {
+        Ok(running) => running,
+        Err(e) if e.is_config() => fail(BAD_CONFIG, &e),
+        Err(e) => fail(1, &e),
+    };
     let stop = kvroute_telemetry::shutdown_signal();
     if let Some(api) = running.api_addr {
         println!("kvroute-router: API on http://{api}");
@@ -100,8 +125,28 @@ async fn main() -> anyhow::Result<()> {
         println!("kvroute-router: endpoint picker (ext_proc gRPC) on {picker}");
     }
     println!("kvroute-router: admin on http://{}", running.admin_addr);
-    stop.await;
+    #[cfg(debug_assertions)]
+    kill_task_for_tests(&running);
+    tokio::select! {
+        () = stop => {}
+        died = running.died() => {
+            tracing::error!(task = died.task, why = %died.why,
+                "a background task died; exiting so that the router is restarted whole");
+            drop(telemetry);
+            std::process::exit(1);
+        }
+    }
     tracing::info!("shutting down; in-flight requests finish first");
     running.shutdown().await;
-    Ok(())
+    drop(telemetry);
+}
+
+/// Test hook, in debug builds only: `KVROUTE_TEST_KILL_TASK=<task>` kills
+/// that background task once the router runs, as a bug would, so that a
+/// test can see the process exit (`router/tests/cli.rs`).
+#[cfg(debug_assertions)]
+fn kill_task_for_tests(running: &kvroute_router::Running) {
+    if let Ok(task) = std::env::var("KVROUTE_TEST_KILL_TASK") {
+        assert!(running.kill_task_for_tests(&task), "no task {task:?}");
+    }
 }

@@ -1,6 +1,7 @@
 //! Starting the router: settings, tenancy, the pool and its discovery, the
 //! API listener and the admin listener, and a graceful shutdown that lets
-//! in-flight streams finish.
+//! in-flight streams finish. The background tasks run under
+//! [`crate::tasks`]' rule: the death of any is fatal.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,7 +16,6 @@ use kvroute_core::hash::{BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use serde_json::json;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::cache_watch::Watchers;
 use crate::config::{Config, ConfigError, Discovery, TenancyMode};
@@ -26,6 +26,7 @@ use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::proxy::Proxy;
 use crate::settings::Settings;
+use crate::tasks::{Stop, TaskDied, Tasks};
 use crate::tenancy::Tenancy;
 
 /// Why the router could not start.
@@ -34,9 +35,12 @@ pub enum StartError {
     /// Bad configuration.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The tokenizer or chat template files are invalid.
-    #[error("routing.tokenizer / routing.tokenizerConfig: {0}")]
-    Tokenize(#[from] kvroute_core::tokenize::TokenizeError),
+    /// The tokenizer or chat template file (the field) is invalid.
+    #[error("{0}: {1}")]
+    Tokenize(
+        &'static str,
+        #[source] kvroute_core::tokenize::TokenizeError,
+    ),
     /// The hashing settings are invalid.
     #[error("routing: {0}")]
     Hash(#[from] kvroute_core::hash::HashError),
@@ -49,12 +53,20 @@ pub enum StartError {
     /// A `grpcTls` file is unreadable or invalid.
     #[error("grpcTls: {0}")]
     GrpcTls(#[from] kvroute_proto::tls::TlsError),
-    /// The static endpoints file is invalid.
-    #[error("discovery: {0}")]
+    /// The static endpoints file is unreadable or invalid.
+    #[error("discovery.static.file: {0}")]
     Discovery(#[from] discovery::DiscoveryError),
     /// A listener could not be bound.
     #[error("{0}")]
     Listen(#[from] kvroute_telemetry::ListenError),
+}
+
+impl StartError {
+    /// Whether the configuration is at fault (a value, or a file it names),
+    /// rather than the machine (a port taken).
+    pub fn is_config(&self) -> bool {
+        !matches!(self, StartError::Listen(_))
+    }
 }
 
 /// A running router.
@@ -69,9 +81,7 @@ pub struct Running {
     /// The pool, for tests and the demo.
     pub pool: Arc<Pool>,
     stop: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<()>>,
-    discovery: JoinHandle<()>,
-    health: JoinHandle<()>,
+    tasks: Tasks,
 }
 
 impl Running {
@@ -85,24 +95,35 @@ impl Running {
             .expect("the router runs without an API listener (picker alone)")
     }
 
+    /// Resolves when a background task (discovery, the health checks, a
+    /// listener) ended before shutdown, naming it; never while all run.
+    /// The router is then degraded for good: stop it (the binary exits
+    /// with status 1). See [`crate::tasks`].
+    pub async fn died(&mut self) -> TaskDied {
+        self.tasks.died().await
+    }
+
+    /// Kills the background task `name` (`discovery`, `health-checks`,
+    /// `api`, `picker`, `admin`), as a bug would: for tests of
+    /// [`died`](Self::died). False when there is no such task.
+    #[doc(hidden)]
+    pub fn kill_task_for_tests(&self, name: &str) -> bool {
+        self.tasks.abort(name)
+    }
+
     /// Stops accepting requests and waits for in-flight ones (streams
     /// included) to finish.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
-        for task in self.tasks {
-            let _ = task.await;
-        }
-        // Discovery owns the cache watchers: they stop with it.
-        self.discovery.abort();
-        self.health.abort();
+        // The listeners drain; discovery (with the cache watchers it owns)
+        // and the health checks are aborted.
+        self.tasks.shutdown().await;
     }
 }
 
-fn read(path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
-    std::fs::read(path).map_err(|source| ConfigError::Read {
-        path: path.display().to_string(),
-        source,
-    })
+/// The file at `path`, which the configuration's `field` names.
+fn read(field: &'static str, path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|source| ConfigError::file(field, path, source))
 }
 
 /// Starts the router.
@@ -110,11 +131,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     config.validate()?;
     let r = &config.routing;
     let tokenizer = match &r.tokenizer {
-        Some(path) => Tokenizer::from_tokenizer_json(&read(path)?)?,
+        Some(path) => Tokenizer::from_tokenizer_json(&read("routing.tokenizer", path)?)
+            .map_err(|e| StartError::Tokenize("routing.tokenizer", e))?,
         None => Tokenizer::builtin(),
     };
     let template = match &r.tokenizer_config {
-        Some(path) => ChatTemplate::from_tokenizer_config(&read(path)?)?,
+        Some(path) => ChatTemplate::from_tokenizer_config(&read("routing.tokenizerConfig", path)?)
+            .map_err(|e| StartError::Tokenize("routing.tokenizerConfig", e))?,
         None => ChatTemplate::builtin(),
     };
     let hasher = BlockHasher::new(HashConfig {
@@ -168,7 +191,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         .map_err(StartError::ExtProcTls)?;
     let admin_token = match &config.admin_token_file {
         Some(path) => {
-            let token = String::from_utf8_lossy(&read(path)?).trim().to_owned();
+            let token = String::from_utf8_lossy(&read("adminTokenFile", path)?)
+                .trim()
+                .to_owned();
             if token.is_empty() {
                 return Err(ConfigError::Invalid {
                     field: "adminTokenFile",
@@ -199,55 +224,67 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config.limits.endpoint_concurrency,
     );
     pool.set_index_bounds(config.limits.index_bounds());
+    let mut tasks = Tasks::default();
     // Discovery owns the WatchCache watchers; aborting it stops them.
     let mut watchers = Watchers::new(grpc_tls.clone());
-    let discovery = match &config.discovery {
+    match &config.discovery {
         Discovery::Static(s) => {
             let streams = pool.set_endpoints(discovery::static_file::load(&s.file)?);
             watchers.apply(&pool, streams);
-            tokio::spawn(discovery::static_file::run(
-                pool.clone(),
-                s.file.clone(),
-                Duration::from_millis(s.reload_ms),
-                watchers,
-            ))
+            tasks.spawn(
+                "discovery",
+                Stop::Aborted,
+                discovery::static_file::run(
+                    pool.clone(),
+                    s.file.clone(),
+                    Duration::from_millis(s.reload_ms),
+                    watchers,
+                ),
+            );
         }
-        Discovery::Operator(o) => tokio::spawn(discovery::operator::run(
-            pool.clone(),
-            o.all_urls().into_iter().map(str::to_owned).collect(),
-            grpc_tls,
-            o.namespace.clone(),
-            o.pool.clone(),
-            watchers,
-        )),
-    };
-
-    let health = tokio::spawn(crate::health_checks::run(
-        pool.clone(),
-        config.resilience.health_check.clone(),
-    ));
+        Discovery::Operator(o) => tasks.spawn(
+            "discovery",
+            Stop::Aborted,
+            discovery::operator::run(
+                pool.clone(),
+                o.all_urls().into_iter().map(str::to_owned).collect(),
+                grpc_tls,
+                o.namespace.clone(),
+                o.pool.clone(),
+                watchers,
+            ),
+        ),
+    }
+    tasks.spawn(
+        "health-checks",
+        Stop::Aborted,
+        crate::health_checks::run(pool.clone(), config.resilience.health_check.clone()),
+    );
     let proxy = Arc::new(Proxy::new(pool.clone(), metrics.clone(), tenancy, &config));
 
     let (stop, stopped) = watch::channel(false);
-    let mut tasks = Vec::new();
     let caps = listener::fit_to_open_files(
         api.as_ref().map_or(0, |_| config.limits.max_connections),
         config.ext_proc.as_ref().map_or(0, |e| e.max_connections),
     );
     let api_addr = api.as_ref().map(|(_, addr)| *addr);
     if let Some((api, _)) = api {
-        tasks.push(tokio::spawn(listener::serve_on_threads(
-            api,
-            api_routes(proxy.clone()),
-            ConnLimits {
-                tls,
-                ..ConnLimits::api(&config.limits, caps.api)
-            },
-            stopped.clone(),
-            metrics.clone(),
+        tasks.spawn(
             "api",
-            Proxy::on_api_thread,
-        )));
+            Stop::Drains,
+            listener::serve_on_threads(
+                api,
+                api_routes(proxy.clone()),
+                ConnLimits {
+                    tls,
+                    ..ConnLimits::api(&config.limits, caps.api)
+                },
+                stopped.clone(),
+                metrics.clone(),
+                "api",
+                Proxy::on_api_thread,
+            ),
+        );
     }
     let ext_proc_addr = ext_proc.as_ref().map(|(_, addr)| *addr);
     if let (Some((ext_proc, _)), Some(picker)) = (ext_proc, config.ext_proc.clone()) {
@@ -257,18 +294,22 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         };
         let (proxy, limits, stopped) = (proxy.clone(), config.limits.clone(), stopped.clone());
         let metrics = metrics.clone();
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn("picker", Stop::Drains, async move {
             crate::ext_proc::serve(ext_proc, conn, &picker, proxy, &limits, stopped, metrics).await;
-        }));
+        });
     }
-    tasks.push(tokio::spawn(listener::serve(
-        admin,
-        admin_routes(proxy, debug_access(&config, admin_token)),
-        ConnLimits::admin(&config.limits),
-        stopped,
-        metrics,
+    tasks.spawn(
         "admin",
-    )));
+        Stop::Drains,
+        listener::serve(
+            admin,
+            admin_routes(proxy, debug_access(&config, admin_token)),
+            ConnLimits::admin(&config.limits),
+            stopped,
+            metrics,
+            "admin",
+        ),
+    );
     tracing::info!(api = ?api_addr, ext_proc = ?ext_proc_addr, %admin_addr, "kvroute-router listening");
     Ok(Running {
         api_addr,
@@ -277,8 +318,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         pool,
         stop,
         tasks,
-        discovery,
-        health,
     })
 }
 

@@ -12,13 +12,19 @@
 //! 2. Without one, the tenant header is the sole source and trusted as is:
 //!    an authenticating gateway in front sets it.
 //! 3. In salted mode a request with no tenant is 401.
+//! 4. Before any of these, a request whose identity is ambiguous is 400,
+//!    whatever the mode: the tenant header twice or holding a list (a
+//!    comma: `x-tenant: a, b` is how proxies join two), or `Authorization`
+//!    twice. Choosing one value would let a client steer which one counts
+//!    where: the router might read the first, a gateway or the engine the
+//!    other. So a tenant name never contains a comma.
 //!
 //! Never from the body.
 
 use std::collections::HashMap;
 use std::path::Path;
 
-use axum::http::{HeaderMap, HeaderName, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
@@ -49,11 +55,9 @@ impl std::fmt::Debug for Tenancy {
     }
 }
 
-fn read(path: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.display().to_string(),
-        source,
-    })
+/// The file at `path`, which the configuration's `field` names.
+fn read(field: &'static str, path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::file(field, path, source))
 }
 
 impl Tenancy {
@@ -62,10 +66,12 @@ impl Tenancy {
         let api_keys = match &config.api_keys_file {
             Some(path) => {
                 let map: HashMap<String, String> =
-                    serde_yaml::from_str(&read(path)?).map_err(|source| ConfigError::Parse {
-                        path: path.display().to_string(),
-                        source,
-                    })?;
+                    serde_yaml::from_str(&read("tenancy.apiKeysFile", path)?).map_err(
+                        |source| ConfigError::Parse {
+                            path: format!("tenancy.apiKeysFile: {}", path.display()),
+                            source,
+                        },
+                    )?;
                 if map.is_empty() {
                     return Err(ConfigError::Invalid {
                         field: "tenancy.apiKeysFile",
@@ -80,7 +86,10 @@ impl Tenancy {
             None => Vec::new(),
         };
         let secret = match &config.secret_file {
-            Some(path) => read(path)?.trim_end().as_bytes().to_vec(),
+            Some(path) => read("tenancy.secretFile", path)?
+                .trim_end()
+                .as_bytes()
+                .to_vec(),
             None => Vec::new(),
         };
         if config.mode == TenancyMode::Salted && secret.is_empty() {
@@ -116,8 +125,14 @@ impl Tenancy {
     /// The request's tenant from the trusted sources, if any (see the
     /// module docs for the rule).
     pub fn tenant(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+        single(headers, &header::AUTHORIZATION)?;
         let claimed = match &self.header {
-            Some(name) => match headers.get(name) {
+            Some(name) => match single(headers, name)? {
+                Some(v) if v.as_bytes().contains(&b',') => {
+                    return Err(ApiError::BadRequest(format!(
+                        "the {name} header holds a list (a comma): name one tenant"
+                    )));
+                }
                 Some(v) => Some(v.to_str().map_err(|_| {
                     ApiError::Unauthenticated(format!("the {name} header is not valid text"))
                 })?),
@@ -203,10 +218,28 @@ impl Tenancy {
     }
 }
 
-/// The token of an `Authorization: Bearer <token>` header, if any.
+/// The value of header `name`, which a request may carry once at most:
+/// twice is 400, naming it (rule 4).
+fn single<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<&'h HeaderValue>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(ApiError::BadRequest(format!(
+            "the {name} header is repeated: send it once"
+        )));
+    }
+    Ok(first)
+}
+
+/// The token of an `Authorization: Bearer <token>` header, if any; none
+/// when the header is repeated.
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
+    single(headers, &header::AUTHORIZATION)
+        .ok()
+        .flatten()
         .and_then(|a| a.to_str().ok())
         .and_then(|a| a.strip_prefix("Bearer "))
         .map(str::trim)
@@ -286,6 +319,43 @@ mod tests {
         let mut shared = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         shared.api_keys.clear();
         assert_eq!(tenant_of(&shared, &[]), Ok(None));
+    }
+
+    #[test]
+    fn an_ambiguous_identity_is_400_naming_the_header() {
+        let mut keyless = tenancy(TenancyMode::Shared, ClientSalt::Reject);
+        keyless.api_keys.clear();
+        let keyed = tenancy(TenancyMode::Salted, ClientSalt::Reject);
+        let cases: [&[(&str, &str)]; 5] = [
+            &[("x-tenant", "acme"), ("x-tenant", "bob")],
+            &[("x-tenant", "acme"), ("x-tenant", "acme")],
+            &[("x-tenant", "acme, bob")],
+            &[("x-tenant", ",")],
+            &[
+                ("authorization", "Bearer k1"),
+                ("authorization", "Bearer k2"),
+            ],
+        ];
+        for t in [&keyless, &keyed] {
+            for pairs in cases {
+                let mut given = headers(pairs);
+                if t.api_keys.len() == 1 && !given.contains_key("authorization") {
+                    given.insert("authorization", "Bearer k1".parse().unwrap());
+                }
+                let err = t.tenant(&given).unwrap_err();
+                assert_eq!(err.status().as_u16(), 400, "{pairs:?}");
+                assert!(err.to_string().contains(pairs[0].0), "{pairs:?}: {err}");
+            }
+        }
+        let two = headers(&[
+            ("authorization", "Bearer k1"),
+            ("authorization", "Bearer k1"),
+        ]);
+        assert_eq!(
+            bearer(&two),
+            None,
+            "the admin token is not read from either"
+        );
     }
 
     #[test]
@@ -374,7 +444,9 @@ mod tests {
                 let other = claimed
                     .as_ref()
                     .is_some_and(|v| !v.is_empty() && v.as_bytes() != b"acme");
+                let listed = claimed.as_ref().is_some_and(|v| v.as_bytes().contains(&b','));
                 let expected = match (key_ok, other) {
+                    _ if listed => Err(400),
                     (false, _) => Err(401),
                     (true, true) => Err(if claimed.as_ref().is_some_and(|v| v.to_str().is_err()) { 401 } else { 403 }),
                     (true, false) => Ok(Some("acme".to_owned())),

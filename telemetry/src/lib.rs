@@ -63,6 +63,21 @@ impl Drop for TelemetryGuard {
     }
 }
 
+/// Checks that `url` is an `http://` or `https://` URL with a host, as
+/// every URL setting of kvroute's binaries must be (the operator's, a trace
+/// collector's); the error says what is wrong, without the value.
+pub fn check_http_url(url: &str) -> Result<(), String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+    match (uri.scheme_str(), uri.host()) {
+        (Some("http" | "https"), Some(host)) if !host.is_empty() => Ok(()),
+        (Some("http" | "https"), _) => Err("it has no host".to_owned()),
+        (Some(scheme), _) => Err(format!("the scheme is {scheme}, not http or https")),
+        (None, _) => Err("it has no scheme (http:// or https://)".to_owned()),
+    }
+}
+
 /// Installs the global log subscriber and, with `otlp_endpoint` (e.g.
 /// `http://otel-collector:4317`), exports spans there as `service_name`.
 /// Call once per process, from a binary; with an endpoint, call it inside a
@@ -217,5 +232,27 @@ mod tests {
         assert!(serde_json::from_str::<LogFormat>("\"Json\"").is_err());
         assert_eq!(LogFormat::from_str("text", false), Ok(LogFormat::Text));
         assert_eq!(LogFormat::default(), LogFormat::Text);
+    }
+
+    #[test]
+    fn only_http_urls_with_a_host_pass() {
+        for good in [
+            "http://kvroute-operator.kvroute:9443",
+            "https://10.0.0.1:4317",
+            "http://[::1]:9443/",
+        ] {
+            assert_eq!(check_http_url(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "not a url",
+            "",
+            "kvroute-operator:9443",
+            "/path",
+            "ftp://host:21",
+            "http://",
+            "tcp://host:5557",
+        ] {
+            assert!(check_http_url(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -114,6 +114,12 @@ pub struct HashConfig {
 pub const DEFAULT_HASH_ALGO: HashAlgo = HashAlgo::Sha256;
 /// Default block size in tokens: 16, vLLM's default.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Largest block size in tokens: 4096. vLLM's block sizes are small (its
+/// attention backends take 1 to a few hundred tokens; hybrid models round
+/// theirs up to a few thousand at most), so a larger value is a typing
+/// mistake, and every block would hash a multi-megabyte preimage. The
+/// CacheRoutingPolicy CRD and the agent's `--block-size` use the same range.
+pub const MAX_BLOCK_SIZE: usize = 4096;
 
 impl Default for HashConfig {
     fn default() -> Self {

@@ -34,6 +34,7 @@ use xxhash_rust::xxh3::xxh3_128;
 
 pub use config::{
     DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SEED, ExtraKeysForm, HashAlgo, HashConfig,
+    MAX_BLOCK_SIZE,
 };
 pub use digest::BlockDigest;
 
@@ -85,8 +86,8 @@ pub struct BlockExtras<'a> {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HashError {
-    /// `block_size` was 0.
-    #[error("invalid block_size {block_size}: must be at least 1")]
+    /// `block_size` was 0 or over [`MAX_BLOCK_SIZE`].
+    #[error("invalid block_size {block_size}: must be 1 to 4096")]
     InvalidBlockSize {
         /// The rejected value.
         block_size: usize,
@@ -133,9 +134,10 @@ pub struct BlockHasher {
 }
 
 impl BlockHasher {
-    /// A hasher for `config`; fails if `config.block_size` is 0.
+    /// A hasher for `config`; fails if `config.block_size` is not 1 to
+    /// [`MAX_BLOCK_SIZE`].
     pub fn new(config: HashConfig) -> Result<Self, HashError> {
-        if config.block_size == 0 {
+        if !(1..=MAX_BLOCK_SIZE).contains(&config.block_size) {
             return Err(HashError::InvalidBlockSize {
                 block_size: config.block_size,
             });
@@ -448,6 +450,24 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, HashError::InvalidBlockSize { block_size: 0 }));
         assert!(err.to_string().contains("block_size"), "{err}");
+        for block_size in [MAX_BLOCK_SIZE + 1, u32::MAX as usize] {
+            let err = BlockHasher::new(HashConfig {
+                block_size,
+                ..HashConfig::default()
+            })
+            .unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("invalid block_size {block_size}: must be 1 to 4096")
+            );
+        }
+        assert!(
+            BlockHasher::new(HashConfig {
+                block_size: MAX_BLOCK_SIZE,
+                ..HashConfig::default()
+            })
+            .is_ok()
+        );
     }
 
     #[test]
@@ -495,7 +515,7 @@ mod tests {
                 digests[..1]
             );
             assert!(h.digests(&tokens[..3], BlockExtras::default()).is_empty());
-            let huge = hasher(algo, usize::MAX);
+            let huge = hasher(algo, MAX_BLOCK_SIZE);
             assert!(huge.digests(&tokens, BlockExtras::default()).is_empty());
             let hashes = h.hashes(&tokens, BlockExtras::default());
             assert_eq!(

@@ -24,7 +24,7 @@ mod round_robin;
 
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::hash::BlockHash;
 use crate::index::OccupancyIndex;
@@ -166,8 +166,10 @@ pub trait Policy: Send + std::fmt::Debug {
 }
 
 /// A policy by name with its configuration, as written in YAML:
-/// `{name: kvroute, loadBound: 0.25}` or just `{name: round-robin}`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// `{name: kvroute, loadBound: 0.25}` or just `{name: round-robin}`. A
+/// parameter the policy does not have is an error naming it, also on the
+/// policies that have none (`{name: round-robin, slack: 2}`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "name", rename_all = "kebab-case")]
 pub enum PolicyConfig {
     /// Each endpoint in turn.
@@ -193,6 +195,73 @@ pub enum PolicyConfig {
     /// time to first token is within a slack of the best; rendezvous for
     /// cold keys.
     Kvroute(KvrouteConfig),
+}
+
+/// [`PolicyConfig`] as read: the same variants, the parameter-less ones as
+/// empty structs, because serde ignores every other field of an internally
+/// tagged unit variant and so would take `slack` on round robin silently.
+#[derive(Deserialize)]
+#[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
+enum Written {
+    RoundRobin {},
+    LeastLoaded {},
+    Random(RandomConfig),
+    Modulo {},
+    Rendezvous {},
+    RendezvousBounded(RendezvousBoundedConfig),
+    ApproxPrefix(ApproxPrefixConfig),
+    ExactPrefixLoad(ExactPrefixLoadConfig),
+    MinTtft(MinTtftConfig),
+    Kvroute(KvrouteConfig),
+}
+
+impl<'de> Deserialize<'de> for PolicyConfig {
+    /// Reads the map inside the deserializer's own `visit_map`, so that a
+    /// format that tracks where it is (YAML) names the policy's field in
+    /// the error (`routing.policy: unknown field `slack``). A derived
+    /// internally tagged enum buffers the map first and fails after the
+    /// format has left the field.
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = PolicyConfig;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a policy: {name: <policy>, <parameter>: <value>, ...}")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<PolicyConfig, A::Error> {
+                let mut fields = serde_json::Map::new();
+                while let Some((key, value)) = map.next_entry::<String, serde_json::Value>()? {
+                    fields.insert(key, value);
+                }
+                Written::deserialize(serde_json::Value::Object(fields))
+                    .map(PolicyConfig::from)
+                    .map_err(serde::de::Error::custom)
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+impl From<Written> for PolicyConfig {
+    fn from(w: Written) -> Self {
+        match w {
+            Written::RoundRobin {} => PolicyConfig::RoundRobin,
+            Written::LeastLoaded {} => PolicyConfig::LeastLoaded,
+            Written::Random(c) => PolicyConfig::Random(c),
+            Written::Modulo {} => PolicyConfig::Modulo,
+            Written::Rendezvous {} => PolicyConfig::Rendezvous,
+            Written::RendezvousBounded(c) => PolicyConfig::RendezvousBounded(c),
+            Written::ApproxPrefix(c) => PolicyConfig::ApproxPrefix(c),
+            Written::ExactPrefixLoad(c) => PolicyConfig::ExactPrefixLoad(c),
+            Written::MinTtft(c) => PolicyConfig::MinTtft(c),
+            Written::Kvroute(c) => PolicyConfig::Kvroute(c),
+        }
+    }
 }
 
 impl Default for PolicyConfig {

@@ -106,3 +106,22 @@ fn configs_parse_with_documented_defaults() {
         );
     }
 }
+
+#[test]
+fn every_policy_round_trips_and_refuses_unknown_parameters() {
+    for name in PolicyConfig::NAMES {
+        let config = PolicyConfig::by_name(name).unwrap();
+        let written = serde_json::to_value(&config).unwrap();
+        assert_eq!(written["name"], name);
+        let read: PolicyConfig = serde_json::from_value(written).unwrap();
+        assert_eq!(read, config, "{name}");
+        let err =
+            serde_json::from_value::<PolicyConfig>(serde_json::json!({"name": name, "bogus": 2}))
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("unknown field `bogus`"), "{name}: {err}");
+    }
+    let bare: PolicyConfig =
+        serde_json::from_value(serde_json::json!({"name": "round-robin"})).unwrap();
+    assert_eq!(bare, PolicyConfig::RoundRobin);
+}

@@ -154,8 +154,12 @@ impl PolicySpec {
             ..KvrouteConfig::default()
         };
         kvroute.validate()?;
-        if self.block_size == Some(0) {
-            return Err("block size 0: must be at least 1".to_owned());
+        if let Some(size) = self.block_size
+            && !(1..=kvroute_core::hash::MAX_BLOCK_SIZE).contains(&(size as usize))
+        {
+            // The CRD's schema says so too, but not every API server
+            // enforces it (and `convert` maps a negative size to 0).
+            return Err(format!("block size {size}: must be 1 to 4096"));
         }
         if let Some(w) = self.offload_weight
             && !(0.0..=1.0).contains(&w)

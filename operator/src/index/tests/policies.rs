@@ -241,3 +241,22 @@ fn a_policy_may_set_every_field() {
         }
     );
 }
+
+#[test]
+fn a_block_size_over_4096_is_invalid() {
+    let mut spec = PolicySpec::test("big", "llama");
+    for (size, ok) in [
+        (Some(4096), true),
+        (Some(4097), false),
+        (Some(u32::MAX), false),
+    ] {
+        spec.block_size = size;
+        assert_eq!(spec.validate().is_ok(), ok, "{size:?}");
+        assert_eq!(spec.hasher().is_some(), ok, "{size:?}");
+    }
+    spec.block_size = Some(u32::MAX);
+    assert_eq!(
+        spec.validate().unwrap_err(),
+        "block size 4294967295: must be 1 to 4096"
+    );
+}
