@@ -25,38 +25,9 @@ struct Cli {
 /// How often free heap memory goes back to the system.
 const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Every [`TRIM_INTERVAL`], hands the free memory inside glibc's heap
-/// arenas back to the system, as the router does (router/src/main.rs).
-/// A burst of large messages or a long replay is freed when handled, but
-/// glibc keeps what the tokio worker threads' arenas freed: a replay flood
-/// left 692 MB resident for good without it. With it, resident memory is
-/// back near its level before a burst within seconds. A trim takes a few
-/// milliseconds on a thread of its own.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[allow(unsafe_code)]
-fn trim_arenas_periodically() {
-    let trim = || {
-        loop {
-            std::thread::sleep(TRIM_INTERVAL);
-            // SAFETY: malloc_trim only releases the allocator's own free
-            // memory (under its locks); it reads and writes none of ours.
-            let _ = unsafe { libc::malloc_trim(0) };
-        }
-    };
-    if let Err(e) = std::thread::Builder::new()
-        .name("kvroute-trim".into())
-        .spawn(trim)
-    {
-        eprintln!("kvroute-agent: could not start the arena trimmer: {e}");
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim_arenas_periodically() {}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    trim_arenas_periodically();
+    kvroute_telemetry::memory::trim_arenas_periodically(TRIM_INTERVAL, "kvroute-agent");
     let cli = Cli::parse();
     if let Err(e) = cli.config.validate() {
         // One line naming the flag, as clap's own errors; before anything

@@ -20,44 +20,22 @@
 //! target/release/examples/index_flood flood gpu
 //! ```
 
+#[path = "../tests/support/child.rs"]
+mod child;
 #[path = "../tests/support/fake_cache.rs"]
 mod fake_cache;
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use child::{Router, free_addr, memory_kb};
 use fake_cache::{Attack, FakeCache};
 use serde_json::json;
 
 const CLIENTS: usize = 4;
-
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_addr() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
-
-/// `VmHWM` of `pid`, MiB.
-fn peak_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
-}
 
 fn value(exposition: &str, series: &str) -> f64 {
     exposition
@@ -235,7 +213,7 @@ async fn run(mode: String, args: Vec<String>) {
     stop.store(true, Ordering::Relaxed);
     let (ms, failed) = alone.await.unwrap();
     summary("alone", ms, failed, started.elapsed().as_secs_f64());
-    let peak_before = peak_mib(pid);
+    let peak_before = peak_mib_of(pid);
 
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
@@ -278,8 +256,13 @@ async fn run(mode: String, args: Vec<String>) {
         fake.sent.load(Ordering::Relaxed),
         fake.messages.load(Ordering::Relaxed),
         peak_before,
-        peak_mib(pid),
+        peak_mib_of(pid),
     );
     drop(router);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `VmHWM` of `pid`, MiB.
+fn peak_mib_of(pid: u32) -> f64 {
+    memory_kb(pid).0 as f64 / 1024.0
 }

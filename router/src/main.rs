@@ -40,35 +40,6 @@ struct Cli {
     log_format: Option<LogFormat>,
 }
 
-/// Every 10 s, hands the free memory inside glibc's heap arenas back to
-/// the system. Requests on the API threads and prompts on the tokenizer
-/// pool allocate from different arenas, and long-lived conversation
-/// snapshots sit between short-lived prompt buffers: the freed pages
-/// around them stay resident otherwise (bench-soak, approximate mode:
-/// +13.5 % without, +7.0 % with). A trim takes a few milliseconds on a
-/// thread of its own.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[allow(unsafe_code)]
-fn trim_arenas_periodically() {
-    let trim = || {
-        loop {
-            std::thread::sleep(std::time::Duration::from_secs(10));
-            // SAFETY: malloc_trim only releases the allocator's own free
-            // memory (under its locks); it reads and writes none of ours.
-            let _ = unsafe { libc::malloc_trim(0) };
-        }
-    };
-    if let Err(e) = std::thread::Builder::new()
-        .name("kvroute-trim".into())
-        .spawn(trim)
-    {
-        eprintln!("kvroute-router: could not start the arena trimmer: {e}");
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim_arenas_periodically() {}
-
 /// Prints `error` in one line and exits with `status`.
 fn fail(status: i32, error: &dyn std::fmt::Display) -> ! {
     eprintln!("error: {error}");
@@ -80,7 +51,10 @@ const BAD_CONFIG: i32 = 2;
 
 #[tokio::main]
 async fn main() {
-    trim_arenas_periodically();
+    kvroute_telemetry::memory::trim_arenas_periodically(
+        std::time::Duration::from_secs(10),
+        "kvroute-router",
+    );
     kvroute_router::listener::raise_open_file_limit();
     let cli = Cli::parse();
     let mut config = match &cli.config {

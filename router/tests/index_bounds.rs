@@ -5,15 +5,18 @@
 //! bounds are small here so that a debug build floods past them quickly.
 //! Linux only: elsewhere the test prints a skip message and passes.
 
+#[path = "support/child.rs"]
+mod child;
 #[path = "support/fake_cache.rs"]
 mod fake_cache;
 mod support;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use child::{Router, free_addr, memory_kb};
 use fake_cache::{Attack, FakeCache};
 use support::{chat, temp_dir};
 
@@ -22,35 +25,6 @@ const BOUND: u64 = 100_000;
 /// Hashes per flooding message, and messages per tier.
 const PER_MESSAGE: usize = 20_000;
 const MESSAGES: usize = 125;
-
-/// Kills the router when the test ends, panics included.
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_addr() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
-
-/// `VmHWM` (peak resident set) and `VmRSS` of `pid`, in kB.
-fn memory_kb(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().strip_suffix("kB"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
-    };
-    (field("VmHWM:"), field("VmRSS:"))
-}
 
 /// The value of the series `series` (name and labels, as exposed).
 fn value(exposition: &str, series: &str) -> Option<f64> {

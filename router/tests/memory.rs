@@ -2,48 +2,20 @@
 //! the built-in tokenizer, read from the child's `/proc/<pid>/status`.
 //! Linux only: elsewhere the test prints a skip message and passes.
 
+#[path = "support/child.rs"]
+mod child;
 mod support;
 
-use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use child::{Router, free_addr, memory_kb};
 use serde_json::json;
 use support::{chat, temp_dir, write_endpoints};
 
 /// The size of the large request body, about.
 const BODY_BYTES: usize = 30 << 20;
-
-/// Kills the router when the test ends, panics included.
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A loopback address nothing listens on right now.
-fn free_addr() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
-
-/// `VmHWM` (peak resident set) and `VmRSS` of `pid`, in kB.
-fn memory_kb(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().strip_suffix("kB"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
-    };
-    (field("VmHWM:"), field("VmRSS:"))
-}
 
 /// About `len` bytes of English-like ASCII words separated by spaces.
 fn prose(len: usize) -> String {

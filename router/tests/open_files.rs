@@ -4,6 +4,8 @@
 //! requests are still served. Linux only: elsewhere it prints a skip
 //! message and passes.
 
+#[path = "support/child.rs"]
+mod child;
 mod support;
 
 use std::io::BufRead;
@@ -11,17 +13,8 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use child::Router;
 use support::{chat, temp_dir, write_endpoints};
-
-/// Kills the router when the test ends, panics included.
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Where the router says it listens: (API, picker, admin).
 fn addresses(router: &mut Child) -> (SocketAddr, SocketAddr, SocketAddr) {

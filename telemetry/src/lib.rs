@@ -9,11 +9,13 @@
 //! [`metrics`] is what every binary's `/metrics` shares: the OpenMetrics
 //! encoding of `prometheus-client` registries. [`listen`] binds every
 //! binary's listeners, with one error that names the address.
+//! [`memory::trim_arenas_periodically`] gives freed heap memory back.
 //!
 //! Not here: reading or writing trace context on requests (each server owns
 //! its header adapters), each binary's metrics, and configuration files;
 //! callers pass the three settings they parsed.
 
+pub mod memory;
 pub mod metrics;
 
 use opentelemetry::trace::TracerProvider as _;
