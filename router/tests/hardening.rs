@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -531,45 +530,10 @@ async fn uniform_partial_failure_is_not_an_outage() {
     stack.stop().await;
 }
 
-/// An engine that accepts connections and, while `hung`, never answers;
-/// otherwise it answers 200 to anything.
-async fn hangable_upstream(hung: Arc<AtomicBool>) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            let hung = hung.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                loop {
-                    match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => {}
-                    }
-                    if hung.load(Ordering::SeqCst) {
-                        // Hold the connection, answer nothing.
-                        tokio::time::sleep(Duration::from_secs(60)).await;
-                        return;
-                    }
-                    let body = "{\"choices\": []}";
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if socket.write_all(response.as_bytes()).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::test]
 async fn a_hung_engine_is_ejected_by_health_checks_and_restored() {
     let hung = Arc::new(AtomicBool::new(true));
-    let stuck = hangable_upstream(hung.clone()).await;
+    let (stuck, _) = hangable_upstream(hung.clone(), |_| true).await;
     let healthy = kvroute_engine_sim::start(kvroute_engine_sim::Config::test())
         .await
         .unwrap();

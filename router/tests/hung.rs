@@ -5,16 +5,14 @@
 mod support;
 
 use std::cell::Cell;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvroute_core::policy::PolicyConfig;
 use kvroute_router::config::HealthCheck;
 use serde_json::json;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 /// Active checks often enough that a passing `/health` would restore the
@@ -290,52 +288,10 @@ async fn a_slow_engine_within_its_predicted_ttft_is_not_cut() {
     stack.stop().await;
 }
 
-/// An engine whose `/health` always answers 200 and whose other requests,
-/// while `hung`, get no answer; otherwise a minimal completion. Counts the
-/// `POST`s it received.
-async fn hangable_engine(hung: Arc<AtomicBool>, posts: Arc<AtomicUsize>) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            let hung = hung.clone();
-            let posts = posts.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                loop {
-                    let n = match socket.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    let post = buf[..n].starts_with(b"POST ");
-                    if post {
-                        posts.fetch_add(1, Ordering::SeqCst);
-                    }
-                    if post && hung.load(Ordering::SeqCst) {
-                        // Hold the request until the router gives up on it.
-                        while socket.read(&mut buf).await.is_ok_and(|n| n > 0) {}
-                        return;
-                    }
-                    let body = "{\"choices\": []}";
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if socket.write_all(response.as_bytes()).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_engine_is_readmitted_by_one_trial_request_at_a_time() {
     let hung = Arc::new(AtomicBool::new(true));
-    let posts = Arc::new(AtomicUsize::new(0));
-    let stuck = hangable_engine(hung.clone(), posts.clone()).await;
+    let (stuck, posts) = hangable_upstream(hung.clone(), |head| head.starts_with(b"POST ")).await;
     let healthy = kvroute_engine_sim::start(kvroute_engine_sim::Config::test())
         .await
         .unwrap();

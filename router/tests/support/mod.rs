@@ -208,6 +208,55 @@ pub async fn recording_upstream() -> (
     (addr, rx)
 }
 
+/// An engine that, while `hung` and for requests whose first bytes
+/// `hangs` selects, holds the connection and answers nothing (until the
+/// router closes it); otherwise it answers a minimal completion. Counts
+/// the `POST`s it received.
+pub async fn hangable_upstream(
+    hung: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hangs: fn(&[u8]) -> bool,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let posts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = posts.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let (hung, posts) = (hung.clone(), counted.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let n = match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if buf[..n].starts_with(b"POST ") {
+                        posts.fetch_add(1, Ordering::SeqCst);
+                    }
+                    if hung.load(Ordering::SeqCst) && hangs(&buf[..n]) {
+                        while socket.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                        return;
+                    }
+                    let body = "{\"choices\": []}";
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if socket.write_all(response.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, posts)
+}
+
 /// The next proxied request a recording upstream saw, skipping health
 /// checks and model listings.
 pub async fn next_post(heads: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
