@@ -7,7 +7,8 @@
 //!   the admin port (half idle, half with half-sent headers), then with
 //!   2,500 held on the picker port;
 //! - a small chat on the API port, alone, then with 256 connections each
-//!   declaring a 32 MiB body and sending 64 bytes of it.
+//!   declaring a 32 MiB body and sending 64 bytes of it, then while 16
+//!   clients loop `/debug/explain` of 2 MB prompts.
 //!
 //! `cargo bench -p kvroute-router --bench flood [-- --probes N]`
 

@@ -713,6 +713,40 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    #[test]
+    fn caps_fit_the_open_file_limit_in_proportion() {
+        let wanted = Caps {
+            api: 10_000,
+            picker: 1024,
+        };
+        // Room enough: as configured.
+        assert_eq!(fit_caps(wanted, 1 << 20), wanted);
+        // 2,048 descriptors: 256 reserved, 128 for the admin port, the
+        // 1,664 left shared as 2 × api + picker.
+        let fitted = fit_caps(wanted, 2048);
+        assert_eq!(
+            fitted,
+            Caps {
+                api: 791,
+                picker: 81
+            }
+        );
+        assert!(2 * fitted.api + fitted.picker <= 2048 - 256 - 128);
+        // A listener not served takes nothing; each served one keeps one.
+        assert_eq!(
+            fit_caps(
+                Caps {
+                    api: 10_000,
+                    picker: 0
+                },
+                2048
+            )
+            .picker,
+            0
+        );
+        assert_eq!(fit_caps(wanted, 10), Caps { api: 1, picker: 1 });
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_connection_is_idle_only_once_its_last_request_ended() {
         let idle = Duration::from_secs(10);
