@@ -13,6 +13,8 @@
 //! `cargo bench -p kvroute-router --bench flood [-- --probes N]`
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_router::config::{Config, Discovery, ExtProc, StaticDiscovery};
@@ -159,6 +161,38 @@ async fn main() {
         percentiles(chats(api, probes).await)
     );
     drop(flood);
+    let explaining = Arc::new(AtomicBool::new(true));
+    let explains: Vec<_> = (0..16)
+        .map(|i| {
+            let explaining = explaining.clone();
+            let prompt: String = (0..200_000).map(|k| format!("w{i}x{k} ")).collect();
+            let body =
+                json!({"model": "kvroute-sim", "messages": [{"role": "user", "content": prompt}]});
+            tokio::spawn(async move {
+                let client = reqwest::Client::new();
+                let mut answered = 0usize;
+                while explaining.load(Ordering::Relaxed) {
+                    let r = client
+                        .post(format!("http://{admin}/debug/explain"))
+                        .json(&body)
+                        .send()
+                        .await;
+                    answered += usize::from(r.is_ok_and(|r| r.status() == 200));
+                }
+                answered
+            })
+        })
+        .collect();
+    println!(
+        "chat, 16 loops of 2 MB explains       {}",
+        percentiles(chats(api, probes).await)
+    );
+    explaining.store(false, Ordering::Relaxed);
+    let mut answered = 0;
+    for e in explains {
+        answered += e.await.expect("an explain loop");
+    }
+    println!("({answered} explains answered meanwhile)");
     router.shutdown().await;
     for s in sims {
         s.shutdown().await;

@@ -68,11 +68,6 @@ impl BodyBudget {
         })
     }
 
-    /// `limits.bodyReadTimeoutMs`.
-    pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.limits.body_read_timeout_ms)
-    }
-
     /// Counts a refusal and returns it.
     fn refuse(&self, reason: &'static str, error: ApiError) -> ApiError {
         self.refused.get_or_create(&Why { reason }).inc();
