@@ -10,7 +10,6 @@
 //! - [`zmq`]: following the SUB and replay sockets, under size limits;
 //! - [`zmtp`]: the ZMTP 3 client those sockets speak (see there for why
 //!   it is not a crate's);
-//! - [`throttle`]: log lines about what a peer controls, a few per kind;
 //! - [`load`]: load and capacity from vLLM's `/metrics`, restarts from
 //!   `/health`;
 //! - [`admin`]: `/healthz`, `/readyz`, `/metrics`.
@@ -29,7 +28,6 @@ pub mod load;
 pub mod metrics;
 pub mod rank;
 pub mod resident;
-pub mod throttle;
 pub mod verify;
 pub mod zmq;
 pub mod zmtp;

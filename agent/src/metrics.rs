@@ -9,8 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::events::Event;
-use crate::throttle::Throttle;
 use crate::verify::Checked;
+use kvroute_telemetry::throttle::Throttle;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Rank {
@@ -42,7 +42,7 @@ pub struct Metrics {
     restarts: Family<RankKind, Counter>,
     verified: Family<RankKind, Counter>,
     scrapes: Family<RankKind, Counter>,
-    throttle: Throttle,
+    throttle: std::sync::Mutex<Throttle<(u32, &'static str)>>,
 }
 
 impl Metrics {
@@ -99,9 +99,12 @@ impl Metrics {
     }
 
     /// Whether a line of `kind` for `rank` may be logged now (see
-    /// [`Throttle`]); lines about what a peer controls ask first.
+    /// [`Throttle`]), and if so how many like it were left out since the
+    /// last one; lines about what a peer controls ask first.
     pub fn log_allowed(&self, rank: u32, kind: &'static str) -> Option<u64> {
-        self.throttle.allow(rank, kind)
+        let mut throttle = self.throttle.lock().unwrap_or_else(|e| e.into_inner());
+        let n = throttle.admit((rank, kind), std::time::Instant::now())?;
+        Some(n - 1)
     }
 
     /// The counters' registry.

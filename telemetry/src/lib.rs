@@ -9,7 +9,8 @@
 //! [`metrics`] is what every binary's `/metrics` shares: the OpenMetrics
 //! encoding of `prometheus-client` registries. [`listen`] binds every
 //! binary's listeners, with one error that names the address.
-//! [`memory::trim_arenas_periodically`] gives freed heap memory back.
+//! [`memory::trim_arenas_periodically`] gives freed heap memory back;
+//! [`throttle`] keeps repeated log lines to one per key and interval.
 //!
 //! Not here: reading or writing trace context on requests (each server owns
 //! its header adapters), each binary's metrics, and configuration files;
@@ -17,6 +18,7 @@
 
 pub mod memory;
 pub mod metrics;
+pub mod throttle;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
