@@ -104,6 +104,93 @@ pub enum DecodeError {
     /// The payload is msgpack of another shape.
     #[error("{0}")]
     Shape(String),
+    /// The payload holds more values than [`MAX_VALUES`].
+    #[error("the payload holds more than {MAX_VALUES} msgpack values")]
+    TooManyValues,
+}
+
+/// The most msgpack values a payload may hold. Decoded, a value costs 40
+/// bytes of `rmpv`'s tree (up to twice that while its vectors grow) where
+/// it took one byte on the wire, so this bounds a message's decoded size
+/// (160 MiB at most) where the frame limit alone would let 64 MiB of
+/// one-byte integers become 2.5 GB or more. A vLLM batch holds one engine
+/// step's events: a few values per block and one per token, far fewer.
+pub const MAX_VALUES: usize = 1 << 21;
+
+/// Walks a msgpack `payload`'s markers without decoding it, counting its
+/// values (a map's keys and values each) up to `max`. rmp classifies each
+/// marker; the walk only reads the lengths that follow, so nothing is
+/// allocated whatever the payload claims.
+fn check_values(payload: &[u8], max: usize) -> Result<(), DecodeError> {
+    use rmp::Marker;
+    let short = || DecodeError::Msgpack("the payload ends inside a value".into());
+    let mut at = 0usize;
+    // Reads an `n`-byte big-endian length.
+    let length = |at: &mut usize, n: usize| -> Result<u64, DecodeError> {
+        let bytes = payload.get(*at..*at + n).ok_or_else(short)?;
+        *at += n;
+        Ok(bytes.iter().fold(0u64, |v, &b| v << 8 | u64::from(b)))
+    };
+    let (mut pending, mut counted) = (1u64, 0usize);
+    while pending > 0 {
+        pending -= 1;
+        counted += 1;
+        if counted > max {
+            return Err(DecodeError::TooManyValues);
+        }
+        let marker = Marker::from_u8(*payload.get(at).ok_or_else(short)?);
+        at += 1;
+        let skip = match marker {
+            Marker::FixPos(_) | Marker::FixNeg(_) => 0,
+            Marker::Null | Marker::True | Marker::False | Marker::Reserved => 0,
+            Marker::U8 | Marker::I8 => 1,
+            Marker::U16 | Marker::I16 => 2,
+            Marker::U32 | Marker::I32 | Marker::F32 => 4,
+            Marker::U64 | Marker::I64 | Marker::F64 => 8,
+            Marker::FixStr(n) => u64::from(n),
+            Marker::Str8 | Marker::Bin8 => length(&mut at, 1)?,
+            Marker::Str16 | Marker::Bin16 => length(&mut at, 2)?,
+            Marker::Str32 | Marker::Bin32 => length(&mut at, 4)?,
+            Marker::FixExt1 => 2,
+            Marker::FixExt2 => 3,
+            Marker::FixExt4 => 5,
+            Marker::FixExt8 => 9,
+            Marker::FixExt16 => 17,
+            Marker::Ext8 => length(&mut at, 1)? + 1,
+            Marker::Ext16 => length(&mut at, 2)? + 1,
+            Marker::Ext32 => length(&mut at, 4)? + 1,
+            Marker::FixArray(n) => {
+                pending += u64::from(n);
+                0
+            }
+            Marker::Array16 => {
+                pending += length(&mut at, 2)?;
+                0
+            }
+            Marker::Array32 => {
+                pending += length(&mut at, 4)?;
+                0
+            }
+            Marker::FixMap(n) => {
+                pending += 2 * u64::from(n);
+                0
+            }
+            Marker::Map16 => {
+                pending += 2 * length(&mut at, 2)?;
+                0
+            }
+            Marker::Map32 => {
+                pending += 2 * length(&mut at, 4)?;
+                0
+            }
+        };
+        at = usize::try_from(skip)
+            .ok()
+            .and_then(|skip| at.checked_add(skip))
+            .filter(|&end| end <= payload.len())
+            .ok_or_else(short)?;
+    }
+    Ok(())
 }
 
 fn shape(what: impl Into<String>) -> DecodeError {
@@ -127,6 +214,7 @@ pub fn decode_message(frames: &[&[u8]]) -> Result<Message, DecodeError> {
 
 /// Decodes a msgpack `KVEventBatch` (`[ts, events, dp_rank]`).
 pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
+    check_values(payload, MAX_VALUES)?;
     let mut reader = payload;
     let value =
         rmpv::decode::read_value(&mut reader).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
@@ -340,6 +428,49 @@ fn decode_event(event: &Value) -> Result<Event, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_are_counted_before_anything_is_decoded() {
+        // An array claiming 2^32 - 1 values in 5 bytes: cut short.
+        let claim = [0xdd, 0xff, 0xff, 0xff, 0xff];
+        assert!(matches!(decode_batch(&claim), Err(DecodeError::Msgpack(_))));
+        // More values than the limit: refused.
+        let mut many = vec![0xdd];
+        many.extend_from_slice(&(MAX_VALUES as u32).to_be_bytes());
+        many.resize(5 + MAX_VALUES, 0x01);
+        assert!(matches!(
+            decode_batch(&many),
+            Err(DecodeError::TooManyValues)
+        ));
+        // Every marker kind walks as rmpv decodes it: the count is exact.
+        let value = Value::Array(vec![
+            Value::from(1),
+            Value::from(-1),
+            Value::from(300),
+            Value::from(-70_000),
+            Value::from(u64::MAX),
+            Value::F32(1.0),
+            Value::F64(2.0),
+            Value::from("s"),
+            Value::from("x".repeat(300)),
+            Value::Binary(vec![1; 70_000]),
+            Value::Ext(1, vec![0; 4]),
+            Value::Ext(2, vec![0; 300]),
+            Value::Map(vec![(Value::from("k"), Value::Nil)]),
+            Value::Array((0..20).map(Value::from).collect()),
+            Value::Boolean(true),
+        ]);
+        let bytes = encode(&value);
+        // The array, its 15 values, the map key and value, the inner 20.
+        assert!(check_values(&bytes, 38).is_ok());
+        assert!(matches!(
+            check_values(&bytes, 37),
+            Err(DecodeError::TooManyValues)
+        ));
+        for cut in 0..bytes.len() {
+            assert!(check_values(&bytes[..cut], 1000).is_err(), "cut at {cut}");
+        }
+    }
 
     fn encode(v: &Value) -> Vec<u8> {
         let mut out = Vec::new();

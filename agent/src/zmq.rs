@@ -70,6 +70,7 @@ fn malformed_kind(e: &DecodeError) -> &'static str {
         DecodeError::Frames(_) => "frames",
         DecodeError::Sequence(_) => "sequence",
         DecodeError::Msgpack(_) | DecodeError::Shape(_) => "payload",
+        DecodeError::TooManyValues => "values",
     }
 }
 

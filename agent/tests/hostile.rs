@@ -341,6 +341,39 @@ async fn a_message_of_three_million_empty_frames_is_refused_unkept() {
     assert_eq!(agent.readyz().await.0, 200);
 }
 
+/// 60 MiB of one-byte msgpack integers (under the frame limit) would
+/// decode into a tree of gigabytes: refused by counting, not decoding.
+#[tokio::test]
+async fn a_payload_of_tiny_values_is_refused_before_decoding() {
+    let (agent, mut publisher, _, _) = started(&cache_config(16, 1000), false, 50).await;
+    let (before, _) = agent.memory();
+    let n = 60 * MIB as usize;
+    let mut payload = vec![0xdd]; // array 32
+    payload.extend_from_slice(&(n as u32).to_be_bytes());
+    payload.resize(5 + n, 0x01);
+    publisher.batch(1, &payload).await;
+    publisher.batch(2, &stored([2], 16)).await;
+    until("the payload refused and batch 2 applied", || async {
+        agent
+            .counter("kvroute_agent_malformed_total", Some("values"))
+            .await
+            == 1
+            && agent.counter("kvroute_agent_batches_total", None).await == 2
+    })
+    .await;
+    let (_, peak) = agent.memory();
+    eprintln!(
+        "60 MiB of one-byte values: resident {} MiB before, peak {} MiB",
+        before / MIB,
+        peak / MIB
+    );
+    assert!(
+        peak < before + 160 * MIB,
+        "peak {peak} over {before} + 160 MiB: the payload was decoded"
+    );
+    assert_eq!(agent.readyz().await.0, 200);
+}
+
 /// A batch of one `BlockStored` of block `hash` whose LoRA name is
 /// `padding` bytes long: large, and cheap to decode.
 fn padded(hash: u64, padding: usize) -> Vec<u8> {
