@@ -74,37 +74,6 @@ impl BodyBudget {
         error
     }
 
-    /// Takes `kib` more for `held`, or refuses at once.
-    fn reserve(&self, held: &mut Held, kib: usize) -> Result<(), ApiError> {
-        let retry_after = self.limits.retry_after_s;
-        if let Some(tenant) = &held.tenant {
-            let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-            let holds = tenants.entry(tenant.clone()).or_default();
-            if *holds + kib > self.per_tenant_kib {
-                if *holds == 0 {
-                    tenants.remove(tenant);
-                }
-                return Err(self.refuse("tenant_budget", ApiError::TenantSaturated(retry_after)));
-            }
-            *holds += kib;
-        }
-        let permit = u32::try_from(kib)
-            .ok()
-            .and_then(|n| self.all.clone().try_acquire_many_owned(n).ok());
-        let Some(permit) = permit else {
-            self.release(held.tenant.as_ref(), kib);
-            let error = ApiError::Saturated("request bodies in memory", retry_after);
-            return Err(self.refuse("budget", error));
-        };
-        match &mut held.permit {
-            Some(p) => p.merge(permit),
-            None => held.permit = Some(permit),
-        }
-        held.kib += kib;
-        self.held_bytes.inc_by(kib as i64 * 1024);
-        Ok(())
-    }
-
     /// Gives back a tenant's `kib` (the global permits go back with
     /// their permit).
     fn release(&self, tenant: Option<&Arc<str>>, kib: usize) {
@@ -127,6 +96,46 @@ pub struct Held {
     tenant: Option<Arc<str>>,
     permit: Option<OwnedSemaphorePermit>,
     kib: usize,
+}
+
+impl Held {
+    /// Takes `kib` more of the budget, or refuses at once.
+    fn reserve(&mut self, kib: usize) -> Result<(), ApiError> {
+        let Held {
+            budget,
+            tenant,
+            permit: held,
+            kib: held_kib,
+        } = self;
+        let retry_after = budget.limits.retry_after_s;
+        if let Some(tenant) = tenant {
+            let mut tenants = budget.tenants.lock().unwrap_or_else(|e| e.into_inner());
+            let holds = tenants.entry(tenant.clone()).or_default();
+            if *holds + kib > budget.per_tenant_kib {
+                if *holds == 0 {
+                    tenants.remove(tenant);
+                }
+                let error = ApiError::TenantSaturated(retry_after);
+                return Err(budget.refuse("tenant_budget", error));
+            }
+            *holds += kib;
+        }
+        let permit = u32::try_from(kib)
+            .ok()
+            .and_then(|n| budget.all.clone().try_acquire_many_owned(n).ok());
+        let Some(permit) = permit else {
+            budget.release(tenant.as_ref(), kib);
+            let error = ApiError::Saturated("request bodies in memory", retry_after);
+            return Err(budget.refuse("budget", error));
+        };
+        match held {
+            Some(p) => p.merge(permit),
+            None => *held = Some(permit),
+        }
+        *held_kib += kib;
+        budget.held_bytes.inc_by(kib as i64 * 1024);
+        Ok(())
+    }
 }
 
 impl Drop for Held {
@@ -186,15 +195,15 @@ impl Received {
 
     /// Appends `data`, reserving the budget for it.
     pub fn push(&mut self, data: Bytes) -> Result<(), ApiError> {
-        let budget = self.held.budget.clone();
-        let limit = budget.limits.max_body_bytes;
+        let limit = self.held.budget.limits.max_body_bytes;
         let len = self.len() + data.len();
         if len > limit {
-            return Err(budget.refuse("too_large", ApiError::TooLarge { limit }));
+            let error = ApiError::TooLarge { limit };
+            return Err(self.held.budget.refuse("too_large", error));
         }
         let more = len.div_ceil(1024).saturating_sub(self.held.kib);
         if more > 0 {
-            budget.reserve(&mut self.held, more)?;
+            self.held.reserve(more)?;
         }
         if self.first.is_none() && self.buf.is_empty() {
             self.first = Some(data);

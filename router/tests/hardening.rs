@@ -5,8 +5,7 @@
 
 mod support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use kvroute_core::policy::PolicyConfig;
@@ -532,21 +531,13 @@ async fn uniform_partial_failure_is_not_an_outage() {
 
 #[tokio::test]
 async fn a_hung_engine_is_ejected_by_health_checks_and_restored() {
-    let hung = Arc::new(AtomicBool::new(true));
-    let (stuck, _) = hangable_upstream(hung.clone(), |_| true).await;
-    let healthy = kvroute_engine_sim::start(kvroute_engine_sim::Config::test())
-        .await
-        .unwrap();
-    let dir = temp_dir("hung");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!(
-            "endpoints:\n  - {{name: a-stuck, address: {stuck}}}\n  - {{name: b-healthy, address: {}}}\n",
-            healthy.http_addr
-        ),
-    )
-    .unwrap();
-    let mut config = router_config(&dir);
+    let StuckBesideHealthy {
+        hung,
+        posts: _,
+        healthy,
+        dir: _,
+        mut config,
+    } = StuckBesideHealthy::start("hung", |_| true).await;
     config.routing.policy = PolicyConfig::by_name("round-robin").unwrap();
     config.resilience.health_check = Some(HealthCheck {
         path: "/health".into(),

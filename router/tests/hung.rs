@@ -5,7 +5,6 @@
 mod support;
 
 use std::cell::Cell;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -290,21 +289,13 @@ async fn a_slow_engine_within_its_predicted_ttft_is_not_cut() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_engine_is_readmitted_by_one_trial_request_at_a_time() {
-    let hung = Arc::new(AtomicBool::new(true));
-    let (stuck, posts) = hangable_upstream(hung.clone(), |head| head.starts_with(b"POST ")).await;
-    let healthy = kvroute_engine_sim::start(kvroute_engine_sim::Config::test())
-        .await
-        .unwrap();
-    let dir = temp_dir("hung-trial");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!(
-            "endpoints:\n  - {{name: a-stuck, address: {stuck}}}\n  - {{name: b-healthy, address: {}}}\n",
-            healthy.http_addr
-        ),
-    )
-    .unwrap();
-    let mut config = router_config(&dir);
+    let StuckBesideHealthy {
+        hung,
+        posts,
+        healthy,
+        dir,
+        mut config,
+    } = StuckBesideHealthy::start("hung-trial", |head| head.starts_with(b"POST ")).await;
     config.routing.policy = PolicyConfig::by_name("round-robin").unwrap();
     config.resilience.hung_after_ms = 1000;
     config.resilience.eject_after_failures = 1;

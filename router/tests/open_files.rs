@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use child::Router;
-use support::{chat, temp_dir, write_endpoints};
+use support::{chat, get_text, temp_dir, write_endpoints};
 
 /// Where the router says it listens: (API, picker, admin).
 fn addresses(router: &mut Child) -> (SocketAddr, SocketAddr, SocketAddr) {
@@ -97,14 +97,7 @@ async fn probes_and_requests_are_served_with_the_picker_port_full() {
         .await
         .expect("the API answers");
     assert_eq!(r.status(), 200);
-    let metrics = client
-        .get(format!("http://{admin}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(&format!("http://{admin}/metrics")).await;
     assert!(
         metrics.contains("kvroute_connections_evicted_total{listener=\"picker\"}"),
         "{metrics}"

@@ -257,6 +257,42 @@ pub async fn hangable_upstream(
     (addr, posts)
 }
 
+/// A hangable upstream named `a-stuck` (see [`hangable_upstream`]) and
+/// an engine sim named `b-healthy`, both in the endpoints file of a
+/// router config in a temporary directory named `name`.
+pub struct StuckBesideHealthy {
+    pub hung: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub posts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub healthy: Sim,
+    pub dir: PathBuf,
+    pub config: Config,
+}
+
+impl StuckBesideHealthy {
+    pub async fn start(name: &str, hangs: fn(&[u8]) -> bool) -> Self {
+        let hung = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (stuck, posts) = hangable_upstream(hung.clone(), hangs).await;
+        let healthy = kvroute_engine_sim::start(SimConfig::test()).await.unwrap();
+        let dir = temp_dir(name);
+        std::fs::write(
+            dir.join("endpoints.yaml"),
+            format!(
+                "endpoints:\n  - {{name: a-stuck, address: {stuck}}}\n  - {{name: b-healthy, address: {}}}\n",
+                healthy.http_addr
+            ),
+        )
+        .unwrap();
+        let config = router_config(&dir);
+        StuckBesideHealthy {
+            hung,
+            posts,
+            healthy,
+            dir,
+            config,
+        }
+    }
+}
+
 /// The next proxied request a recording upstream saw, skipping health
 /// checks and model listings.
 pub async fn next_post(heads: &mut tokio::sync::mpsc::UnboundedReceiver<String>) -> String {
