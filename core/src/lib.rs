@@ -3,13 +3,15 @@
 //! Everything that decides where a request goes lives here: vLLM-exact block
 //! hashing ([`hash`]), routing keys ([`keys`]), rendezvous ranking
 //! ([`rendezvous`]), the per-pool occupancy index ([`index`]), load accounting
-//! ([`load`]) and the routing policies ([`policy`]). The router, the replay
-//! benchmark and the engine simulator all call this crate, so a decision made
-//! in a benchmark is the decision the router makes.
+//! ([`load`]) and the routing policies ([`policy`]); and the one model of an
+//! engine's scheduler ([`engine`]) that the simulator and the replay run.
+//! The router, the replay benchmark and the engine simulator all call this
+//! crate, so a decision made in a benchmark is the decision the router makes.
 //!
 //! Not here: networking, clocks beyond `std::time`, Kubernetes, async runtimes.
 
 pub mod contract;
+pub mod engine;
 pub mod hash;
 pub mod index;
 pub mod keys;
