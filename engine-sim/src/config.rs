@@ -53,12 +53,14 @@ pub struct Config {
     #[arg(long, env = "SIM_PREFILL_TOKENS_PER_S", default_value_t = 10_000.0)]
     pub prefill_tokens_per_s: f64,
 
-    /// Fixed cost of each prefill, milliseconds.
+    /// Fixed cost of each scheduler step that prefills (a chunked prompt
+    /// pays it per chunk), milliseconds.
     #[arg(long, env = "SIM_PREFILL_OVERHEAD_MS", default_value_t = 20.0)]
     pub prefill_overhead_ms: f64,
 
-    /// Time per generated token after the first (inter-token latency),
-    /// milliseconds; 0 generates instantly.
+    /// Time of a scheduler step that only decodes, and the least any step
+    /// takes (the inter-token latency), milliseconds; 0 generates
+    /// instantly.
     #[arg(long, env = "SIM_ITL_MS", default_value_t = 30.0)]
     pub itl_ms: f64,
 
@@ -66,6 +68,11 @@ pub struct Config {
     /// --max-num-seqs).
     #[arg(long, env = "SIM_MAX_NUM_SEQS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_num_seqs: u32,
+
+    /// Tokens scheduled per step: decodes first, then prefill chunks up to
+    /// this budget (vLLM --max-num-batched-tokens, chunked prefill).
+    #[arg(long, env = "SIM_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_num_batched_tokens: u32,
 
     /// Output tokens when a request sets no max_tokens.
     #[arg(long, env = "SIM_DEFAULT_MAX_TOKENS", default_value_t = 16)]
@@ -216,6 +223,7 @@ impl Config {
             prefill_overhead_ms: 0.0,
             itl_ms: 0.0,
             max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
             default_max_tokens: 16,
             time_scale: 1.0,
             load_interval_ms: 100,

@@ -1,18 +1,18 @@
-//! The engine: a FIFO scheduler over the block pool, one serial prefill
-//! server, per-request decode, and a fan-out of every cache change to
-//! WatchCache subscribers in the order the cache changed.
+//! The engine: `kvroute-core`'s model of vLLM's scheduler
+//! ([`kvroute_core::engine`]) run in real time by one driver task, the
+//! tokens and block hashes of each request, and a fan-out of every cache
+//! change to WatchCache subscribers in the order the cache changed.
 //!
-//! Timing: a request is admitted when fewer than `max_num_seqs` run and the
-//! pool can hold its prompt while keeping the blocks every running request
-//! may still need for its output (so decode never runs out of blocks).
-//! Its prefill starts when the prefill server is free and takes
-//! `overhead + uncached tokens / rate`; then one token every `itl`. All
-//! delays are divided by `time_scale`.
+//! The model decides what runs and how long each step takes (all delays
+//! divided by `time_scale`); this module hashes prompts, generates the
+//! words, hashes full output blocks for the model, and tells clients.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
+use kvroute_core::engine::pool::PoolEvent as ModelEvent;
+use kvroute_core::engine::{self as model, Progress, Refused, RequestId};
 use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig, Lora};
 use kvroute_core::tokenize::Tokenizer;
 use kvroute_proto::feed::{self, Feed, Source};
@@ -22,9 +22,8 @@ use tokio::time::Instant;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::config::Config;
-use crate::kv_events::{self, Publisher};
+use crate::kv_events::{self, PoolEvent, Publisher};
 use crate::metrics::Metrics;
-use crate::pool::{BlockPool, Content, PoolEvent};
 
 /// The engine's own load, as WatchCache reports it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -124,36 +123,37 @@ pub struct Generation {
     /// Prompt tokens.
     pub prompt_tokens: u64,
     /// Generated tokens; ends after the last one. Dropping it cancels the
-    /// request and frees its blocks.
-    pub tokens: mpsc::Receiver<Token>,
+    /// request and frees its blocks. Unbounded as vLLM's output queue is:
+    /// the engine never waits for a client; a request's output is bounded
+    /// by its `max_tokens`.
+    pub tokens: mpsc::UnboundedReceiver<Token>,
 }
 
-struct Waiter {
-    hashes: Vec<BlockHash>,
-    num_tokens: usize,
-    future_blocks: usize,
-    tx: oneshot::Sender<Admission>,
-}
-
-#[derive(Debug)]
-struct Admission {
-    blocks: Vec<u32>,
-    cached_blocks: usize,
-    future_blocks: usize,
-    prefill_start: Instant,
-    prefill_end: Instant,
+/// A request the engine serves: what the model does not know.
+struct Live {
+    /// Prompt and output so far.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Digests of the full blocks so far, to chain output blocks on.
+    digests: Vec<BlockDigest>,
+    lora: Option<Lora>,
+    cache_salt: Option<String>,
+    /// Seeds the words generated.
+    seed: u64,
+    arrival: Instant,
+    admitted_at: Option<Instant>,
+    /// Told the cached tokens at admission.
+    admitted: Option<oneshot::Sender<u64>>,
+    tx: mpsc::UnboundedSender<Token>,
+    /// Finished or abandoned: dropped (ending the client's stream) once
+    /// the step's cache events, which may name its blocks, are published.
+    done: bool,
 }
 
 struct State {
-    pool: BlockPool,
-    waiting: VecDeque<Waiter>,
-    running: u32,
-    /// Blocks promised to running requests' remaining output.
-    reserved: usize,
-    prefill_free_at: Instant,
-    /// Admitted prefills not yet finished, in FIFO order: (start, end,
-    /// uncached tokens).
-    prefills: VecDeque<(Instant, Instant, u64)>,
+    model: model::Engine,
+    requests: HashMap<RequestId, Live>,
+    next_id: RequestId,
     feed: Feed,
     /// vLLM-format KV events, when the engine publishes them.
     kv_events: Option<Publisher>,
@@ -165,8 +165,12 @@ pub struct Engine {
     config: Config,
     hasher: BlockHasher,
     state: Mutex<State>,
+    /// The model's time 0.
+    origin: Instant,
     /// Woken when a request arrives: its work is news for routers.
     arrived: Notify,
+    /// Woken when the driver may have work (or the engine is dropped).
+    work: Arc<Notify>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -174,6 +178,13 @@ impl std::fmt::Debug for Engine {
         f.debug_struct("Engine")
             .field("model", &self.config.model)
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Lets the driver see the engine is gone.
+        self.work.notify_one();
     }
 }
 
@@ -199,8 +210,24 @@ fn word_ids() -> &'static [u32; 32] {
     })
 }
 
+/// The model's configuration for `config`, its delays divided by the time
+/// scale.
+fn model_config(config: &Config) -> model::Config {
+    let scaled = |ms: f64| Duration::from_secs_f64((ms / 1000.0 / config.time_scale).max(0.0));
+    model::Config {
+        num_blocks: config.num_gpu_blocks as usize,
+        block_size: config.block_size as usize,
+        max_num_seqs: config.max_num_seqs as usize,
+        max_num_batched_tokens: config.max_num_batched_tokens as usize,
+        prefill_tokens_per_s: config.prefill_tokens_per_s * config.time_scale,
+        prefill_overhead: scaled(config.prefill_overhead_ms),
+        itl: scaled(config.itl_ms),
+    }
+}
+
 impl Engine {
-    /// An engine for `config` (validated by the caller).
+    /// An engine for `config` (validated by the caller), with its driver
+    /// task started on the current tokio runtime.
     pub fn new(config: Config) -> Result<Arc<Self>, kvroute_core::hash::HashError> {
         let hasher = BlockHasher::new(HashConfig {
             algo: config.hash_algo,
@@ -209,22 +236,24 @@ impl Engine {
             ..HashConfig::default()
         })?;
         let state = State {
-            pool: BlockPool::new(config.num_gpu_blocks as usize, config.block_size as usize),
-            waiting: VecDeque::new(),
-            running: 0,
-            reserved: 0,
-            prefill_free_at: Instant::now(),
-            prefills: VecDeque::new(),
+            model: model::Engine::new(model_config(&config)),
+            requests: HashMap::new(),
+            next_id: 0,
             feed: Feed::new(config.subscriber_buffer as usize),
             kv_events: None,
             metrics: Metrics::new(&config.model, config.max_model_len),
         };
-        Ok(Arc::new(Engine {
+        let work = Arc::new(Notify::new());
+        let engine = Arc::new(Engine {
             config,
             hasher,
             state: Mutex::new(state),
+            origin: Instant::now(),
             arrived: Notify::new(),
-        }))
+            work: work.clone(),
+        });
+        tokio::spawn(drive(Arc::downgrade(&engine), work));
+        Ok(engine)
     }
 
     /// The configuration.
@@ -243,8 +272,9 @@ impl Engine {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn scaled(&self, ms: f64) -> Duration {
-        Duration::from_secs_f64((ms / 1000.0 / self.config.time_scale).max(0.0))
+    /// The model's clock now.
+    fn now(&self) -> Duration {
+        Instant::now() - self.origin
     }
 
     /// Queues `job`, waits for its admission and starts generating.
@@ -262,222 +292,206 @@ impl Engine {
                 output: job.max_tokens,
             });
         }
-        let bs = self.config.block_size as usize;
-        let capacity = self.config.num_gpu_blocks as usize;
-        let needed = (total as usize).div_ceil(bs);
-        if needed > capacity {
-            return Err(EngineError::TooLarge { needed, capacity });
-        }
         let extras = BlockExtras {
             lora: job.lora.as_ref(),
             cache_salt: job.cache_salt.as_deref(),
         };
         let digests = self.hasher.digests(&job.prompt, extras);
         let hashes: Vec<BlockHash> = digests.iter().map(BlockDigest::to_u64).collect();
-        let (tx, rx) = oneshot::channel();
+        let (admitted_tx, admitted_rx) = oneshot::channel();
+        let (tx, tokens) = mpsc::unbounded_channel();
         {
             let mut state = self.lock();
-            state.waiting.push_back(Waiter {
-                hashes: hashes.clone(),
-                num_tokens: job.prompt.len(),
-                future_blocks: needed - job.prompt.len().div_ceil(bs),
-                tx,
-            });
-            self.admit(&mut state);
-        }
-        self.arrived.notify_one();
-        let admission = rx.await.map_err(|_| EngineError::Stopped)?;
-        let cached_tokens = (admission.cached_blocks * bs) as u64;
-        let (token_tx, token_rx) = mpsc::channel(64);
-        let run = Run {
-            engine: self.clone(),
-            blocks: admission.blocks,
-            future_blocks: admission.future_blocks,
-        };
-        let engine = self.clone();
-        tokio::spawn(async move {
-            engine
-                .run(
-                    run,
-                    job,
+            let id = state.next_id;
+            let max_tokens = job.max_tokens.max(1) as usize;
+            match state.model.add(id, hashes, job.prompt.len(), max_tokens) {
+                Ok(()) => {}
+                Err(Refused::TooLarge { needed, capacity }) => {
+                    return Err(EngineError::TooLarge { needed, capacity });
+                }
+                Err(Refused::EmptyPrompt) => return Err(EngineError::EmptyPrompt),
+            }
+            state.next_id += 1;
+            state.requests.insert(
+                id,
+                Live {
+                    seed: xxh3_64(bytes_of(&job.prompt).as_slice()),
+                    prompt_len: job.prompt.len(),
+                    tokens: job.prompt,
                     digests,
-                    hashes,
-                    admission.cached_blocks,
-                    (admission.prefill_start, admission.prefill_end),
-                    token_tx,
-                )
-                .await
-        });
+                    lora: job.lora,
+                    cache_salt: job.cache_salt,
+                    arrival: Instant::now(),
+                    admitted_at: None,
+                    admitted: Some(admitted_tx),
+                    tx,
+                    done: false,
+                },
+            );
+        }
+        self.work.notify_one();
+        self.arrived.notify_one();
+        let cached_tokens = admitted_rx.await.map_err(|_| EngineError::Stopped)?;
         Ok(Generation {
             cached_tokens,
             prompt_tokens: prompt_len,
-            tokens: token_rx,
+            tokens,
         })
     }
 
-    /// Admits waiting requests in FIFO order while they fit.
-    fn admit(&self, state: &mut State) {
-        let bs = self.config.block_size as u64;
-        while state.running < self.config.max_num_seqs {
-            let Some(front) = state.waiting.front() else {
-                break;
-            };
-            if front.tx.is_closed() {
-                state.waiting.pop_front();
-                continue;
-            }
-            let reserve = state.reserved + front.future_blocks;
-            let Some(alloc) = state
-                .pool
-                .allocate(&front.hashes, front.num_tokens, reserve)
-            else {
-                break;
-            };
-            let waiter = state.waiting.pop_front().expect("front exists");
-            let uncached = waiter.num_tokens as u64 - alloc.cached_blocks as u64 * bs;
-            let rate_ms = if self.config.prefill_tokens_per_s > 0.0 {
-                uncached as f64 * 1000.0 / self.config.prefill_tokens_per_s
-            } else {
-                0.0
-            };
-            let duration = self.scaled(self.config.prefill_overhead_ms + rate_ms);
-            let start = state.prefill_free_at.max(Instant::now());
-            state.prefill_free_at = start + duration;
-            state
-                .prefills
-                .push_back((start, start + duration, uncached));
-            let admission = Admission {
-                blocks: alloc.blocks,
-                cached_blocks: alloc.cached_blocks,
-                future_blocks: waiter.future_blocks,
-                prefill_start: start,
-                prefill_end: start + duration,
-            };
-            state.running += 1;
-            state.reserved += waiter.future_blocks;
-            if let Err(admission) = waiter.tx.send(admission) {
-                // The client left between the check and now.
-                state.pool.free(&admission.blocks);
-                state.running -= 1;
-                state.reserved -= admission.future_blocks;
-            }
+    /// Starts a step if there is work; returns when it ends.
+    fn start_step(&self) -> Option<Duration> {
+        let mut state = self.lock();
+        // Requests whose clients left go before the step schedules them.
+        let gone: Vec<RequestId> = state
+            .requests
+            .iter()
+            .filter(|(_, r)| r.tx.is_closed() || r.admitted.as_ref().is_some_and(|a| a.is_closed()))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            state.model.abort(id);
+            state.requests.remove(&id);
         }
-        self.publish(state);
+        let end = state.model.start_step(self.now());
+        self.apply_progress(&mut state);
+        self.publish(&mut state);
+        end
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn run(
-        self: Arc<Self>,
-        mut run: Run,
-        job: Job,
-        mut digests: Vec<BlockDigest>,
-        hashes: Vec<BlockHash>,
-        cached_blocks: usize,
-        (prefill_start, prefill_end): (Instant, Instant),
-        tx: mpsc::Sender<Token>,
-    ) {
+    /// Ends the step in flight: hands out its tokens.
+    fn finish_step(&self) {
+        let mut state = self.lock();
+        state.model.finish_step();
+        self.apply_progress(&mut state);
+        self.publish(&mut state);
+        state.requests.retain(|_, r| !r.done);
+    }
+
+    /// Tells clients what the model did; hashes full output blocks for it.
+    fn apply_progress(&self, state: &mut State) {
         let bs = self.config.block_size as usize;
-        let arrival = Instant::now();
-        wait_until(prefill_end).await;
-        {
-            let mut state = self.lock();
-            let mut parent = cached_blocks.checked_sub(1).map(|i| hashes[i]);
-            for (i, &hash) in hashes.iter().enumerate().skip(cached_blocks) {
-                let content = self.content(&job, i, &job.prompt[i * bs..(i + 1) * bs]);
-                state.pool.cache(run.blocks[i], hash, parent, content);
-                parent = Some(hash);
-            }
-            state
-                .metrics
-                .observe_ttft((Instant::now() - arrival).as_secs_f64());
-            let prefill = (prefill_end - prefill_start).as_secs_f64();
-            state
-                .metrics
-                .observe_prefill(job.prompt.len() as u64, prefill);
-            self.publish(&mut state);
-        }
-        let extras = BlockExtras {
-            lora: job.lora.as_ref(),
-            cache_salt: job.cache_salt.as_deref(),
-        };
-        let seed = xxh3_64(bytes_of(&job.prompt).as_slice());
-        let mut tokens = job.prompt;
-        let itl = self.scaled(self.config.itl_ms);
-        for index in 0..job.max_tokens {
-            if index > 0 && !itl.is_zero() {
-                tokio::time::sleep(itl).await;
-            }
-            let word =
-                (xxh3_64_with_seed(&index.to_le_bytes(), seed) % WORDS.len() as u64) as usize;
-            tokens.push(word_ids()[word]);
-            {
-                let mut state = self.lock();
-                if tokens.len() > run.blocks.len() * bs {
-                    let block = state.pool.grow().expect("reserved at admission");
-                    run.blocks.push(block);
-                    run.future_blocks -= 1;
-                    state.reserved -= 1;
-                }
-                if tokens.len().is_multiple_of(bs) {
-                    let i = tokens.len() / bs - 1;
-                    let parent = i
-                        .checked_sub(1)
-                        .map_or(self.hasher.none_hash(), |p| digests[p]);
-                    let digest = self
-                        .hasher
-                        .block_digest(&parent, i, &tokens[i * bs..], extras);
-                    let parent_hash = i.checked_sub(1).map(|p| digests[p].to_u64());
-                    let content = Content {
-                        tokens: &tokens[i * bs..],
-                        lora: self.lora_id(job.lora.as_ref()),
-                        salt: None,
-                    };
-                    state
-                        .pool
-                        .cache(run.blocks[i], digest.to_u64(), parent_hash, content);
-                    digests.push(digest);
-                    self.publish(&mut state);
-                }
-                state.metrics.generation_tokens += 1;
-            }
-            let token = Token {
-                text: WORDS[word],
-                index,
-                last: index + 1 == job.max_tokens,
+        let now = Instant::now();
+        let State {
+            model,
+            requests,
+            metrics,
+            ..
+        } = state;
+        for (id, progress) in model.take_progress() {
+            let Some(live) = requests.get_mut(&id) else {
+                continue;
             };
-            if tx.send(token).await.is_err() {
-                return; // the client left: `run` frees the blocks
+            match progress {
+                Progress::Admitted { cached_tokens } => {
+                    live.admitted_at = Some(now);
+                    if let Some(tx) = live.admitted.take()
+                        && tx.send(cached_tokens as u64).is_err()
+                    {
+                        model.abort(id);
+                        live.done = true;
+                    }
+                }
+                Progress::Preempted => metrics.preemptions += 1,
+                Progress::Token { index, last } => {
+                    let word = (xxh3_64_with_seed(&(index as u64).to_le_bytes(), live.seed)
+                        % WORDS.len() as u64) as usize;
+                    live.tokens.push(word_ids()[word]);
+                    if index == 0 {
+                        metrics.observe_ttft((now - live.arrival).as_secs_f64());
+                        let prefill = live.admitted_at.map_or(Duration::ZERO, |t| now - t);
+                        metrics.observe_prefill(live.prompt_len as u64, prefill.as_secs_f64());
+                    }
+                    metrics.generation_tokens += 1;
+                    if live.tokens.len().is_multiple_of(bs) {
+                        let i = live.tokens.len() / bs - 1;
+                        let parent = i
+                            .checked_sub(1)
+                            .map_or(self.hasher.none_hash(), |p| live.digests[p]);
+                        let extras = BlockExtras {
+                            lora: live.lora.as_ref(),
+                            cache_salt: live.cache_salt.as_deref(),
+                        };
+                        let digest =
+                            self.hasher
+                                .block_digest(&parent, i, &live.tokens[i * bs..], extras);
+                        live.digests.push(digest);
+                        model.add_block_hash(id, digest.to_u64());
+                    }
+                    let token = Token {
+                        text: WORDS[word],
+                        index: index as u64,
+                        last,
+                    };
+                    if live.tx.send(token).is_err() {
+                        model.abort(id);
+                        live.done = true;
+                    }
+                    if last {
+                        metrics.requests_finished += 1;
+                        live.done = true;
+                    }
+                }
             }
         }
-        self.lock().metrics.requests_finished += 1;
     }
 
     /// vLLM's `lora_id` and name of an adapter: its position among the
     /// served adapters, from 1.
-    fn lora_id<'a>(&self, lora: Option<&'a Lora>) -> Option<(u64, &'a str)> {
+    fn lora_id(&self, lora: Option<&Lora>) -> Option<(u64, String)> {
         let lora = lora?;
         let modules = &self.config.lora_modules;
         let id = modules.iter().position(|l| l.name == lora.name);
-        Some((id.map_or(0, |i| i as u64 + 1), lora.name.as_str()))
+        Some((id.map_or(0, |i| i as u64 + 1), lora.name.clone()))
     }
 
-    /// What block `i` of `job`'s prompt, `tokens`, holds besides its hash.
-    fn content<'a>(&self, job: &'a Job, i: usize, tokens: &'a [u32]) -> Content<'a> {
-        Content {
-            tokens,
-            lora: self.lora_id(job.lora.as_ref()),
-            salt: if i == 0 {
-                job.cache_salt.as_deref()
-            } else {
-                None
-            },
+    /// What a stored-blocks event of the model says, with the blocks'
+    /// tokens and extra keys as vLLM's `BlockStored` carries them.
+    fn describe(&self, state: &State, event: ModelEvent) -> PoolEvent {
+        let bs = self.config.block_size as usize;
+        match event {
+            ModelEvent::Stored {
+                request,
+                first,
+                hashes,
+                parent,
+            } => {
+                let live = state.requests.get(&request);
+                let token_ids = live.map_or_else(Vec::new, |l| {
+                    l.tokens[first * bs..(first + hashes.len()) * bs].to_vec()
+                });
+                let lora = live.and_then(|l| self.lora_id(l.lora.as_ref()));
+                let extra_keys = (first..first + hashes.len())
+                    .map(|i| {
+                        let salt = live.and_then(|l| l.cache_salt.clone()).filter(|_| i == 0);
+                        lora.iter()
+                            .map(|(_, name)| name.clone())
+                            .chain(salt)
+                            .collect()
+                    })
+                    .collect();
+                PoolEvent::Stored {
+                    hashes,
+                    parent,
+                    token_ids,
+                    extra_keys,
+                    lora,
+                }
+            }
+            ModelEvent::Removed(hashes) => PoolEvent::Removed(hashes),
+            ModelEvent::Cleared => PoolEvent::Cleared,
         }
     }
 
-    /// Sends the pool's pending events to every subscriber, in order, and
-    /// publishes them as one vLLM event batch.
+    /// Sends the model's pending cache events to every subscriber, in
+    /// order, and publishes them as one vLLM event batch.
     fn publish(&self, state: &mut State) {
-        let events = state.pool.take_events();
+        let events: Vec<PoolEvent> = state
+            .model
+            .take_events()
+            .into_iter()
+            .map(|e| self.describe(state, e))
+            .collect();
         if events.is_empty() {
             return;
         }
@@ -510,38 +524,15 @@ impl Engine {
         }
     }
 
-    fn load(&self, state: &mut State) -> LoadReport {
-        let capacity = state.pool.capacity();
-        let now = Instant::now();
-        while state
-            .prefills
-            .front()
-            .is_some_and(|&(_, end, _)| end <= now)
-        {
-            state.prefills.pop_front();
-        }
-        // The prefill in progress counts for its unfinished share.
-        let admitted: f64 = state
-            .prefills
-            .iter()
-            .map(|&(start, end, tokens)| {
-                let total = (end - start).as_secs_f64();
-                let left = (end - start.max(now)).as_secs_f64();
-                if total > 0.0 {
-                    tokens as f64 * left / total
-                } else {
-                    0.0
-                }
-            })
-            .sum();
-        let waiting: usize = state.waiting.iter().map(|w| w.num_tokens).sum();
+    fn load(&self, state: &State) -> LoadReport {
+        let load = state.model.load(self.now());
         let rate = self.config.prefill_tokens_per_s * self.config.time_scale;
         LoadReport {
-            waiting: state.waiting.len() as u32,
-            running: state.running,
-            kv_usage: state.pool.usage(),
-            used_blocks: (capacity - state.pool.free_blocks()) as u64,
-            queued_prefill_tokens: admitted.round() as u64 + waiting as u64,
+            waiting: load.waiting,
+            running: load.running,
+            kv_usage: load.kv_usage(),
+            used_blocks: load.used_blocks,
+            queued_prefill_tokens: load.queued_prefill_tokens,
             prefill_tokens_per_s: (rate > 0.0).then_some(rate),
         }
     }
@@ -574,7 +565,7 @@ impl Engine {
     /// Sends a load report to every subscriber.
     pub fn report_load(&self) {
         let mut state = self.lock();
-        let load = self.load(&mut state).to_proto();
+        let load = self.load(&state).to_proto();
         state.feed.load(load);
     }
 
@@ -593,7 +584,7 @@ impl Engine {
     /// event numbering starts over, as when vLLM restarts.
     pub fn restart_cache(&self) {
         let mut state = self.lock();
-        state.pool.forget();
+        state.model.forget_cache();
         state.feed.restart();
         if let Some(kv) = &state.kv_events {
             kv.restart();
@@ -604,14 +595,14 @@ impl Engine {
     /// requests run.
     pub fn reset_prefix_cache(&self) -> bool {
         let mut state = self.lock();
-        let done = state.pool.reset();
+        let done = state.model.reset_prefix_cache();
         self.publish(&mut state);
         done
     }
 
     /// Every cached block now (for tests and debugging).
     pub fn resident(&self) -> Vec<BlockHash> {
-        self.lock().pool.resident().collect()
+        self.lock().model.resident().collect()
     }
 
     /// The incarnation and the sequence of the last change.
@@ -622,14 +613,44 @@ impl Engine {
 
     /// Prometheus text exposition of vLLM's metrics.
     pub fn metrics_text(&self) -> String {
-        let mut state = self.lock();
-        let load = self.load(&mut state);
+        let state = self.lock();
+        let load = self.load(&state);
+        let counters = state.model.counters();
         state.metrics.render(
             &self.config,
             &load,
-            (state.pool.queries, state.pool.hits),
-            state.pool.cached_blocks(),
+            (counters.queries, counters.hits),
+            state.model.cached_blocks(),
         )
+    }
+}
+
+/// Runs the model in real time while the engine lives: a step when there
+/// is work, sleeping until it ends; otherwise waiting for a request.
+async fn drive(engine: Weak<Engine>, work: Arc<Notify>) {
+    loop {
+        let end = {
+            let Some(engine) = engine.upgrade() else {
+                return;
+            };
+            engine.start_step().map(|end| engine.origin + end)
+        };
+        match end {
+            Some(end) => {
+                if end > Instant::now() {
+                    tokio::time::sleep_until(end).await;
+                } else {
+                    // Zero-time steps (instant test engines) still let
+                    // clients run.
+                    tokio::task::yield_now().await;
+                }
+                let Some(engine) = engine.upgrade() else {
+                    return;
+                };
+                engine.finish_step();
+            }
+            None => work.notified().await,
+        }
     }
 }
 
@@ -641,8 +662,8 @@ impl Source for Engine {
         let mut state = self.lock();
         let snapshot = v1::CacheSnapshot {
             config: Some(self.cache_config()),
-            block_hashes: state.pool.resident().collect(),
-            load: Some(self.load(&mut state).to_proto()),
+            block_hashes: state.model.resident().collect(),
+            load: Some(self.load(&state).to_proto()),
             offloaded: Vec::new(),
         };
         Ok(state.feed.subscribe(snapshot))
@@ -651,31 +672,6 @@ impl Source for Engine {
 
 fn bytes_of(tokens: &[u32]) -> Vec<u8> {
     tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
-}
-
-async fn wait_until(t: Instant) {
-    if t > Instant::now() {
-        tokio::time::sleep_until(t).await;
-    }
-}
-
-/// A running request's hold on the engine; dropping it frees its blocks
-/// and admits the next waiting requests.
-struct Run {
-    engine: Arc<Engine>,
-    blocks: Vec<u32>,
-    future_blocks: usize,
-}
-
-impl Drop for Run {
-    fn drop(&mut self) {
-        let engine = self.engine.clone();
-        let mut state = engine.lock();
-        state.pool.free(&self.blocks);
-        state.running -= 1;
-        state.reserved -= self.future_blocks;
-        engine.admit(&mut state);
-    }
 }
 
 #[cfg(test)]

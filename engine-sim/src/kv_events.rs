@@ -18,7 +18,29 @@ use rmpv::Value;
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::pool::PoolEvent;
+/// A change to the set of cached blocks, with what vLLM's events say of
+/// stored blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// Blocks cached, in chain order; `parent` is the hash before the first.
+    Stored {
+        /// The blocks.
+        hashes: Vec<u64>,
+        /// The hash of the block before the first, if any.
+        parent: Option<u64>,
+        /// Their tokens, block after block.
+        token_ids: Vec<u32>,
+        /// Each block's extra keys as vLLM's events list them: the LoRA
+        /// adapter's name, then the cache salt on block 0.
+        extra_keys: Vec<Vec<String>>,
+        /// The LoRA adapter (vLLM's `lora_id` and `lora_name`), if any.
+        lora: Option<(u64, String)>,
+    },
+    /// Blocks evicted.
+    Removed(Vec<u64>),
+    /// Every cached block dropped.
+    Cleared,
+}
 
 /// vLLM's replay end marker: sequence -1 as 8 bytes.
 const END_SEQ: [u8; 8] = [0xff; 8];

@@ -1,7 +1,7 @@
 //! `kvroute-engine-sim`: an engine that behaves like vLLM where routing is
-//! concerned. A real prefix block cache with vLLM's hashing and eviction
-//! order ([`pool`]), FIFO admission and simulated prefill and decode timing
-//! ([`engine`]), vLLM's OpenAI-compatible API, metrics and errors
+//! concerned. vLLM's scheduler and prefix block cache, as
+//! [`kvroute_core::engine`] models them, run in real time with vLLM's
+//! hashing ([`engine`]), vLLM's OpenAI-compatible API, metrics and errors
 //! ([`http`]), a live WatchCache occupancy stream (served with
 //! [`kvroute_proto::feed`]), and optionally vLLM's own ZMQ KV events
 //! ([`kv_events`]) for `kvroute-agent` to bridge.
@@ -21,7 +21,6 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
-pub mod pool;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -78,6 +78,8 @@ pub struct Metrics {
     pub generation_tokens: u64,
     /// Requests that generated all their tokens.
     pub requests_finished: u64,
+    /// Requests preempted (vLLM's `num_preemptions`).
+    pub preemptions: u64,
     model: ModelName,
     ttft: Family<ModelName, Histogram, fn() -> Histogram>,
     prompt_lengths: Family<ModelName, Histogram, Buckets>,
@@ -102,6 +104,7 @@ impl Metrics {
             prompt_tokens: 0,
             generation_tokens: 0,
             requests_finished: 0,
+            preemptions: 0,
             model: ModelName {
                 model_name: model.to_owned(),
             },
@@ -186,6 +189,11 @@ impl Metrics {
             "vllm:generation_tokens",
             "Number of generation tokens processed",
             counter(self.generation_tokens),
+        );
+        r.register(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine",
+            counter(self.preemptions),
         );
         let success = Family::<Finished, Counter>::default();
         success

@@ -112,22 +112,23 @@ async fn output_is_deterministic_per_prompt() {
     assert!(a[7].last && !a[6].last);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests() {
-    // 8 blocks of 4 tokens.
+    // 12 blocks of 4 tokens; steps of 30 ms.
     let e = engine(|c| {
         c.block_size = 4;
-        c.num_gpu_blocks = 8;
+        c.num_gpu_blocks = 12;
+        c.itl_ms = 30.0;
     });
     let a: Vec<u32> = (100..113).collect(); // 3 full blocks + 1 token
     run(&e, a.clone(), 1, None).await;
     let a_hashes = e.hasher().hashes(&a, BlockExtras::default());
-    // Hold A's first block in a running request that never finishes
-    // reading its tokens.
+    // A running request holds A's first block: it reuses it, and decodes
+    // three more tokens after its first.
     let mut held = e
         .generate(Job {
             prompt: a[..5].to_vec(),
-            max_tokens: 2,
+            max_tokens: 4,
             cache_salt: None,
             lora: None,
         })
@@ -135,8 +136,10 @@ async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests()
         .unwrap();
     assert_eq!(held.cached_tokens, 4);
     held.tokens.recv().await.unwrap();
-    // A 5-block request forces evictions: A's tail (block 3), then block 2.
-    let b: Vec<u32> = (200..220).collect();
+    // 8 never-used blocks, then A's, freed tail first. The held request
+    // took one unused block; a 9-block request takes the other 7, A's
+    // partial block and evicts A's block 2, never the pinned block 0.
+    let b: Vec<u32> = (200..236).collect();
     run(&e, b, 1, None).await;
     let resident: BTreeSet<u64> = e.resident().into_iter().collect();
     assert!(
@@ -144,7 +147,11 @@ async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests()
         "pinned by the running request"
     );
     assert!(!resident.contains(&a_hashes[2]), "the tail went first");
-    drop(held);
+    assert!(
+        resident.contains(&a_hashes[1]),
+        "the head outlives the tail"
+    );
+    assert!(held.tokens.recv().await.is_some(), "still running");
 }
 
 #[tokio::test]
@@ -279,7 +286,7 @@ async fn workload(seed: u64) {
     let e = engine(|c| {
         c.block_size = 4;
         c.num_gpu_blocks = 96;
-        c.subscriber_buffer = 64; // small, so the slow subscriber overflows
+        c.subscriber_buffer = 8; // small, so the slow subscriber overflows
         c.max_num_seqs = 8;
     });
     let mut mirror = Mirror::new(&e);
@@ -365,7 +372,7 @@ async fn load_reports_the_prefill_still_queued_and_the_rate() {
         tokio::spawn(async move { run(&e, (first..first + len).collect(), 1, None).await });
         tokio::task::yield_now().await;
     }
-    let load = |e: &Arc<Engine>| e.load(&mut e.lock());
+    let load = |e: &Arc<Engine>| e.load(&e.lock());
     let now = load(&e);
     assert_eq!((now.running, now.waiting), (1, 1));
     assert_eq!(now.queued_prefill_tokens, 2000 + 500, "all of A, all of B");
