@@ -16,7 +16,16 @@
 //!   `vllm:request_prefill_time_seconds`' sum between scrapes. An estimate:
 //!   prefill time includes each prefill's fixed overhead, and concurrent
 //!   prefills overlap, so it is a lower bound of the engine's rate. Absent
-//!   until both have grown.
+//!   until both have grown;
+//! - memory, for the router's prediction of a wait for KV blocks: the free
+//!   blocks (capacity less those in use), the waiting queue's demand (the
+//!   waiting requests times the mean prompt, in blocks: an upper bound, as
+//!   vLLM's metrics do not say what of a waiting prompt is cached), the
+//!   running requests' mean remaining decode (half the mean output of
+//!   `vllm:request_generation_tokens` at the mean time per output token of
+//!   `vllm:inter_token_latency_seconds`, `vllm:time_per_output_token_seconds`
+//!   before vLLM 0.11), and `vllm:num_preemptions_total`. What of the free
+//!   blocks holds cached prefixes is not in vLLM's metrics: not reported.
 //!
 //! The Prometheus text format is parsed here, for the sample lines only: the
 //! maintained parser crates build a full model of the exposition with
@@ -123,12 +132,20 @@ pub struct Scraped {
     pub prefill_seconds: Option<f64>,
     /// Mean prompt length, if known.
     pub mean_prompt: Option<f64>,
+    /// Mean output length, if known.
+    pub mean_output: Option<f64>,
+    /// Mean seconds per output token, if known.
+    pub mean_tpot: Option<f64>,
+    /// Preemptions so far, if reported.
+    pub preemptions: Option<f64>,
 }
 
 /// Reads rank `rank`'s values from an exposition (`dp` ranks in all).
 pub fn scrape(text: &str, rank: u32, dp: u32) -> Scraped {
     let mut s = Scraped::default();
     let (mut prompt_sum, mut prompt_count) = (None, None);
+    let (mut output_sum, mut output_count) = (None, None);
+    let (mut tpot_sum, mut tpot_count) = (None, None);
     let engine = rank.to_string();
     for sample in text.lines().filter_map(parse_line) {
         if dp > 1 && sample.label("engine").is_some_and(|e| e != engine) {
@@ -148,14 +165,26 @@ pub fn scrape(text: &str, rank: u32, dp: u32) -> Scraped {
             "vllm:request_prefill_time_seconds_sum" => *s.prefill_seconds.get_or_insert(0.0) += v,
             "vllm:request_prompt_tokens_sum" => *prompt_sum.get_or_insert(0.0) += v,
             "vllm:request_prompt_tokens_count" => *prompt_count.get_or_insert(0.0) += v,
+            "vllm:request_generation_tokens_sum" => *output_sum.get_or_insert(0.0) += v,
+            "vllm:request_generation_tokens_count" => *output_count.get_or_insert(0.0) += v,
+            "vllm:inter_token_latency_seconds_sum" | "vllm:time_per_output_token_seconds_sum" => {
+                *tpot_sum.get_or_insert(0.0) += v;
+            }
+            "vllm:inter_token_latency_seconds_count"
+            | "vllm:time_per_output_token_seconds_count" => *tpot_count.get_or_insert(0.0) += v,
+            "vllm:num_preemptions_total" => *s.preemptions.get_or_insert(0.0) += v,
             _ => {}
         }
     }
-    if let (Some(sum), Some(count)) = (prompt_sum, prompt_count)
-        && count > 0.0
-    {
-        s.mean_prompt = Some(sum / count);
-    }
+    let mean = |sum: Option<f64>, count: Option<f64>| match (sum, count) {
+        (Some(sum), Some(count)) if count > 0.0 && sum.is_finite() && sum >= 0.0 => {
+            Some(sum / count)
+        }
+        _ => None,
+    };
+    s.mean_prompt = mean(prompt_sum, prompt_count);
+    s.mean_output = mean(output_sum, output_count);
+    s.mean_tpot = mean(tpot_sum, tpot_count);
     s
 }
 
@@ -171,15 +200,27 @@ fn prefill_rate(before: &Scraped, now: &Scraped) -> Option<f64> {
 pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport {
     let count = |v: f64| v.max(0.0).min(f64::from(u32::MAX)) as u32;
     let kv_usage = now.kv_usage.clamp(0.0, 1.0);
+    let used_blocks = (kv_usage * capacity as f64).round() as u64;
     v1::LoadReport {
         waiting: count(now.waiting),
         running: count(now.running),
         kv_usage: kv_usage as f32,
-        used_blocks: (kv_usage * capacity as f64).round() as u64,
+        used_blocks,
         queued_prefill_tokens: now
             .mean_prompt
             .map(|mean| (mean * now.waiting.max(0.0)).round() as u64),
         prefill_tokens_per_s: rate,
+        free_blocks: (capacity > 0).then(|| capacity - used_blocks.min(capacity)),
+        cached_free_blocks: None,
+        waiting_blocks: now
+            .mean_prompt
+            .zip(now.block_size.filter(|&b| b > 0))
+            .map(|(mean, bs)| (mean * now.waiting.max(0.0) / f64::from(bs)).ceil() as u64),
+        remaining_decode_s: now
+            .mean_output
+            .zip(now.mean_tpot)
+            .map(|(output, tpot)| output / 2.0 * tpot),
+        preemptions: now.preemptions.map(|p| p.max(0.0) as u64),
     }
 }
 
@@ -291,6 +332,11 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 5000.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.0
 vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 5000.0
 vllm:request_prompt_tokens_count{engine="0",model_name="m"} 10.0
+vllm:request_generation_tokens_sum{engine="0",model_name="m"} 1000.0
+vllm:request_generation_tokens_count{engine="0",model_name="m"} 10.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 30.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 1000.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
 "#;
         let now = scrape(text, 0, 2);
         assert_eq!((now.waiting, now.running), (3.0, 5.0));
@@ -318,6 +364,13 @@ vllm:request_prompt_tokens_count{engine="0",model_name="m"} 10.0
         let r = report(&now, 1000, rate);
         assert_eq!((r.waiting, r.running, r.used_blocks), (3, 5, 250));
         assert_eq!(r.queued_prefill_tokens, Some(1500));
+        // Memory: 750 of 1,000 blocks free; 3 waiting prompts of 500
+        // tokens need 94 blocks of 16; a running request has half of 100
+        // tokens left at 30 ms each.
+        assert_eq!(r.free_blocks, Some(750));
+        assert_eq!(r.waiting_blocks, Some(94));
+        assert!((r.remaining_decode_s.unwrap() - 1.5).abs() < 1e-9);
+        assert_eq!((r.preemptions, r.cached_free_blocks), (Some(7), None));
         assert_eq!(scrape(text, 1, 2).waiting, 9.0, "rank 1's own samples");
     }
 }

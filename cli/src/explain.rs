@@ -160,8 +160,15 @@ fn render(v: &Value) -> String {
     );
     let _ = writeln!(
         s,
-        "\n{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>11}",
-        "endpoint", "routable", "contract", "cached", "in flight", "queue ms", "pred. TTFT"
+        "\n{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>9} {:>11}",
+        "endpoint",
+        "routable",
+        "contract",
+        "cached",
+        "in flight",
+        "queue ms",
+        "memory ms",
+        "pred. TTFT"
     );
     for e in d["endpoints"].as_array().map_or(&[][..], Vec::as_slice) {
         let ms = |k: &str| {
@@ -175,13 +182,14 @@ fn render(v: &Value) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} ms",
+            "{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>9} {:>8} ms",
             str_of(&e["name"]),
             routable,
             str_of(&e["contract"]),
             format!("{}/{}", e["cached_blocks"], chain.len()),
             e["in_flight"].to_string(),
             ms("queue_seconds"),
+            ms("memory_wait_seconds"),
             ms("predicted_ttft_seconds"),
         );
     }

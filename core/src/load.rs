@@ -33,8 +33,41 @@ pub struct EngineLoad {
     pub queued_prefill_tokens: Option<u64>,
     /// Its prefill rate, tokens per second, if it says.
     pub prefill_tokens_per_s: Option<f64>,
+    /// Its KV memory, if it says.
+    pub memory: Option<Memory>,
     /// When the report arrived.
     pub reported_at: Instant,
+}
+
+/// What an engine says of its KV memory: enough to predict how long a new
+/// request waits for blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Memory {
+    /// Blocks not held by a running request.
+    pub free_blocks: u64,
+    /// Blocks held by running requests.
+    pub used_blocks: u64,
+    /// Blocks the waiting requests need to be admitted.
+    pub waiting_blocks: u64,
+    /// Seconds until the running requests finish, on average.
+    pub remaining_decode_s: f64,
+}
+
+impl Memory {
+    /// Seconds until `blocks` more than the waiting requests need are
+    /// free. Running requests free their blocks as they finish; taking
+    /// their finishes as spread evenly over twice their mean remaining
+    /// time, a deficit of D of U used blocks clears after D / U of it (all
+    /// of it when D ≥ U).
+    pub fn wait_s(&self, blocks: u64) -> f64 {
+        let demand = self.waiting_blocks + blocks;
+        if demand <= self.free_blocks || self.used_blocks == 0 {
+            return 0.0;
+        }
+        let deficit = (demand - self.free_blocks) as f64;
+        let share = (deficit / self.used_blocks as f64).min(1.0);
+        share * 2.0 * self.remaining_decode_s.max(0.0)
+    }
 }
 
 impl EngineLoad {
@@ -159,6 +192,21 @@ impl PrefillModel {
         }
     }
 
+    /// Seconds a request needing `blocks` new KV blocks waits at the
+    /// endpoint at `now` for its engine to free them (after every waiting
+    /// request's), from the engine's last report when it is fresh and says
+    /// (else 0); this router's requests sent since count as waiting.
+    pub fn memory_wait_s(&self, load: &Load, blocks: u64, block_tokens: u64, now: Instant) -> f64 {
+        let fresh = load
+            .engine
+            .filter(|e| e.age(now) <= Duration::from_millis(self.max_report_age_ms));
+        let Some((e, memory)) = fresh.and_then(|e| Some((e, e.memory?))) else {
+            return 0.0;
+        };
+        let unreported = load.unreported_prefill_tokens.div_ceil(block_tokens.max(1));
+        (memory.wait_s(blocks + unreported) - e.age(now).as_secs_f64()).max(0.0)
+    }
+
     /// Seconds the endpoint takes to prefill `uncached_tokens` once it
     /// starts.
     pub fn prefill_s(&self, load: &Load, uncached_tokens: u64) -> f64 {
@@ -166,9 +214,20 @@ impl PrefillModel {
     }
 
     /// Predicted time to first token at the endpoint for a request with
-    /// `uncached_tokens` to prefill there.
-    pub fn ttft_s(&self, load: &Load, uncached_tokens: u64, now: Instant) -> f64 {
-        self.queued_s(load, now) + self.prefill_s(load, uncached_tokens)
+    /// `uncached_tokens` to prefill there, in blocks of `block_tokens`:
+    /// the longer of the prefill queue and the wait for memory, then its
+    /// own prefill. (While the head of the queue waits for blocks nothing
+    /// prefills, so the two overlap; the longer one bounds the wait.)
+    pub fn ttft_s(
+        &self,
+        load: &Load,
+        uncached_tokens: u64,
+        block_tokens: u64,
+        now: Instant,
+    ) -> f64 {
+        let blocks = uncached_tokens.div_ceil(block_tokens.max(1));
+        let memory = self.memory_wait_s(load, blocks, block_tokens, now);
+        self.queued_s(load, now).max(memory) + self.prefill_s(load, uncached_tokens)
     }
 }
 
@@ -381,6 +440,7 @@ mod tests {
                 kv_usage: 0.5,
                 queued_prefill_tokens: Some(100),
                 prefill_tokens_per_s: None,
+                memory: None,
                 reported_at: at,
             },
         );
@@ -400,6 +460,7 @@ mod tests {
             kv_usage: 0.5,
             queued_prefill_tokens: Some(queued),
             prefill_tokens_per_s: rate,
+            memory: None,
             reported_at: at,
         }
     }
@@ -415,7 +476,7 @@ mod tests {
         // 5,000 tokens at 10,000/s plus two 20 ms overheads.
         assert!((m.queued_s(&load, now) - 0.54).abs() < 1e-9);
         assert!((m.prefill_s(&load, 2000) - 0.22).abs() < 1e-9);
-        assert!((m.ttft_s(&load, 2000, now) - 0.76).abs() < 1e-9);
+        assert!((m.ttft_s(&load, 2000, 16, now) - 0.76).abs() < 1e-9);
     }
 
     #[test]
@@ -452,6 +513,50 @@ mod tests {
         t.report(Slot(0), report(at, 100, 0, None));
         assert_eq!(m.queued_s(&t.load(Slot(0)), later), 0.0);
         assert_eq!(m.rate(&t.load(Slot(0))), 10_000.0);
+    }
+
+    #[test]
+    fn a_full_memory_predicts_a_wait_for_blocks() {
+        let memory = Memory {
+            free_blocks: 100,
+            used_blocks: 400,
+            waiting_blocks: 60,
+            remaining_decode_s: 1.5,
+        };
+        // 60 waiting + 40 of its own fit in 100 free blocks.
+        assert_eq!(memory.wait_s(40), 0.0);
+        // 140 needed: 40 of 400 used blocks must free, a tenth of the
+        // running requests, finishing over 2 × 1.5 s: 0.3 s.
+        assert!((memory.wait_s(80) - 0.3).abs() < 1e-9);
+        // More than all used blocks: every running request must finish.
+        assert!((memory.wait_s(1000) - 3.0).abs() < 1e-9);
+
+        let m = PrefillModel::default();
+        let mut t = LoadTracker::new();
+        let at = Instant::now();
+        t.report(
+            Slot(0),
+            EngineLoad {
+                memory: Some(memory),
+                ..report(at, 0, 2, None)
+            },
+        );
+        let load = t.load(Slot(0));
+        assert!((m.memory_wait_s(&load, 80, 16, at) - 0.3).abs() < 1e-9);
+        // The wait ages like the queue, and bounds the time to first token
+        // with the queue (empty here) before the request's own prefill
+        // (20 ms + 1,280 tokens at 10,000/s).
+        let later = at + Duration::from_millis(100);
+        assert!((m.memory_wait_s(&load, 80, 16, later) - 0.2).abs() < 1e-9);
+        assert!((m.ttft_s(&load, 80 * 16, 16, later) - (0.2 + 0.148)).abs() < 1e-9);
+        // This router's requests sent since the report wait for blocks too:
+        // 640 tokens are 40 more blocks.
+        let _sent = t.start(Slot(0), 640, 640);
+        let load = t.load(Slot(0));
+        assert!((m.memory_wait_s(&load, 80, 16, at) - 0.6).abs() < 1e-9);
+        // Without memory in the report there is no memory term.
+        t.report(Slot(0), report(at, 0, 2, None));
+        assert_eq!(m.memory_wait_s(&t.load(Slot(0)), 1000, 16, at), 0.0);
     }
 
     #[test]

@@ -42,6 +42,16 @@ pub struct LoadReport {
     /// Prefill rate, tokens per second (time scale included); `None` when
     /// prefill is instant.
     pub prefill_tokens_per_s: Option<f64>,
+    /// Blocks not held by a running request.
+    pub free_blocks: u64,
+    /// Of those, holding a cached prefix.
+    pub cached_free_blocks: u64,
+    /// Blocks the waiting requests need.
+    pub waiting_blocks: u64,
+    /// Seconds until the running requests finish, on average.
+    pub remaining_decode_s: f64,
+    /// Requests preempted so far.
+    pub preemptions: u64,
 }
 
 impl LoadReport {
@@ -54,6 +64,11 @@ impl LoadReport {
             used_blocks: self.used_blocks,
             queued_prefill_tokens: Some(self.queued_prefill_tokens),
             prefill_tokens_per_s: self.prefill_tokens_per_s,
+            free_blocks: Some(self.free_blocks),
+            cached_free_blocks: Some(self.cached_free_blocks),
+            waiting_blocks: Some(self.waiting_blocks),
+            remaining_decode_s: Some(self.remaining_decode_s),
+            preemptions: Some(self.preemptions),
         }
     }
 }
@@ -527,6 +542,7 @@ impl Engine {
     fn load(&self, state: &State) -> LoadReport {
         let load = state.model.load(self.now());
         let rate = self.config.prefill_tokens_per_s * self.config.time_scale;
+        let memory = load.memory(state.model.config().itl);
         LoadReport {
             waiting: load.waiting,
             running: load.running,
@@ -534,6 +550,11 @@ impl Engine {
             used_blocks: load.used_blocks,
             queued_prefill_tokens: load.queued_prefill_tokens,
             prefill_tokens_per_s: (rate > 0.0).then_some(rate),
+            free_blocks: memory.free_blocks,
+            cached_free_blocks: load.cached_free_blocks,
+            waiting_blocks: memory.waiting_blocks,
+            remaining_decode_s: memory.remaining_decode_s,
+            preemptions: load.preemptions,
         }
     }
 

@@ -267,6 +267,7 @@ mod tests {
             used_blocks: 10,
             queued_prefill_tokens: 0,
             prefill_tokens_per_s: None,
+            ..LoadReport::default()
         };
         let text = m.render(&Config::test(), &load, (100, 48), 7);
         for line in [

@@ -24,7 +24,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use kvroute_core::index::{CacheEvent, IndexError};
-use kvroute_core::load::EngineLoad;
+use kvroute_core::load::{EngineLoad, Memory};
 use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
 use kvroute_proto::v1::{CacheUpdate, LoadReport, WatchCacheRequest, cache_update::Update};
 use kvroute_proto::{ResyncReason, SequenceCheck, Verdict};
@@ -350,6 +350,24 @@ fn engine_load(load: &LoadReport) -> EngineLoad {
         prefill_tokens_per_s: load
             .prefill_tokens_per_s
             .filter(|r| r.is_finite() && *r > 0.0),
+        // Memory predicts a wait only when the engine says all of it.
+        memory: match (
+            load.free_blocks,
+            load.waiting_blocks,
+            load.remaining_decode_s,
+        ) {
+            (Some(free_blocks), Some(waiting_blocks), Some(remaining))
+                if remaining.is_finite() && remaining >= 0.0 =>
+            {
+                Some(Memory {
+                    free_blocks,
+                    used_blocks: load.used_blocks,
+                    waiting_blocks,
+                    remaining_decode_s: remaining,
+                })
+            }
+            _ => None,
+        },
         // The pool's clock (tokio's, paused in tests) ages the report.
         reported_at: tokio::time::Instant::now().into_std(),
     }

@@ -155,9 +155,14 @@ pub struct ExplainedEndpoint {
     pub cached_blocks: u32,
     /// Requests in flight.
     pub in_flight: u32,
-    /// Predicted wait before this request's prefill would start, seconds.
+    /// Predicted prefill queued ahead of this request, seconds.
     pub queue_seconds: f64,
-    /// Predicted time to first token there, seconds.
+    /// Predicted wait for the KV blocks this request needs there (after
+    /// the waiting requests'), seconds; 0 when the engine does not report
+    /// its memory.
+    pub memory_wait_seconds: f64,
+    /// Predicted time to first token there: the longer of the two waits,
+    /// then its own prefill, seconds.
     pub predicted_ttft_seconds: f64,
 }
 
@@ -582,7 +587,7 @@ impl Pool {
                 let uncached = request
                     .prompt_tokens
                     .saturating_sub(u64::from(cached) * block_tokens);
-                let queued = prefill.queued_s(&load, now);
+                let blocks = uncached.div_ceil(block_tokens.max(1));
                 ExplainedEndpoint {
                     name: m.spec.name.clone(),
                     routable: inner.is_routable(m, now),
@@ -590,8 +595,9 @@ impl Pool {
                     contract: m.contract.as_str(),
                     cached_blocks: cached,
                     in_flight: load.in_flight,
-                    queue_seconds: queued,
-                    predicted_ttft_seconds: queued + prefill.prefill_s(&load, uncached),
+                    queue_seconds: prefill.queued_s(&load, now),
+                    memory_wait_seconds: prefill.memory_wait_s(&load, blocks, block_tokens, now),
+                    predicted_ttft_seconds: prefill.ttft_s(&load, uncached, block_tokens, now),
                 }
             })
             .collect();
@@ -639,11 +645,13 @@ impl Pool {
     pub fn predicted_ttft(&self, target: &Target, uncached_tokens: u64) -> std::time::Duration {
         let inner = self.lock();
         let load = inner.load.load(target.slot);
-        let s = inner
-            .settings
-            .policy
-            .prefill_model()
-            .ttft_s(&load, uncached_tokens, now());
+        let block_tokens = inner.settings.hasher.config().block_size as u64;
+        let s = inner.settings.policy.prefill_model().ttft_s(
+            &load,
+            uncached_tokens,
+            block_tokens,
+            now(),
+        );
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
     }
 

@@ -2,12 +2,15 @@
 //! replicas under every routing policy, with the router's own policy code,
 //! and prints a table per N (plus JSON for tools).
 //!
-//! The model is in [`sim`]; one run and its figures in [`run`].
+//! Two engine models: the simple one in [`sim`] (`--engine simple`, the
+//! default) and vLLM v1's scheduler in [`vllm`] (`--engine vllm`, the
+//! model engine-sim runs). One run and its figures in [`run`].
 
 mod plot;
 mod run;
 mod sim;
 mod trace;
+mod vllm;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -16,7 +19,7 @@ use anyhow::Context as _;
 use kvroute_core::policy::{ApproxPrefixConfig, KvrouteConfig, PolicyConfig, RandomConfig};
 use serde::Serialize;
 
-use run::{KeySource, PolicyResult, Setup};
+use run::{KeySource, PolicyResult, Setup, Vllm};
 use trace::Trace;
 
 /// Flags of `kvroute replay`.
@@ -30,9 +33,35 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "N,…", value_delimiter = ',', default_value = "4,8,16", value_parser = clap::value_parser!(u32).range(1..=4096))]
     replicas: Vec<u32>,
 
-    /// Share of the trace's distinct blocks the whole pool can cache.
+    /// Share of the trace's distinct blocks the whole pool can cache (under
+    /// `--engine vllm`, in engine blocks, unless `--num-gpu-blocks`).
     #[arg(long, value_name = "F", default_value_t = 0.3, value_parser = parse_fraction)]
     cache_frac: f64,
+
+    /// The engine model: `simple` (an LRU cache and a FIFO prefill server
+    /// per replica) or `vllm` (vLLM v1's scheduler: blocks on demand, a
+    /// token budget per step with chunked prefill, preemption; the model
+    /// kvroute-engine-sim runs).
+    #[arg(long, value_name = "MODEL", default_value = "simple", value_parser = ["simple", "vllm"])]
+    engine: String,
+
+    /// `--engine vllm`: KV blocks per replica (default: from --cache-frac).
+    #[arg(long, value_name = "B", value_parser = clap::value_parser!(u64).range(1..=(1 << 26)))]
+    num_gpu_blocks: Option<u64>,
+
+    /// `--engine vllm`: tokens per engine block (vLLM --block-size).
+    #[arg(long, value_name = "T", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    block_size: u64,
+
+    /// `--engine vllm`: requests running at once per replica (vLLM
+    /// --max-num-seqs).
+    #[arg(long, value_name = "S", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_num_seqs: u64,
+
+    /// `--engine vllm`: tokens scheduled per step (vLLM
+    /// --max-num-batched-tokens).
+    #[arg(long, value_name = "T", default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..))]
+    max_num_batched_tokens: u64,
 
     /// Tokens per trace block id.
     #[arg(long, value_name = "T", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
@@ -98,6 +127,12 @@ struct Meta {
     duration_s: f64,
     block_tokens: u64,
     cache_frac: f64,
+    /// `simple` or `vllm`.
+    engine: String,
+    /// `--engine vllm`: the engines' settings (blocks per replica are in
+    /// `capacities`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vllm: Option<VllmMeta>,
     key: String,
     /// Router replicas.
     routers: u32,
@@ -109,6 +144,16 @@ struct Meta {
     pooled_hit: f64,
     /// Blocks per replica, by replica count.
     capacities: Vec<Capacity>,
+}
+
+#[derive(Debug, Serialize)]
+struct VllmMeta {
+    block_size: u64,
+    max_num_seqs: u64,
+    max_num_batched_tokens: u64,
+    prefill_tokens_per_s: f64,
+    prefill_overhead_ms: f64,
+    itl_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -174,6 +219,24 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     let trace = Trace::load(&args.trace)?;
     let distinct = trace.distinct_blocks();
     let pooled = (args.cache_frac * distinct as f64).floor() as usize;
+    let vllm = (args.engine == "vllm").then(|| {
+        let config = kvroute_core::engine::Config {
+            block_size: args.block_size as usize,
+            max_num_seqs: args.max_num_seqs as usize,
+            max_num_batched_tokens: args.max_num_batched_tokens as usize,
+            ..kvroute_core::engine::Config::default()
+        };
+        Vllm::new(&trace, config, args.block_tokens)
+    });
+    // Blocks per replica, in the engine's blocks.
+    let per_replica = |n: u32| match (&vllm, args.num_gpu_blocks) {
+        (None, _) => pooled / n as usize,
+        (Some(_), Some(b)) => b as usize,
+        (Some(_), None) => {
+            let tokens = pooled as f64 * args.block_tokens as f64;
+            (tokens / args.block_size as f64).floor() as usize / n as usize
+        }
+    };
     let first = trace.requests.first().map_or(0.0, |r| r.arrival_s);
     let last = trace.requests.last().map_or(0.0, |r| r.arrival_s);
     let meta = Meta {
@@ -184,6 +247,15 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         duration_s: last - first,
         block_tokens: args.block_tokens,
         cache_frac: args.cache_frac,
+        engine: args.engine.clone(),
+        vllm: vllm.as_ref().map(|v| VllmMeta {
+            block_size: args.block_size,
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            prefill_tokens_per_s: v.config.prefill_tokens_per_s,
+            prefill_overhead_ms: v.config.prefill_overhead.as_secs_f64() * 1000.0,
+            itl_ms: v.config.itl.as_secs_f64() * 1000.0,
+        }),
         key: match args.key {
             KeySource::Prefix(k) => format!("p{k}"),
             KeySource::Session => "session".to_owned(),
@@ -197,7 +269,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             .iter()
             .map(|&n| Capacity {
                 replicas: n as usize,
-                blocks_per_replica: pooled / n as usize,
+                blocks_per_replica: per_replica(n),
             })
             .collect(),
     };
@@ -216,6 +288,20 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         "one cache: infinite hit {:.4}, pooled LRU of {} blocks (cache_frac {}) hit {:.4}",
         meta.infinite_hit, pooled, args.cache_frac, meta.pooled_hit
     )?;
+    match &meta.vllm {
+        None => writeln!(out, "engine simple: LRU cache and FIFO prefill per replica")?,
+        Some(v) => writeln!(
+            out,
+            "engine vllm: blocks of {} tokens, max-num-seqs {}, max-num-batched-tokens {}, \
+             prefill {} tokens/s + {} ms per step, steps of {} ms at least",
+            v.block_size,
+            v.max_num_seqs,
+            v.max_num_batched_tokens,
+            v.prefill_tokens_per_s,
+            v.prefill_overhead_ms,
+            v.itl_ms
+        )?,
+    }
 
     let progress = std::io::stderr().is_terminal();
     let mut results = Vec::new();
@@ -227,6 +313,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             capacity: cap.blocks_per_replica,
             routers: args.routers as usize,
             report_lag_s: f64::from(args.report_lag_ms) / 1000.0,
+            vllm: vllm.clone(),
         };
         let configs = policies(args, cap.blocks_per_replica)?;
         let mut rows = Vec::new();
@@ -315,6 +402,18 @@ fn print_table(out: &mut impl Write, cap: &Capacity, rows: &[PolicyResult]) -> a
             spill,
             r.keys_moved,
             r.hit_dip
+        )?;
+    }
+    let refused: usize = rows.iter().map(|r| r.refused).sum();
+    if refused > 0 {
+        writeln!(
+            out,
+            "refused (never fit in {} blocks): {}",
+            cap.blocks_per_replica,
+            rows.iter()
+                .map(|r| format!("{} {}", r.policy, r.refused))
+                .collect::<Vec<_>>()
+                .join(", ")
         )?;
     }
     Ok(())

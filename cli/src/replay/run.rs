@@ -2,14 +2,17 @@
 //! fork, reduced to the figures `kvroute replay` reports.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use kvroute_core::engine as model;
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::lru::Lru;
 use kvroute_core::policy::{PolicyConfig, Reason};
 use serde::Serialize;
 
-use super::sim::{Sim, admit, leading_hits};
+use super::sim::{Outcome, Sim, admit, leading_hits};
 use super::trace::{Trace, TraceRequest};
+use super::vllm::VllmSim;
 
 /// How requests get their routing key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +71,8 @@ pub struct PolicyResult {
     pub spill: Option<f64>,
     pub keys_moved: f64,
     pub hit_dip: f64,
+    /// Requests an engine refused (they can never fit; `--engine vllm`).
+    pub refused: usize,
 }
 
 /// Hit rate of one cache of `capacity` blocks (None: never evicts) serving
@@ -115,12 +120,84 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
 pub struct Setup {
     pub block_tokens: u64,
     pub key: KeySource,
-    /// Blocks per replica at each replica count.
+    /// Blocks per replica at each replica count (engine blocks under
+    /// `--engine vllm`).
     pub capacity: usize,
     /// Router replicas.
     pub routers: usize,
     /// How late routers learn cache contents and engine load, seconds.
     pub report_lag_s: f64,
+    /// The engine model: `None` for the simple one.
+    pub vllm: Option<Vllm>,
+}
+
+/// `--engine vllm`: the engines' settings (their pool is `capacity`) and
+/// every request's engine-block hashes.
+#[derive(Clone, Debug)]
+pub struct Vllm {
+    pub config: model::Config,
+    pub hashes: Arc<Vec<Vec<u64>>>,
+}
+
+impl Vllm {
+    /// The settings and hashes for `trace`.
+    pub fn new(trace: &Trace, config: model::Config, block_tokens: u64) -> Self {
+        let hashes = trace
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| super::vllm::engine_hashes(r, block_tokens, config.block_size, i as u64))
+            .collect();
+        Vllm {
+            config,
+            hashes: Arc::new(hashes),
+        }
+    }
+}
+
+/// The replicas of one run, under either engine model.
+#[derive(Clone, Debug)]
+enum Replicas {
+    /// The simple model knows each outcome at once.
+    Simple(Sim, Vec<Option<Outcome>>),
+    Vllm(VllmSim),
+}
+
+impl Replicas {
+    fn route(&mut self, i: usize, request: &TraceRequest, key: RoutingKey) -> (usize, Reason) {
+        match self {
+            Replicas::Simple(sim, outcomes) => {
+                let o = sim.step(request, key);
+                outcomes[i] = Some(o);
+                (o.replica, o.reason)
+            }
+            Replicas::Vllm(sim) => sim.route(i, request, key),
+        }
+    }
+
+    /// Adds a replica; the requests routed from now on arrive at
+    /// `arrivals`.
+    fn scale_out(&mut self, arrivals: impl IntoIterator<Item = f64>) {
+        match self {
+            Replicas::Simple(sim, _) => sim.add_replica(),
+            Replicas::Vllm(sim) => {
+                sim.add_replica();
+                sim.expect(arrivals);
+            }
+        }
+    }
+
+    /// Each request's outcome, by trace position; `None` for those not
+    /// routed here or refused.
+    fn finish(self) -> (Vec<Option<Outcome>>, usize) {
+        match self {
+            Replicas::Simple(_, outcomes) => (outcomes, 0),
+            Replicas::Vllm(sim) => {
+                let refused = sim.refused();
+                (sim.finish(), refused)
+            }
+        }
+    }
 }
 
 /// Runs `policy` over `trace` at `replicas` replicas. The scale-out fork
@@ -129,56 +206,81 @@ pub struct Setup {
 pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup) -> PolicyResult {
     let policy = config.build();
     let name = policy.name().to_owned();
-    let mut sim = Sim::new(
-        policy,
-        setup.routers,
-        setup.report_lag_s,
-        replicas,
-        setup.capacity,
-        setup.block_tokens,
-    );
     let n = trace.requests.len();
+    let arrivals = || trace.requests.iter().map(|r| r.arrival_s);
+    let mut sim = match &setup.vllm {
+        None => Replicas::Simple(
+            Sim::new(
+                policy,
+                setup.routers,
+                setup.report_lag_s,
+                replicas,
+                setup.capacity,
+                setup.block_tokens,
+            ),
+            vec![None; n],
+        ),
+        Some(vllm) => Replicas::Vllm(VllmSim::new(
+            policy,
+            setup.routers,
+            setup.report_lag_s,
+            replicas,
+            model::Config {
+                num_blocks: setup.capacity,
+                ..vllm.config.clone()
+            },
+            vllm.hashes.clone(),
+            arrivals(),
+        )),
+    };
     let fork_at = n / 2;
     let window = fork_at..(fork_at + n.div_ceil(10)).min(n);
 
-    let mut requests = vec![0u64; replicas];
-    let mut prefill = vec![0u64; replicas];
-    let (mut hit, mut total, mut spills) = (0u64, 0u64, 0u64);
-    let mut ttfts = Vec::with_capacity(n);
-    let mut grown: Option<Sim> = None;
-    let (mut kept_hit, mut grown_hit, mut window_tokens) = (0u64, 0u64, 0u64);
+    let mut spills = 0u64;
+    let mut grown: Option<Replicas> = None;
     // Routing key → (replica kept, replica grown), first request in the window.
     let mut first_choices: HashMap<RoutingKey, (usize, usize)> = HashMap::new();
-
     for (i, request) in trace.requests.iter().enumerate() {
         if i == fork_at {
             let mut fork = sim.clone();
-            fork.add_replica();
+            fork.scale_out(arrivals().skip(window.start).take(window.len()));
             grown = Some(fork);
         }
         let key = setup.key.key(request);
-        let kept = sim.step(request, key);
-        requests[kept.replica] += 1;
-        prefill[kept.replica] += kept.uncached_tokens;
-        hit += kept.cached_tokens;
-        total += request.input_length;
-        spills += u64::from(kept.reason == Reason::Spill);
-        ttfts.push(kept.ttft_s);
-
+        let (kept, reason) = sim.route(i, request, key);
+        spills += u64::from(reason == Reason::Spill);
         if window.contains(&i) {
             let fork = grown.as_mut().expect("forked at the window's start");
-            let other = fork.step(request, key);
+            let (other, _) = fork.route(i, request, key);
+            first_choices.entry(key).or_insert((kept, other));
+        }
+    }
+
+    let (outcomes, refused) = sim.finish();
+    let grown = grown.map_or_else(|| vec![None; n], |g| g.finish().0);
+    let mut requests = vec![0u64; replicas];
+    let mut prefill = vec![0u64; replicas];
+    let (mut hit, mut total) = (0u64, 0u64);
+    let mut ttfts = Vec::with_capacity(n);
+    for (o, r) in outcomes.iter().zip(&trace.requests) {
+        let Some(o) = o else { continue };
+        requests[o.replica] += 1;
+        prefill[o.replica] += o.uncached_tokens;
+        hit += o.cached_tokens;
+        total += r.input_length;
+        ttfts.push(o.ttft_s);
+    }
+    let (mut kept_hit, mut grown_hit, mut window_tokens) = (0u64, 0u64, 0u64);
+    for i in window {
+        if let (Some(kept), Some(other)) = (outcomes[i], grown[i]) {
             kept_hit += kept.cached_tokens;
             grown_hit += other.cached_tokens;
-            window_tokens += request.input_length;
-            first_choices
-                .entry(key)
-                .or_insert((kept.replica, other.replica));
+            window_tokens += trace.requests[i].input_length;
         }
     }
 
     let moved = first_choices.values().filter(|(a, b)| a != b).count();
-    let ttft_mean_s = ttfts.iter().sum::<f64>() / n as f64;
+    let ttft_mean_s = ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64;
     PolicyResult {
         spill: (!NO_SPILL.contains(&name.as_str())).then(|| spills as f64 / n as f64),
         policy: name,
@@ -191,6 +293,7 @@ pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup)
         ttft_p99_s: percentile(&mut ttfts, 99.0),
         keys_moved: moved as f64 / first_choices.len().max(1) as f64,
         hit_dip: ratio(kept_hit, window_tokens) - ratio(grown_hit, window_tokens),
+        refused,
     }
 }
 

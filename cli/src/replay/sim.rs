@@ -128,6 +128,7 @@ impl Replica {
             kv_usage: 0.0,
             queued_prefill_tokens: Some(queued.round() as u64),
             prefill_tokens_per_s: Some(PREFILL_TOKENS_PER_S),
+            memory: None,
             reported_at,
         }
     }

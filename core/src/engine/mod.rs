@@ -156,6 +156,22 @@ pub struct Load {
 }
 
 impl Load {
+    /// What a load report says of memory, with decode steps of `step`: the
+    /// running requests' mean remaining output at one token a step.
+    pub fn memory(&self, step: Duration) -> crate::load::Memory {
+        let mean_tokens = if self.running == 0 {
+            0.0
+        } else {
+            self.remaining_decode_tokens as f64 / f64::from(self.running)
+        };
+        crate::load::Memory {
+            free_blocks: self.num_blocks - self.used_blocks,
+            used_blocks: self.used_blocks,
+            waiting_blocks: self.waiting_blocks,
+            remaining_decode_s: mean_tokens * step.as_secs_f64(),
+        }
+    }
+
     /// Share of blocks in use, as vLLM's `kv_cache_usage_perc`.
     pub fn kv_usage(&self) -> f32 {
         if self.num_blocks == 0 {

@@ -42,9 +42,10 @@ impl MinTtft {
 /// What [`PrefillModel`] predicts for a request at one endpoint, seconds.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Predicted {
-    /// Prefill queued ahead of the request.
+    /// The wait before its own prefill: queued prefill, or KV memory.
     pub queued: f64,
-    /// Time to first token: the queue, then its own prefill.
+    /// Time to first token: the longer of the queue and the wait for KV
+    /// memory, then its own prefill.
     pub ttft: f64,
 }
 
@@ -60,11 +61,11 @@ pub(super) fn predict_ttft(
 ) {
     out.clear();
     out.extend(endpoints.iter().zip(cached).map(|(e, &c)| {
-        let queued = model.queued_s(&e.load, cx.now);
         let uncached = uncached_tokens(request, c, cx.block_tokens);
+        let ttft = model.ttft_s(&e.load, uncached, cx.block_tokens, cx.now);
         Predicted {
-            queued,
-            ttft: queued + model.prefill_s(&e.load, uncached),
+            queued: ttft - model.prefill_s(&e.load, uncached),
+            ttft,
         }
     }));
 }

@@ -390,3 +390,42 @@ async fn load_reports_the_prefill_still_queued_and_the_rate() {
     let instant = engine(|c| c.prefill_tokens_per_s = 0.0);
     assert_eq!(load(&instant).prefill_tokens_per_s, None);
 }
+
+#[tokio::test(start_paused = true)]
+async fn load_reports_the_memory_a_wait_is_predicted_from() {
+    let e = engine(|c| {
+        c.block_size = 4;
+        c.num_gpu_blocks = 10;
+        c.itl_ms = 30.0;
+    });
+    let mut a = e
+        .generate(Job {
+            prompt: (1..9).collect(),
+            max_tokens: 5,
+            cache_salt: None,
+            lora: None,
+        })
+        .await
+        .unwrap();
+    a.tokens.recv().await.unwrap();
+    // B's 40 tokens need all 10 blocks: it waits for A to finish.
+    let b = e.clone();
+    tokio::spawn(async move { run(&b, (100..140).collect(), 1, None).await });
+    let load = loop {
+        let load = e.load(&e.lock());
+        if load.waiting == 1 {
+            break load;
+        }
+        tokio::task::yield_now().await;
+    };
+    // A holds its 2 prompt blocks and a third for its output; 4 of its 5
+    // tokens are still to come, 30 ms each.
+    assert_eq!(load.running, 1);
+    assert_eq!((load.free_blocks, load.waiting_blocks), (7, 10));
+    assert!((load.remaining_decode_s - 0.12).abs() < 1e-9, "{load:?}");
+    let proto = load.to_proto();
+    assert_eq!(
+        (proto.free_blocks, proto.waiting_blocks, proto.preemptions),
+        (Some(7), Some(10), Some(0))
+    );
+}

@@ -70,6 +70,29 @@ pub struct LoadReport {
     /// The engine's prefill rate, prompt tokens per second. Absent: unknown.
     #[prost(double, optional, tag = "6")]
     pub prefill_tokens_per_s: ::core::option::Option<f64>,
+    /// What predicting a wait for KV memory needs (vLLM allocates blocks on
+    /// demand and admits the head of its queue only when its blocks are
+    /// free). Each absent: unknown, and a router then predicts no memory wait.
+    ///
+    /// Blocks not held by a running request (empty or holding a cached
+    /// prefix that is evicted on reuse).
+    #[prost(uint64, optional, tag = "7")]
+    pub free_blocks: ::core::option::Option<u64>,
+    /// Of `free_blocks`, those holding a cached prefix.
+    #[prost(uint64, optional, tag = "8")]
+    pub cached_free_blocks: ::core::option::Option<u64>,
+    /// Blocks the waiting requests need to be admitted, all of them, less
+    /// what their cached prefixes cover now.
+    #[prost(uint64, optional, tag = "9")]
+    pub waiting_blocks: ::core::option::Option<u64>,
+    /// Seconds until the running requests finish decoding, on average
+    /// (their blocks free as they finish).
+    #[prost(double, optional, tag = "10")]
+    pub remaining_decode_s: ::core::option::Option<f64>,
+    /// Requests preempted (blocks taken back, recomputed later) since the
+    /// engine started.
+    #[prost(uint64, optional, tag = "11")]
+    pub preemptions: ::core::option::Option<u64>,
 }
 /// The engine's whole cache at one moment.
 #[derive(Clone, PartialEq, ::prost::Message)]

@@ -124,6 +124,7 @@ fn the_engines_report_counts_every_routers_requests() {
         kv_usage: 0.2,
         queued_prefill_tokens: Some(20_000),
         prefill_tokens_per_s: None,
+        memory: None,
         reported_at: pool.now,
     };
     pool.endpoints[0].load.engine = Some(report);
@@ -133,6 +134,37 @@ fn the_engines_report_counts_every_routers_requests() {
     pool.now += Duration::from_millis(2020);
     let d = rank(&pool, 1, &chain);
     assert_eq!((d.ranked[0], d.reason), (0, Reason::Warm));
+}
+
+#[test]
+fn a_warm_prefix_is_spilled_when_its_holder_must_first_wait_for_memory() {
+    // The holder's prefill queue is empty, but its KV memory is full: 10
+    // free blocks, 100 needed by its waiting requests, running requests
+    // with R s of decode left on average. This 4,101-token request needs 1
+    // block there (256 cached): a deficit of 91 of 900 used blocks clears
+    // in 91/900 × 2R s, then its own 20.5 ms prefill; elsewhere it takes
+    // 430.1 ms, and the prefix saves 429.6 ms (+ 20 ms overhead) of slack.
+    // Warm while 0.2022 R + 0.0205 ≤ 0.4301 + 0.4296, R ≤ 4.15 s.
+    let chain: Vec<u64> = (1..=256).collect();
+    for (remaining_s, warm) in [(0.0, true), (4.0, true), (4.5, false)] {
+        let mut pool = Pool::test().replicas(3).holds(0, &chain);
+        pool.endpoints[0].load.engine = Some(EngineLoad {
+            waiting: 3,
+            running: 8,
+            kv_usage: 0.99,
+            queued_prefill_tokens: Some(0),
+            prefill_tokens_per_s: None,
+            memory: Some(crate::load::Memory {
+                free_blocks: 10,
+                used_blocks: 900,
+                waiting_blocks: 100,
+                remaining_decode_s: remaining_s,
+            }),
+            reported_at: pool.now,
+        });
+        let d = rank(&pool, 1, &chain);
+        assert_eq!(d.ranked[0] == 0, warm, "{remaining_s} s left: {d:?}");
+    }
 }
 
 #[test]
@@ -218,7 +250,7 @@ proptest! {
         let model = PrefillModel::default();
         let ttft = |i: usize| {
             let cached = held.get(i).copied().unwrap_or(0) as u32;
-            model.ttft_s(&pool.endpoints[i].load, uncached_tokens(&req, cached, 16), cx.now)
+            model.ttft_s(&pool.endpoints[i].load, uncached_tokens(&req, cached, 16), 16, cx.now)
         };
         let best = (0..loads.len()).map(ttft).fold(f64::INFINITY, f64::min);
         prop_assert_eq!(ttft(d.ranked[0]), best);
@@ -265,7 +297,7 @@ proptest! {
         let model = PrefillModel::default();
         let depth = |i: usize| held.get(i).copied().unwrap_or(0);
         let uncached = |i: usize| uncached_tokens(&req, depth(i) as u32, 16);
-        let ttft = |i: usize| model.ttft_s(&pool.endpoints[i].load, uncached(i), cx.now);
+        let ttft = |i: usize| model.ttft_s(&pool.endpoints[i].load, uncached(i), cx.block_tokens, cx.now);
         let fastest = (0..loads.len()).min_by(|&a, &b| ttft(a).total_cmp(&ttft(b))).unwrap();
         let shortest_queue = (0..loads.len())
             .map(|i| model.queued_s(&pool.endpoints[i].load, cx.now))
