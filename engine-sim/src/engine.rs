@@ -157,6 +157,8 @@ struct Live {
     seed: u64,
     arrival: Instant,
     admitted_at: Option<Instant>,
+    /// When its last token came.
+    last_token_at: Option<Instant>,
     /// Told the cached tokens at admission.
     admitted: Option<oneshot::Sender<u64>>,
     tx: mpsc::UnboundedSender<Token>,
@@ -338,6 +340,7 @@ impl Engine {
                     cache_salt: job.cache_salt,
                     arrival: Instant::now(),
                     admitted_at: None,
+                    last_token_at: None,
                     admitted: Some(admitted_tx),
                     tx,
                     done: false,
@@ -417,6 +420,9 @@ impl Engine {
                         let prefill = live.admitted_at.map_or(Duration::ZERO, |t| now - t);
                         metrics.observe_prefill(live.prompt_len as u64, prefill.as_secs_f64());
                     }
+                    if let Some(previous) = live.last_token_at.replace(now) {
+                        metrics.observe_itl((now - previous).as_secs_f64());
+                    }
                     metrics.generation_tokens += 1;
                     if live.tokens.len().is_multiple_of(bs) {
                         let i = live.tokens.len() / bs - 1;
@@ -444,6 +450,7 @@ impl Engine {
                     }
                     if last {
                         metrics.requests_finished += 1;
+                        metrics.observe_output(index as u64 + 1);
                         live.done = true;
                     }
                 }

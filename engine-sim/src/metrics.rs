@@ -41,6 +41,12 @@ struct CacheConfigInfo {
     prefix_caching_hash_algo: String,
 }
 
+/// vLLM's inter-token latency buckets, seconds.
+const ITL_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
 /// vLLM's request latency buckets (prefill time), seconds.
 const LATENCY_BUCKETS: [f64; 21] = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -83,7 +89,9 @@ pub struct Metrics {
     model: ModelName,
     ttft: Family<ModelName, Histogram, fn() -> Histogram>,
     prompt_lengths: Family<ModelName, Histogram, Buckets>,
+    output_lengths: Family<ModelName, Histogram, Buckets>,
     prefill_time: Family<ModelName, Histogram, Buckets>,
+    itl: Family<ModelName, Histogram, Buckets>,
 }
 
 /// Makes histograms with fixed buckets.
@@ -112,7 +120,11 @@ impl Metrics {
             prompt_lengths: Family::new_with_constructor(Buckets(
                 prompt_buckets(max_model_len).into(),
             )),
+            output_lengths: Family::new_with_constructor(Buckets(
+                prompt_buckets(max_model_len).into(),
+            )),
             prefill_time: Family::new_with_constructor(Buckets(LATENCY_BUCKETS.into())),
+            itl: Family::new_with_constructor(Buckets(ITL_BUCKETS.into())),
         }
     }
 
@@ -127,6 +139,20 @@ impl Metrics {
         self.prefill_time
             .get_or_create(&self.model)
             .observe(seconds);
+    }
+
+    /// Records one finished request's output length (vLLM's
+    /// `request_generation_tokens`).
+    pub fn observe_output(&mut self, tokens: u64) {
+        self.output_lengths
+            .get_or_create(&self.model)
+            .observe(tokens as f64);
+    }
+
+    /// Records the seconds between two tokens of a request (vLLM's
+    /// `inter_token_latency_seconds`).
+    pub fn observe_itl(&mut self, seconds: f64) {
+        self.itl.get_or_create(&self.model).observe(seconds);
     }
 
     /// Records one time to first token.
@@ -227,6 +253,18 @@ impl Metrics {
             "Histogram of time spent in PREFILL phase for request",
             self.prefill_time.clone(),
         );
+        drop(self.output_lengths.get_or_create(model));
+        r.register(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed",
+            self.output_lengths.clone(),
+        );
+        drop(self.itl.get_or_create(model));
+        r.register(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            self.itl.clone(),
+        );
         r.register(
             "kvroute_sim_cached_blocks",
             "Blocks in the prefix cache (the simulator's own metric)",
@@ -260,6 +298,8 @@ mod tests {
         m.observe_prefill(100, 0.4);
         m.observe_ttft(0.03);
         m.observe_ttft(3.0);
+        m.observe_output(16);
+        m.observe_itl(0.03);
         let load = LoadReport {
             waiting: 2,
             running: 5,
@@ -285,6 +325,8 @@ mod tests {
             "vllm:request_prompt_tokens_bucket{le=\"100.0\",model_name=\"kvroute-sim\"} 1",
             "vllm:request_prefill_time_seconds_bucket{le=\"0.5\",model_name=\"kvroute-sim\"} 1",
             "vllm:prompt_tokens_total{model_name=\"kvroute-sim\"} 100",
+            "vllm:request_generation_tokens_sum{model_name=\"kvroute-sim\"} 16.0",
+            "vllm:inter_token_latency_seconds_count{model_name=\"kvroute-sim\"} 1",
         ] {
             assert!(
                 text.lines().any(|l| l == line),
