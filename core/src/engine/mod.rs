@@ -143,8 +143,8 @@ pub struct Load {
     /// Free blocks that still hold a cached prefix (evicted on reuse).
     pub cached_free_blocks: u64,
     /// Tokens still to prefill: running requests' uncomputed tokens (less
-    /// the share of the step in progress already done) and every token of
-    /// waiting requests.
+    /// the share of the step in progress already done) and waiting
+    /// requests' tokens past their cached prefix now.
     pub queued_prefill_tokens: u64,
     /// Blocks the waiting requests need to be admitted, all of them, less
     /// what their cached prefixes cover now.
@@ -490,9 +490,25 @@ impl Engine {
 
     /// The engine's load at `now`.
     pub fn load(&self, now: Duration) -> Load {
+        let bs = self.config.block_size;
         let live = || self.running.iter().filter(|s| !s.aborted);
-        let mut queued: u64 = live().map(|s| (s.len() - s.computed) as u64).sum();
-        queued += self.waiting.iter().map(|s| s.len() as u64).sum::<u64>();
+        // A waiting request's cached prefix now, in blocks: what it would
+        // not prefill, nor need blocks for, if admitted now.
+        let hits: Vec<usize> = self
+            .waiting
+            .iter()
+            .map(|s| self.pool.lookup(&s.hashes, s.len()))
+            .collect();
+        // A decode's one token is not prefill.
+        let mut queued: u64 = live()
+            .map(|s| self.prefill_part(s, s.len() - s.computed) as u64)
+            .sum();
+        queued += self
+            .waiting
+            .iter()
+            .zip(&hits)
+            .map(|(s, &hit)| (s.len() - hit * bs) as u64)
+            .sum::<u64>();
         if let Some(step) = &self.step {
             // Scheduled tokens are not computed until the step ends; the
             // share of its prefill done by now is.
@@ -507,10 +523,8 @@ impl Engine {
         let waiting_blocks = self
             .waiting
             .iter()
-            .map(|s| {
-                let hit = self.pool.lookup(&s.hashes, s.len());
-                (self.pool.blocks_for(s.len()) - hit) as u64
-            })
+            .zip(&hits)
+            .map(|(s, &hit)| (self.pool.blocks_for(s.len()) - hit) as u64)
             .sum();
         Load {
             waiting: self.waiting.len() as u32,

@@ -63,8 +63,9 @@ pub struct LoadReport {
     pub used_blocks: u64,
     /// Prompt tokens the engine has still to prefill: the uncached tokens of
     /// admitted requests whose prefill has not finished (the unfinished share
-    /// of the one in progress) plus every token of the requests still waiting
-    /// (their cached share is not known before admission). Absent: unknown.
+    /// of the one in progress) plus the tokens of the requests still waiting,
+    /// less their cached prefixes when the engine can tell (engine-sim does;
+    /// vLLM's metrics do not). Absent: unknown.
     #[prost(uint64, optional, tag = "5")]
     pub queued_prefill_tokens: ::core::option::Option<u64>,
     /// The engine's prefill rate, prompt tokens per second. Absent: unknown.
