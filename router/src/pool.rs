@@ -136,6 +136,9 @@ pub struct Explained {
     pub cached_blocks: u32,
     /// Routable endpoints, best first (a full one is skipped when sent).
     pub ranked: Vec<String>,
+    /// The prefill rate every endpoint's prediction is at, tokens per
+    /// second: the pool's ([`kvroute_core::load::PrefillModel::pool_rate`]).
+    pub prefill_tokens_per_second: f64,
     /// Every endpoint's view of the request.
     pub endpoints: Vec<ExplainedEndpoint>,
 }
@@ -568,6 +571,8 @@ impl Pool {
             inner.least_loaded.boxed_clone()
         };
         let decision = policy.rank(request, &endpoints, &cx);
+        // The policies compare every routable endpoint at one rate.
+        let rate = prefill.pool_rate(endpoints.iter().map(|e| &e.load));
         let ranked = decision
             .ranked
             .iter()
@@ -582,7 +587,7 @@ impl Pool {
                 let uncached = request
                     .prompt_tokens
                     .saturating_sub(u64::from(cached) * block_tokens);
-                let queued = prefill.queued_s(&load, now);
+                let queued = prefill.queued_s_at(&load, now, rate);
                 ExplainedEndpoint {
                     name: m.spec.name.clone(),
                     routable: inner.is_routable(m, now),
@@ -591,7 +596,7 @@ impl Pool {
                     cached_blocks: cached,
                     in_flight: load.in_flight,
                     queue_seconds: queued,
-                    predicted_ttft_seconds: queued + prefill.prefill_s(&load, uncached),
+                    predicted_ttft_seconds: queued + prefill.prefill_s_at(uncached, rate),
                 }
             })
             .collect();
@@ -604,6 +609,7 @@ impl Pool {
             },
             cached_blocks: decision.cached_blocks,
             ranked,
+            prefill_tokens_per_second: rate,
             endpoints: explained_endpoints,
         }
     }

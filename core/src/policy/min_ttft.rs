@@ -1,7 +1,7 @@
 //! `min-ttft`: lowest predicted time to first token. For each endpoint the
 //! prediction is the prefill queued there plus this request's own prefill
-//! (overhead and uncached tokens at the endpoint's rate), by
-//! [`PrefillModel`]; the lowest wins, ties by fewest requests in flight,
+//! (overhead and uncached tokens), by [`PrefillModel`] at the pool's one
+//! rate ([`PrefillModel::pool_rate`]); the lowest wins, ties by fewest requests in flight,
 //! then by rendezvous rank. It is the reference rule the replay's figures
 //! are checked against, and the `kvroute` policy with no latency slack.
 
@@ -49,9 +49,11 @@ pub(super) struct Predicted {
 }
 
 /// Predictions for `request` at each of `endpoints` (with `cached` leading
-/// blocks each), into `out`.
+/// blocks each), all at the pool's prefill `rate` (tokens per second, see
+/// [`PrefillModel::pool_rate`]), into `out`.
 pub(super) fn predict_ttft(
     model: &PrefillModel,
+    rate: f64,
     request: &Request<'_>,
     endpoints: &[Endpoint],
     cached: &[u32],
@@ -60,11 +62,11 @@ pub(super) fn predict_ttft(
 ) {
     out.clear();
     out.extend(endpoints.iter().zip(cached).map(|(e, &c)| {
-        let queued = model.queued_s(&e.load, cx.now);
+        let queued = model.queued_s_at(&e.load, cx.now, rate);
         let uncached = uncached_tokens(request, c, cx.block_tokens);
         Predicted {
             queued,
-            ttft: queued + model.prefill_s(&e.load, uncached),
+            ttft: queued + model.prefill_s_at(uncached, rate),
         }
     }));
 }
@@ -82,8 +84,13 @@ impl Policy for MinTtft {
     ) -> Decision {
         indexed_prefixes(request, endpoints, cx, &mut self.by_slot, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
+        let rate = self
+            .config
+            .engine
+            .pool_rate(endpoints.iter().map(|e| &e.load));
         predict_ttft(
             &self.config.engine,
+            rate,
             request,
             endpoints,
             &self.cached,
