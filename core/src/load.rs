@@ -9,7 +9,8 @@
 //!
 //! [`PrefillModel`] turns a [`Load`] into predicted seconds until a new
 //! request's prefill could start, fleet-wide when the engine reports its
-//! queue: the `kvroute` and `min-ttft` policies compare that.
+//! queue: the `kvroute` and `min-ttft` policies compare that, at one rate
+//! for the whole pool ([`PrefillModel::pool_rate`]).
 //!
 //! Not here: timing out requests or reading clocks for the caller (the
 //! caller passes `now`).
@@ -116,8 +117,9 @@ impl Load {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct PrefillModel {
-    /// Prompt tokens an engine prefills per second, for engines that do not
-    /// report their own rate. Default: 10,000.
+    /// Prompt tokens an engine prefills per second, for a pool whose
+    /// engines report none of their own (policies compare a pool's
+    /// endpoints at one rate: [`PrefillModel::pool_rate`]). Default: 10,000.
     pub prefill_tokens_per_second: f64,
     /// Fixed cost of each prefill (scheduling, kernel launches), in
     /// milliseconds. Default: 20.
@@ -156,14 +158,32 @@ impl PrefillModel {
         Ok(())
     }
 
-    /// The endpoint's prefill rate, tokens per second: its engine's when
-    /// reported, else the configured one.
+    /// The endpoint's own prefill rate, tokens per second: its engine's
+    /// when reported, else the configured one. For one endpoint's own
+    /// estimates (its status, how long to wait for it); policies compare
+    /// endpoints at [`Self::pool_rate`].
     pub fn rate(&self, load: &Load) -> f64 {
-        load.engine
-            .and_then(|e| e.prefill_tokens_per_s)
-            .filter(|r| r.is_finite() && *r > 0.0)
+        reported_rate(load)
             .unwrap_or(self.prefill_tokens_per_second)
             .max(f64::MIN_POSITIVE)
+    }
+
+    /// The rate a pool's endpoints are compared at, tokens per second: the
+    /// median of the rates their engines report (of an even count, the
+    /// mean of the middle two), else the configured one. One rate for all,
+    /// so that endpoints whose measured rates differ only by noise, or one
+    /// not measured yet, are predicted alike; a pool of unlike hardware is
+    /// predicted at its median speed.
+    pub fn pool_rate<'a>(&self, loads: impl IntoIterator<Item = &'a Load>) -> f64 {
+        let mut rates: Vec<f64> = loads.into_iter().filter_map(reported_rate).collect();
+        rates.sort_by(f64::total_cmp);
+        let mid = rates.len() / 2;
+        let median = match rates.len() {
+            0 => self.prefill_tokens_per_second,
+            n if n % 2 == 1 => rates[mid],
+            _ => (rates[mid - 1] + rates[mid]) / 2.0,
+        };
+        median.max(f64::MIN_POSITIVE)
     }
 
     fn overhead_s(&self) -> f64 {
@@ -173,7 +193,12 @@ impl PrefillModel {
     /// Seconds of prefill queued at the endpoint at `now`: how long a new
     /// request would wait before its own prefill starts.
     pub fn queued_s(&self, load: &Load, now: Instant) -> f64 {
-        let rate = self.rate(load);
+        self.queued_s_at(load, now, self.rate(load))
+    }
+
+    /// [`Self::queued_s`] at `rate` tokens per second (a pool's, see
+    /// [`Self::pool_rate`]).
+    pub fn queued_s_at(&self, load: &Load, now: Instant, rate: f64) -> f64 {
         let overhead = self.overhead_s();
         let fresh = load.engine.filter(|e| {
             e.queued_prefill_tokens.is_some()
@@ -210,7 +235,13 @@ impl PrefillModel {
     /// Seconds the endpoint takes to prefill `uncached_tokens` once it
     /// starts.
     pub fn prefill_s(&self, load: &Load, uncached_tokens: u64) -> f64 {
-        self.overhead_s() + uncached_tokens as f64 / self.rate(load)
+        self.prefill_s_at(uncached_tokens, self.rate(load))
+    }
+
+    /// Seconds a prefill of `uncached_tokens` takes at `rate` tokens per
+    /// second.
+    pub fn prefill_s_at(&self, uncached_tokens: u64, rate: f64) -> f64 {
+        self.overhead_s() + uncached_tokens as f64 / rate
     }
 
     /// Predicted time to first token at the endpoint for a request with
@@ -229,6 +260,13 @@ impl PrefillModel {
         let memory = self.memory_wait_s(load, blocks, block_tokens, now);
         self.queued_s(load, now).max(memory) + self.prefill_s(load, uncached_tokens)
     }
+}
+
+/// The prefill rate the endpoint's engine reports, if a usable one.
+fn reported_rate(load: &Load) -> Option<f64> {
+    load.engine
+        .and_then(|e| e.prefill_tokens_per_s)
+        .filter(|r| r.is_finite() && *r > 0.0)
 }
 
 /// Where a tracked request is.
@@ -580,6 +618,48 @@ mod tests {
             (0, 0, 0)
         );
         assert_eq!(load.unreported_requests, 0);
+    }
+
+    #[test]
+    fn a_pool_is_compared_at_the_median_of_its_reported_rates() {
+        let m = PrefillModel::default();
+        let at = Instant::now();
+        let with = |rate: Option<f64>| Load {
+            engine: Some(report(at, 0, 0, rate)),
+            ..Load::default()
+        };
+        // Not measured, measured as nonsense, and no report at all: the
+        // configured rate.
+        let unmeasured = [
+            with(None),
+            with(Some(f64::NAN)),
+            with(Some(0.0)),
+            Load::default(),
+        ];
+        assert_eq!(m.pool_rate(&unmeasured), 10_000.0);
+        assert_eq!(m.pool_rate(&[]), 10_000.0);
+        // The median of those that report one; the others do not count.
+        let odd = [
+            with(Some(30_000.0)),
+            with(None),
+            with(Some(12_000.0)),
+            with(Some(18_000.0)),
+        ];
+        assert_eq!(m.pool_rate(&odd), 18_000.0);
+        let even = [
+            with(Some(30_000.0)),
+            with(Some(12_000.0)),
+            with(Some(18_000.0)),
+            with(Some(20_000.0)),
+        ];
+        assert_eq!(m.pool_rate(&even), 19_000.0);
+        // Predictions at the pool's rate.
+        let mut queued = with(Some(30_000.0));
+        queued.engine.as_mut().unwrap().queued_prefill_tokens = Some(18_000);
+        queued.engine.as_mut().unwrap().waiting = 1;
+        assert!((m.queued_s_at(&queued, at, 18_000.0) - 1.02).abs() < 1e-9);
+        assert!((m.queued_s(&queued, at) - 0.62).abs() < 1e-9);
+        assert!((m.prefill_s_at(1800, 18_000.0) - 0.12).abs() < 1e-9);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! `kvroute-e2e report --out DIR`: runs the system suite's scenarios from
 //! kvroute's real binaries and writes `DIR/report.json` and a timeline PNG
-//! per scenario. Exits non-zero when a scenario fails.
+//! per scenario. Exits non-zero when a scenario fails. With `--repeat N`,
+//! each scenario runs N times (run k's logs and plots under `DIR/run-k/`)
+//! and the report sums the runs up (`suite::repeat`).
 
 mod bench;
 mod suite;
@@ -41,6 +43,12 @@ enum Command {
         /// Seconds of load in each scenario.
         #[arg(long, default_value_t = 20)]
         duration: u64,
+        /// Runs of each scenario. With more than one, every figure holds
+        /// the median of the runs and gains `<figure>_mean` and
+        /// `<figure>_ci95` (half-width of the 95 % interval of the mean,
+        /// Student's t); a check or goal holds only if it held in every run.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        repeat: u32,
         /// The venv inference-perf is installed into (created when
         /// missing); default: `target/inference-perf-venv`.
         #[arg(long)]
@@ -61,7 +69,7 @@ enum Command {
 const SCENARIO_TIMEOUT: Duration = Duration::from_secs(180);
 
 fn main() -> anyhow::Result<()> {
-    let (out, bin_dir, only, duration, inference_perf_venv) = match Cli::parse().command {
+    let (out, bin_dir, only, duration, repeat, inference_perf_venv) = match Cli::parse().command {
         Command::BenchProxy(args) => return bench::run(&args),
         Command::BenchSoak(args) => return bench::soak(&args),
         Command::BareProxy(args) => return bench::bare_proxy(&args),
@@ -70,8 +78,9 @@ fn main() -> anyhow::Result<()> {
             bin_dir,
             only,
             duration,
+            repeat,
             inference_perf_venv,
-        } => (out, bin_dir, only, duration, inference_perf_venv),
+        } => (out, bin_dir, only, duration, repeat, inference_perf_venv),
     };
     for name in &only {
         anyhow::ensure!(
@@ -84,41 +93,70 @@ fn main() -> anyhow::Result<()> {
         "--duration must be at least 16 seconds: each scenario acts 8 s in and compares the windows around it"
     );
     let bins = Bins::locate(bin_dir)?;
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let ctx = Ctx {
-        bins,
-        out: out.clone(),
-        duration: Duration::from_secs(duration),
-        inference_perf_venv: inference_perf_venv
-            .unwrap_or_else(suite::inference_perf::default_venv),
-        baseline: tokio::sync::OnceCell::new(),
-    };
+    for k in 1..=repeat {
+        let dir = run_dir(&out, k, repeat);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    // One context per run: run k of every scenario shares run k's
+    // undisturbed baseline, so the runs are independent of each other.
+    let ctxs: Vec<Ctx> = (1..=repeat)
+        .map(|k| Ctx {
+            bins: bins.clone(),
+            out: run_dir(&out, k, repeat),
+            duration: Duration::from_secs(duration),
+            inference_perf_venv: inference_perf_venv
+                .clone()
+                .unwrap_or_else(suite::inference_perf::default_venv),
+            baseline: tokio::sync::OnceCell::new(),
+        })
+        .collect();
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     let mut report = Report::default();
+    let mut interrupted = false;
     for name in NAMES
         .iter()
         .filter(|n| only.is_empty() || only.iter().any(|o| o == *n))
     {
-        eprintln!("kvroute-e2e: {name} ...");
-        let mut scenario = Scenario::new(name);
-        // Ctrl-C ends the scenario, so its processes are ended too.
-        let result = runtime.block_on(async {
-            tokio::select! {
-                r = tokio::time::timeout(SCENARIO_TIMEOUT, scenarios::run(&ctx, name, &mut scenario)) => Some(r),
-                _ = tokio::signal::ctrl_c() => None,
+        let mut runs = Vec::new();
+        for (k, ctx) in (1..).zip(&ctxs) {
+            if repeat > 1 {
+                eprintln!("kvroute-e2e: {name}, run {k} of {repeat} ...");
+            } else {
+                eprintln!("kvroute-e2e: {name} ...");
             }
-        });
-        let interrupted = result.is_none();
-        match result {
-            Some(Ok(Ok(()))) => {}
-            Some(Ok(Err(e))) => scenario.error = Some(format!("{e:#}")),
-            Some(Err(_)) => {
-                scenario.error = Some(format!("did not finish within {SCENARIO_TIMEOUT:?}"))
+            let mut scenario = Scenario::new(name);
+            // Ctrl-C ends the scenario, so its processes are ended too.
+            let result = runtime.block_on(async {
+                tokio::select! {
+                    r = tokio::time::timeout(SCENARIO_TIMEOUT, scenarios::run(ctx, name, &mut scenario)) => Some(r),
+                    _ = tokio::signal::ctrl_c() => None,
+                }
+            });
+            interrupted = result.is_none();
+            match result {
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(e))) => scenario.error = Some(format!("{e:#}")),
+                Some(Err(_)) => {
+                    scenario.error = Some(format!("did not finish within {SCENARIO_TIMEOUT:?}"))
+                }
+                None => scenario.error = Some("interrupted".into()),
             }
-            None => scenario.error = Some("interrupted".into()),
+            scenario.passed = scenario.error.is_none() && scenario.checks.iter().all(|c| c.passed);
+            if repeat > 1 {
+                scenario.plot = scenario.plot.map(|p| format!("run-{k}/{p}"));
+                print_scenario(&scenario, &format!("{name}, run {k} of {repeat}"));
+            }
+            runs.push(scenario);
+            if interrupted {
+                break;
+            }
         }
-        scenario.passed = scenario.error.is_none() && scenario.checks.iter().all(|c| c.passed);
-        print_scenario(&scenario);
+        let scenario = suite::repeat::combine(runs);
+        let title = match scenario.runs.len() {
+            0 => name.to_string(),
+            n => format!("{name}, {n} runs"),
+        };
+        print_scenario(&scenario, &title);
         report.scenarios.push(scenario);
         suite::report::write_json(&out, &report)?;
         if interrupted {
@@ -141,13 +179,23 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_scenario(s: &Scenario) {
+/// Where run `k` of `repeat` writes its logs and plots: `out` itself when
+/// there is one run.
+fn run_dir(out: &std::path::Path, k: u32, repeat: u32) -> PathBuf {
+    if repeat > 1 {
+        out.join(format!("run-{k}"))
+    } else {
+        out.to_path_buf()
+    }
+}
+
+fn print_scenario(s: &Scenario, title: &str) {
     let verdict = match (s.passed, &s.skipped) {
         (_, Some(_)) => "SKIP",
         (true, None) => "PASS",
         (false, None) => "FAIL",
     };
-    println!("{verdict} {}", s.name);
+    println!("{verdict} {title}");
     for c in &s.checks {
         println!("  [{}] {}", if c.passed { "ok" } else { "FAILED" }, c.what);
     }

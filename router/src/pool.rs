@@ -136,6 +136,9 @@ pub struct Explained {
     pub cached_blocks: u32,
     /// Routable endpoints, best first (a full one is skipped when sent).
     pub ranked: Vec<String>,
+    /// The prefill rate every endpoint's prediction is at, tokens per
+    /// second: the pool's ([`kvroute_core::load::PrefillModel::pool_rate`]).
+    pub prefill_tokens_per_second: f64,
     /// Every endpoint's view of the request.
     pub endpoints: Vec<ExplainedEndpoint>,
 }
@@ -573,6 +576,8 @@ impl Pool {
             inner.least_loaded.boxed_clone()
         };
         let decision = policy.rank(request, &endpoints, &cx);
+        // The policies compare every routable endpoint at one rate.
+        let rate = prefill.pool_rate(endpoints.iter().map(|e| &e.load));
         let ranked = decision
             .ranked
             .iter()
@@ -588,6 +593,8 @@ impl Pool {
                     .prompt_tokens
                     .saturating_sub(u64::from(cached) * block_tokens);
                 let blocks = uncached.div_ceil(block_tokens.max(1));
+                let queued = prefill.queued_s_at(&load, now, rate);
+                let memory = prefill.memory_wait_s(&load, blocks, block_tokens, now);
                 ExplainedEndpoint {
                     name: m.spec.name.clone(),
                     routable: inner.is_routable(m, now),
@@ -595,9 +602,10 @@ impl Pool {
                     contract: m.contract.as_str(),
                     cached_blocks: cached,
                     in_flight: load.in_flight,
-                    queue_seconds: prefill.queued_s(&load, now),
-                    memory_wait_seconds: prefill.memory_wait_s(&load, blocks, block_tokens, now),
-                    predicted_ttft_seconds: prefill.ttft_s(&load, uncached, block_tokens, now),
+                    queue_seconds: queued,
+                    memory_wait_seconds: memory,
+                    predicted_ttft_seconds: queued.max(memory)
+                        + prefill.prefill_s_at(uncached, rate),
                 }
             })
             .collect();
@@ -610,6 +618,7 @@ impl Pool {
             },
             cached_blocks: decision.cached_blocks,
             ranked,
+            prefill_tokens_per_second: rate,
             endpoints: explained_endpoints,
         }
     }

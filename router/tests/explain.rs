@@ -47,6 +47,9 @@ async fn explains_a_warm_decision_without_changing_anything() {
         assert_eq!(d["reason"], "warm");
         assert_eq!(d["ranked"][0], holder.as_str());
         assert_eq!(d["cached_blocks"].as_u64(), Some(chain.len() as u64));
+        // The sims report no prefill rate: the pool is compared at the
+        // configured default.
+        assert_eq!(d["prefill_tokens_per_second"].as_f64(), Some(10_000.0));
         for e in d["endpoints"].as_array().unwrap() {
             let expected = if e["name"] == holder.as_str() {
                 chain.len()

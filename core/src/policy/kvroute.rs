@@ -5,10 +5,14 @@
 //!
 //! 1. **Predicted time to first token.** For each endpoint: the prefill
 //!    queued there (fleet-wide from the engine's load report when it sends
-//!    one, else this router's own count) at its prefill rate, plus this
-//!    request's own prefill: a fixed overhead and its uncached tokens at
-//!    that rate ([`PrefillModel`]). The rate is the engine's reported one
-//!    when it reports it, else the configured default.
+//!    one, else this router's own count) at the pool's prefill rate, plus
+//!    this request's own prefill: a fixed overhead and its uncached tokens
+//!    at that rate ([`PrefillModel`]). The rate is one for the whole pool:
+//!    the median of the rates its engines report, else the configured
+//!    default ([`PrefillModel::pool_rate`]). Endpoints that are equally
+//!    fast by the pool's model are equal: the noise of each engine's
+//!    measured rate, or a new engine not measured yet, never decides a
+//!    cold key; equal queues give equal predictions, and rule 4 decides.
 //! 2. **Slack earned by saved prefill.** Let F be the endpoint with the
 //!    lowest prediction. Another endpoint is eligible when its prediction
 //!    exceeds F's by at most `latency_slack × (1 + W / P) × (S + overhead)`:
@@ -138,8 +142,10 @@ impl Policy for Kvroute {
         per_candidate(&self.by_slot, endpoints, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
         let config = &self.config;
+        let rate = config.engine.pool_rate(endpoints.iter().map(|e| &e.load));
         predict_ttft(
             &config.engine,
+            rate,
             request,
             endpoints,
             &self.cached,
@@ -162,14 +168,14 @@ impl Policy for Kvroute {
         // configured takes no prefill at all.
         let own_prefill = config
             .engine
-            .prefill_s(&endpoints[fastest].load, uncached(fastest))
+            .prefill_s_at(uncached(fastest), rate)
             .max(1e-3);
         let slack = config.latency_slack * (1.0 + shortest_queue / own_prefill);
         let eligible: Vec<bool> = (0..n)
             .map(|i| {
                 let extra = ttft(i) - ttft(fastest);
                 let saved = uncached(fastest).saturating_sub(uncached(i));
-                let saved_s = saved as f64 / config.engine.rate(&endpoints[i].load);
+                let saved_s = saved as f64 / rate;
                 // Checked apart: ∞ × 0 is NaN.
                 extra <= 0.0 || slack == f64::INFINITY || extra <= slack * (saved_s + overhead_s)
             })

@@ -1,7 +1,7 @@
 //! `min-ttft`: lowest predicted time to first token. For each endpoint the
 //! prediction is the prefill queued there plus this request's own prefill
-//! (overhead and uncached tokens at the endpoint's rate), by
-//! [`PrefillModel`]; the lowest wins, ties by fewest requests in flight,
+//! (overhead and uncached tokens), by [`PrefillModel`] at the pool's one
+//! rate ([`PrefillModel::pool_rate`]); the lowest wins, ties by fewest requests in flight,
 //! then by rendezvous rank. It is the reference rule the replay's figures
 //! are checked against, and the `kvroute` policy with no latency slack.
 
@@ -50,9 +50,11 @@ pub(super) struct Predicted {
 }
 
 /// Predictions for `request` at each of `endpoints` (with `cached` leading
-/// blocks each), into `out`.
+/// blocks each), all at the pool's prefill `rate` (tokens per second, see
+/// [`PrefillModel::pool_rate`]), into `out`.
 pub(super) fn predict_ttft(
     model: &PrefillModel,
+    rate: f64,
     request: &Request<'_>,
     endpoints: &[Endpoint],
     cached: &[u32],
@@ -62,10 +64,13 @@ pub(super) fn predict_ttft(
     out.clear();
     out.extend(endpoints.iter().zip(cached).map(|(e, &c)| {
         let uncached = uncached_tokens(request, c, cx.block_tokens);
-        let ttft = model.ttft_s(&e.load, uncached, cx.block_tokens, cx.now);
+        let blocks = uncached.div_ceil(cx.block_tokens.max(1));
+        let queued = model.queued_s_at(&e.load, cx.now, rate);
+        let memory = model.memory_wait_s(&e.load, blocks, cx.block_tokens, cx.now);
+        let wait = queued.max(memory);
         Predicted {
-            queued: ttft - model.prefill_s(&e.load, uncached),
-            ttft,
+            queued: wait,
+            ttft: wait + model.prefill_s_at(uncached, rate),
         }
     }));
 }
@@ -83,8 +88,13 @@ impl Policy for MinTtft {
     ) -> Decision {
         indexed_prefixes(request, endpoints, cx, &mut self.by_slot, &mut self.cached);
         scores(request.key, endpoints, &mut self.scores);
+        let rate = self
+            .config
+            .engine
+            .pool_rate(endpoints.iter().map(|e| &e.load));
         predict_ttft(
             &self.config.engine,
+            rate,
             request,
             endpoints,
             &self.cached,

@@ -4,6 +4,7 @@
 pub mod inference_perf;
 pub mod load;
 pub mod procs;
+pub mod repeat;
 pub mod report;
 pub mod scenarios;
 pub mod system;

@@ -52,6 +52,10 @@ pub struct Scenario {
     /// Its timeline plot, relative to the report.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plot: Option<String>,
+    /// With `--repeat N` (N > 1), each run's own result, in order; the
+    /// fields above sum them up (see [`super::repeat`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs: Vec<Scenario>,
 }
 
 /// One assertion.

@@ -32,6 +32,9 @@ const COMPARE_S: f64 = 6.0;
 const GOAL_DIP: f64 = 1.0;
 /// The product's goal where a check allows [`BOUND_S`].
 const GOAL_S: f64 = 2.0;
+/// Cold prompts a new pod's share of new keys is measured over: enough
+/// that rendezvous's 1/5 is not lost in the sampling (±1.3 points).
+const COLD_KEYS: usize = 1000;
 
 /// What every scenario gets.
 #[derive(Debug)]
@@ -440,24 +443,22 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         .await?;
     let samples = load.await?;
     // New keys, once the load is over (under load the fastest endpoints
-    // are preferred): the share of 200 cold prompts the routers would send it.
+    // are preferred): the share of cold prompts the routers would send it.
+    // The pods are compared at the pool's one prefill rate, so their
+    // agents' differently measured rates (and the new pod's, not measured
+    // yet) do not decide: rendezvous does.
     let mut firsts = 0;
-    for body in cold_bodies(200) {
+    for body in cold_bodies(COLD_KEYS) {
         let explained = system.explain(0, &body, &[]).await?;
         let first = explained["decision"]["ranked"][0].as_str().unwrap_or("");
         firsts += usize::from(super::system::pod_name(first) == name);
     }
-    let cold_share = firsts as f64 / 200.0;
+    let cold_share = firsts as f64 / COLD_KEYS as f64;
     s.figure("new_pod_cold_key_share", cold_share);
-    // A goal, not a check: the policy first keeps the endpoints predicted
-    // within one prefill overhead (5 ms here) of the fastest, and each
-    // pod's prediction uses the prefill rate its agent measured; those
-    // differ by about that much, so in some runs the new pod falls outside
-    // and is first for no cold key at all (0 % seen, 17–24 % in others).
     s.goal(
-        cold_share >= 0.1,
+        cold_share >= 0.15,
         format!(
-            "the new pod is first for its share of new keys (1/5 by rendezvous; ≥ 10 %): {:.1} %",
+            "the new pod is first for its share of {COLD_KEYS} new keys (1/5 by rendezvous; ≥ 15 %): {:.1} %",
             cold_share * 100.0
         ),
     );

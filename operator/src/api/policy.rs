@@ -331,9 +331,10 @@ pub struct Engine {
     #[schemars(range(min = 1, max = 65535))]
     pub cache_port: Option<i32>,
 
-    /// Prompt tokens an engine prefills per second, for engines that do not
-    /// report their own rate over WatchCache; default 10000. The kvroute and
-    /// min-ttft policies predict time to first token with it.
+    /// Prompt tokens an engine prefills per second, for a pool whose engines
+    /// report none of their own over WatchCache; default 10000. The kvroute
+    /// and min-ttft policies predict time to first token at one rate per
+    /// pool: the median of the rates its engines report, else this one.
     #[serde(default = "default_prefill_tokens_per_second")]
     #[schemars(range(min = 1.0, max = 1.0e9))]
     pub prefill_tokens_per_second: f64,

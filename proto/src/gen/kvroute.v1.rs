@@ -707,8 +707,9 @@ pub struct RoutingPolicy {
     /// saves. Absent: the policy's default.
     #[prost(double, optional, tag = "11")]
     pub latency_slack: ::core::option::Option<f64>,
-    /// The engines' prefill rate in tokens per second, for engines that do not
-    /// report their own (kvroute and min-ttft policies). Absent: the default.
+    /// The engines' prefill rate in tokens per second, for a pool whose engines
+    /// report none of their own (kvroute and min-ttft policies compare a pool's
+    /// endpoints at the median of the rates reported). Absent: the default.
     #[prost(double, optional, tag = "12")]
     pub prefill_tokens_per_second: ::core::option::Option<f64>,
     /// The engines' fixed cost per prefill, milliseconds. Absent: the default.

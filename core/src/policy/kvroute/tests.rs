@@ -28,6 +28,65 @@ fn cold_keys_go_to_the_rendezvous_first_choice() {
     }
 }
 
+/// An idle engine that reports `rate` tokens per second, or none yet.
+fn measured(pool: &mut Pool, i: usize, rate: Option<f64>) {
+    pool.endpoints[i].load.engine = Some(EngineLoad {
+        waiting: 0,
+        running: 0,
+        kv_usage: 0.0,
+        queued_prefill_tokens: Some(0),
+        prefill_tokens_per_s: rate,
+        memory: None,
+        reported_at: pool.now,
+    });
+}
+
+#[test]
+fn cold_key_placement_is_equal_across_pods_with_different_measured_rates() {
+    // The system suite's engines: 20,000 tokens/s plus 5 ms. Five idle
+    // pods whose agents measured 14,000 to 26,000 tokens/s, and a sixth
+    // just added, not measured yet. A cold 309-token prompt takes 11.9 ms
+    // at the fastest measured rate and 22.1 ms at the slowest: more than
+    // one overhead apart, so per-pod rates would make the fastest pod
+    // first for most keys. By the pool's one rate they are equal, and
+    // rendezvous decides, the new pod included.
+    let mut pool = Pool::test().replicas(6);
+    let rates = [
+        Some(14_000.0),
+        Some(17_000.0),
+        Some(20_000.0),
+        Some(23_000.0),
+        Some(26_000.0),
+        None,
+    ];
+    for (i, rate) in rates.into_iter().enumerate() {
+        measured(&mut pool, i, rate);
+    }
+    let mut p = Kvroute::new(Config {
+        engine: PrefillModel {
+            prefill_tokens_per_second: 20_000.0,
+            prefill_overhead_ms: 5.0,
+            ..PrefillModel::default()
+        },
+        ..Config::default()
+    });
+    let mut firsts = [0u32; 6];
+    for key in 0..1000 {
+        let chain: Vec<u64> = (0..19).map(|b| key * 100 + b).collect();
+        let d = p.rank(&request(key, &chain), &pool.endpoints, &pool.cx());
+        assert_eq!(d.ranked[0], pool.rendezvous_first(key), "key {key}: {d:?}");
+        assert_eq!(d.reason, Reason::Cold);
+        firsts[d.ranked[0]] += 1;
+    }
+    // Each pod, the new one too, is first for about a sixth of the keys.
+    for (i, n) in firsts.iter().enumerate() {
+        assert!(
+            (120..=215).contains(n),
+            "pod {i} first for {n} of 1,000: {firsts:?}"
+        );
+    }
+}
+
 #[test]
 fn the_longest_cached_prefix_wins() {
     let chain: Vec<u64> = (1..=10).collect();
