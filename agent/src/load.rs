@@ -8,8 +8,16 @@
 //!   0.10), times the capacity for the blocks in use;
 //! - `vllm:cache_config_info`'s `num_gpu_blocks` (the capacity) and
 //!   `block_size` (checked against `--block-size`);
-//! - queued prefill work: the waiting requests times the mean prompt length
-//!   (`vllm:request_prompt_tokens` histogram), when vLLM exports it;
+//! - queued prefill work: the requests not past their first token times
+//!   the mean uncached prompt (the mean of `vllm:request_prompt_tokens`
+//!   less the prefix cache's hit share), when vLLM exports them. With
+//!   chunked prefill vLLM schedules requests at once and prefills them over
+//!   several steps, so most requests still in prefill count as running:
+//!   those are the running requests less the ones decoding, which are the
+//!   requests that got a first token
+//!   (`vllm:time_to_first_token_seconds_count`) and have not finished
+//!   (`vllm:request_success_total`) — fewer when requests were aborted
+//!   after their first token, an estimate;
 //! - the prefill rate: computed prompt tokens per second of prefill time,
 //!   from the growth of `vllm:prompt_tokens_total` less
 //!   `vllm:prefix_cache_hits_total` (tokens served from the cache) and of
@@ -138,6 +146,31 @@ pub struct Scraped {
     pub mean_tpot: Option<f64>,
     /// Preemptions so far, if reported.
     pub preemptions: Option<f64>,
+    /// Prompt tokens looked up in the prefix cache so far.
+    pub prefix_queries: Option<f64>,
+    /// Requests that produced a first token so far.
+    pub first_tokens: Option<f64>,
+    /// Requests finished so far.
+    pub finished: Option<f64>,
+}
+
+impl Scraped {
+    /// Requests waiting or running but not yet past their first token.
+    fn in_prefill(&self) -> f64 {
+        let decoding = match (self.first_tokens, self.finished) {
+            (Some(first), Some(finished)) => (first - finished).max(0.0),
+            _ => 0.0,
+        };
+        self.waiting.max(0.0) + (self.running - decoding).max(0.0)
+    }
+
+    /// The share of prompt tokens the prefix cache did not serve.
+    fn uncached_share(&self) -> f64 {
+        match (self.prefix_hits, self.prefix_queries) {
+            (Some(hits), Some(queries)) if queries > 0.0 => (1.0 - hits / queries).clamp(0.0, 1.0),
+            _ => 1.0,
+        }
+    }
 }
 
 /// Reads rank `rank`'s values from an exposition (`dp` ranks in all).
@@ -173,6 +206,9 @@ pub fn scrape(text: &str, rank: u32, dp: u32) -> Scraped {
             "vllm:inter_token_latency_seconds_count"
             | "vllm:time_per_output_token_seconds_count" => *tpot_count.get_or_insert(0.0) += v,
             "vllm:num_preemptions_total" => *s.preemptions.get_or_insert(0.0) += v,
+            "vllm:prefix_cache_queries_total" => *s.prefix_queries.get_or_insert(0.0) += v,
+            "vllm:time_to_first_token_seconds_count" => *s.first_tokens.get_or_insert(0.0) += v,
+            "vllm:request_success_total" => *s.finished.get_or_insert(0.0) += v,
             _ => {}
         }
     }
@@ -208,14 +244,16 @@ pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport
         used_blocks,
         queued_prefill_tokens: now
             .mean_prompt
-            .map(|mean| (mean * now.waiting.max(0.0)).round() as u64),
+            .map(|mean| (mean * now.uncached_share() * now.in_prefill()).round() as u64),
         prefill_tokens_per_s: rate,
         free_blocks: (capacity > 0).then(|| capacity - used_blocks.min(capacity)),
         cached_free_blocks: None,
         waiting_blocks: now
             .mean_prompt
             .zip(now.block_size.filter(|&b| b > 0))
-            .map(|(mean, bs)| (mean * now.waiting.max(0.0) / f64::from(bs)).ceil() as u64),
+            .map(|(mean, bs)| {
+                (mean * now.uncached_share() * now.waiting.max(0.0) / f64::from(bs)).ceil() as u64
+            }),
         remaining_decode_s: now
             .mean_output
             .zip(now.mean_tpot)
@@ -337,6 +375,8 @@ vllm:request_generation_tokens_count{engine="0",model_name="m"} 10.0
 vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 30.0
 vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 1000.0
 vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 12.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 9.0
 "#;
         let now = scrape(text, 0, 2);
         assert_eq!((now.waiting, now.running), (3.0, 5.0));
@@ -363,7 +403,9 @@ vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
         );
         let r = report(&now, 1000, rate);
         assert_eq!((r.waiting, r.running, r.used_blocks), (3, 5, 250));
-        assert_eq!(r.queued_prefill_tokens, Some(1500));
+        // 3 waiting and 2 of the 5 running (12 first tokens, 9 finished: 3
+        // decode) in prefill, 500 tokens each.
+        assert_eq!(r.queued_prefill_tokens, Some(2500));
         // Memory: 750 of 1,000 blocks free; 3 waiting prompts of 500
         // tokens need 94 blocks of 16; a running request has half of 100
         // tokens left at 30 ms each.
@@ -371,6 +413,13 @@ vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
         assert_eq!(r.waiting_blocks, Some(94));
         assert!((r.remaining_decode_s.unwrap() - 1.5).abs() < 1e-9);
         assert_eq!((r.preemptions, r.cached_free_blocks), (Some(7), None));
+        // The prefix cache served 30 % of prompt tokens: 70 % is queued.
+        let warm = Scraped {
+            prefix_hits: Some(300.0),
+            prefix_queries: Some(1000.0),
+            ..now.clone()
+        };
+        assert_eq!(report(&warm, 1000, rate).queued_prefill_tokens, Some(1750));
         assert_eq!(scrape(text, 1, 2).waiting, 9.0, "rank 1's own samples");
     }
 }
