@@ -9,7 +9,9 @@
 //! that many times faster, so every time is in trace seconds once
 //! multiplied back. With `--scale-out`, a second run per policy adds a pod
 //! at the slice's middle request and compares the hit rate of the next
-//! tenth of the slice with the first run's.
+//! tenth of the slice with the first run's. With `--watch-engines` the
+//! routers follow engine-sim's own WatchCache streams rather than the
+//! agents', to tell the policy's model from the agents' view of load.
 //!
 //! Not here: the token mapping and sizing ([`trace`]), the sending
 //! ([`drive`]), the figures ([`figures`]), the model ([`model`]).
@@ -69,7 +71,7 @@ pub struct Args {
     pods: u64,
     /// Arrivals come this many times faster than the trace's timestamps,
     /// and the engines run this many times faster than real time.
-    #[arg(long, value_name = "S", default_value_t = 2.0)]
+    #[arg(long, value_name = "S", default_value_t = 3.0)]
     time_scale: f64,
     /// Policies, comma-separated, each run on its own fresh system.
     #[arg(
@@ -90,6 +92,11 @@ pub struct Args {
     /// Requests each engine runs at once (engine-sim's default).
     #[arg(long, value_name = "S", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     max_num_seqs: u32,
+    /// Routers follow engine-sim's own WatchCache streams (exact queued
+    /// prefill work) instead of the agents' (vLLM's metrics: waiting
+    /// requests times the mean prompt, as with a real vLLM).
+    #[arg(long)]
+    watch_engines: bool,
     /// Also run each policy with a pod added at the slice's middle
     /// request, and compare the hit rate of the next tenth of the slice.
     #[arg(long)]
@@ -118,6 +125,8 @@ struct Output {
     max_model_len: u64,
     max_num_seqs: u32,
     routers: usize,
+    /// Routers followed engine-sim's own WatchCache, not the agents'.
+    watch_engines: bool,
     /// The model's routing key and report lag (see `model.rs`).
     key: String,
     report_lag_ms: u32,
@@ -215,6 +224,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         itl_ms: ITL_MS,
         time_scale: args.time_scale,
     };
+    // How old a router's view of engine load is on average (see model.rs).
     let report_lag_ms = (f64::from(LOAD_INTERVAL_MS) * args.time_scale / 2.0).round() as u32;
 
     let model = run_model(args, &bins, &requests, &sizing, report_lag_ms)?;
@@ -229,6 +239,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         max_model_len: engine.max_model_len,
         max_num_seqs: args.max_num_seqs,
         routers: ROUTERS,
+        watch_engines: args.watch_engines,
         key: "p2".into(),
         report_lag_ms,
         model_note: model.as_ref().err().cloned(),
@@ -258,6 +269,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             engine: engine.clone(),
             prefix_tokens: Some(2 * args.block_tokens as usize),
             load_interval_ms: LOAD_INTERVAL_MS,
+            watch_engines: args.watch_engines,
             ..Setup::new(pods)
         };
         let logs = args.out.join("logs");
@@ -406,7 +418,28 @@ async fn run_live(
             }
         }
     };
+    write_samples(&logs.join("requests.jsonl"), &samples, args.time_scale)?;
     Ok((samples, began.elapsed().as_secs_f64()))
+}
+
+/// Each request's measurement as a JSON line, in request order, times in
+/// trace seconds.
+fn write_samples(path: &Path, samples: &[Sample], time_scale: f64) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for (i, s) in samples.iter().enumerate() {
+        let line = serde_json::json!({
+            "request": i,
+            "sent_s": s.t * time_scale,
+            "endpoint": s.endpoint,
+            "outcome": format!("{:?}", s.outcome),
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "ttft_s": s.ttft.map(|t| t * time_scale),
+        });
+        text += &line.to_string();
+        text.push('\n');
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Runs `run` to its end, or until Ctrl-C (then its processes end too).

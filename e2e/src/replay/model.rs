@@ -11,9 +11,9 @@
 //!
 //! The report lag: the live routers learn cache contents within
 //! milliseconds (KV events through the agents) but load only when an agent
-//! reads its engine's `/metrics`, every `load_interval_ms` of real time, so
-//! a report is on average half an interval old: `load_interval_ms ×
-//! time_scale / 2` trace milliseconds.
+//! reads its engine's `/metrics`, every 20 ms of real time, so a report is
+//! on average 10 ms old (engine-sim's own streams, with `--watch-engines`,
+//! report 10 ms after arrivals): 10 ms × the time scale, in trace time.
 //!
 //! Not here: the live run. The model's JSON is `kvroute replay --json`'s
 //! (`cli/src/replay/mod.rs`; a binary crate, so its rows are read here by

@@ -71,6 +71,10 @@ pub struct Setup {
     pub prefix_tokens: Option<usize>,
     /// How often each agent reads its engine's `/metrics`, milliseconds.
     pub load_interval_ms: u32,
+    /// Routers follow engine-sim's own WatchCache (its exact queued
+    /// prefill) instead of the agents' (vLLM's metrics, as with a real
+    /// vLLM); the agents still run.
+    pub watch_engines: bool,
 }
 
 impl Setup {
@@ -85,6 +89,7 @@ impl Setup {
             engine: EngineSetup::suite(),
             prefix_tokens: None,
             load_interval_ms: 100,
+            watch_engines: false,
         }
     }
 }
@@ -385,7 +390,11 @@ spec:
             block_size = e.block_size,
             rate = f64::from(e.prefill_tokens_per_s) * e.time_scale,
             overhead = f64::from(e.prefill_overhead_ms) / e.time_scale,
-            cache = self.ports.cache,
+            cache = if self.setup.watch_engines {
+                self.ports.sim_cache
+            } else {
+                self.ports.cache
+            },
             mode = if self.setup.salted {
                 "Salted"
             } else {
