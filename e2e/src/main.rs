@@ -2,9 +2,12 @@
 //! kvroute's real binaries and writes `DIR/report.json` and a timeline PNG
 //! per scenario. Exits non-zero when a scenario fails. With `--repeat N`,
 //! each scenario runs N times (run k's logs and plots under `DIR/run-k/`)
-//! and the report sums the runs up (`suite::repeat`).
+//! and the report sums the runs up (`suite::repeat`). `kvroute-e2e replay`
+//! drives a trace through the same system (see [`replay`]); the other
+//! subcommands are benchmarks.
 
 mod bench;
+mod replay;
 mod suite;
 
 use std::path::PathBuf;
@@ -63,6 +66,10 @@ enum Command {
     /// A bare hyper reverse proxy, round robin, that reads no body: the
     /// HTTP stack's floor, a target of bench-proxy.
     BareProxy(bench::BareArgs),
+    /// Drive a Mooncake-format trace through the live system, per policy,
+    /// beside `kvroute replay --engine vllm` on the same slice; writes
+    /// `replay.json`.
+    Replay(replay::Args),
 }
 
 /// The longest a scenario may take, start to end.
@@ -73,6 +80,7 @@ fn main() -> anyhow::Result<()> {
         Command::BenchProxy(args) => return bench::run(&args),
         Command::BenchSoak(args) => return bench::soak(&args),
         Command::BareProxy(args) => return bench::bare_proxy(&args),
+        Command::Replay(args) => return replay::run(&args),
         Command::Report {
             out,
             bin_dir,

@@ -125,7 +125,7 @@ impl Rotation {
     }
 
     /// The next router in rotation (the first if none is).
-    fn pick(&self) -> SocketAddr {
+    pub fn pick(&self) -> SocketAddr {
         let n = self.routers.len();
         for _ in 0..n {
             let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
@@ -302,6 +302,20 @@ pub async fn chat(
     headers: &[(&str, &str)],
     t0: Instant,
 ) -> (Sample, String) {
+    stream(client, addr, "/v1/chat/completions", body, headers, t0).await
+}
+
+/// Sends one streaming request (a chat completion or a completion) to
+/// `path` on `addr` with `headers` and reads it to the end: the
+/// measurement and the reply's text.
+pub async fn stream(
+    client: &reqwest::Client,
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+    t0: Instant,
+) -> (Sample, String) {
     let sent = Instant::now();
     let mut sample = Sample {
         t: sent.duration_since(t0).as_secs_f64(),
@@ -311,9 +325,7 @@ pub async fn chat(
         cached_tokens: 0,
         ttft: None,
     };
-    let mut request = client
-        .post(format!("http://{addr}/v1/chat/completions"))
-        .json(body);
+    let mut request = client.post(format!("http://{addr}{path}")).json(body);
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
@@ -363,7 +375,8 @@ pub async fn chat(
     (sample, events.reply)
 }
 
-/// What a chat completion's server-sent events carried so far.
+/// What a chat completion's or a completion's server-sent events carried
+/// so far.
 #[derive(Debug, Default)]
 struct Events {
     pending: Vec<u8>,
@@ -387,7 +400,11 @@ impl Events {
                     continue; // [DONE]
                 };
                 self.error |= v.get("error").is_some();
-                let content = v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+                let choice = &v["choices"][0];
+                let content = choice["delta"]["content"]
+                    .as_str()
+                    .or_else(|| choice["text"].as_str())
+                    .unwrap_or("");
                 if !content.is_empty() {
                     self.ttft.get_or_insert_with(|| sent.elapsed());
                     self.reply.push_str(content);
@@ -421,6 +438,17 @@ mod tests {
         assert_eq!((e.reply.as_str(), e.usage), (" the", Some((40, 32))));
         e.feed(b"data: {\"error\": {\"message\": \"x\"}}\n\n", sent);
         assert!(e.error);
+    }
+
+    #[test]
+    fn events_read_a_completion_stream() {
+        let sent = Instant::now();
+        let mut e = Events::default();
+        let token = r#"data: {"choices":[{"index":0,"text":" the","finish_reason":null}]}"#;
+        let usage = r#"data: {"choices":[],"usage":{"prompt_tokens":512,"prompt_tokens_details":{"cached_tokens":496}}}"#;
+        e.feed(format!("{token}\n\n{usage}\n\n").as_bytes(), sent);
+        assert!(e.ttft.is_some() && !e.error);
+        assert_eq!((e.reply.as_str(), e.usage), (" the", Some((512, 496))));
     }
 
     #[test]

@@ -64,16 +64,70 @@ pub struct Setup {
     pub salted: bool,
     /// A pod whose engine and agent use [`ODD_SEED`].
     pub odd_pod: Option<usize>,
+    /// Every pod's engine.
+    pub engine: EngineSetup,
+    /// The policy's `routingKey`: `Prefix` mode over this many leading
+    /// tokens; `None` leaves the policy's default (`Conversation`, 256).
+    pub prefix_tokens: Option<usize>,
+    /// How often each agent reads its engine's `/metrics`, milliseconds.
+    pub load_interval_ms: u32,
+    /// Routers follow engine-sim's own WatchCache (its exact queued
+    /// prefill) instead of the agents' (vLLM's metrics, as with a real
+    /// vLLM); the agents still run.
+    pub watch_engines: bool,
 }
 
 impl Setup {
-    /// `pods` pods under the default policy, shared tenancy.
+    /// `pods` pods under the default policy, shared tenancy, the suite's
+    /// engines.
     pub fn new(pods: usize) -> Setup {
         Setup {
             pods,
             policy: "kvroute",
             salted: false,
             odd_pod: None,
+            engine: EngineSetup::suite(),
+            prefix_tokens: None,
+            load_interval_ms: 100,
+            watch_engines: false,
+        }
+    }
+}
+
+/// How each pod's engine-sim is configured (its flags of the same names).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSetup {
+    /// KV cache capacity, blocks of [`block_size`](Self::block_size).
+    pub num_gpu_blocks: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Longest prompt plus output, tokens.
+    pub max_model_len: u64,
+    /// Requests running at once.
+    pub max_num_seqs: u32,
+    /// Uncached prompt tokens prefilled per second of engine time.
+    pub prefill_tokens_per_s: u32,
+    /// Fixed cost of each prefill, milliseconds of engine time.
+    pub prefill_overhead_ms: u32,
+    /// Time per output token, milliseconds of engine time.
+    pub itl_ms: u32,
+    /// Engine time runs this many times faster than real time.
+    pub time_scale: f64,
+}
+
+impl EngineSetup {
+    /// The suite's engines: [`NUM_GPU_BLOCKS`] blocks of 16 tokens, the
+    /// timing above, 64 running at once, real time.
+    pub fn suite() -> EngineSetup {
+        EngineSetup {
+            num_gpu_blocks: NUM_GPU_BLOCKS,
+            block_size: 16,
+            max_model_len: 32_768,
+            max_num_seqs: 64,
+            prefill_tokens_per_s: PREFILL_TOKENS_PER_S,
+            prefill_overhead_ms: PREFILL_OVERHEAD_MS,
+            itl_ms: ITL_MS,
+            time_scale: 1.0,
         }
     }
 }
@@ -311,6 +365,13 @@ spec:
     }
 
     fn policy_yaml(&self) -> String {
+        let e = &self.setup.engine;
+        let key = match self.setup.prefix_tokens {
+            Some(k) => format!("  routingKey: {{mode: Prefix, prefixTokens: {k}}}\n"),
+            None => String::new(),
+        };
+        // The policy predicts in real time: the engines' rate and overhead
+        // as a router sees them, `time_scale` times faster.
         format!(
             "apiVersion: kvroute.dev/v1alpha1
 kind: CacheRoutingPolicy
@@ -318,14 +379,22 @@ metadata: {{name: {POOL}, namespace: {NAMESPACE}}}
 spec:
   targetRef: {{group: inference.networking.k8s.io, kind: InferencePool, name: {POOL}}}
   policy: {policy}
-  engine:
+{key}  engine:
+    blockSize: {block_size}
     cachePort: {cache}
-    prefillTokensPerSecond: {PREFILL_TOKENS_PER_S}
-    prefillOverheadMs: {PREFILL_OVERHEAD_MS}
+    prefillTokensPerSecond: {rate}
+    prefillOverheadMs: {overhead}
   tenancy: {{mode: {mode}, tenantHeader: {TENANT_HEADER}}}
 ",
             policy = self.setup.policy,
-            cache = self.ports.cache,
+            block_size = e.block_size,
+            rate = f64::from(e.prefill_tokens_per_s) * e.time_scale,
+            overhead = f64::from(e.prefill_overhead_ms) / e.time_scale,
+            cache = if self.setup.watch_engines {
+                self.ports.sim_cache
+            } else {
+                self.ports.cache
+            },
             mode = if self.setup.salted {
                 "Salted"
             } else {
@@ -346,6 +415,16 @@ spec:
     /// Starts a new pod's engine and agent, waits until both serve, then
     /// creates its Pod object, Running and Ready. Returns its index.
     pub async fn add_pod(&mut self) -> anyhow::Result<usize> {
+        let k = self.start_pod().await?;
+        self.write_pod(k, true)?;
+        Ok(k)
+    }
+
+    /// Starts a new pod's engine and agent and waits until both serve,
+    /// without a Pod object: the pool gains it when [`write_pod`](Self::write_pod)
+    /// makes it Ready (until then [`wait_synced`](Self::wait_synced) would
+    /// wait for it in vain). Returns its index.
+    pub async fn start_pod(&mut self) -> anyhow::Result<usize> {
         let k = self.pods.len();
         let last = u8::try_from(2 + k).context("too many pods")?;
         let odd = self.setup.odd_pod == Some(k);
@@ -358,21 +437,23 @@ spec:
         });
         self.start_sim(k).await?;
         self.start_agent(k).await?;
-        self.write_pod(k, true)?;
         Ok(k)
     }
 
     async fn start_sim(&mut self, k: usize) -> anyhow::Result<()> {
-        let (ip, p) = (self.pods[k].ip, self.ports);
+        let (ip, p, e) = (self.pods[k].ip, self.ports, &self.setup.engine);
         let mut args: Vec<String> = [
             format!("--listen={ip}:{}", p.http),
             format!("--cache-listen={ip}:{}", p.sim_cache),
             format!("--model={MODEL}"),
-            format!("--num-gpu-blocks={NUM_GPU_BLOCKS}"),
-            format!("--prefill-tokens-per-s={PREFILL_TOKENS_PER_S}"),
-            format!("--prefill-overhead-ms={PREFILL_OVERHEAD_MS}"),
-            format!("--itl-ms={ITL_MS}"),
-            "--max-num-seqs=64".into(),
+            format!("--num-gpu-blocks={}", e.num_gpu_blocks),
+            format!("--block-size={}", e.block_size),
+            format!("--max-model-len={}", e.max_model_len),
+            format!("--prefill-tokens-per-s={}", e.prefill_tokens_per_s),
+            format!("--prefill-overhead-ms={}", e.prefill_overhead_ms),
+            format!("--itl-ms={}", e.itl_ms),
+            format!("--max-num-seqs={}", e.max_num_seqs),
+            format!("--time-scale={}", e.time_scale),
             format!("--kv-events-endpoint=tcp://{ip}:{}", p.zmq),
             format!("--kv-events-replay-endpoint=tcp://{ip}:{}", p.replay),
         ]
@@ -404,7 +485,8 @@ spec:
             format!("--admin-listen={ip}:{}", p.agent_admin),
             format!("--engine-url=http://{ip}:{}", p.http),
             format!("--served-model-name={MODEL}"),
-            "--load-interval-ms=100".into(),
+            format!("--block-size={}", self.setup.engine.block_size),
+            format!("--load-interval-ms={}", self.setup.load_interval_ms),
         ]
         .into();
         let env = if self.pods[k].odd {
