@@ -85,6 +85,7 @@ fn figures_of_a_hand_worked_trace() {
         "spill",
         "keys_moved",
         "hit_dip",
+        "refused",
     ];
     expected.sort_unstable();
     assert_eq!(sorted, expected);
