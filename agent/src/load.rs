@@ -259,6 +259,8 @@ pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport
             .zip(now.mean_tpot)
             .map(|(output, tpot)| output / 2.0 * tpot),
         preemptions: now.preemptions.map(|p| p.max(0.0) as u64),
+        // Not in vLLM's metrics.
+        max_num_seqs: None,
     }
 }
 

@@ -52,22 +52,40 @@ pub struct Memory {
     pub waiting_blocks: u64,
     /// Seconds until the running requests finish, on average.
     pub remaining_decode_s: f64,
+    /// Requests running, and waiting.
+    pub running: u64,
+    /// See `running`.
+    pub waiting: u64,
+    /// Requests the engine runs at once (vLLM `max_num_seqs`), if it says.
+    pub max_num_seqs: Option<u64>,
 }
 
 impl Memory {
-    /// Seconds until `blocks` more than the waiting requests need are
-    /// free. Running requests free their blocks as they finish; taking
-    /// their finishes as spread evenly over twice their mean remaining
-    /// time, a deficit of D of U used blocks clears after D / U of it (all
-    /// of it when D ≥ U).
+    /// Seconds until a new request, behind the waiting ones, has a seat
+    /// and `blocks` free blocks. Running requests free both as they
+    /// finish; taking their finishes as spread evenly over twice their
+    /// mean remaining time, a deficit of D of U used blocks (or seats)
+    /// clears after D / U of it (all of it when D ≥ U).
     pub fn wait_s(&self, blocks: u64) -> f64 {
-        let demand = self.waiting_blocks + blocks;
-        if demand <= self.free_blocks || self.used_blocks == 0 {
-            return 0.0;
-        }
-        let deficit = (demand - self.free_blocks) as f64;
-        let share = (deficit / self.used_blocks as f64).min(1.0);
-        share * 2.0 * self.remaining_decode_s.max(0.0)
+        let clears = |demand: u64, free: u64, held: u64| {
+            if demand <= free || held == 0 {
+                return 0.0;
+            }
+            ((demand - free) as f64 / held as f64).min(1.0)
+        };
+        let for_blocks = clears(
+            self.waiting_blocks + blocks,
+            self.free_blocks,
+            self.used_blocks,
+        );
+        let for_seat = self.max_num_seqs.map_or(0.0, |seats| {
+            clears(
+                self.waiting + 1,
+                seats.saturating_sub(self.running),
+                self.running,
+            )
+        });
+        for_blocks.max(for_seat) * 2.0 * self.remaining_decode_s.max(0.0)
     }
 }
 
@@ -560,6 +578,9 @@ mod tests {
             used_blocks: 400,
             waiting_blocks: 60,
             remaining_decode_s: 1.5,
+            running: 10,
+            waiting: 2,
+            max_num_seqs: None,
         };
         // 60 waiting + 40 of its own fit in 100 free blocks.
         assert_eq!(memory.wait_s(40), 0.0);
@@ -568,6 +589,14 @@ mod tests {
         assert!((memory.wait_s(80) - 0.3).abs() < 1e-9);
         // More than all used blocks: every running request must finish.
         assert!((memory.wait_s(1000) - 3.0).abs() < 1e-9);
+        // Seats: 10 of 12 taken, 2 waiting: a third must free first, one
+        // of the 10 running: a tenth of 3 s.
+        let seated = Memory {
+            max_num_seqs: Some(12),
+            ..memory
+        };
+        assert!((seated.wait_s(40) - 0.3).abs() < 1e-9);
+        assert!((seated.wait_s(80) - 0.3).abs() < 1e-9, "the longer wait");
 
         let m = PrefillModel::default();
         let mut t = LoadTracker::new();

@@ -52,6 +52,8 @@ pub struct LoadReport {
     pub remaining_decode_s: f64,
     /// Requests preempted so far.
     pub preemptions: u64,
+    /// Requests run at once.
+    pub max_num_seqs: u32,
 }
 
 impl LoadReport {
@@ -69,6 +71,7 @@ impl LoadReport {
             waiting_blocks: Some(self.waiting_blocks),
             remaining_decode_s: Some(self.remaining_decode_s),
             preemptions: Some(self.preemptions),
+            max_num_seqs: Some(self.max_num_seqs),
         }
     }
 }
@@ -562,6 +565,7 @@ impl Engine {
             waiting_blocks: memory.waiting_blocks,
             remaining_decode_s: memory.remaining_decode_s,
             preemptions: load.preemptions,
+            max_num_seqs: self.config.max_num_seqs,
         }
     }
 

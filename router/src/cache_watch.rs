@@ -364,6 +364,9 @@ fn engine_load(load: &LoadReport) -> EngineLoad {
                     used_blocks: load.used_blocks,
                     waiting_blocks,
                     remaining_decode_s: remaining,
+                    running: u64::from(load.running),
+                    waiting: u64::from(load.waiting),
+                    max_num_seqs: load.max_num_seqs.map(u64::from),
                 })
             }
             _ => None,

@@ -153,6 +153,8 @@ pub struct Load {
     pub remaining_decode_tokens: u64,
     /// Preemptions since the engine started.
     pub preemptions: u64,
+    /// Requests it runs at once (`max_num_seqs`).
+    pub max_num_seqs: u64,
 }
 
 impl Load {
@@ -169,6 +171,9 @@ impl Load {
             used_blocks: self.used_blocks,
             waiting_blocks: self.waiting_blocks,
             remaining_decode_s: mean_tokens * step.as_secs_f64(),
+            running: u64::from(self.running),
+            waiting: u64::from(self.waiting),
+            max_num_seqs: Some(self.max_num_seqs),
         }
     }
 
@@ -536,6 +541,7 @@ impl Engine {
             waiting_blocks,
             remaining_decode_tokens: live().map(|s| (s.max_tokens - s.output) as u64).sum(),
             preemptions: self.counters.preemptions,
+            max_num_seqs: self.config.max_num_seqs as u64,
         }
     }
 

@@ -94,6 +94,10 @@ pub struct LoadReport {
     /// engine started.
     #[prost(uint64, optional, tag = "11")]
     pub preemptions: ::core::option::Option<u64>,
+    /// Requests the engine runs at once (vLLM `max_num_seqs`): the head of
+    /// the queue also waits for a seat.
+    #[prost(uint32, optional, tag = "12")]
+    pub max_num_seqs: ::core::option::Option<u32>,
 }
 /// The engine's whole cache at one moment.
 #[derive(Clone, PartialEq, ::prost::Message)]
