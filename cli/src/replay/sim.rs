@@ -134,16 +134,15 @@ impl Replica {
     }
 }
 
-/// A router replica: its policy and its own requests in flight.
+/// A router replica: its policy and, per replica, its own requests in
+/// flight (`T`: however the engine model tracks them).
 #[derive(Debug)]
-struct Router {
-    policy: Box<dyn Policy>,
-    /// Per replica, this router's requests not yet complete (sent at their
-    /// arrival).
-    own: Vec<VecDeque<Served>>,
+pub(super) struct Router<T> {
+    pub(super) policy: Box<dyn Policy>,
+    pub(super) own: Vec<T>,
 }
 
-impl Clone for Router {
+impl<T: Clone> Clone for Router<T> {
     fn clone(&self) -> Self {
         Router {
             policy: self.policy.boxed_clone(),
@@ -152,7 +151,9 @@ impl Clone for Router {
     }
 }
 
-impl Router {
+// The simple model's routers keep, per replica, their requests not yet
+// complete (sent at their arrival).
+impl Router<VecDeque<Served>> {
     /// What this router counts at replica `r` at `t`, with requests sent
     /// after `reported` not in the engine's report.
     fn load(&mut self, r: usize, t: f64, reported: f64) -> Load {
@@ -208,7 +209,7 @@ pub struct Sim {
     /// The routers' view of the caches, `lag` behind.
     index: OccupancyIndex,
     pending: VecDeque<Pending>,
-    routers: Vec<Router>,
+    routers: Vec<Router<VecDeque<Served>>>,
     next_router: usize,
     lag_s: f64,
     capacity: usize,

@@ -26,6 +26,19 @@ pub struct TraceRequest {
     pub session_id: Option<String>,
 }
 
+/// A request arriving at `t` s with `input` prompt and `output` generated
+/// tokens over block ids `ids`, for tests.
+#[cfg(test)]
+pub(super) fn req(t: f64, input: u64, output: u64, ids: &[u64]) -> TraceRequest {
+    TraceRequest {
+        arrival_s: t,
+        input_length: input,
+        output_length: output,
+        hash_ids: ids.to_vec(),
+        session_id: None,
+    }
+}
+
 #[derive(Deserialize)]
 struct Line {
     timestamp: f64,

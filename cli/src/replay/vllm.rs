@@ -28,7 +28,7 @@ use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::sim::Outcome;
+use super::sim::{Outcome, Router};
 use super::trace::TraceRequest;
 
 /// The engine-block hash chain of `request`'s prompt: one hash per full
@@ -81,23 +81,6 @@ struct Record {
     uncached_estimate: u64,
 }
 
-/// A router replica: its policy and its own requests in flight, by
-/// replica (request numbers).
-#[derive(Debug)]
-struct Router {
-    policy: Box<dyn Policy>,
-    own: Vec<Vec<usize>>,
-}
-
-impl Clone for Router {
-    fn clone(&self) -> Self {
-        Router {
-            policy: self.policy.boxed_clone(),
-            own: self.own.clone(),
-        }
-    }
-}
-
 /// N replicas of the vLLM model, routed by R routers under one policy.
 #[derive(Clone, Debug)]
 pub struct VllmSim {
@@ -112,7 +95,8 @@ pub struct VllmSim {
     index: OccupancyIndex,
     /// Cache events not yet seen by the routers: (time, replica, event).
     pending: VecDeque<(f64, usize, PoolEvent)>,
-    routers: Vec<Router>,
+    /// Each router's own requests per replica, by trace position.
+    routers: Vec<Router<Vec<usize>>>,
     next_router: usize,
     lag_s: f64,
     /// Arrival times of the requests still to come, and the engines' load

@@ -2,15 +2,7 @@ use kvroute_core::policy::PolicyConfig;
 
 use super::*;
 
-fn req(t: f64, input: u64, output: u64, ids: &[u64]) -> TraceRequest {
-    TraceRequest {
-        arrival_s: t,
-        input_length: input,
-        output_length: output,
-        hash_ids: ids.to_vec(),
-        session_id: None,
-    }
-}
+use super::super::trace::req;
 
 #[test]
 fn engine_blocks_are_shared_exactly_where_tokens_are() {
