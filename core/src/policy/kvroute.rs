@@ -31,7 +31,12 @@
 //!    queue is never joined for a short prefix.
 //! 3. **Warm first.** Among the eligible, the longest cached prefix wins:
 //!    from the engines' reported occupancy when there is an index (exact
-//!    mode), else from this router's own routing history.
+//!    mode), else from this router's own routing history. In exact mode a
+//!    prefix this router sent is counted at its endpoint until the engine
+//!    could have reported it ([`InFlight`]): engines report blocks once
+//!    computed, and a second request with the same new prefix, arriving
+//!    while the first still waits, would otherwise look cold everywhere and
+//!    compute it again elsewhere.
 //! 4. **Cold keys are deterministic.** Equal prefixes (no prefix at all, in
 //!    particular) are ordered by the rendezvous score of the routing key, so
 //!    every router replica makes the same choice among endpoints that are
@@ -46,6 +51,9 @@
 //! Tenancy needs nothing here: salted tenants have different keys and
 //! different block hashes, so they never share a choice by accident.
 
+use std::time::{Duration, Instant};
+
+use super::in_flight::InFlight;
 use super::memory::PrefixMemory;
 use super::min_ttft::{Predicted, predict_ttft};
 use super::*;
@@ -63,7 +71,9 @@ pub struct Config {
     pub latency_slack: f64,
     /// How prefill time is predicted. Default: [`PrefillModel::default`].
     pub engine: PrefillModel,
-    /// Blocks per endpoint remembered in approximate mode. Default: 32768.
+    /// Blocks per endpoint remembered in approximate mode; in exact mode,
+    /// blocks of prefixes in flight (sent, not yet reported) over all
+    /// endpoints. Default: 32768.
     pub memory_blocks: usize,
 }
 
@@ -96,8 +106,12 @@ impl Config {
 pub struct Kvroute {
     config: Config,
     memory: PrefixMemory,
+    in_flight: InFlight,
     /// Whether the last ranking had an occupancy index.
     exact: bool,
+    /// When the last ranking ran, and its predicted TTFT per endpoint.
+    ranked_at: Option<Instant>,
+    predicted_by_slot: Vec<(Slot, f64)>,
     by_slot: Vec<u32>,
     cached: Vec<u32>,
     scores: Vec<u64>,
@@ -109,8 +123,11 @@ impl Kvroute {
     pub fn new(config: Config) -> Self {
         Kvroute {
             memory: PrefixMemory::new(config.memory_blocks),
+            in_flight: InFlight::new(config.memory_blocks),
             config,
             exact: false,
+            ranked_at: None,
+            predicted_by_slot: Vec::new(),
             by_slot: Vec::new(),
             cached: Vec::new(),
             scores: Vec::new(),
@@ -136,7 +153,12 @@ impl Policy for Kvroute {
         }
         self.exact = cx.index.is_some();
         match cx.index {
-            Some(index) => index.longest_prefix(request.chain, &mut self.by_slot),
+            Some(index) => {
+                index.longest_prefix(request.chain, &mut self.by_slot);
+                self.in_flight.expire(cx.now);
+                self.in_flight
+                    .extend_prefixes(request.chain, &mut self.by_slot);
+            }
             None => self.memory.longest_prefix(request.chain, &mut self.by_slot),
         }
         per_candidate(&self.by_slot, endpoints, &mut self.cached);
@@ -199,6 +221,10 @@ impl Policy for Kvroute {
             })
         });
         let preferred = (0..n).min_by(preference).expect("non-empty");
+        self.ranked_at = Some(cx.now);
+        self.predicted_by_slot.clear();
+        self.predicted_by_slot
+            .extend((0..n).map(|i| (endpoints[i].slot, ttft(i))));
         let choice = ranked[0];
         let reason = match (choice == preferred, cached[choice] > 0) {
             (false, _) => Reason::Spill,
@@ -213,14 +239,28 @@ impl Policy for Kvroute {
     }
 
     fn routed(&mut self, request: &Request<'_>, endpoint: &Endpoint) {
-        // Exact mode learns from the engines; remembering would only cost.
         if !self.exact {
             self.memory.record(endpoint.slot, request.chain);
+            return;
+        }
+        // The engine reports the prefix by its first token; the report
+        // reaches the index at most a report's age later.
+        let predicted = self
+            .predicted_by_slot
+            .iter()
+            .find(|(slot, _)| *slot == endpoint.slot)
+            .map_or(0.0, |(_, ttft)| *ttft);
+        if let Some(at) = self.ranked_at {
+            let until = Duration::from_secs_f64(predicted.clamp(0.0, 3600.0))
+                + Duration::from_millis(self.config.engine.max_report_age_ms);
+            self.in_flight
+                .record(endpoint.slot, request.chain, at + until);
         }
     }
 
     fn endpoint_removed(&mut self, slot: Slot) {
         self.memory.forget(slot);
+        self.in_flight.forget(slot);
     }
 
     fn boxed_clone(&self) -> Box<dyn Policy> {

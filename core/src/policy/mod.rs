@@ -12,6 +12,7 @@
 
 mod approx_prefix;
 mod exact_prefix_load;
+mod in_flight;
 mod kvroute;
 mod least_loaded;
 pub mod memory;

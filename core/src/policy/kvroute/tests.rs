@@ -252,11 +252,12 @@ fn approximate_mode_learns_from_its_own_routing() {
 }
 
 #[test]
-fn exact_mode_does_not_learn_from_routing() {
-    let pool = Pool::test().replicas(2);
+fn exact_mode_learns_from_routing_only_until_the_engines_could_report() {
+    let mut pool = Pool::test().replicas(2);
     let mut p = Kvroute::new(Config::default());
     let d = p.rank(&request(1, &[1, 2]), &pool.endpoints, &pool.cx());
     p.routed(&request(1, &[1, 2]), &pool.endpoints[1 - d.ranked[0]]);
+    pool.now += Duration::from_secs(3);
     let again = p.rank(&request(1, &[1, 2]), &pool.endpoints, &pool.cx());
     assert_eq!(again.ranked, d.ranked, "only the engines' reports count");
 }
@@ -374,4 +375,35 @@ proptest! {
         let warmest = (0..loads.len()).filter(|&i| within(i)).map(depth).max().unwrap();
         prop_assert_eq!(depth(d.ranked[0]), warmest);
     }
+}
+
+#[test]
+fn a_prefix_in_flight_counts_at_its_endpoint_until_it_could_have_been_reported() {
+    // Exact mode, nothing reported yet. A request with a new 64-block
+    // prefix goes to its key's rendezvous choice; a second request with the
+    // same prefix but another key follows it there (the engine has not
+    // computed, hence not reported, the blocks yet), until the first's
+    // predicted first token plus a report's age has passed.
+    let mut pool = Pool::test().replicas(4);
+    let chain: Vec<u64> = (1..=64).collect();
+    let mut p = Kvroute::new(Config::default());
+    let first = p.rank(&request(1, &chain), &pool.endpoints, &pool.cx());
+    let to = first.ranked[0];
+    assert_eq!(first.reason, Reason::Cold);
+    p.routed(&request(1, &chain), &pool.endpoints[to]);
+    let other = (2..)
+        .find(|&key| pool.rendezvous_first(key) != to)
+        .expect("some key prefers another endpoint");
+    let second = p.rank(&request(other, &chain), &pool.endpoints, &pool.cx());
+    assert_eq!(
+        (second.ranked[0], second.reason, second.cached_blocks),
+        (to, Reason::Warm, 64)
+    );
+    // 1,029 tokens: 20 ms + 102.9 ms predicted, plus 2 s of report age.
+    pool.now += Duration::from_millis(2_200);
+    let later = p.rank(&request(other, &chain), &pool.endpoints, &pool.cx());
+    assert_eq!(
+        (later.ranked[0], later.reason),
+        (pool.rendezvous_first(other), Reason::Cold)
+    );
 }
