@@ -84,8 +84,6 @@
 
 mod error;
 mod http;
-mod json_patch;
-mod merge;
 mod meta;
 mod resource;
 mod selector;
