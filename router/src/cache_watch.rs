@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kvroute_core::index::{CacheEvent, IndexError};
 use kvroute_core::load::{EngineLoad, Memory};
+use kvroute_core::rng::SplitMix64;
 use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
 use kvroute_proto::v1::{CacheUpdate, LoadReport, WatchCacheRequest, cache_update::Update};
 use kvroute_proto::{ResyncReason, SequenceCheck, Verdict};
@@ -65,13 +66,13 @@ pub fn backoff(attempt: u32, random: u64) -> Duration {
     Duration::from_nanos(nanos)
 }
 
-/// Reconnect delays for one stream: [`backoff`] driven by a small
-/// SplitMix64 generator, seeded per stream so that many routers (or
-/// watchers) losing the same server do not retry in lockstep.
+/// Reconnect delays for one stream: [`backoff`] driven by a [`SplitMix64`]
+/// seeded per stream, so that many routers (or watchers) losing the same
+/// server do not retry in lockstep.
 #[derive(Clone, Debug)]
 pub struct Backoff {
     attempt: u32,
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl Backoff {
@@ -83,13 +84,13 @@ impl Backoff {
             .map_or(0, |d| d.as_nanos() as u64);
         Backoff {
             attempt: 0,
-            state: xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) ^ now,
+            rng: SplitMix64::new(xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) ^ now),
         }
     }
 
     /// The delay before the next attempt; each call doubles the ceiling.
     pub fn next_delay(&mut self) -> Duration {
-        let delay = backoff(self.attempt, self.next_random());
+        let delay = backoff(self.attempt, self.rng.next_u64());
         self.attempt = self.attempt.saturating_add(1);
         delay
     }
@@ -97,14 +98,6 @@ impl Backoff {
     /// Starts over from [`BACKOFF_BASE`] (the connection had been healthy).
     pub fn reset(&mut self) {
         self.attempt = 0;
-    }
-
-    fn next_random(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
     }
 }
 
