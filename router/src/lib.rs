@@ -27,6 +27,7 @@ pub mod models;
 pub mod pool;
 pub mod prefixes;
 pub mod proxy;
+pub mod reconnect;
 pub mod server;
 pub mod settings;
 pub mod tasks;
