@@ -14,6 +14,7 @@ pub mod config;
 pub mod conversations;
 pub mod discovery;
 pub mod errors;
+pub mod explain;
 pub mod ext_proc;
 pub mod features;
 pub mod hang;
