@@ -33,12 +33,12 @@ pub mod zmq;
 pub mod zmtp;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
 use kvroute_proto::feed::Reporter;
+use kvroute_proto::tls::{TlsArgs, TlsEnv};
 use kvroute_proto::v1;
 use kvroute_proto::v1::cache_reporter_server::CacheReporterServer;
 use tokio::sync::watch;
@@ -130,22 +130,20 @@ pub struct Config {
     #[arg(long, env = "KVROUTE_AGENT_QUIET_PERIOD_MS", default_value_t = 2000)]
     pub quiet_period_ms: u64,
 
-    /// WatchCache server certificate (PEM); with the key, serves TLS.
-    #[arg(long, env = "KVROUTE_AGENT_TLS_CERT_FILE", requires = "tls_key_file")]
-    pub tls_cert_file: Option<PathBuf>,
+    /// TLS of the WatchCache server (`--tls-cert-file`, `--tls-key-file`,
+    /// `--tls-client-ca-file`).
+    #[command(flatten)]
+    pub tls: TlsArgs<AgentTlsEnv>,
+}
 
-    /// WatchCache server private key (PEM).
-    #[arg(long, env = "KVROUTE_AGENT_TLS_KEY_FILE", requires = "tls_cert_file")]
-    pub tls_key_file: Option<PathBuf>,
+/// The agent's TLS flags read `KVROUTE_AGENT_TLS_*`.
+#[derive(Clone, Debug)]
+pub struct AgentTlsEnv;
 
-    /// CA bundle (PEM) client certificates must chain to: requires mutual
-    /// TLS.
-    #[arg(
-        long,
-        env = "KVROUTE_AGENT_TLS_CLIENT_CA_FILE",
-        requires = "tls_cert_file"
-    )]
-    pub tls_client_ca_file: Option<PathBuf>,
+impl TlsEnv for AgentTlsEnv {
+    const CERT_FILE: &'static str = "KVROUTE_AGENT_TLS_CERT_FILE";
+    const KEY_FILE: &'static str = "KVROUTE_AGENT_TLS_KEY_FILE";
+    const CLIENT_CA_FILE: &'static str = "KVROUTE_AGENT_TLS_CLIENT_CA_FILE";
 }
 
 impl Config {
@@ -167,9 +165,7 @@ impl Config {
             data_parallel_size: 1,
             subscriber_buffer: 4096,
             quiet_period_ms: 200,
-            tls_cert_file: None,
-            tls_key_file: None,
-            tls_client_ca_file: None,
+            tls: TlsArgs::default(),
         }
     }
 }
@@ -284,14 +280,7 @@ pub async fn start(config: Config) -> Result<Agent, StartError> {
     let mut tasks = Vec::new();
     let mut ranks = Vec::new();
     let mut cache_addrs = Vec::new();
-    let tls = match (&config.tls_cert_file, &config.tls_key_file) {
-        (Some(cert), Some(key)) => Some(kvroute_proto::tls::server(
-            cert,
-            key,
-            config.tls_client_ca_file.as_deref(),
-        )?),
-        _ => None,
-    };
+    let tls = config.tls.server()?;
     for r in 0..config.data_parallel_size {
         let endpoints = zmq::Endpoints {
             events: offset_port(&config.kv_events_endpoint, r).map_err(StartError::Config)?,

@@ -10,6 +10,7 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
+use kvroute_router::explain::Explanation;
 use serde_json::{Value, json};
 
 /// Flags of `kvroute explain`.
@@ -87,76 +88,64 @@ pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
     } else {
-        out.write_all(render(&value).as_bytes())?;
+        let explanation: Explanation = serde_json::from_value(value)
+            .with_context(|| format!("{url} answered with no explanation: {answer}"))?;
+        out.write_all(render(&explanation).as_bytes())?;
     }
     Ok(())
 }
 
 /// The answer for people.
-fn render(v: &Value) -> String {
+fn render(v: &Explanation) -> String {
     let mut s = String::new();
-    let str_of = |v: &Value| v.as_str().unwrap_or("-").to_owned();
-    let d = &v["decision"];
-    let chain = v["chain"].as_array().map_or(&[][..], Vec::as_slice);
+    let d = &v.decision;
+    let chain = &v.chain;
     let _ = writeln!(
         s,
         "request   POST {}  model {}{}",
-        str_of(&v["path"]),
-        str_of(&v["model"]),
-        v["lora"]
-            .as_str()
+        v.path,
+        v.model.as_deref().unwrap_or("-"),
+        v.lora
+            .as_ref()
             .map_or(String::new(), |l| format!("  (LoRA adapter {l})"))
     );
-    if v["tokenized"].as_bool() == Some(true) {
+    if v.tokenized {
         let _ = writeln!(
             s,
             "prompt    {} tokens, {} full blocks of {} ({}), key {}",
-            v["prompt_tokens"],
+            v.prompt_tokens,
             chain.len(),
-            v["block_size"],
-            str_of(&v["hash_algo"]),
-            str_of(&v["key"])
+            v.block_size,
+            v.hash_algo,
+            v.key
         );
-    } else if v["mode"] == "approximate" && !chain.is_empty() {
+    } else if v.mode == "approximate" && !chain.is_empty() {
         let _ = writeln!(
             s,
             "prompt    approximate mode: about {} tokens (4 bytes each), {} full blocks of {}, key {}",
-            v["prompt_tokens"],
+            v.prompt_tokens,
             chain.len(),
-            v["block_size"],
-            str_of(&v["key"])
+            v.block_size,
+            v.key
         );
     } else {
         let _ = writeln!(
             s,
             "prompt    not tokenized (about {} tokens), key {}",
-            v["prompt_tokens"],
-            str_of(&v["key"])
+            v.prompt_tokens, v.key
         );
     }
-    let tokens: Vec<String> = v["tokens"]
-        .as_array()
-        .map_or(&[][..], Vec::as_slice)
-        .iter()
-        .map(Value::to_string)
-        .collect();
+    let tokens: Vec<String> = v.tokens.iter().map(u32::to_string).collect();
     wrapped(&mut s, "tokens", &tokens);
-    let hashes: Vec<String> = chain.iter().map(str_of).collect();
-    wrapped(&mut s, "chain", &hashes);
-    let ranked: Vec<String> = d["ranked"]
-        .as_array()
-        .map_or(&[][..], Vec::as_slice)
-        .iter()
-        .map(str_of)
-        .collect();
+    wrapped(&mut s, "chain", chain);
     let _ = writeln!(
         s,
         "decision  {} → {} ({}, {} cached blocks); ranked {}",
-        str_of(&d["policy"]),
-        ranked.first().map_or("no endpoint", String::as_str),
-        str_of(&d["reason"]),
-        d["cached_blocks"],
-        ranked.join(", ")
+        d.policy,
+        d.ranked.first().map_or("no endpoint", String::as_str),
+        d.reason,
+        d.cached_blocks,
+        d.ranked.join(", ")
     );
     let _ = writeln!(
         s,
@@ -170,27 +159,24 @@ fn render(v: &Value) -> String {
         "memory ms",
         "pred. TTFT"
     );
-    for e in d["endpoints"].as_array().map_or(&[][..], Vec::as_slice) {
-        let ms = |k: &str| {
-            e[k].as_f64()
-                .map_or("-".into(), |x| format!("{:.1}", x * 1e3))
-        };
-        let routable = match (e["routable"].as_bool(), e["full"].as_bool()) {
-            (Some(true), Some(true)) => "full",
-            (Some(true), _) => "yes",
-            _ => "no",
+    for e in &d.endpoints {
+        let ms = |seconds: f64| format!("{:.1}", seconds * 1e3);
+        let routable = match (e.routable, e.full) {
+            (true, true) => "full",
+            (true, false) => "yes",
+            (false, _) => "no",
         };
         let _ = writeln!(
             s,
             "{:<24} {:>8} {:>9} {:>8} {:>9} {:>9} {:>9} {:>8} ms",
-            str_of(&e["name"]),
+            e.name,
             routable,
-            str_of(&e["contract"]),
-            format!("{}/{}", e["cached_blocks"], chain.len()),
-            e["in_flight"].to_string(),
-            ms("queue_seconds"),
-            ms("memory_wait_seconds"),
-            ms("predicted_ttft_seconds"),
+            e.contract,
+            format!("{}/{}", e.cached_blocks, chain.len()),
+            e.in_flight,
+            ms(e.queue_seconds),
+            ms(e.memory_wait_seconds),
+            ms(e.predicted_ttft_seconds),
         );
     }
     s

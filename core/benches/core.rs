@@ -15,20 +15,13 @@ use kvroute_core::keys::RoutingKey;
 use kvroute_core::load::Load;
 use kvroute_core::policy::{Context, Endpoint, KvrouteConfig, PolicyConfig, Request};
 use kvroute_core::rendezvous::{endpoint_id, rank_into};
+use kvroute_core::rng::SplitMix64;
 use kvroute_core::slot::Slot;
 
-/// Deterministic pseudo-random u64s (SplitMix64).
+/// Deterministic pseudo-random u64s.
 fn random_u64s(seed: u64, n: usize) -> Vec<u64> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        })
-        .collect()
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.next_u64()).collect()
 }
 
 fn hashing(c: &mut Criterion) {

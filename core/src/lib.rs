@@ -19,5 +19,6 @@ pub mod load;
 pub mod lru;
 pub mod policy;
 pub mod rendezvous;
+pub mod rng;
 pub mod slot;
 pub mod tokenize;

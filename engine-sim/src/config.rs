@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use kvroute_core::hash::{HashAlgo, Lora};
+use kvroute_proto::tls::{TlsArgs, TlsEnv};
 
 /// How one simulated engine behaves.
 #[derive(Clone, Debug, clap::Args)]
@@ -136,19 +137,20 @@ pub struct Config {
     #[arg(long, env = "SIM_KV_EVENTS_BUFFER_STEPS", default_value_t = 10_000)]
     pub kv_events_buffer_steps: usize,
 
-    /// PEM certificate chain of the WatchCache server; with
-    /// `--tls-key-file` it serves TLS. Unset: plaintext.
-    #[arg(long, env = "SIM_TLS_CERT_FILE", requires = "tls_key_file")]
-    pub tls_cert_file: Option<PathBuf>,
+    /// TLS of the WatchCache server (`--tls-cert-file`, `--tls-key-file`,
+    /// `--tls-client-ca-file`).
+    #[command(flatten)]
+    pub tls: TlsArgs<SimTlsEnv>,
+}
 
-    /// PEM private key of `--tls-cert-file`.
-    #[arg(long, env = "SIM_TLS_KEY_FILE", requires = "tls_cert_file")]
-    pub tls_key_file: Option<PathBuf>,
+/// engine-sim's TLS flags read `SIM_TLS_*`.
+#[derive(Clone, Debug)]
+pub struct SimTlsEnv;
 
-    /// PEM CA: WatchCache subscribers must present a certificate it signed
-    /// (mTLS).
-    #[arg(long, env = "SIM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
-    pub tls_client_ca_file: Option<PathBuf>,
+impl TlsEnv for SimTlsEnv {
+    const CERT_FILE: &'static str = "SIM_TLS_CERT_FILE";
+    const KEY_FILE: &'static str = "SIM_TLS_KEY_FILE";
+    const CLIENT_CA_FILE: &'static str = "SIM_TLS_CLIENT_CA_FILE";
 }
 
 /// `name=path`, as vLLM's `--lora-modules` takes it.
@@ -187,8 +189,9 @@ impl Config {
                 self.fail_rate
             ));
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some()
-            || (self.tls_client_ca_file.is_some() && self.tls_cert_file.is_none())
+        let tls = &self.tls;
+        if tls.tls_cert_file.is_some() != tls.tls_key_file.is_some()
+            || (tls.tls_client_ca_file.is_some() && tls.tls_cert_file.is_none())
         {
             return Err(
                 "--tls-cert-file and --tls-key-file go together, and --tls-client-ca-file needs them"
@@ -237,9 +240,7 @@ impl Config {
             kv_events_replay_endpoint: None,
             kv_events_topic: String::new(),
             kv_events_buffer_steps: 10_000,
-            tls_cert_file: None,
-            tls_key_file: None,
-            tls_client_ca_file: None,
+            tls: TlsArgs::default(),
         }
     }
 }

@@ -118,8 +118,7 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
         None => ChatTemplate::builtin(),
     };
     let mut grpc = tonic::transport::Server::builder();
-    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
-        let tls = kvroute_proto::tls::server(cert, key, config.tls_client_ca_file.as_deref())?;
+    if let Some(tls) = config.tls.server()? {
         grpc = grpc
             .tls_config(tls)
             .map_err(|e| kvroute_proto::tls::TlsError::Invalid(e.to_string()))?;

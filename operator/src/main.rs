@@ -20,6 +20,7 @@ use kvroute_operator::lease::{self, LeaseConfig};
 use kvroute_operator::metrics::{Gauges, Metrics, PoolGauge};
 use kvroute_operator::status::StatusWriter;
 use kvroute_operator::watch::{Scope, run_watchers};
+use kvroute_proto::tls::{TlsArgs, TlsEnv};
 use kvroute_telemetry::LogFormat;
 use tokio::sync::watch;
 
@@ -102,19 +103,10 @@ struct RunConfig {
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     otlp_endpoint: Option<String>,
 
-    /// PEM certificate chain of the WatchPool server; with
-    /// `--tls-key-file` it serves TLS. Unset: plaintext.
-    #[arg(long, env = "KVROUTE_TLS_CERT_FILE", requires = "tls_key_file")]
-    tls_cert_file: Option<PathBuf>,
-
-    /// PEM private key of `--tls-cert-file`.
-    #[arg(long, env = "KVROUTE_TLS_KEY_FILE", requires = "tls_cert_file")]
-    tls_key_file: Option<PathBuf>,
-
-    /// PEM CA: WatchPool subscribers (routers) must present a certificate
-    /// it signed (mTLS).
-    #[arg(long, env = "KVROUTE_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
-    tls_client_ca_file: Option<PathBuf>,
+    /// TLS of the WatchPool server (`--tls-cert-file`, `--tls-key-file`,
+    /// `--tls-client-ca-file`).
+    #[command(flatten)]
+    tls: TlsArgs<OperatorTlsEnv>,
 
     /// PEM CA of the engines' WatchCache servers: the engine probes dial
     /// them over TLS. Unset: plaintext.
@@ -144,6 +136,16 @@ struct RunConfig {
         requires = "engine_tls_ca_file"
     )]
     engine_tls_server_name: Option<String>,
+}
+
+/// The operator's TLS flags read `KVROUTE_TLS_*`.
+#[derive(Debug)]
+struct OperatorTlsEnv;
+
+impl TlsEnv for OperatorTlsEnv {
+    const CERT_FILE: &'static str = "KVROUTE_TLS_CERT_FILE";
+    const KEY_FILE: &'static str = "KVROUTE_TLS_KEY_FILE";
+    const CLIENT_CA_FILE: &'static str = "KVROUTE_TLS_CLIENT_CA_FILE";
 }
 
 impl RunConfig {
@@ -198,13 +200,10 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         .await
         .context("build a Kubernetes client (KUBECONFIG or in-cluster config)")?;
     let identity = config.identity.unwrap_or_else(lease::default_identity);
-    let tls = match (&config.tls_cert_file, &config.tls_key_file) {
-        (Some(cert), Some(key)) => Some(
-            kvroute_proto::tls::server(cert, key, config.tls_client_ca_file.as_deref())
-                .context("--tls-cert-file / --tls-key-file / --tls-client-ca-file")?,
-        ),
-        _ => None,
-    };
+    let tls = config
+        .tls
+        .server()
+        .context("--tls-cert-file / --tls-key-file / --tls-client-ca-file")?;
     let engine_tls = config
         .engine_tls_ca_file
         .as_deref()

@@ -101,9 +101,9 @@ fn tls_fixture(name: &str) -> std::path::PathBuf {
 #[tokio::test]
 async fn probes_dial_engines_over_mutual_tls() {
     let mut c = SimConfig::test();
-    c.tls_cert_file = Some(tls_fixture("server.crt"));
-    c.tls_key_file = Some(tls_fixture("server.key"));
-    c.tls_client_ca_file = Some(tls_fixture("ca.crt"));
+    c.tls.tls_cert_file = Some(tls_fixture("server.crt"));
+    c.tls.tls_key_file = Some(tls_fixture("server.key"));
+    c.tls.tls_client_ca_file = Some(tls_fixture("ca.crt"));
     let sim = kvroute_engine_sim::start(c).await.unwrap();
     let target = kvroute_operator::index::EngineTarget {
         namespace: "ml".into(),

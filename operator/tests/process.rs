@@ -8,8 +8,8 @@ mod support;
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
-use kvroute_e2e::FakeApiServer;
 use kvroute_proto::v1::PoolState;
+use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
 use support::Operator;
 use tonic::Streaming;

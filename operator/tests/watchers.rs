@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kvroute_e2e::FakeApiServer;
 use kvroute_operator::index::Index;
 use kvroute_operator::metrics::{Gauges, Metrics};
 use kvroute_operator::watch::{Scope, run_watchers};
+use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 

@@ -2,10 +2,11 @@
 //! mutual TLS for the WatchCache and WatchPool streams (every server —
 //! engine-sim, the operator, the agent — and every client — the router),
 //! and the rustls configuration of an HTTPS listener (the router's API). Files are read once, at start, and
-//! checked there: malformed ones fail the start, naming the file.
+//! checked there: malformed ones fail the start, naming the file. The
+//! servers take their files from one set of flags, [`TlsArgs`].
 
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
-
 use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
@@ -113,6 +114,66 @@ pub fn server(
         .tls_config(tls.clone())
         .map_err(|e| TlsError::Invalid(format!("{}: {e}", cert.display())))?;
     Ok(tls)
+}
+
+/// The environment variables a server binary reads its [`TlsArgs`] from:
+/// each binary has always had its own (`KVROUTE_TLS_CERT_FILE` for the
+/// operator, `SIM_TLS_CERT_FILE` for engine-sim, …), and keeps them.
+pub trait TlsEnv {
+    /// The variable of `--tls-cert-file`.
+    const CERT_FILE: &'static str;
+    /// The variable of `--tls-key-file`.
+    const KEY_FILE: &'static str;
+    /// The variable of `--tls-client-ca-file`.
+    const CLIENT_CA_FILE: &'static str;
+}
+
+/// A gRPC server's TLS flags, flattened into the flags of every binary
+/// that serves WatchCache or WatchPool; `E` names their environment
+/// variables.
+#[derive(Clone, Debug, clap::Args)]
+pub struct TlsArgs<E: TlsEnv> {
+    /// PEM certificate chain of the gRPC server (WatchCache or WatchPool);
+    /// with `--tls-key-file` it serves TLS. Unset: plaintext.
+    #[arg(long, env = E::CERT_FILE, requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert-file`.
+    #[arg(long, env = E::KEY_FILE, requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// PEM CA: the server's subscribers must present a certificate it
+    /// signed (mTLS).
+    #[arg(long, env = E::CLIENT_CA_FILE, requires = "tls_cert_file")]
+    pub tls_client_ca_file: Option<PathBuf>,
+
+    #[arg(skip)]
+    env: PhantomData<E>,
+}
+
+impl<E: TlsEnv> Default for TlsArgs<E> {
+    /// Plaintext.
+    fn default() -> Self {
+        TlsArgs {
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_client_ca_file: None,
+            env: PhantomData,
+        }
+    }
+}
+
+impl<E: TlsEnv> TlsArgs<E> {
+    /// The server's TLS ([`server`]) when both the certificate and the key
+    /// are set; `None` (plaintext) otherwise.
+    pub fn server(&self) -> Result<Option<ServerTlsConfig>, TlsError> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => {
+                server(cert, key, self.tls_client_ca_file.as_deref()).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 /// A client's TLS: servers verified against `ca`, under `server_name` when

@@ -27,6 +27,7 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use kvroute_core::contract::EngineCache;
 use kvroute_core::policy::PolicyConfig;
+use kvroute_core::rng::SplitMix64;
 use kvroute_core::tokenize::{ChatMessage, ChatTemplate, Tokenizer, chat_prompt_tokens};
 use kvroute_router::config::Config;
 use kvroute_router::metrics::Metrics;
@@ -46,20 +47,14 @@ const CHAT: &str = "/v1/chat/completions";
 const QWEN_CONFIG: &str =
     include_str!("../../core/tests/fixtures/tokenize/qwen2.5-instruct.tokenizer_config.json");
 
-/// Deterministic words from syllables (SplitMix64), about 6 letters each.
+/// Deterministic words from syllables, about 6 letters each.
 fn words(seed: u64, bytes: usize) -> String {
     const SYLLABLES: [&str; 24] = [
         "ka", "ro", "ute", "pre", "fix", "blo", "ck", "en", "gi", "ne", "to", "ken", "ca", "che",
         "po", "ol", "re", "qu", "est", "la", "ten", "cy", "ser", "ve",
     ];
-    let mut s = seed;
-    let mut next = move || {
-        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut rng = SplitMix64::new(seed);
+    let mut next = move || rng.next_u64();
     let mut text = String::with_capacity(bytes + 16);
     while text.len() < bytes {
         let n = 1 + next() % 3;

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{Notify, watch};
 
 use crate::config::Resilience;
+use crate::explain::{Explained, ExplainedEndpoint};
 use crate::health::{self, Event, Fault, Outlier};
 use crate::metrics::{Metrics, Why};
 use crate::settings::Settings;
@@ -122,51 +123,6 @@ pub struct Plan {
     pub reason: Reason,
     /// Leading blocks the policy believes the first holds.
     pub cached_blocks: u32,
-}
-
-/// A decision explained ([`Pool::explain`]).
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Explained {
-    /// The policy that decided.
-    pub policy: &'static str,
-    /// Why the first was chosen: `warm`, `cold`, `spill`, or `unreadable`
-    /// (no prompt: least loaded).
-    pub reason: &'static str,
-    /// Leading blocks the policy believes the first holds.
-    pub cached_blocks: u32,
-    /// Routable endpoints, best first (a full one is skipped when sent).
-    pub ranked: Vec<String>,
-    /// The prefill rate every endpoint's prediction is at, tokens per
-    /// second: the pool's ([`kvroute_core::load::PrefillModel::pool_rate`]).
-    pub prefill_tokens_per_second: f64,
-    /// Every endpoint's view of the request.
-    pub endpoints: Vec<ExplainedEndpoint>,
-}
-
-/// One endpoint's view of a request.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct ExplainedEndpoint {
-    /// Name.
-    pub name: String,
-    /// Ready, not draining, not ejected.
-    pub routable: bool,
-    /// At its concurrency limit.
-    pub full: bool,
-    /// Its engine contract (`unknown`, `match`, `mismatch`).
-    pub contract: &'static str,
-    /// The request's leading blocks it holds, per the index.
-    pub cached_blocks: u32,
-    /// Requests in flight.
-    pub in_flight: u32,
-    /// Predicted prefill queued ahead of this request, seconds.
-    pub queue_seconds: f64,
-    /// Predicted wait for the KV blocks this request needs there (after
-    /// the waiting requests'), seconds; 0 when the engine does not report
-    /// its memory.
-    pub memory_wait_seconds: f64,
-    /// Predicted time to first token there: the longer of the two waits,
-    /// then its own prefill, seconds.
-    pub predicted_ttft_seconds: f64,
 }
 
 /// The WatchCache streams a change starts and stops.
@@ -599,7 +555,7 @@ impl Pool {
                     name: m.spec.name.clone(),
                     routable: inner.is_routable(m, now),
                     full: load.in_flight >= self.concurrency,
-                    contract: m.contract.as_str(),
+                    contract: m.contract.as_str().to_owned(),
                     cached_blocks: cached,
                     in_flight: load.in_flight,
                     queue_seconds: queued,
@@ -610,12 +566,13 @@ impl Pool {
             })
             .collect();
         Explained {
-            policy: policy.name(),
+            policy: policy.name().to_owned(),
             reason: if readable {
                 decision.reason.as_str()
             } else {
                 "unreadable"
-            },
+            }
+            .to_owned(),
             cached_blocks: decision.cached_blocks,
             ranked,
             prefill_tokens_per_second: rate,

@@ -33,6 +33,7 @@ use crate::body::{self, BodyBudget, Received};
 use crate::config::{Config, Limits};
 use crate::conversations::{Conversation, Conversations, Memo, Scope};
 use crate::errors::ApiError;
+use crate::explain::Explanation;
 use crate::features::{self, Api, Held};
 use crate::health::Fault;
 use crate::hit_rate::{Gap, Usage, UsageScan};
@@ -619,9 +620,9 @@ impl Proxy {
             key: format!("{:016x}", a.key.0),
             prompt_tokens: a.prompt_tokens,
             tokenized: a.tokenized,
-            mode: if exact { "exact" } else { "approximate" },
+            mode: if exact { "exact" } else { "approximate" }.to_owned(),
             block_size: hashing.block_size,
-            hash_algo: hashing.algo.as_str(),
+            hash_algo: hashing.algo.as_str().to_owned(),
             chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),
             model: a.model,
             lora: a.lora,
@@ -1212,38 +1213,6 @@ fn end_to_end(headers: &mut HeaderMap) {
     let mut kept = HeaderMap::new();
     copy_headers(headers, &mut kept, &[]);
     *headers = kept;
-}
-
-/// What `POST /debug/explain` answers: what the router computes from a
-/// request, and the decision it would make.
-#[derive(Debug, serde::Serialize)]
-pub struct Explanation {
-    /// The API path.
-    pub path: String,
-    /// The request's `model`.
-    pub model: Option<String>,
-    /// The LoRA adapter the prompt is hashed with.
-    pub lora: Option<String>,
-    /// The routing key, hex.
-    pub key: String,
-    /// Prompt tokens (estimated from the body size when not tokenized).
-    pub prompt_tokens: u64,
-    /// Whether the router read and tokenized the prompt.
-    pub tokenized: bool,
-    /// `exact` (tokenized as the engines do) or `approximate` (the text in
-    /// 4-byte pseudo-tokens: `tokens` is then empty, and `chain` and
-    /// `prompt_tokens` count those).
-    pub mode: &'static str,
-    /// The prompt's token ids.
-    pub tokens: Vec<u32>,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// The block hash algorithm.
-    pub hash_algo: &'static str,
-    /// The block chain, in the u64 form of KV events, hex.
-    pub chain: Vec<String>,
-    /// The pool's view and decision.
-    pub decision: crate::pool::Explained,
 }
 
 /// What [`analyze`] takes from a request besides its body.

@@ -3,6 +3,7 @@
 
 mod support;
 
+use kvroute_router::explain::Explanation;
 use serde_json::{Value, json};
 use support::*;
 
@@ -32,6 +33,11 @@ async fn explains_a_warm_decision_without_changing_anything() {
     let r = explain(&stack, wrapped).await;
     assert_eq!(r.status(), 200);
     let keyed: Value = r.json().await.unwrap();
+    // `kvroute explain` reads the answer as the router's own type.
+    for v in [&bare, &keyed] {
+        let typed: Explanation = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&typed).unwrap(), *v);
+    }
 
     for v in [&bare, &keyed] {
         let chain = v["chain"].as_array().unwrap();

@@ -209,9 +209,9 @@ async fn watch_cache_streams_run_over_mutual_tls() {
         2,
         true,
         |c| {
-            c.tls_cert_file = Some(fixture("server.crt"));
-            c.tls_key_file = Some(fixture("server.key"));
-            c.tls_client_ca_file = Some(fixture("ca.crt"));
+            c.tls.tls_cert_file = Some(fixture("server.crt"));
+            c.tls.tls_key_file = Some(fixture("server.key"));
+            c.tls.tls_client_ca_file = Some(fixture("ca.crt"));
         },
         |c| {
             c.resilience.health_check = None;

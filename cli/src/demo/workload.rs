@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use futures_util::{StreamExt as _, TryStreamExt as _, stream};
+use kvroute_core::rng::SplitMix64;
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::{Value, json};
 
@@ -104,27 +105,8 @@ pub struct Sample {
     pub ttft: Duration,
 }
 
-/// SplitMix64: enough randomness for text, with no dependency.
-#[derive(Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-
-    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
-        items[(self.next() % items.len() as u64) as usize]
-    }
+fn pick<'a>(rng: &mut SplitMix64, items: &[&'a str]) -> &'a str {
+    items[(rng.next_u64() % items.len() as u64) as usize]
 }
 
 const WORDS: &[&str] = &[
@@ -139,11 +121,11 @@ const WORDS: &[&str] = &[
 ];
 
 /// A sentence of 6 to 16 words.
-fn sentence(rng: &mut Rng) -> String {
+fn sentence(rng: &mut SplitMix64) -> String {
     let n = rng.range(6, 16);
     let mut s = String::new();
     for i in 0..n {
-        let w = rng.pick(WORDS);
+        let w = pick(rng, WORDS);
         if i == 0 {
             let mut c = w.chars();
             s.extend(c.next().map(|c| c.to_ascii_uppercase()));
@@ -159,7 +141,7 @@ fn sentence(rng: &mut Rng) -> String {
 
 /// Text of about `tokens` tokens of the built-in tokenizer (a sentence
 /// more at most), after `start`.
-fn text(rng: &mut Rng, tokenizer: &Tokenizer, start: &str, tokens: usize) -> String {
+fn text(rng: &mut SplitMix64, tokenizer: &Tokenizer, start: &str, tokens: usize) -> String {
     let count = |s: &str| tokenizer.encode(s, false).map_or(s.len() / 4, |t| t.len());
     let mut out = start.to_owned();
     while count(out.trim_end()) < tokens {
@@ -172,7 +154,7 @@ impl Workload {
     /// The workload of `shape`.
     pub fn new(shape: Shape) -> Self {
         let tokenizer = Tokenizer::builtin();
-        let mut rng = Rng(shape.seed);
+        let mut rng = SplitMix64::new(shape.seed);
         let systems = ASSISTANTS
             .iter()
             .map(|(name, tokens)| {
@@ -205,7 +187,7 @@ impl Workload {
             sessions.push(Session {
                 id: Some(format!("{tenant}-conv-{c}")),
                 tenant,
-                system: (rng.next() % ASSISTANTS.len() as u64) as usize,
+                system: (rng.next_u64() % ASSISTANTS.len() as u64) as usize,
                 turns,
             });
             if (c + 1) % one_off_every == 0 && one_offs < shape.one_offs {
@@ -214,7 +196,7 @@ impl Workload {
                 sessions.push(Session {
                     id: None,
                     tenant: TENANTS[(c + 1) % TENANTS.len()],
-                    system: (rng.next() % ASSISTANTS.len() as u64) as usize,
+                    system: (rng.next_u64() % ASSISTANTS.len() as u64) as usize,
                     turns: vec![Turn {
                         user: text(&mut rng, &tokenizer, "", tokens),
                         max_tokens: rng.range(16, 48),

@@ -2,6 +2,7 @@
 //! repeat exactly.
 
 use super::*;
+use crate::rng::SplitMix64;
 
 /// Configuration of [`Random`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -11,30 +12,24 @@ pub struct Config {
     pub seed: u64,
 }
 
-/// A random permutation per request (SplitMix64 generator).
+/// A random permutation per request, from a seeded [`SplitMix64`].
 #[derive(Clone, Debug)]
 pub struct Random {
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl Random {
     /// A generator seeded from `config`.
     pub fn new(config: Config) -> Self {
-        Random { state: config.seed }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        Random {
+            rng: SplitMix64::new(config.seed),
+        }
     }
 
     /// Uniform in `0..n` (Lemire's multiply-shift; bias below 2^-32 for the
     /// pool sizes routers see).
     fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+        ((u128::from(self.rng.next_u64()) * n as u128) >> 64) as usize
     }
 }
 

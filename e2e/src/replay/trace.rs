@@ -21,10 +21,10 @@ use std::io::{BufRead, Write as _};
 use std::path::Path;
 
 use anyhow::{Context as _, bail};
+use kvroute_core::rng::SplitMix64;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::suite::load::Rng;
 use crate::suite::system::MODEL;
 
 /// Token ids are below this: 5 digits in JSON, and in every real model's
@@ -108,9 +108,10 @@ pub fn write(path: &Path, requests: &[Request]) -> anyhow::Result<()> {
 pub fn prompt(request: &Request, block_tokens: u64) -> Vec<u32> {
     let mut tokens = Vec::with_capacity(request.input_length as usize);
     for &id in &request.hash_ids {
-        let mut rng = Rng(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x6b76_726f_7574_6521);
+        let mut rng =
+            SplitMix64::new(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x6b76_726f_7574_6521);
         let left = request.input_length - tokens.len() as u64;
-        tokens.extend((0..block_tokens.min(left)).map(|_| (rng.next() % VOCAB) as u32));
+        tokens.extend((0..block_tokens.min(left)).map(|_| (rng.next_u64() % VOCAB) as u32));
     }
     tokens
 }

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
+use kvroute_core::rng::SplitMix64;
 use kvroute_core::tokenize::Tokenizer;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
@@ -137,26 +138,6 @@ impl Rotation {
     }
 }
 
-/// SplitMix64: enough randomness for text, with no dependency.
-#[derive(Debug)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The next value.
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-}
-
 const WORDS: &[&str] = &[
     "account", "answer", "before", "billing", "branch", "budget", "cache", "check", "client",
     "code", "contract", "data", "deploy", "detail", "error", "file", "flight", "function", "hotel",
@@ -166,13 +147,13 @@ const WORDS: &[&str] = &[
 ];
 
 /// Text of at least `tokens` built-in tokens.
-pub fn text(rng: &mut Rng, tokenizer: &Tokenizer, start: &str, tokens: usize) -> String {
+pub fn text(rng: &mut SplitMix64, tokenizer: &Tokenizer, start: &str, tokens: usize) -> String {
     let count = |s: &str| tokenizer.encode(s, false).map_or(s.len() / 4, |t| t.len());
     let mut out = start.to_owned();
     while count(&out) < tokens {
         for _ in 0..12 {
             out.push(' ');
-            out.push_str(WORDS[(rng.next() % WORDS.len() as u64) as usize]);
+            out.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
         }
         out.push('.');
     }
@@ -182,7 +163,7 @@ pub fn text(rng: &mut Rng, tokenizer: &Tokenizer, start: &str, tokens: usize) ->
 /// The system prompts of `shape`.
 pub fn system_prompts(shape: &Shape) -> Vec<String> {
     let tokenizer = Tokenizer::builtin();
-    let mut rng = Rng(shape.seed);
+    let mut rng = SplitMix64::new(shape.seed);
     (0..shape.groups)
         .map(|g| {
             let start = format!("You are assistant {g}. Follow these instructions exactly.");
@@ -240,12 +221,12 @@ async fn session(
     samples: &Mutex<Vec<Sample>>,
 ) {
     let tokenizer = Tokenizer::builtin();
-    let mut rng = Rng(shape.seed ^ (i + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+    let mut rng = SplitMix64::new(shape.seed ^ (i + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
     // The first sessions take the system prompts in turn, so every
     // assistant is in use from the start; later ones pick at random, except
     // every fifth, whose system prompt is its own (a prefix no engine has:
     // new work for rendezvous hashing to place).
-    let pick = rng.next() % systems.len() as u64;
+    let pick = rng.next_u64() % systems.len() as u64;
     let own;
     let system = if i >= systems.len() as u64 && i % 5 == 4 {
         own = text(&mut rng, &tokenizer, &format!("You are helper {i}."), 300);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use kvroute_core::rng::SplitMix64;
 use serde_json::json;
 
 use super::load::{self, Outcome, Rotation, Sample, Shape};
@@ -414,7 +415,7 @@ fn cold_bodies(n: usize) -> Vec<serde_json::Value> {
 /// block with them.
 fn labelled_cold_bodies(label: &str, n: usize) -> Vec<serde_json::Value> {
     let tokenizer = kvroute_core::tokenize::Tokenizer::builtin();
-    let mut rng = load::Rng(0xc01d);
+    let mut rng = SplitMix64::new(0xc01d);
     (0..n)
         .map(|i| {
             let prompt = load::text(&mut rng, &tokenizer, &format!("{label} {i}:"), 300);

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use kvroute_e2e::FakeApiServer;
+use kvroute_testkit::FakeApiServer;
 use serde::Deserialize;
 use serde_json::{Value, json};
 

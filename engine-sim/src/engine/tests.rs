@@ -2,6 +2,7 @@ use std::collections::BTreeSet;
 
 use kvroute_core::hash::{BlockExtras, HashAlgo, Lora};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
+use kvroute_core::rng::SplitMix64;
 use kvroute_core::slot::Slot;
 use proptest::prelude::*;
 
@@ -273,15 +274,6 @@ impl Mirror {
     }
 }
 
-/// SplitMix64, for reproducible workloads.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 async fn workload(seed: u64) {
     let e = engine(|c| {
         c.block_size = 4;
@@ -290,21 +282,21 @@ async fn workload(seed: u64) {
         c.max_num_seqs = 8;
     });
     let mut mirror = Mirror::new(&e);
-    let mut rng = seed;
+    let mut rng = SplitMix64::new(seed); // reproducible workloads
     let prefixes: Vec<Vec<u32>> = (0..12)
         .map(|p| {
-            (0..(4 + next(&mut rng) % 30))
+            (0..(4 + rng.next_u64() % 30))
                 .map(|t| (p * 1000 + t) as u32)
                 .collect()
         })
         .collect();
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..2500u64 {
-        let mut prompt = prefixes[(next(&mut rng) % 12) as usize].clone();
-        let extra = next(&mut rng) % 12;
-        prompt.extend((0..extra).map(|t| (50_000 + next(&mut rng) % 7 + t) as u32));
-        let max_tokens = 1 + next(&mut rng) % 9;
-        let salt = next(&mut rng).is_multiple_of(5).then(|| "s".to_owned());
+        let mut prompt = prefixes[(rng.next_u64() % 12) as usize].clone();
+        let extra = rng.next_u64() % 12;
+        prompt.extend((0..extra).map(|t| (50_000 + rng.next_u64() % 7 + t) as u32));
+        let max_tokens = 1 + rng.next_u64() % 9;
+        let salt = rng.next_u64().is_multiple_of(5).then(|| "s".to_owned());
         let e2 = e.clone();
         tasks.spawn(async move {
             let mut g = e2
@@ -322,7 +314,7 @@ async fn workload(seed: u64) {
             tasks.join_next().await;
         }
         // The subscriber keeps up most of the time, and sometimes not.
-        if !next(&mut rng).is_multiple_of(50) {
+        if !rng.next_u64().is_multiple_of(50) {
             mirror.drain(&e);
         }
         if i == 1200 {

@@ -9,7 +9,7 @@ use http::Method;
 use k8s_openapi::jiff::Timestamp;
 use kube::client::Body;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kvroute_e2e::FakeApiServer;
+use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;

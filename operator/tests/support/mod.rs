@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvroute_e2e::FakeApiServer;
 use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
 use kvroute_proto::v1::{PoolState, WatchPoolRequest};
+use kvroute_testkit::FakeApiServer;
 use tonic::Streaming;
 
 /// How long the operator may take to start listening, or a metric to reach

@@ -31,8 +31,9 @@ use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
 
 use tonic::transport::ClientTlsConfig;
 
-use crate::cache_watch::{BACKOFF_RESET_AFTER, Backoff, Watchers, error_chain};
+use crate::cache_watch::Watchers;
 use crate::pool::{EndpointSpec, Pool, Streams};
+use crate::reconnect::{BACKOFF_RESET_AFTER, Backoff, error_chain};
 use crate::settings::Settings;
 
 /// How the router names itself to the operator.

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use kvroute_core::rng::SplitMix64;
 use kvroute_proto::feed::{Message, Reporter, Source, new_incarnation};
 use kvroute_proto::v1::cache_reporter_server::CacheReporterServer;
 use kvroute_proto::v1::{
@@ -50,17 +51,9 @@ struct Hostile {
     messages: Arc<AtomicU64>,
 }
 
-/// SplitMix64: fresh, well-spread hashes.
-fn hashes(state: &mut u64, n: usize) -> Vec<u64> {
-    (0..n)
-        .map(|_| {
-            *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = *state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        })
-        .collect()
+/// Fresh, well-spread hashes.
+fn hashes(rng: &mut SplitMix64, n: usize) -> Vec<u64> {
+    (0..n).map(|_| rng.next_u64()).collect()
 }
 
 impl Source for Hostile {
@@ -87,7 +80,7 @@ impl Source for Hostile {
             if tx.send(message(0, snapshot(Vec::new()))).await.is_err() {
                 return;
             }
-            let mut state = 0x5eed_u64;
+            let mut rng = SplitMix64::new(0x5eed);
             let mut sequence = 0u64;
             // Each attack once, as it is set; the stream stays open between.
             while attack.changed().await.is_ok() {
@@ -103,7 +96,7 @@ impl Source for Hostile {
                         for _ in 0..n {
                             sequence += 1;
                             let stored = Update::Stored(BlocksStored {
-                                block_hashes: hashes(&mut state, per_message),
+                                block_hashes: hashes(&mut rng, per_message),
                                 medium: medium.clone(),
                                 ..Default::default()
                             });
@@ -115,7 +108,7 @@ impl Source for Hostile {
                         }
                     }
                     Attack::Snapshot { blocks } => {
-                        let update = snapshot(hashes(&mut state, blocks));
+                        let update = snapshot(hashes(&mut rng, blocks));
                         if tx.send(message(sequence, update)).await.is_err() {
                             return;
                         }

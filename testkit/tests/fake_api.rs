@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use kvroute_e2e::{FakeApiServer, HISTORY_LEN};
+use kvroute_testkit::{FakeApiServer, HISTORY_LEN};
 use reqwest::{Client, Response, StatusCode};
 use serde_json::{Value, json};
 

@@ -1,4 +1,6 @@
-//! Process-level tests of kvroute, and the test double they run against.
+//! Test support shared by kvroute's crates: the test double of the
+//! Kubernetes API server that the operator's tests and the e2e system suite
+//! run against. Not here: the system suite itself (`kvroute-e2e`).
 //!
 //! # `FakeApiServer`: a stateful fake Kubernetes API server
 //!
@@ -82,8 +84,6 @@
 
 mod error;
 mod http;
-mod json_patch;
-mod merge;
 mod meta;
 mod resource;
 mod selector;

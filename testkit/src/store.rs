@@ -9,12 +9,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use json_patch::PatchOperation;
 use serde_json::{Value, json};
 use tokio::sync::broadcast;
 
 use crate::error::ApiError;
-use crate::json_patch::json_patch;
-use crate::merge::merge_patch;
 use crate::meta::{new_uid, now_rfc3339};
 use crate::resource::ResourceType;
 
@@ -170,6 +169,33 @@ fn check_precondition(rt: &ResourceType, old: &Value, body: &Value) -> Result<()
     }
 }
 
+/// Applies an RFC 6902 JSON patch to `doc`, as the API server does: a body
+/// that is not a list of operations is 400, an operation that cannot apply
+/// (a failed `test`, a missing path) is 422. Unlike the `json-patch` crate, a
+/// `test` of `null` passes on a missing path, as upstream's
+/// (evanphx/json-patch) does; kube-runtime's finalizer helper relies on it.
+/// On error `doc` may be half patched, so callers patch a copy.
+fn apply_json_patch(doc: &mut Value, patch: &Value) -> Result<(), ApiError> {
+    let ops: Vec<PatchOperation> = serde_json::from_value(patch.clone())
+        .map_err(|e| ApiError::BadRequest(format!("invalid JSON patch: {e}")))?;
+    for (i, op) in ops.iter().enumerate() {
+        if let PatchOperation::Test(test) = op
+            && test.value.is_null()
+            && doc.pointer(test.path.as_str()).is_none()
+        {
+            continue;
+        }
+        json_patch::patch(doc, std::slice::from_ref(op)).map_err(|e| {
+            ApiError::Invalid(format!(
+                "JSON patch operation {i} failed at {:?}: {}",
+                e.path.as_str(),
+                e.kind
+            ))
+        })?;
+    }
+    Ok(())
+}
+
 impl Store {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
@@ -323,10 +349,10 @@ impl Store {
             |old| {
                 let mut new = old.clone();
                 if kind == PatchKind::Json {
-                    json_patch(&mut new, patch)?;
+                    apply_json_patch(&mut new, patch)?;
                 } else {
                     check_precondition(rt, old, patch)?;
-                    merge_patch(&mut new, patch);
+                    json_patch::merge(&mut new, patch);
                 }
                 Ok(new)
             },
@@ -507,5 +533,61 @@ impl Store {
         // No receivers is fine: nobody is watching.
         let _ = self.changes.send(change);
         object
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_patch_edits_finalizers_like_kube_runtime() {
+        let mut doc = json!({"metadata": {"finalizers": ["a", "b"]}});
+        let patch = json!([
+            {"op": "test", "path": "/metadata/finalizers/1", "value": "b"},
+            {"op": "remove", "path": "/metadata/finalizers/1"},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": "c"},
+            {"op": "replace", "path": "/metadata/finalizers/0", "value": "z"},
+            {"op": "copy", "from": "/metadata/finalizers", "path": "/metadata/copy"},
+            {"op": "move", "from": "/metadata/copy", "path": "/m~1v"},
+        ]);
+        apply_json_patch(&mut doc, &patch).unwrap();
+        assert_eq!(
+            doc,
+            json!({"metadata": {"finalizers": ["z", "c"]}, "m/v": ["z", "c"]})
+        );
+
+        let failing = json!([{"op": "test", "path": "/metadata/finalizers/0", "value": "a"}]);
+        assert!(matches!(
+            apply_json_patch(&mut doc, &failing),
+            Err(ApiError::Invalid(_))
+        ));
+        let absent = json!([{"op": "test", "path": "/metadata/absent", "value": null}]);
+        apply_json_patch(&mut doc, &absent).unwrap();
+        let missing = json!([{"op": "remove", "path": "/nope/x"}]);
+        assert!(matches!(
+            apply_json_patch(&mut doc, &missing),
+            Err(ApiError::Invalid(_))
+        ));
+        for malformed in [
+            json!({"op": "add"}),
+            json!([{"op": "frobnicate", "path": "/a"}]),
+        ] {
+            assert!(matches!(
+                apply_json_patch(&mut doc, &malformed),
+                Err(ApiError::BadRequest(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn merge_patch_follows_rfc_7386_examples() {
+        let mut doc = json!({"a": "b", "c": {"d": "e", "f": "g"}, "l": [1, 2]});
+        json_patch::merge(&mut doc, &json!({"a": "z", "c": {"f": null}, "l": [3]}));
+        assert_eq!(doc, json!({"a": "z", "c": {"d": "e"}, "l": [3]}));
+
+        let mut scalar = json!("x");
+        json_patch::merge(&mut scalar, &json!({"a": {"b": 1}}));
+        assert_eq!(scalar, json!({"a": {"b": 1}}));
     }
 }

@@ -12,7 +12,7 @@ use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostPa
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use kube::{Api, Client, Config, ResourceExt};
-use kvroute_e2e::FakeApiServer;
+use kvroute_testkit::FakeApiServer;
 use serde_json::json;
 
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -404,7 +404,7 @@ async fn watcher_relists_after_an_expired_watch() {
 
     // Without polling the watcher, write more changes than the fake keeps:
     // its watch falls behind and ends with a 410 Expired ERROR event.
-    let writes = kvroute_e2e::HISTORY_LEN + 200;
+    let writes = kvroute_testkit::HISTORY_LEN + 200;
     for i in 0..writes {
         server
             .put(json!({

@@ -1,0 +1,86 @@
+//! The answer of `POST /debug/explain`: what the router computes from a
+//! request and the decision it would make. Plain data, written by the
+//! router and read back by `kvroute explain`, so both use this one
+//! definition.
+//!
+//! Not here: computing it ([`crate::proxy::Proxy::explain`] and
+//! [`crate::pool::Pool::explain`]).
+
+use serde::{Deserialize, Serialize};
+
+/// What `POST /debug/explain` answers: what the router computes from a
+/// request, and the decision it would make.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Explanation {
+    /// The API path.
+    pub path: String,
+    /// The request's `model`.
+    pub model: Option<String>,
+    /// The LoRA adapter the prompt is hashed with.
+    pub lora: Option<String>,
+    /// The routing key, hex.
+    pub key: String,
+    /// Prompt tokens (estimated from the body size when not tokenized).
+    pub prompt_tokens: u64,
+    /// Whether the router read and tokenized the prompt.
+    pub tokenized: bool,
+    /// `exact` (tokenized as the engines do) or `approximate` (the text in
+    /// 4-byte pseudo-tokens: `tokens` is then empty, and `chain` and
+    /// `prompt_tokens` count those).
+    pub mode: String,
+    /// The prompt's token ids.
+    pub tokens: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The block hash algorithm.
+    pub hash_algo: String,
+    /// The block chain, in the u64 form of KV events, hex.
+    pub chain: Vec<String>,
+    /// The pool's view and decision.
+    pub decision: Explained,
+}
+
+/// A decision explained ([`Pool::explain`](crate::pool::Pool::explain)).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Explained {
+    /// The policy that decided.
+    pub policy: String,
+    /// Why the first was chosen: `warm`, `cold`, `spill`, or `unreadable`
+    /// (no prompt: least loaded).
+    pub reason: String,
+    /// Leading blocks the policy believes the first holds.
+    pub cached_blocks: u32,
+    /// Routable endpoints, best first (a full one is skipped when sent).
+    pub ranked: Vec<String>,
+    /// The prefill rate every endpoint's prediction is at, tokens per
+    /// second: the pool's ([`kvroute_core::load::PrefillModel::pool_rate`]).
+    pub prefill_tokens_per_second: f64,
+    /// Every endpoint's view of the request.
+    pub endpoints: Vec<ExplainedEndpoint>,
+}
+
+/// One endpoint's view of a request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExplainedEndpoint {
+    /// Name.
+    pub name: String,
+    /// Ready, not draining, not ejected.
+    pub routable: bool,
+    /// At its concurrency limit.
+    pub full: bool,
+    /// Its engine contract (`unknown`, `match`, `mismatch`).
+    pub contract: String,
+    /// The request's leading blocks it holds, per the index.
+    pub cached_blocks: u32,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Predicted prefill queued ahead of this request, seconds.
+    pub queue_seconds: f64,
+    /// Predicted wait for the KV blocks this request needs there (after
+    /// the waiting requests'), seconds; 0 when the engine does not report
+    /// its memory.
+    pub memory_wait_seconds: f64,
+    /// Predicted time to first token there: the longer of the two waits,
+    /// then its own prefill, seconds.
+    pub predicted_ttft_seconds: f64,
+}
