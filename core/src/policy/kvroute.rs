@@ -109,10 +109,13 @@ pub struct Kvroute {
     in_flight: InFlight,
     /// Whether the last ranking had an occupancy index.
     exact: bool,
-    /// When the last ranking ran, and its predicted TTFT per endpoint.
+    /// When the last ranking ran, and per endpoint its predicted TTFT and
+    /// whether only the in-flight memory made it hold more of the prompt
+    /// than the index says.
     ranked_at: Option<Instant>,
-    predicted_by_slot: Vec<(Slot, f64)>,
+    predicted_by_slot: Vec<(Slot, f64, bool)>,
     by_slot: Vec<u32>,
+    indexed: Vec<u32>,
     cached: Vec<u32>,
     scores: Vec<u64>,
     predicted: Vec<Predicted>,
@@ -129,6 +132,7 @@ impl Kvroute {
             ranked_at: None,
             predicted_by_slot: Vec::new(),
             by_slot: Vec::new(),
+            indexed: Vec::new(),
             cached: Vec::new(),
             scores: Vec::new(),
             predicted: Vec::new(),
@@ -155,6 +159,7 @@ impl Policy for Kvroute {
         match cx.index {
             Some(index) => {
                 index.longest_prefix(request.chain, &mut self.by_slot);
+                per_candidate(&self.by_slot, endpoints, &mut self.indexed);
                 self.in_flight.expire(cx.now);
                 self.in_flight
                     .extend_prefixes(request.chain, &mut self.by_slot);
@@ -223,8 +228,11 @@ impl Policy for Kvroute {
         let preferred = (0..n).min_by(preference).expect("non-empty");
         self.ranked_at = Some(cx.now);
         self.predicted_by_slot.clear();
-        self.predicted_by_slot
-            .extend((0..n).map(|i| (endpoints[i].slot, ttft(i))));
+        let indexed = &self.indexed;
+        self.predicted_by_slot.extend((0..n).map(|i| {
+            let followed = self.exact && cached[i] > indexed.get(i).copied().unwrap_or(0);
+            (endpoints[i].slot, ttft(i), followed)
+        }));
         let choice = ranked[0];
         let reason = match (choice == preferred, cached[choice] > 0) {
             (false, _) => Reason::Spill,
@@ -244,13 +252,18 @@ impl Policy for Kvroute {
             return;
         }
         // The engine reports the prefix by its first token; the report
-        // reaches the index at most a report's age later.
-        let predicted = self
+        // reaches the index at most a report's age later. A request sent
+        // after one still in flight does not renew the claim: an engine
+        // that never reports (a broken agent) is followed for one window,
+        // not for as long as the prefix keeps coming.
+        let Some(&(_, predicted, followed)) = self
             .predicted_by_slot
             .iter()
-            .find(|(slot, _)| *slot == endpoint.slot)
-            .map_or(0.0, |(_, ttft)| *ttft);
-        if let Some(at) = self.ranked_at {
+            .find(|(slot, ..)| *slot == endpoint.slot)
+        else {
+            return;
+        };
+        if let Some(at) = self.ranked_at.filter(|_| !followed) {
             let until = Duration::from_secs_f64(predicted.clamp(0.0, 3600.0))
                 + Duration::from_millis(self.config.engine.max_report_age_ms);
             self.in_flight

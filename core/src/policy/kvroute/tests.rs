@@ -399,6 +399,9 @@ fn a_prefix_in_flight_counts_at_its_endpoint_until_it_could_have_been_reported()
         (second.ranked[0], second.reason, second.cached_blocks),
         (to, Reason::Warm, 64)
     );
+    // Sent there because the first is in flight, it does not renew the
+    // claim: an engine that never reports is followed for one window.
+    p.routed(&request(other, &chain), &pool.endpoints[to]);
     // 1,029 tokens: 20 ms + 102.9 ms predicted, plus 2 s of report age.
     pool.now += Duration::from_millis(2_200);
     let later = p.rank(&request(other, &chain), &pool.endpoints, &pool.cx());
