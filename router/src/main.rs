@@ -1,5 +1,5 @@
 //! `kvroute-router`: the data-plane proxy. `--help` lists the flags; the
-//! configuration file is documented in the README.
+//! configuration file is documented in `docs/configuration.md`.
 //!
 //! How it ends: a configuration mistake (a value, or a file it names)
 //! prints one line naming the field and exits with status 2, as clap's flag

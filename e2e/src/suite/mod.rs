@@ -1,5 +1,5 @@
 //! The system suite: kvroute's real binaries on loopback, under load,
-//! through scale-out and failures (see `README.md`, "The system suite").
+//! through scale-out and failures (see `docs/suite.md`).
 
 pub mod inference_perf;
 pub mod load;

@@ -3,7 +3,7 @@
 //!
 //! The figures are measured; the checks hold them to bounds generous
 //! enough that a loaded 2-core machine does not flake (10 s where the
-//! product aims at 2 s; the README states both).
+//! product aims at 2 s; `docs/suite.md` states both).
 
 use std::sync::Arc;
 use std::time::Duration;
