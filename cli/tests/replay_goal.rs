@@ -7,8 +7,10 @@
 //!
 //! The trace is third-party data and not in this repository: the test reads
 //! it from `../shared/data/traces/` beside the checkout (as CI has it, or
-//! `KVROUTE_TRACE`) and skips with a message when it is absent. The replay
-//! runs in virtual time: the figures are deterministic.
+//! `KVROUTE_TRACE`) and skips with a message when it is absent, unless
+//! `KVROUTE_REQUIRE_TRACE=1` (set by CI), where an absent trace fails the
+//! test so that CI cannot pass without running the check. The replay runs
+//! in virtual time: the figures are deterministic.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -32,6 +34,11 @@ fn trace() -> Option<PathBuf> {
 #[test]
 fn kvroute_meets_the_goal_on_the_synthetic_trace() {
     let Some(trace) = trace() else {
+        assert!(
+            std::env::var_os("KVROUTE_REQUIRE_TRACE").is_none_or(|v| v != "1"),
+            "KVROUTE_REQUIRE_TRACE=1 but Mooncake's synthetic trace is not at \
+             ../shared/data/traces/ (or set KVROUTE_TRACE to its path)"
+        );
         eprintln!(
             "skipped: Mooncake's synthetic trace is not at ../shared/data/traces/ \
              (set KVROUTE_TRACE to its path to run this check)"
