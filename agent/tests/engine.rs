@@ -3,7 +3,7 @@
 //! ports, each served as its own endpoint.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,9 +13,10 @@ use rmpv::Value;
 use tonic::Streaming;
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
-/// A vLLM's HTTP side: `/health` as `healthy` says, `/metrics` with a
-/// 1,000-block cache and rank 0 and 1's queues.
-async fn fake_vllm(healthy: Arc<AtomicBool>) -> String {
+/// A vLLM's HTTP side: `/health` as `healthy` says (counting its failed
+/// answers in `failures`), `/metrics` with a 1,000-block cache and rank 0
+/// and 1's queues.
+async fn fake_vllm(healthy: Arc<AtomicBool>, failures: Arc<AtomicUsize>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = axum::Router::new()
@@ -23,6 +24,9 @@ async fn fake_vllm(healthy: Arc<AtomicBool>) -> String {
             "/health",
             axum::routing::get(move || {
                 let ok = healthy.load(Ordering::Relaxed);
+                if !ok {
+                    failures.fetch_add(1, Ordering::Relaxed);
+                }
                 async move {
                     if ok {
                         axum::http::StatusCode::OK
@@ -87,7 +91,8 @@ async fn ready(agent: &kvroute_agent::Agent) {
 #[tokio::test]
 async fn load_comes_from_metrics_and_a_health_recovery_is_a_restart() {
     let healthy = Arc::new(AtomicBool::new(true));
-    let url = fake_vllm(healthy.clone()).await;
+    let failures = Arc::new(AtomicUsize::new(0));
+    let url = fake_vllm(healthy.clone(), failures.clone()).await;
     // A publisher that stays quiet: the quiet period makes the rank ready.
     let mut publisher = zeromq::PubSocket::new();
     let endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap();
@@ -111,7 +116,15 @@ async fn load_comes_from_metrics_and_a_health_recovery_is_a_restart() {
     assert_eq!(load.queued_prefill_tokens, None, "no prompt histogram");
 
     healthy.store(false, Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    kvroute_testkit::eventually(
+        "the agent sees /health fail",
+        Duration::from_secs(10),
+        || {
+            let seen = failures.load(Ordering::Relaxed) > 0;
+            async move { seen.then_some(()) }
+        },
+    )
+    .await;
     healthy.store(true, Ordering::Relaxed);
     // The restart ends the stream; a new subscription sees a new incarnation.
     while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(10), stream.message())
@@ -175,7 +188,7 @@ fn stored(hashes: &[u64]) -> Bytes {
 
 #[tokio::test]
 async fn each_data_parallel_rank_is_its_own_endpoint() {
-    let url = fake_vllm(Arc::new(AtomicBool::new(true))).await;
+    let url = fake_vllm(Arc::new(AtomicBool::new(true)), Arc::default()).await;
     let (mut publishers, base, listen) = consecutive().await;
     let mut config = kvroute_agent::Config::loopback(format!("tcp://127.0.0.1:{base}"), url);
     config.data_parallel_size = 2;

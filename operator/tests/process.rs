@@ -285,6 +285,10 @@ async fn api_changes_reach_a_watchpool_subscriber_and_status() {
     operator.metric("kvroute_operator_leader", "1").await;
     // A pass after the initial lists has run (the first one at the latest).
     operator.metric("kvroute_operator_ready", "1").await;
+    // What is checked is an absence (no status rewritten), which no
+    // condition announces: the status writer counts a pass before it sends
+    // the pass's writes, so the test gives a rewrite, if there were one,
+    // this long to land.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(versions(&api), before, "no status was rewritten");
     let (_, text) = operator.admin("/metrics").await;

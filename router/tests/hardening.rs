@@ -21,7 +21,8 @@ fn in_flight(stack: &Stack) -> u32 {
 }
 
 /// Sends `body` and gives up after `after`, as a client timeout, a closed
-/// tab or an HTTP/2 stream reset does.
+/// tab or an HTTP/2 stream reset does. The wait is what is tested (a
+/// request abandoned mid-way), not a wait for something to happen.
 async fn abort_after(
     client: &reqwest::Client,
     url: &str,
@@ -153,10 +154,14 @@ async fn a_tenant_header_cannot_override_the_api_key() {
         }
         r.send()
     };
-    // Bob warms his prefix.
+    // Bob warms his prefix, and the router's index sees it.
+    let before = stack.router.pool.index_entries();
     let r = send(Some("k-bob"), None).await.unwrap();
     assert_eq!(r.status(), 200);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually("the index sees bob's blocks", || {
+        stack.router.pool.index_entries() > before
+    })
+    .await;
     let cases = [
         (Some("k-alice"), Some("bob"), 403),
         (Some("wrong"), Some("bob"), 401),

@@ -168,6 +168,8 @@ async fn a_hot_prefix_spills_instead_of_piling_up() {
                 .unwrap()
                 .to_owned()
         }));
+        // Not a wait for anything: it staggers the arrivals, as concurrent
+        // users' requests are, which is what this test sends.
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let mut per_endpoint = std::collections::BTreeMap::<String, u32>::new();

@@ -50,11 +50,11 @@ pub fn upstream_dir(name: &str, upstream: std::net::SocketAddr) -> PathBuf {
 
 /// Polls `check` until it holds; fails the test after 10 s.
 pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    kvroute_testkit::eventually(what, std::time::Duration::from_secs(10), || {
+        let holds = check();
+        async move { holds.then_some(()) }
+    })
+    .await;
 }
 
 /// Writes the endpoints file for `sims` (with their WatchCache ports when
@@ -113,18 +113,11 @@ impl Stack {
 
     /// Waits until every WatchCache stream is live.
     pub async fn wait_live(&self) {
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
+        eventually("every WatchCache stream is live", || {
             let status = self.router.pool.status();
-            if !status.is_empty() && status.iter().all(|e| e.stream == "live") {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "streams never went live: {status:?}"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+            !status.is_empty() && status.iter().all(|e| e.stream == "live")
+        })
+        .await;
     }
 
     /// Sends one chat with `system` and waits until the blocks it left on
@@ -138,14 +131,10 @@ impl Stack {
             .to_str()
             .unwrap()
             .to_owned();
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-        while self.router.pool.index_entries() <= before {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the index never saw the blocks"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        eventually("the index sees the blocks", || {
+            self.router.pool.index_entries() > before
+        })
+        .await;
         holder
     }
 
