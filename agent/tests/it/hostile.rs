@@ -7,7 +7,7 @@
 //! serving (the next good batch is applied, `/readyz` is 200), and its
 //! memory stays within a generous bound of its level before.
 //!
-//! `KVROUTE_AGENT_BIN=path cargo test -p kvroute-agent --test hostile --
+//! `KVROUTE_AGENT_BIN=path cargo test -p kvroute-agent --test it hostile:: --
 //! --nocapture` runs another build of the binary (an older one, to see
 //! what it did); each test prints the memory it measured.
 
