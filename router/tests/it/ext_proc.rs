@@ -2,12 +2,11 @@
 //! Envoy: whole exchanges over engine sims, compared with what the HTTP
 //! proxy decides for the same request and state.
 
-mod support;
-
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::{Stack, chat, eventually, long_text, sum_of};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -17,7 +16,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use serde_json::json;
-use support::{Stack, chat, eventually, long_text, sum_of};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
@@ -681,7 +679,8 @@ async fn health_services_report_readiness() {
         }
         assert_eq!(status, ServingStatus::Serving, "{service}");
     }
-    let ready = support::get_text(&format!("http://{}/readyz", stack.router.admin_addr)).await;
+    let ready =
+        crate::support::get_text(&format!("http://{}/readyz", stack.router.admin_addr)).await;
     assert!(ready.starts_with("ready: 1"), "{ready}");
     stack.stop().await;
 }
@@ -763,7 +762,7 @@ async fn the_picker_speaks_mutual_tls() {
 
 #[tokio::test]
 async fn salted_tenancy_rewrites_the_body_and_checks_keys() {
-    let dir = support::temp_dir("xp-salted-secrets");
+    let dir = crate::support::temp_dir("xp-salted-secrets");
     std::fs::write(dir.join("keys.yaml"), "k-alice: alice\n").unwrap();
     std::fs::write(dir.join("secret"), "s3cret").unwrap();
     let (stack, mut client) = picker("xp-salted", 2, false, |c| {

@@ -2,16 +2,14 @@
 //! that are slow but alive, and the log volume of a failing fleet (#30
 //! item 12), against engine sims and raw upstreams on loopback.
 
-mod support;
-
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use crate::support::*;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_router::config::HealthCheck;
 use serde_json::json;
-use support::*;
 use tokio::time::Instant;
 
 /// Active checks often enough that a passing `/health` would restore the
@@ -173,7 +171,7 @@ async fn a_hung_engine_is_cut_retried_and_ejected_and_checks_do_not_restore_it()
 /// The scenario with every default (a 10 s hang floor, 5 s health
 /// checks): a benchmark that prints the detection time and the success
 /// share from 30 s on under an 8 s client timeout. About 70 s:
-/// `cargo test -p kvroute-router --test hung -- --ignored --nocapture`.
+/// `cargo test -p kvroute-router --test it hung:: -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a benchmark: runs for about 70 s"]
 async fn bench_one_of_four_hung_with_defaults() {

@@ -1,12 +1,10 @@
 //! The router end to end over real engine sims: routing, streaming,
 //! retries, errors.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use serde_json::{Value, json};
-use support::*;
 
 #[tokio::test]
 async fn proxies_chat_and_names_the_endpoint() {

@@ -2,17 +2,14 @@
 //! the built-in tokenizer, read from the child's `/proc/<pid>/status`.
 //! Linux only: elsewhere the test prints a skip message and passes.
 
-#[path = "support/child.rs"]
-mod child;
-mod support;
-
+use crate::support::child;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::{chat, temp_dir, write_endpoints};
 use child::{Router, free_addr, memory_kb};
 use serde_json::json;
-use support::{chat, temp_dir, write_endpoints};
 
 /// The size of the large request body, about.
 const BODY_BYTES: usize = 30 << 20;
@@ -33,7 +30,7 @@ fn prose(len: usize) -> String {
 /// by at most 3× the body over its resident set before the request.
 /// Measured 2.14× (from 9.4× before the hardening): the body and the
 /// message texts; the built-in tokenizer's ids go straight into the chain.
-/// `cargo test -p kvroute-router --test memory -- --nocapture` prints the
+/// `cargo test -p kvroute-router --test it memory:: -- --nocapture` prints the
 /// measured ratio.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_chat_costs_at_most_a_few_times_its_body() {

@@ -3,12 +3,10 @@
 //! the open-file limit shared between listeners (a router process under a
 //! lowered `RLIMIT_NOFILE`).
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use serde_json::json;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

@@ -9,7 +9,7 @@
 //!
 //! ```sh
 //! kind create cluster
-//! KVROUTE_CLUSTER_TESTS=1 cargo test -p kvroute-operator --test cluster -- --ignored --nocapture
+//! KVROUTE_CLUSTER_TESTS=1 cargo test -p kvroute-operator --test it cluster:: -- --ignored --nocapture
 //! ```
 //!
 //! What it changes:
@@ -30,12 +30,11 @@
 //! delete on `namespaces` and `pods`, and create on `inferencepools` and
 //! `cacheroutingpolicies`. kind's default user is a cluster admin.
 
-mod support;
-
 use std::fmt::Debug;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::Operator;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -46,7 +45,6 @@ use kvroute_operator::api::{CacheRoutingPolicy, InferencePool};
 use kvroute_proto::v1::PoolState;
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::{Value, json};
-use support::Operator;
 use tonic::Streaming;
 
 const OPT_IN: &str = "KVROUTE_CLUSTER_TESTS";
@@ -67,7 +65,7 @@ async fn pods_of_a_real_cluster_reach_a_router_and_status() {
     if std::env::var(OPT_IN).as_deref() != Ok("1") {
         eprintln!(
             "not run: it changes the cluster of the current kubeconfig context; \
-             set {OPT_IN}=1 to run it (see operator/tests/cluster.rs)"
+             set {OPT_IN}=1 to run it (see operator/tests/it/cluster.rs)"
         );
         return;
     }

@@ -2,13 +2,11 @@
 //! at start, in one line naming the field, with status 2; a background task
 //! that dies ends the process with status 1 and one log line naming it.
 
-mod support;
-
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use support::temp_dir;
+use crate::support::temp_dir;
 
 /// Runs the router on `config` (written to `dir`) until it exits, with
 /// `env` set; kills it after 20 s.
@@ -145,7 +143,7 @@ fn a_dead_background_task_ends_the_process_naming_it() {
 async fn an_embedding_program_learns_which_task_died() {
     let dir = temp_dir("embedded-task-death");
     std::fs::write(dir.join("endpoints.yaml"), "endpoints: []\n").unwrap();
-    let mut running = kvroute_router::start(support::router_config(&dir))
+    let mut running = kvroute_router::start(crate::support::router_config(&dir))
         .await
         .unwrap();
     let alive = tokio::time::timeout(Duration::from_millis(300), running.died()).await;

@@ -1,11 +1,9 @@
 //! `POST /debug/explain` over real engine sims: what the router computes
 //! for a request and the decision it would make, with no state changed.
 
-mod support;
-
+use crate::support::*;
 use kvroute_router::explain::Explanation;
 use serde_json::{Value, json};
-use support::*;
 
 async fn explain(stack: &Stack, body: Value) -> reqwest::Response {
     stack

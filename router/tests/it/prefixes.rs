@@ -2,10 +2,8 @@
 //! engines' tokens): a system prompt that starts with a timestamp is
 //! flagged, with the offset where it diverges; a stable one is not.
 
-mod support;
-
+use crate::support::*;
 use serde_json::Value;
-use support::*;
 
 fn timestamped(i: usize) -> String {
     format!(

@@ -1,14 +1,13 @@
 //! Endpoint discovery: the static file (load errors, live edits) and the
 //! operator's WatchPool stream, served here by an in-process tonic server.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::Logs;
 use futures_util::{Stream, StreamExt};
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::{KeyMode, RoutingKey};
@@ -20,7 +19,6 @@ use kvroute_router::config::Resilience;
 use kvroute_router::discovery::{DiscoveryError, operator, static_file};
 use kvroute_router::pool::Pool;
 use kvroute_router::settings::Settings;
-use support::Logs;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::WatchStream;

@@ -5,20 +5,16 @@
 //! bounds are small here so that a debug build floods past them quickly.
 //! Linux only: elsewhere the test prints a skip message and passes.
 
-#[path = "support/child.rs"]
-mod child;
-#[path = "support/fake_cache.rs"]
-mod fake_cache;
-mod support;
-
+use crate::support::child;
+use crate::support::fake_cache;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::{chat, temp_dir};
 use child::{Router, free_addr, memory_kb};
 use fake_cache::{Attack, FakeCache};
-use support::{chat, temp_dir};
 
 /// The router's bound per endpoint and tier in this test.
 const BOUND: u64 = 100_000;

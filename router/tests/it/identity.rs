@@ -2,10 +2,8 @@
 //! tenant header twice or holding a list, `Authorization` twice (see
 //! `kvroute_router::tenancy`, rule 4).
 
-mod support;
-
+use crate::support::*;
 use serde_json::json;
-use support::*;
 
 #[tokio::test]
 async fn a_repeated_or_listed_identity_header_is_400_and_never_forwarded() {

@@ -2,10 +2,8 @@
 //! exactly the cached tokens the engines report, and a sustained gap is
 //! measured, alerted and logged.
 
-mod support;
-
+use crate::support::*;
 use serde_json::{Value, json};
-use support::*;
 
 /// The engines' own figure for `family`, summed over the sims.
 async fn engines(stack: &Stack, family: &str) -> f64 {

@@ -4,17 +4,14 @@
 //! requests are still served. Linux only: elsewhere it prints a skip
 //! message and passes.
 
-#[path = "support/child.rs"]
-mod child;
-mod support;
-
+use crate::support::child;
 use std::io::BufRead;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::{chat, get_text, temp_dir, write_endpoints};
 use child::Router;
-use support::{chat, get_text, temp_dir, write_endpoints};
 
 /// Where the router says it listens: (API, picker, admin).
 fn addresses(router: &mut Child) -> (SocketAddr, SocketAddr, SocketAddr) {

@@ -1,11 +1,9 @@
 //! Retries, ejection, broken streams, disconnects and the error paths.
 
-mod support;
-
+use crate::support::*;
 use futures_util::StreamExt;
 use kvroute_core::policy::PolicyConfig;
 use serde_json::{Value, json};
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]

@@ -2,6 +2,9 @@
 
 #![allow(dead_code)]
 
+pub mod child;
+pub mod fake_cache;
+
 use std::path::PathBuf;
 
 use kvroute_engine_sim::{Config as SimConfig, Sim};

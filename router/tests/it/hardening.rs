@@ -3,16 +3,14 @@
 //! and idle connections, too many connections, partial failure, a hung
 //! engine, random model names, paths off the allow-list.
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_router::config::{HealthCheck, TenancyMode};
 use proptest::prelude::*;
 use serde_json::json;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

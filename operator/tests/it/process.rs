@@ -3,15 +3,13 @@
 //! Events are written, and a restarted operator takes over without
 //! rewriting what is already right.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::Operator;
 use k8s_openapi::jiff::Timestamp;
 use kvroute_proto::v1::PoolState;
 use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
-use support::Operator;
 use tonic::Streaming;
 
 /// How long a change may take to reach a subscriber.

@@ -1,17 +1,15 @@
 //! TLS and mTLS on the API listener, and the admin port's `/debug/*` token,
 //! with the test certificates in `tests/fixtures/tls`.
 
-mod support;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::support::*;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_router::config::Tls;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use support::*;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
