@@ -4,7 +4,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvroute_core::policy::PolicyConfig;
 use kvroute_engine_sim::{Config, Sim, start};
@@ -13,6 +12,8 @@ use kvroute_router::config::Resilience;
 use kvroute_router::pool::{EndpointSpec, EndpointStatus, Pool};
 use kvroute_router::settings::Settings;
 use serde_json::json;
+
+use crate::support::eventually;
 
 fn pool() -> Arc<Pool> {
     Pool::new(
@@ -56,18 +57,6 @@ fn status(pool: &Pool, name: &str) -> EndpointStatus {
         .into_iter()
         .find(|s| s.name == name)
         .unwrap_or_else(|| panic!("{name} is not in the pool"))
-}
-
-/// Polls until `done` holds, failing after 10 s.
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Whether `name`'s stream is live and the pool holds exactly as many

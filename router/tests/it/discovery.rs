@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::Logs;
+use crate::support::{Logs, eventually};
 use futures_util::{Stream, StreamExt};
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::{KeyMode, RoutingKey};
@@ -43,18 +43,6 @@ fn endpoints(pool: &Pool) -> Vec<(String, bool, bool)> {
 
 fn names(pool: &Pool) -> Vec<String> {
     pool.status().into_iter().map(|s| s.name).collect()
-}
-
-/// Polls until `done` holds, failing after 10 s.
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 // ---- the static file ----
