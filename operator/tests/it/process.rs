@@ -50,21 +50,15 @@ async fn eventually<T>(
     (api_version, kind, name): (&str, &str, &str),
     check: impl Fn(&Value) -> Option<T>,
 ) -> T {
-    let wait = async {
-        loop {
-            if let Some(found) = api
-                .get(api_version, kind, "default", name)
-                .as_ref()
-                .and_then(&check)
-            {
-                return found;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(PROMPTLY, wait)
-        .await
-        .unwrap_or_else(|_| panic!("{kind} {name} not as expected within 1 s"))
+    let what = format!("{kind} {name} as expected");
+    kvroute_testkit::eventually(&what, PROMPTLY, || {
+        let found = api
+            .get(api_version, kind, "default", name)
+            .as_ref()
+            .and_then(&check);
+        async move { found }
+    })
+    .await
 }
 
 const POOL: (&str, &str, &str) = ("inference.networking.k8s.io/v1", "InferencePool", "llama");

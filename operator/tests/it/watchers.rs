@@ -36,14 +36,11 @@ fn pool(name: &str, app_protocol: &str, port: u16) -> Value {
 
 /// Waits up to 5 s for `check` to hold on the index.
 async fn eventually(index: &Mutex<Index>, what: &str, check: impl Fn(&Index) -> bool) {
-    let wait = async {
-        while !check(&index.lock().unwrap()) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(5), wait)
-        .await
-        .unwrap_or_else(|_| panic!("{what} within 5 s"));
+    kvroute_testkit::eventually(what, Duration::from_secs(5), || {
+        let holds = check(&index.lock().unwrap());
+        async move { holds.then_some(()) }
+    })
+    .await;
 }
 
 fn ports(index: &Index, name: &str) -> Option<Vec<u16>> {
