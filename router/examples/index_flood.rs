@@ -3,7 +3,7 @@
 //!
 //! The router binary runs as a child process (its peak memory is its own,
 //! `VmHWM`); two engine sims serve chats, and a fake WatchCache server
-//! (`tests/support/fake_cache.rs`) announces 2^62 blocks for one of them.
+//! (`tests/it/support/fake_cache.rs`) announces 2^62 blocks for one of them.
 //! Four clients send small chats back to back: first for 5 s alone, then
 //! during the attack. Prints p50, p99 and max of the chats in both phases,
 //! the index's entries and drops per tier, and the router's peak memory.
@@ -20,9 +20,9 @@
 //! target/release/examples/index_flood flood gpu
 //! ```
 
-#[path = "../tests/support/child.rs"]
+#[path = "../tests/it/support/child.rs"]
 mod child;
-#[path = "../tests/support/fake_cache.rs"]
+#[path = "../tests/it/support/fake_cache.rs"]
 mod fake_cache;
 
 use std::net::SocketAddr;

@@ -117,7 +117,7 @@ async fn main() {
 
 /// Test hook, in debug builds only: `KVROUTE_TEST_KILL_TASK=<task>` kills
 /// that background task once the router runs, as a bug would, so that a
-/// test can see the process exit (`router/tests/cli.rs`).
+/// test can see the process exit (`router/tests/it/cli.rs`).
 #[cfg(debug_assertions)]
 fn kill_task_for_tests(running: &kvroute_router::Running) {
     if let Ok(task) = std::env::var("KVROUTE_TEST_KILL_TASK") {

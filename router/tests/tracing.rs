@@ -1,7 +1,9 @@
 //! W3C trace context: with OTLP tracing on, the engine's parent span is the
-//! router's, in the client's trace. (Its own test binary: it installs the
-//! global subscriber.)
+//! router's, in the client's trace. (Its own test binary, beside `tests/it`:
+//! it installs the global subscriber, which would capture every other
+//! test's spans and logs in a shared process.)
 
+#[path = "it/support/mod.rs"]
 mod support;
 
 use kvroute_router::config::Telemetry;

@@ -1,6 +1,7 @@
 //! Test support shared by kvroute's crates: the test double of the
 //! Kubernetes API server that the operator's tests and the e2e system suite
-//! run against. Not here: the system suite itself (`kvroute-e2e`).
+//! run against, and [`eventually`], how integration tests wait for a
+//! condition. Not here: the system suite itself (`kvroute-e2e`).
 //!
 //! # `FakeApiServer`: a stateful fake Kubernetes API server
 //!
@@ -83,6 +84,7 @@
 #![forbid(unsafe_code)]
 
 mod error;
+mod eventually;
 mod http;
 mod meta;
 mod resource;
@@ -97,6 +99,7 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 
 pub use error::ApiError;
+pub use eventually::eventually;
 pub use resource::{RESOURCES, ResourceType};
 pub use store::HISTORY_LEN;
 

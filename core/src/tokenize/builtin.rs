@@ -109,7 +109,7 @@ pub fn encode(text: &str) -> Vec<u32> {
     // to the size of the last large block freed), and growing copies it to a
     // new block while the old one stays resident. On a 30 MiB prompt with
     // `text.len() / 4 + 1` the router's peak rose by 4.09× the body against
-    // 3.09× when exact (`router/tests/memory.rs`). The pass costs about 1 ns
+    // 3.09× when exact (`router/tests/it/memory.rs`). The pass costs about 1 ns
     // a byte (118 against 85 ms on 30 MiB, release).
     let mut n = 0;
     for_each_piece(text, |_| n += 1);

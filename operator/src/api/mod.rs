@@ -5,7 +5,7 @@
 //! Rust-side checks of the rules their schemas express.
 //!
 //! The checked-in `crds/*.yaml` are generated from these types
-//! ([`write_crds`]); `tests/crds.rs` fails when they drift.
+//! ([`write_crds`]); `tests/it/crds.rs` fails when they drift.
 //!
 //! Not here: watching the API, turning objects into the index's inputs, or
 //! writing status.

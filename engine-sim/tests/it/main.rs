@@ -1,0 +1,6 @@
+//! kvroute-engine-sim's integration tests, one module per area, linked as one test
+//! binary (one link instead of one per file).
+
+mod cli;
+mod http;
+mod watch_cache;

@@ -1,0 +1,22 @@
+//! kvroute-router's integration tests, one module per area, linked as one test
+//! binary (one link instead of one per file).
+
+mod cache_watch;
+mod chart_schema;
+mod cli;
+mod discovery;
+mod explain;
+mod ext_proc;
+mod hardening;
+mod hit_rate;
+mod hostile;
+mod hung;
+mod identity;
+mod index_bounds;
+mod memory;
+mod open_files;
+mod prefixes;
+mod proxy;
+mod reliability;
+mod support;
+mod tls;
