@@ -264,7 +264,8 @@ impl Policy for Kvroute {
             return;
         };
         if let Some(at) = self.ranked_at.filter(|_| !followed) {
-            let until = Duration::from_secs_f64(predicted.clamp(0.0, 3600.0))
+            // Never NaN in practice; a bad prediction just remembers less.
+            let until = Duration::try_from_secs_f64(predicted.min(3600.0)).unwrap_or_default()
                 + Duration::from_millis(self.config.engine.max_report_age_ms);
             self.in_flight
                 .record(endpoint.slot, request.chain, at + until);
