@@ -19,16 +19,17 @@ use std::time::Instant;
 use crate::hash::BlockHash;
 use crate::slot::Slot;
 
+/// One routed chain: (expiry, routing order, endpoint, chain).
+type Entry = (Instant, u64, Slot, Vec<BlockHash>);
+
 /// Chains in flight, per endpoint, until they expire.
 #[derive(Clone, Debug)]
 pub struct InFlight {
     capacity: usize,
     /// Blocks over all entries.
     blocks: usize,
-    /// Entries by expiry, soonest first; ties by routing order.
-    entries: BinaryHeap<Reverse<(Instant, u64, Slot)>>,
-    /// Each entry's chain, by routing order.
-    chains: HashMap<u64, Vec<BlockHash>>,
+    /// Entries, soonest to expire first.
+    entries: BinaryHeap<Reverse<Entry>>,
     /// Per block, the endpoints it is in flight to and how many entries
     /// hold it there.
     held: HashMap<BlockHash, Vec<(Slot, u32)>>,
@@ -42,7 +43,6 @@ impl InFlight {
             capacity: capacity.max(1),
             blocks: 0,
             entries: BinaryHeap::new(),
-            chains: HashMap::new(),
             held: HashMap::new(),
             next: 0,
         }
@@ -66,8 +66,8 @@ impl InFlight {
             }
         }
         self.blocks += chain.len();
-        self.chains.insert(self.next, chain.to_vec());
-        self.entries.push(Reverse((expires, self.next, slot)));
+        self.entries
+            .push(Reverse((expires, self.next, slot, chain.to_vec())));
         self.next += 1;
     }
 
@@ -83,10 +83,9 @@ impl InFlight {
     }
 
     fn pop(&mut self) {
-        let Some(Reverse((_, id, slot))) = self.entries.pop() else {
+        let Some(Reverse((_, _, slot, chain))) = self.entries.pop() else {
             return;
         };
-        let chain = self.chains.remove(&id).expect("every entry has a chain");
         self.blocks -= chain.len();
         for block in chain {
             let Some(slots) = self.held.get_mut(&block) else {
@@ -129,15 +128,8 @@ impl InFlight {
 
     /// Forgets `slot`.
     pub fn forget(&mut self, slot: Slot) {
-        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)
-            .into_iter()
-            .partition(|Reverse((_, _, s))| *s == slot);
-        self.entries = kept.into_iter().collect();
-        for Reverse((_, id, _)) in gone {
-            if let Some(chain) = self.chains.remove(&id) {
-                self.blocks -= chain.len();
-            }
-        }
+        self.entries.retain(|Reverse((_, _, s, _))| *s != slot);
+        self.blocks = self.entries.iter().map(|Reverse(e)| e.3.len()).sum();
         for slots in self.held.values_mut() {
             slots.retain(|(s, _)| *s != slot);
         }
