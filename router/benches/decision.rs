@@ -1,5 +1,5 @@
 //! Criterion benchmarks of the router's whole routing decision, as the
-//! request path makes it ([`Proxy::decide`]): read the body's fields, render
+//! request path makes it ([`Service::measure`]): read the body's fields, render
 //! the chat template, tokenize, hash the block chain, look it up, rank the
 //! endpoints, and record the choice. Over 8 endpoints, for chats of 1 KiB,
 //! 32 KiB and 220 KiB:
@@ -32,7 +32,7 @@ use kvroute_core::tokenize::{ChatMessage, ChatTemplate, Tokenizer, chat_prompt_t
 use kvroute_router::config::Config;
 use kvroute_router::metrics::Metrics;
 use kvroute_router::pool::{EndpointSpec, Pool};
-use kvroute_router::proxy::Proxy;
+use kvroute_router::request::Service;
 use kvroute_router::settings::Settings;
 use kvroute_router::tenancy::Tenancy;
 use serde_json::{Value, json};
@@ -118,7 +118,7 @@ fn chat(kib: usize, extra: Option<(&str, &str)>) -> Value {
 
 struct Setup {
     runtime: tokio::runtime::Runtime,
-    proxy: Arc<Proxy>,
+    service: Arc<Service>,
 }
 
 impl Setup {
@@ -131,7 +131,7 @@ impl Setup {
         let metrics = Arc::new(Metrics::default());
         let pool = Pool::new(settings, &config.resilience, metrics.clone(), 256);
         let tenancy = Tenancy::load(&config.tenancy).unwrap();
-        let proxy = Arc::new(Proxy::new(pool.clone(), metrics, tenancy, &config));
+        let service = Arc::new(Service::new(pool.clone(), metrics, tenancy, &config));
         let specs = (0..ENDPOINTS)
             .map(|i| EndpointSpec {
                 name: format!("engine-{i}"),
@@ -143,7 +143,7 @@ impl Setup {
             })
             .collect();
         let streams = pool.set_endpoints(specs);
-        let setup = Setup { runtime, proxy };
+        let setup = Setup { runtime, service };
         if exact {
             let engine = EngineCache::of(&pool.settings().hasher);
             let chain = setup.chain(&chat(SIZES_KIB[2], None));
@@ -168,7 +168,7 @@ impl Setup {
         let bytes = Bytes::from(body.to_string());
         let explained = self
             .runtime
-            .block_on(self.proxy.explain(CHAT, &HeaderMap::new(), bytes))
+            .block_on(self.service.explain(CHAT, &HeaderMap::new(), bytes))
             .unwrap();
         explained
             .chain
@@ -190,7 +190,7 @@ impl Setup {
 
     fn decide(&self, body: &Bytes) -> String {
         self.runtime
-            .block_on(self.proxy.decide(CHAT, &HeaderMap::new(), body.clone()))
+            .block_on(self.service.measure(CHAT, &HeaderMap::new(), body.clone()))
             .unwrap()
     }
 }

@@ -3,7 +3,7 @@
 //! router and read back by `kvroute explain`, so both use this one
 //! definition.
 //!
-//! Not here: computing it ([`crate::proxy::Proxy::explain`] and
+//! Not here: computing it ([`crate::request::Service::explain`] and
 //! [`crate::pool::Pool::explain`]).
 
 use serde::{Deserialize, Serialize};

@@ -12,7 +12,7 @@
 //! 2. `ejectAfterFailures` passive faults in a row eject an endpoint for
 //!    `ejectionBase × 2^(ejections − 1)`, capped at `ejectionMax`. A broken
 //!    stream ejects at once, and so does a timeout: its deadline already
-//!    allows for the slowness the router predicts ([`crate::hang`]), and a
+//!    allows for the slowness the router predicts ([`crate::request::hang`]), and a
 //!    load-aware policy sends a hung engine so few requests (their load
 //!    never drains) that waiting for several would take minutes. When the time passes it is routable again on
 //!    probation: one fault ejects it again (for twice as long), one success

@@ -3,32 +3,29 @@
 //! (from the engines' WatchCache streams, or its own routing history), keeps
 //! load bounded, and streams responses through as the engine sends them.
 //!
-//! The request path is [`proxy`]; routing state is [`pool`]; endpoints come
-//! from [`discovery`]; engines' caches from [`cache_watch`]. Every routing
-//! decision is made by `kvroute-core`.
+//! A request is decided by [`request`] (reading its prompt with
+//! [`prompt`]) for either front end: the HTTP forwarder [`http`] or the
+//! Envoy endpoint picker [`ext_proc`]. Routing state is [`pool`]; endpoints
+//! come from [`discovery`]; engines' caches from [`cache_watch`]. Every
+//! routing decision is made by `kvroute-core`.
 
-pub mod body;
 pub mod cache_watch;
-pub mod chunks;
 pub mod config;
-pub mod conversations;
 pub mod discovery;
 pub mod errors;
 pub mod explain;
 pub mod ext_proc;
-pub mod features;
-pub mod hang;
 pub mod health;
 pub mod health_checks;
 pub mod hit_rate;
-mod json_skim;
+pub mod http;
 pub mod listener;
 pub mod metrics;
 pub mod models;
 pub mod pool;
-pub mod prefixes;
-pub mod proxy;
+pub mod prompt;
 pub mod reconnect;
+pub mod request;
 pub mod server;
 pub mod settings;
 pub mod tasks;

@@ -310,8 +310,8 @@ impl Default for Metrics {
             "kvroute_conversation_evictions",
             format!(
                 "Conversations forgotten to keep the prompt snapshots within {} conversations and {} chain blocks",
-                crate::conversations::MAX_CONVERSATIONS,
-                crate::conversations::MAX_BLOCKS
+                crate::prompt::conversations::MAX_CONVERSATIONS,
+                crate::prompt::conversations::MAX_BLOCKS
             ),
             m.conversation_evictions.clone(),
         );

@@ -72,22 +72,29 @@ impl ModelList {
 }
 
 /// The cached list. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Models {
+    client: Client<HttpConnector, Full<Bytes>>,
     cached: Mutex<Option<(Instant, Arc<ModelList>)>>,
     refreshing: AtomicBool,
 }
 
 impl Models {
+    /// A list fetched with an upstream client configured by `limits`.
+    pub fn new(limits: &crate::config::Limits) -> Self {
+        Models {
+            client: crate::http::upstream(limits),
+            cached: Mutex::default(),
+            refreshing: AtomicBool::default(),
+        }
+    }
+
     /// The union of what `addresses` serve; empty when none answered.
-    pub async fn get<F>(
-        self: &Arc<Self>,
-        client: &Client<HttpConnector, Full<Bytes>>,
-        addresses: F,
-    ) -> Arc<ModelList>
+    pub async fn get<F>(self: &Arc<Self>, addresses: F) -> Arc<ModelList>
     where
         F: FnOnce() -> Vec<SocketAddr>,
     {
+        let client = &self.client;
         let cached = self
             .cached
             .lock()

@@ -24,7 +24,8 @@ use crate::errors::ApiError;
 use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
-use crate::proxy::Proxy;
+use crate::http::Forwarder;
+use crate::request::Service;
 use crate::settings::Settings;
 use crate::tasks::{Stop, TaskDied, Tasks};
 use crate::tenancy::Tenancy;
@@ -260,7 +261,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Stop::Aborted,
         crate::health_checks::run(pool.clone(), config.resilience.health_check.clone()),
     );
-    let proxy = Arc::new(Proxy::new(pool.clone(), metrics.clone(), tenancy, &config));
+    let service = Arc::new(Service::new(pool.clone(), metrics.clone(), tenancy, &config));
 
     let (stop, stopped) = watch::channel(false);
     let caps = listener::fit_to_open_files(
@@ -274,7 +275,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             Stop::Drains,
             listener::serve_on_threads(
                 api,
-                api_routes(proxy.clone()),
+                api_routes(Arc::new(Forwarder::new(service.clone(), &config))),
                 ConnLimits {
                     tls,
                     ..ConnLimits::api(&config.limits, caps.api)
@@ -282,7 +283,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 stopped.clone(),
                 metrics.clone(),
                 "api",
-                Proxy::on_api_thread,
+                crate::http::on_api_thread,
             ),
         );
     }
@@ -292,10 +293,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             tls: picker_tls,
             ..ConnLimits::picker(&config.limits, &picker, caps.picker)
         };
-        let (proxy, limits, stopped) = (proxy.clone(), config.limits.clone(), stopped.clone());
+        let (service, limits, stopped) = (service.clone(), config.limits.clone(), stopped.clone());
         let metrics = metrics.clone();
         tasks.spawn("picker", Stop::Drains, async move {
-            crate::ext_proc::serve(ext_proc, conn, &picker, proxy, &limits, stopped, metrics).await;
+            crate::ext_proc::serve(ext_proc, conn, &picker, service, &limits, stopped, metrics)
+                .await;
         });
     }
     tasks.spawn(
@@ -303,7 +305,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Stop::Drains,
         listener::serve(
             admin,
-            admin_routes(proxy, debug_access(&config, admin_token)),
+            admin_routes(service, debug_access(&config, admin_token)),
             ConnLimits::admin(&config.limits),
             stopped,
             metrics,
@@ -321,15 +323,21 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     })
 }
 
-/// The API port: a POST to any path but these goes to the proxy, which
+/// The API port: a POST to any path but these goes to the forwarder, which
 /// refuses paths outside `proxy.allowedPaths`. A fallback rather than a
 /// `/v1/{*rest}` route, whose path parameter cost each request allocations.
-fn api_routes(proxy: Arc<Proxy>) -> Router {
+fn api_routes(forwarder: Arc<Forwarder>) -> Router {
     Router::new()
-        .route("/v1/models", get(models))
+        .route(
+            "/v1/models",
+            get(|State(f): State<Arc<Forwarder>>, headers| models(f.service.clone(), headers)),
+        )
         .route("/healthz", get(|| async { StatusCode::OK }))
-        .route("/readyz", get(readyz))
-        .fallback(|State(p): State<Arc<Proxy>>, req: Request| async move {
+        .route(
+            "/readyz",
+            get(|State(f): State<Arc<Forwarder>>| async move { readyz(&f.service) }),
+        )
+        .fallback(|State(p): State<Arc<Forwarder>>, req: Request| async move {
             if req.method() == axum::http::Method::POST {
                 p.serve(req).await
             } else {
@@ -340,7 +348,7 @@ fn api_routes(proxy: Arc<Proxy>) -> Router {
                 .into_response()
             }
         })
-        .with_state(proxy)
+        .with_state(forwarder)
 }
 
 /// Who may call `/debug/*` on the admin port.
@@ -364,16 +372,16 @@ fn debug_access(config: &Config, token: Option<Arc<String>>) -> DebugAccess {
     }
 }
 
-fn admin_routes(proxy: Arc<Proxy>, access: DebugAccess) -> Router {
+fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
     let debug = Router::new()
         .route(
             "/debug/pool",
-            get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.pool.status()) }),
+            get(|State(p): State<Arc<Service>>| async move { axum::Json(p.pool.status()) }),
         )
         .route("/debug/explain", axum::routing::post(explain))
         .route(
             "/debug/prefixes",
-            get(|State(p): State<Arc<Proxy>>| async move { axum::Json(p.volatile_prefixes()) }),
+            get(|State(p): State<Arc<Service>>| async move { axum::Json(p.volatile_prefixes()) }),
         )
         .layer(axum::middleware::from_fn(
             move |request: Request, next: axum::middleware::Next| {
@@ -396,7 +404,7 @@ fn admin_routes(proxy: Arc<Proxy>, access: DebugAccess) -> Router {
         .merge(debug)
         .route(
             "/metrics",
-            get(|State(p): State<Arc<Proxy>>| async move {
+            get(|State(p): State<Arc<Service>>| async move {
                 (
                     [(
                         header::CONTENT_TYPE,
@@ -407,8 +415,11 @@ fn admin_routes(proxy: Arc<Proxy>, access: DebugAccess) -> Router {
             }),
         )
         .route("/healthz", get(|| async { StatusCode::OK }))
-        .route("/readyz", get(readyz))
-        .with_state(proxy)
+        .route(
+            "/readyz",
+            get(|State(p): State<Arc<Service>>| async move { readyz(&p) }),
+        )
+        .with_state(service)
 }
 
 /// Whether `headers` carry `Authorization: Bearer <token>`, compared in
@@ -419,7 +430,7 @@ fn bearer_is(headers: &axum::http::HeaderMap, token: &str) -> bool {
         .is_some_and(|given| bool::from(given.as_bytes().ct_eq(token.as_bytes())))
 }
 
-async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
+fn readyz(p: &Service) -> Response {
     match p.readiness() {
         Ok(n) => (StatusCode::OK, format!("ready: {n} endpoints\n")).into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")).into_response(),
@@ -430,7 +441,7 @@ async fn readyz(State(p): State<Arc<Proxy>>) -> Response {
 /// sending it. Takes `{"path", "headers", "body"}` (`path` defaults to
 /// `/v1/chat/completions`; `headers` is an object of strings; `body` is the
 /// request's JSON, or a string holding it) or a bare chat completion body.
-async fn explain(State(p): State<Arc<Proxy>>, body: axum::body::Bytes) -> Response {
+async fn explain(State(p): State<Arc<Service>>, body: axum::body::Bytes) -> Response {
     let result = async {
         let value: serde_json::Value = serde_json::from_slice(&body)
             .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?;
@@ -475,7 +486,7 @@ async fn explain(State(p): State<Arc<Proxy>>, body: axum::body::Bytes) -> Respon
     }
 }
 
-async fn models(State(p): State<Arc<Proxy>>, headers: axum::http::HeaderMap) -> Response {
+async fn models(p: Arc<Service>, headers: axum::http::HeaderMap) -> Response {
     if let Err(e) = p.authenticate(&headers) {
         return e.into_response();
     }

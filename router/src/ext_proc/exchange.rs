@@ -5,10 +5,10 @@
 //!    proxied when a body follows) and reads the subset hint. It answers
 //!    nothing yet: the decision needs the body.
 //! 2. Request body chunks: kept within the body limits of
-//!    [`crate::body`] (size, budget, timeout, minimum rate); chunks may
+//!    [`crate::request::body`] (size, budget, timeout, minimum rate); chunks may
 //!    split anywhere.
 //! 3. The body's end (`end_of_stream`, or the request trailers): the same
-//!    decision as the HTTP proxy's ([`Proxy::route`]), among the hinted
+//!    decision as the HTTP forwarder's ([`Service::decide`]), among the hinted
 //!    endpoints. The answer: the headers response with the ranked
 //!    `x-gateway-destination-endpoint` list and the same `envoy.lb`
 //!    metadata, then the body (rewritten when tenancy sets `cache_salt`),
@@ -38,29 +38,27 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse, processing_request::Request as Message,
 };
-use kvroute_core::keys::RoutingKey;
-use kvroute_core::policy::Request as RouteRequest;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Status, Streaming};
 
 use super::envoy::{self, Direction, Headers, Subset};
-use crate::body::{Held, Received};
 use crate::errors::ApiError;
 use crate::health::Fault;
-use crate::pool::{InFlight, Target};
-use crate::proxy::{Analysis, Expected, Guard, Labels, Proxy};
+use crate::pool::Target;
+use crate::request::body::Held;
+use crate::request::{Admitted, Ask, Attempt, Decision, Guard, Payload, Service};
 
 /// Serves one `Process` stream: reads the gateway's messages and sends the
 /// answers on `out` until the request is over or the stream ends.
 pub(crate) async fn run(
-    proxy: Arc<Proxy>,
+    service: Arc<Service>,
     mut inbound: Streaming<ProcessingRequest>,
     out: mpsc::Sender<Result<ProcessingResponse, Status>>,
     rules: Rules,
 ) {
     let mut exchange = Exchange {
-        proxy,
+        service,
         echo_response: true,
         started: Instant::now(),
         rules,
@@ -139,7 +137,7 @@ pub(crate) enum Stop {
 }
 
 struct Exchange {
-    proxy: Arc<Proxy>,
+    service: Arc<Service>,
     /// Whether response body chunks go back to the gateway
     /// (`FULL_DUPLEX_STREAMED`), or are acknowledged only.
     echo_response: bool,
@@ -178,21 +176,15 @@ enum Phase {
 struct Pending {
     path: String,
     headers: HeaderMap,
-    tenant: Option<String>,
-    labels: Labels,
-    received: Received,
+    admitted: Admitted,
     subset: Option<Subset>,
 }
 
 /// A decided request.
 struct Picked {
-    labels: Labels,
-    /// Its analysis (the body taken out); none for a request without one.
-    analysis: Option<Analysis>,
-    pick: Target,
-    /// Prompt tokens expected cached at the pick.
-    cached: u64,
-    load: InFlight,
+    decision: Decision,
+    /// The pick, holding its load.
+    attempt: Attempt,
     sent: Instant,
     /// The body's share of the budget, until the body has gone out.
     budget: Option<Held>,
@@ -206,8 +198,8 @@ impl Exchange {
     fn deadline(&self) -> Option<Instant> {
         match &self.phase {
             Phase::Start => Some(self.started + self.rules.first_message),
-            Phase::Body(p) => Some(p.received.deadline().0),
-            Phase::Sent(p) => Some(p.sent + self.proxy.first_byte_timeout()),
+            Phase::Body(p) => Some(p.admitted.received.deadline().0),
+            Phase::Sent(p) => Some(p.sent + self.service.first_byte_timeout()),
             _ => None,
         }
     }
@@ -219,12 +211,12 @@ impl Exchange {
                 "no request headers within extProc.firstMessageTimeoutMs",
             )),
             Phase::Body(p) => {
-                let error = p.received.expired();
-                refused(p.labels, error)
+                let error = p.admitted.received.expired();
+                Stop::Refuse(p.admitted.refuse(error))
             }
-            Phase::Sent(mut p) => {
+            Phase::Sent(p) => {
                 // Its load goes with it.
-                p.labels.count(StatusCode::GATEWAY_TIMEOUT.as_str());
+                p.decision.answered(StatusCode::GATEWAY_TIMEOUT);
                 Stop::Protocol(Status::deadline_exceeded(
                     "no response headers from the gateway within limits.firstByteTimeoutMs",
                 ))
@@ -247,8 +239,11 @@ impl Exchange {
     /// Refuses the request in progress, counted with the error's status.
     fn refuse(&mut self, error: ApiError) -> Stop {
         match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Body(p) => refused(p.labels, error),
-            Phase::Sent(p) => refused(p.labels, error),
+            Phase::Body(p) => Stop::Refuse(p.admitted.refuse(error)),
+            Phase::Sent(p) => {
+                p.decision.answered(error.status());
+                Stop::Refuse(error)
+            }
             _ => Stop::Refuse(error),
         }
     }
@@ -283,52 +278,38 @@ impl Exchange {
                 self.started = Instant::now();
                 let headers = Headers::read(h.headers.as_ref());
                 let subset = Subset::read(metadata.as_ref(), &headers.map);
-                let mut labels = Labels::new(&self.proxy);
-                if h.end_of_stream {
-                    return self.bodiless(&headers.map, labels, subset).await;
-                }
                 let path = headers.path.as_deref().unwrap_or("/");
                 let path = path.split('?').next().unwrap_or(path).to_owned();
-                let admitted =
-                    self.proxy
-                        .admit(&path, &headers.map, &mut labels)
-                        .and_then(|tenant| {
-                            let declared = headers
-                                .map
-                                .get(axum::http::header::CONTENT_LENGTH)
-                                .and_then(|v| v.to_str().ok()?.parse().ok());
-                            let bodies = self.proxy.bodies();
-                            let received = Received::new(bodies, declared, tenant.as_deref())?;
-                            Ok((tenant, received))
-                        });
-                let (tenant, received) = match admitted {
-                    Ok(a) => a,
-                    Err(e) => return Err(refused(labels, e)),
-                };
+                if h.end_of_stream {
+                    let body = Payload::Bodiless;
+                    return self.decide(&path, &headers.map, body, subset, false).await;
+                }
+                let admitted = self
+                    .service
+                    .admit(&path, &headers.map)
+                    .map_err(Stop::Refuse)?;
                 self.phase = Phase::Body(Box::new(Pending {
                     path,
                     headers: headers.map,
-                    tenant,
-                    labels,
-                    received,
+                    admitted,
                     subset,
                 }));
                 Ok(Vec::new())
             }
             (Phase::Body(mut pending), Message::RequestBody(b)) => {
-                if let Err(e) = pending.received.push(b.body.into()) {
+                if let Err(e) = pending.admitted.received.push(b.body.into()) {
                     self.phase = Phase::Body(pending);
                     return Err(self.refuse(e));
                 }
                 if b.end_of_stream {
-                    self.decide(*pending, true).await
+                    self.decided(*pending, true).await
                 } else {
                     self.phase = Phase::Body(pending);
                     Ok(Vec::new())
                 }
             }
             (Phase::Body(pending), Message::RequestTrailers(_)) => {
-                let mut answers = self.decide(*pending, false).await?;
+                let mut answers = self.decided(*pending, false).await?;
                 answers.push(envoy::trailers_unchanged(Direction::Request));
                 Ok(answers)
             }
@@ -384,7 +365,7 @@ impl Exchange {
 
     /// Decides a request whose body has arrived; `end_of_stream` when the
     /// body's last chunk ended it (else its trailers did).
-    async fn decide(
+    async fn decided(
         &mut self,
         pending: Pending,
         end_of_stream: bool,
@@ -392,147 +373,76 @@ impl Exchange {
         let Pending {
             path,
             headers,
-            tenant,
-            mut labels,
-            received,
+            admitted,
             subset,
-            ..
         } = pending;
-        let (bytes, budget) = received.finish();
-        let among = |a: &SocketAddr| subset.as_ref().is_none_or(|s| s.allows(a));
-        let routed = self
-            .proxy
-            .route(&path, &headers, tenant, bytes, &mut labels, &among)
-            .await;
-        let (mut analysis, plan) = match routed {
-            Ok(r) => r,
-            Err(e) => return Err(refused(labels, e)),
-        };
-        let body = std::mem::take(&mut analysis.bytes);
-        let mut answers = vec![envoy::destination(
-            &ranked(&plan.targets),
-            (!body.is_empty()).then_some(body.len()),
-        )];
-        answers.extend(envoy::body(Direction::Request, &body, end_of_stream));
-        drop(body);
-        let pick = plan.targets[0].clone();
-        let cached = analysis.expected_cached(plan.cached_blocks);
-        self.proxy.count_routed(&labels, analysis.prompt_tokens);
-        self.proxy.count_decision(plan.reason.as_str());
-        let load = self.proxy.pool.hold(
-            &pick,
-            analysis.prompt_tokens,
-            analysis.prompt_tokens - cached,
-        );
-        self.phase = Phase::Sent(Box::new(Picked {
-            labels,
-            analysis: Some(analysis),
-            pick,
-            cached,
-            load,
-            sent: Instant::now(),
-            budget: Some(budget),
-        }));
-        self.proxy
-            .metrics
-            .decision_seconds
-            .observe(self.started.elapsed().as_secs_f64());
-        Ok(answers)
+        let body = Payload::Received(Box::new(admitted));
+        self.decide(&path, &headers, body, subset, end_of_stream)
+            .await
     }
 
-    /// A request without a body (headers with `end_of_stream`): nothing to
-    /// read, so the least loaded endpoint, at once.
-    async fn bodiless(
+    /// Decides a request to `path` among the hinted endpoints, and answers
+    /// with the ranked destinations and its body (in chunks, the last one
+    /// ending the stream when `end_of_stream`). A request without a body
+    /// (headers with `end_of_stream`) has nothing to read: the least loaded
+    /// endpoint, at once.
+    async fn decide(
         &mut self,
+        path: &str,
         headers: &HeaderMap,
-        mut labels: Labels,
+        body: Payload,
         subset: Option<Subset>,
+        end_of_stream: bool,
     ) -> Result<Vec<ProcessingResponse>, Stop> {
         let among = |a: &SocketAddr| subset.as_ref().is_none_or(|s| s.allows(a));
-        let request = RouteRequest {
-            key: RoutingKey(0),
-            chain: &[],
-            prompt_tokens: 0,
+        let ask = Ask {
+            path,
+            headers,
+            body,
+            among: &among,
         };
-        let plan = match self.proxy.identify(headers, &mut labels) {
-            Ok(_) => self.proxy.plan(&request, false, &among).await,
-            Err(e) => Err(e),
-        };
-        let plan = match plan {
-            Ok(p) => p,
-            Err(e) => return Err(refused(labels, e)),
-        };
-        let pick = plan.targets[0].clone();
-        self.proxy.count_routed(&labels, 0);
-        self.proxy.count_decision(plan.reason.as_str());
-        let load = self.proxy.pool.hold(&pick, 0, 0);
-        let answer = envoy::destination(&ranked(&plan.targets), None);
+        let mut decision = self.service.decide(ask).await.map_err(Stop::Refuse)?;
+        let (body, budget) = decision.take_body();
+        let mut answers = vec![envoy::destination(
+            &ranked(decision.targets()),
+            (!body.is_empty()).then_some(body.len()),
+        )];
+        if budget.is_some() {
+            answers.extend(envoy::body(Direction::Request, &body, end_of_stream));
+        }
+        drop(body);
+        let attempt = decision.pick();
         self.phase = Phase::Sent(Box::new(Picked {
-            labels,
-            analysis: None,
-            pick,
-            cached: 0,
-            load,
+            decision,
+            attempt,
             sent: Instant::now(),
-            budget: None,
+            budget,
         }));
-        Ok(vec![answer])
+        Ok(answers)
     }
 
     /// The response began at `served` (the pick when the gateway does not
     /// say): the request's load and the policy's memory go there.
     fn served(&mut self, picked: Picked, served: Option<SocketAddr>, status: StatusCode) -> Guard {
         let Picked {
-            labels,
-            analysis,
-            pick,
-            cached,
-            mut load,
+            decision,
+            attempt,
             sent,
             budget,
         } = picked;
         drop(budget);
-        let prompt_tokens = analysis.as_ref().map_or(0, |a| a.prompt_tokens);
         let other = served
-            .filter(|addr| *addr != pick.http)
-            .and_then(|addr| self.proxy.pool.target_at(addr));
-        let by = labels.model_tenant();
-        let (target, cached) = match other {
-            Some(other) => {
-                load = self.proxy.pool.hold(&other, prompt_tokens, prompt_tokens);
-                self.proxy.count_decision("retry");
-                (other, 0)
-            }
-            None => {
-                self.proxy.count_first_choice(&by, cached);
-                (pick, cached)
-            }
+            .filter(|addr| *addr != attempt.target.http)
+            .and_then(|addr| self.service.pool.target_at(addr));
+        let attempt = match other {
+            Some(other) => decision.instead(other),
+            None => attempt,
         };
-        if let Some(a) = &analysis {
-            self.proxy.pool.learn(&a.request(), &target);
-        }
         if status.is_server_error() && self.rules.trusted {
-            self.proxy.pool.failed(&target.name, Fault::Status);
+            self.service.pool.failed(&attempt.target.name, Fault::Status);
         }
-        Guard::new(
-            &self.proxy,
-            load,
-            target.name,
-            sent,
-            labels,
-            status,
-            Expected {
-                cached,
-                prompt_tokens,
-            },
-        )
+        decision.commit(attempt, status, sent)
     }
-}
-
-/// Refuses a request, counted in `labels` with the error's status.
-fn refused(mut labels: Labels, error: ApiError) -> Stop {
-    labels.count(error.status().as_str());
-    Stop::Refuse(error)
 }
 
 /// The ranked endpoints as the destination header carries them.

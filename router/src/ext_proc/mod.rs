@@ -21,7 +21,8 @@
 //! message within `extProc.firstMessageTimeoutMs`, and a message may be as
 //! large as `limits.maxBodyBytes` (a larger or malformed one ends the
 //! stream with the gRPC error that says so).
-//! Not here: the HTTP proxy ([`crate::proxy`]), whose decision this shares.
+//! Not here: the decision ([`crate::request`], which the HTTP forwarder
+//! shares).
 
 pub mod envoy;
 mod exchange;
@@ -44,7 +45,7 @@ use tonic_health::server::HealthReporter;
 use crate::config::{ExtProc, Limits};
 use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
-use crate::proxy::Proxy;
+use crate::request::Service;
 
 /// Answers queued per exchange before the picker waits for the gateway to
 /// read them (a large body goes back in many chunks).
@@ -56,19 +57,19 @@ const MESSAGE_OVERHEAD: usize = 256 << 10;
 /// The `ExternalProcessor` service: one exchange per request stream.
 #[derive(Clone, Debug)]
 pub struct Picker {
-    proxy: Arc<Proxy>,
+    service: Arc<Service>,
     rules: exchange::Rules,
 }
 
 impl Picker {
-    /// A picker deciding with `proxy`'s pool, policy, tenancy and limits,
+    /// A picker deciding with `service`'s pool, policy, tenancy and limits,
     /// as `config` says.
-    pub fn new(proxy: Arc<Proxy>, config: &ExtProc) -> Self {
+    pub fn new(service: Arc<Service>, config: &ExtProc) -> Self {
         let rules = exchange::Rules {
             first_message: Duration::from_millis(config.first_message_timeout_ms),
             trusted: config.trusted(),
         };
-        Picker { proxy, rules }
+        Picker { service, rules }
     }
 }
 
@@ -82,7 +83,7 @@ impl ExternalProcessor for Picker {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let (out, answers) = mpsc::channel(ANSWERS_QUEUED);
         let inbound = request.into_inner();
-        tokio::spawn(exchange::run(self.proxy.clone(), inbound, out, self.rules));
+        tokio::spawn(exchange::run(self.service.clone(), inbound, out, self.rules));
         Ok(Response::new(ReceiverStream::new(answers)))
     }
 }
@@ -102,14 +103,14 @@ pub async fn serve(
     listener: TcpListener,
     conn: ConnLimits,
     picker: &ExtProc,
-    proxy: Arc<Proxy>,
+    service: Arc<Service>,
     limits: &Limits,
     stopped: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
-    let readiness = tokio::spawn(report_health(proxy.clone(), reporter));
-    let processor = ExternalProcessorServer::new(Picker::new(proxy, picker))
+    let readiness = tokio::spawn(report_health(service.clone(), reporter));
+    let processor = ExternalProcessorServer::new(Picker::new(service, picker))
         .max_decoding_message_size(limits.max_body_bytes.saturating_add(MESSAGE_OVERHEAD));
     let app = tonic::service::Routes::new(health)
         .add_service(processor)
@@ -120,14 +121,14 @@ pub async fn serve(
 
 /// Keeps the gRPC health services current: `liveness` always serving;
 /// `readiness`, the ext_proc service and the server as a whole serving
-/// while the router is ready (see [`Proxy::readiness`]).
-async fn report_health(proxy: Arc<Proxy>, reporter: HealthReporter) {
+/// while the router is ready (see [`Service::readiness`]).
+async fn report_health(service: Arc<Service>, reporter: HealthReporter) {
     reporter
         .set_service_status("liveness", ServingStatus::Serving)
         .await;
-    let mut ready = proxy.pool.ready();
+    let mut ready = service.pool.ready();
     loop {
-        let status = match proxy.readiness() {
+        let status = match service.readiness() {
             Ok(_) => ServingStatus::Serving,
             Err(_) => ServingStatus::NotServing,
         };

@@ -1,11 +1,43 @@
-//! The request parser and the salt rule over arbitrary bodies.
+//! The prompt reader and the salt rule over arbitrary bodies.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
 use super::*;
 use crate::config::{self, ClientSalt, TenancyMode};
-use crate::settings::Settings;
+
+/// [`read`] of a scope that reads every prompt.
+fn analyze(
+    bytes: Bytes,
+    input: Input,
+    tenancy: &Tenancy,
+    settings: &Settings,
+    models: &ModelList,
+    conversations: &Conversations,
+) -> Result<Analysis, ApiError> {
+    let read = read(bytes, input, tenancy, settings, models, conversations)?;
+    Ok(read.expect("only ResumedWithin leaves a prompt unread"))
+}
+
+/// [`read`] of a chat resuming a conversation with at most `within` new
+/// body bytes.
+fn analyze_resumed(
+    bytes: Bytes,
+    input: Input,
+    tenancy: &Tenancy,
+    settings: &Settings,
+    models: &ModelList,
+    conversations: &Conversations,
+    within: usize,
+) -> Result<Option<Analysis>, ApiError> {
+    let input = Input {
+        scope: Scope::ResumedWithin(within),
+        ..input
+    };
+    read(bytes, input, tenancy, settings, models, conversations)
+}
 
 fn tenancy(mode: TenancyMode, client_salt: ClientSalt) -> Tenancy {
     let dir = std::env::temp_dir().join(format!("kvroute-proxy-tests-{}", std::process::id()));
@@ -98,7 +130,7 @@ proptest! {
         let client_salt = if overwrite { ClientSalt::Overwrite } else { ClientSalt::Reject };
         let t = tenancy(TenancyMode::Salted, client_salt);
         let s = Settings::test();
-        let input = Input { api, tenant: Some("acme".into()), conversation: None, tokenize: true, keep_tokens: false, exact: true, held_by: None };
+        let input = Input { api, tenant: Some("acme".into()), conversation: None, reader: Reader::Tokens, scope: Scope::Whole, held: None };
         match analyze(Bytes::from(body), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => {
                 let forwarded: Value = serde_json::from_slice(&a.bytes).unwrap();
@@ -113,7 +145,7 @@ proptest! {
     fn shared_bodies_pass_unchanged_or_are_400(api in api(), body in body()) {
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
-        let input = Input { api, tenant: None, conversation: None, tokenize: true, keep_tokens: false, exact: true, held_by: None };
+        let input = Input { api, tenant: None, conversation: None, reader: Reader::Tokens, scope: Scope::Whole, held: None };
         match analyze(Bytes::from(body.clone()), input, &t, &s, &ModelList::default(), &conversations()) {
             Ok(a) => prop_assert_eq!(&a.bytes[..], &body[..]),
             Err(e) => prop_assert_eq!(e.status().as_u16(), 400, "{}", e),
@@ -126,12 +158,12 @@ proptest! {
     /// fields as the full parse, and refuses the same bodies.
     #[test]
     fn the_scan_reads_what_the_parse_reads(api in api(), body in body()) {
-        let parsed = features::parse(api, &body, false);
-        let scanned = features::scan(api, &body, false).map(|s| s.map(|s| s.fields));
+        let parsed = body::parse(api, &body, false);
+        let scanned = body::scan(api, &body, false).map(|s| s.map(|s| s.fields));
         match (parsed, scanned) {
             (Ok(p), Ok(s)) => {
                 let f = |o: Option<serde_json::Map<String, Value>>| {
-                    o.as_ref().map(features::features).transpose().map(|f| f.map(|f| format!("{f:?}"))).map_err(|e| e.to_string())
+                    o.as_ref().map(body::features).transpose().map(|f| f.map(|f| format!("{f:?}"))).map_err(|e| e.to_string())
                 };
                 prop_assert_eq!(f(p), f(s));
             }
@@ -147,19 +179,18 @@ fn round_robin_routes_without_tokenizing() {
     let s = Settings::builtin(kvroute_core::policy::PolicyConfig::RoundRobin);
     let body =
         json!({"model": "m", "messages": [{"role": "user", "content": "Hello ".repeat(100)}]});
-    let input = || Input {
+    let input = |s: &Settings| Input {
         api: Api::Chat,
         tenant: None,
         conversation: None,
-        tokenize: true,
-        keep_tokens: true,
-        exact: true,
-        held_by: None,
+        reader: Reader::of(s, true, 0, usize::MAX),
+        scope: Scope::KeepTokens,
+        held: None,
     };
     let bytes = Bytes::from(body.to_string());
     let a = analyze(
         bytes.clone(),
-        input(),
+        input(&s),
         &t,
         &s,
         &ModelList::default(),
@@ -173,7 +204,7 @@ fn round_robin_routes_without_tokenizing() {
     // The default policy reads the prompt.
     let a = analyze(
         bytes,
-        input(),
+        input(&Settings::test()),
         &t,
         &Settings::test(),
         &ModelList::default(),
@@ -185,7 +216,7 @@ fn round_robin_routes_without_tokenizing() {
     for bad in [&b"[1]"[..], b"{\"stream\": 1}", b"{\"model\": "] {
         let e = analyze(
             Bytes::from_static(bad),
-            input(),
+            input(&s),
             &t,
             &s,
             &ModelList::default(),
@@ -221,10 +252,9 @@ fn chat_input() -> Input {
         api: Api::Chat,
         tenant: None,
         conversation: None,
-        tokenize: true,
-        keep_tokens: false,
-        exact: true,
-        held_by: None,
+        reader: Reader::Tokens,
+        scope: Scope::Whole,
+        held: None,
     }
 }
 
@@ -237,7 +267,8 @@ proptest! {
         salt in proptest::option::of("[a-z]{1,4}"),
         exact in any::<bool>(),
     ) {
-        let chat_input = || Input { exact, ..chat_input() };
+        let reader = if exact { Reader::Tokens } else { Reader::Chunks };
+        let chat_input = || Input { reader, ..chat_input() };
         let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
         let s = Settings::test();
         let shared = conversations();
@@ -253,12 +284,12 @@ proptest! {
             prop_assert_eq!(keyless.memo, None);
             prop_assert_eq!(&keyless.chain, &a.chain);
             // The full parse computes the same prompt.
-            let mut obj = features::parse(Api::Chat, &bytes, false).unwrap().unwrap();
+            let mut obj = body::parse(Api::Chat, &bytes, false).unwrap().unwrap();
             let extras = BlockExtras { lora: None, cache_salt: salt.as_deref() };
             let parsed = if exact {
-                features::prompt(Api::Chat, &mut obj, &s, extras, false, None)
+                tokens::prompt(Api::Chat, &mut obj, &s, extras, false, None)
             } else {
-                crate::chunks::prompt(Api::Chat, &mut obj, &s, extras)
+                chunks::prompt(Api::Chat, &mut obj, &s, extras)
             };
             let parsed = parsed.unwrap().unwrap();
             for x in [&a, &whole] {
@@ -332,7 +363,8 @@ proptest! {
             let mut body = salted_chat(&turns[..n], salt.as_deref());
             let bytes = Bytes::from(body.to_string());
             let run = |bytes: Bytes, c: &Conversations| {
-                analyze(bytes, chat_input(), &t, &s, &ModelList::default(), c).unwrap()
+                let input = Input { reader: Reader::Rendered, ..chat_input() };
+                analyze(bytes, input, &t, &s, &ModelList::default(), c).unwrap()
             };
             let a = run(bytes.clone(), &shared);
             let whole = run(bytes, &conversations());
@@ -390,7 +422,7 @@ fn only_a_short_resumption_is_analyzed_inline() {
     let turn = |role: &str, text: &str| (role.to_owned(), text.to_owned());
     let within = |body: &Bytes, n: usize| {
         let m = ModelList::default();
-        analyze_resumed(body.clone(), chat_input(), &t, &s, &m, &cache, Some(n)).unwrap()
+        analyze_resumed(body.clone(), chat_input(), &t, &s, &m, &cache, n).unwrap()
     };
     let history = vec![
         turn("system", &"long context ".repeat(2000)),
@@ -436,12 +468,12 @@ fn only_a_short_resumption_is_analyzed_inline() {
     assert!(within(&Bytes::from(keyless), 1 << 14).is_none());
     // Approximate mode keeps snapshots of its own.
     let approx = || Input {
-        exact: false,
+        reader: Reader::Chunks,
         ..chat_input()
     };
     let m = ModelList::default();
     let resumed = |body: &Bytes| {
-        analyze_resumed(body.clone(), approx(), &t, &s, &m, &cache, Some(1 << 14)).unwrap()
+        analyze_resumed(body.clone(), approx(), &t, &s, &m, &cache, 1 << 14).unwrap()
     };
     assert!(resumed(&body).is_none());
     let first = analyze(chat(&history, "c"), approx(), &t, &s, &m, &cache).unwrap();
@@ -463,7 +495,7 @@ fn conversations_are_bounded() {
     let evictions = prometheus_client::metrics::counter::Counter::default();
     let cache = Conversations::new(evictions.clone());
     let history = vec![("user".to_owned(), "Hello there".to_owned())];
-    let n = crate::conversations::MAX_CONVERSATIONS + 10;
+    let n = conversations::MAX_CONVERSATIONS + 10;
     for i in 0..n {
         let body = chat(&history, &format!("c{i}"));
         analyze(body, chat_input(), &t, &s, &ModelList::default(), &cache).unwrap();
@@ -491,7 +523,7 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
     let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
     let s = Settings::test();
     let approx = || Input {
-        exact: false,
+        reader: Reader::Chunks,
         ..chat_input()
     };
     let turn = |role: &str, text: &str| (role.to_owned(), text.to_owned());
@@ -539,80 +571,3 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
     assert_ne!(c.chain[0], a.chain[0]);
 }
 
-/// A proxy with `config` over a pool of the test settings (no endpoints
-/// yet), tenants shared.
-fn test_proxy(config: &Config) -> (Arc<Proxy>, Arc<Pool>) {
-    let metrics = Arc::new(Metrics::default());
-    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
-    let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
-    (Arc::new(Proxy::new(pool.clone(), metrics, t, config)), pool)
-}
-
-/// In exact mode a chain is hashed as far as the engines hold it: the
-/// router asks whether any engine holds its last block after 1, 2, 4, ...
-/// 64 blocks, then every 64.
-#[tokio::test]
-async fn exact_chains_end_past_the_blocks_engines_hold() {
-    let (proxy, pool) = test_proxy(&Config::default());
-    let specs = ["a", "b", "c"]
-        .iter()
-        .map(|name| crate::pool::EndpointSpec {
-            name: (*name).into(),
-            http: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
-            cache: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
-            ready: true,
-            draining: false,
-        })
-        .collect();
-    let streams = pool.set_endpoints(specs);
-    let body = |text: &str| {
-        let content = text.repeat(300);
-        let chat = json!({"model": "m", "messages": [{"role": "user", "content": content}]});
-        Bytes::from(chat.to_string())
-    };
-    let prompt = "Every block of this prompt is hashed only while an engine holds it. ";
-    let analyze = |bytes: Bytes, keep_tokens: bool| {
-        let proxy = proxy.clone();
-        let headers = HeaderMap::new();
-        async move {
-            let mut model = String::new();
-            let a = proxy
-                .analyze(
-                    "/v1/chat/completions",
-                    &headers,
-                    None,
-                    bytes,
-                    keep_tokens,
-                    &mut model,
-                )
-                .await
-                .unwrap();
-            a.chain
-        }
-    };
-    let whole = analyze(body(prompt), true).await;
-    assert!(whole.len() > 256, "{}", whole.len());
-    let engine = kvroute_core::contract::EngineCache::of(&pool.settings().hasher);
-    // `b` holds 100 leading blocks, `c` 150.
-    for (s, held) in streams.start.iter().zip([0, 100, 150]) {
-        pool.apply_snapshot(
-            &s.name,
-            s.generation,
-            engine.clone(),
-            1 << 12,
-            &whole[..held],
-            &[],
-        )
-        .unwrap();
-    }
-    // Asked at 1, 2, 4, ... 64, 128 (held by `c`), 192 (held by none).
-    let ended = analyze(body(prompt), false).await;
-    assert_eq!(ended.len(), 192);
-    assert!(whole.starts_with(&ended));
-    let path = "/v1/chat/completions";
-    let decided = proxy.decide(path, &HeaderMap::new(), body(prompt)).await;
-    assert_eq!(decided.unwrap(), "c");
-    // A prompt nobody holds costs one block's hash.
-    let other = analyze(body("A prompt no engine has seen. "), false).await;
-    assert_eq!(other.len(), 1);
-}

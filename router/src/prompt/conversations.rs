@@ -15,16 +15,13 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Mutex;
 
-use kvroute_core::hash::BlockExtras;
 use kvroute_core::lru::Lru;
 use kvroute_core::tokenize::ChatMessage;
 use prometheus_client::metrics::counter::Counter;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::chunks::{self, Chunker};
+use super::{At, Prompt, Reader, Resume, Scope, tokens};
 use crate::errors::ApiError;
-use crate::features::{self, Held, Prompt, Snapshot};
-use crate::settings::Settings;
 
 /// Conversations remembered at most.
 pub const MAX_CONVERSATIONS: usize = 16_384;
@@ -58,27 +55,6 @@ struct Entry {
     snapshot: Resume,
 }
 
-/// Where a prompt stood after some of its messages.
-#[derive(Clone, Debug)]
-enum Resume {
-    /// Exact mode: tokens and the engines' hashes.
-    Tokens(Box<Snapshot>),
-    /// Exact mode with a model's tokenizer or template: the same, after a
-    /// prefix of the rendered prompt rather than of the body.
-    Rendered(Box<Snapshot>),
-    /// Approximate mode: byte chunks.
-    Chunks(Chunker),
-}
-
-impl Resume {
-    fn blocks(&self) -> usize {
-        match self {
-            Resume::Tokens(s) | Resume::Rendered(s) => s.blocks(),
-            Resume::Chunks(c) => c.blocks(),
-        }
-    }
-}
-
 /// Whether a chat's prompt was resumed from a snapshot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Memo {
@@ -86,18 +62,6 @@ pub enum Memo {
     Hit,
     /// Computed whole (and remembered).
     Miss,
-}
-
-/// How much of a chat's prompt [`Conversations::chat_prompt`] computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scope {
-    /// All of it, resumed when it can be.
-    Whole,
-    /// All of it, every token kept: computed whole, not remembered.
-    KeepTokens,
-    /// Only a resumption with at most this many body bytes after the
-    /// snapshot.
-    ResumedWithin(usize),
 }
 
 /// A chat's prompt, and whether it was resumed.
@@ -122,9 +86,10 @@ impl Conversation<'_> {
     /// Its snapshot's identity: the conversation, and everything a chain
     /// depends on besides the tokens (the mode, the hashing, the key's head
     /// length, the adapter and the salt).
-    fn id(&self, settings: &Settings, extras: BlockExtras<'_>, exact: bool) -> u64 {
+    fn id(&self, at: &At<'_>, reader: Reader) -> u64 {
+        let (settings, extras) = (at.settings, at.extras);
         let mut h = Xxh3::new();
-        h.update(&[u8::from(exact)]);
+        h.update(&[u8::from(reader.exact())]);
         let field = |h: &mut Xxh3, s: &str| {
             h.update(&(s.len() as u64).to_le_bytes());
             h.update(s.as_bytes());
@@ -143,55 +108,41 @@ impl Conversation<'_> {
 }
 
 impl Conversations {
-    /// The prompt of a chat: its raw `messages` within `body`, hashed with
-    /// `extras`, in exact mode (`exact`, when [`features::streams_chats`]:
-    /// tokenized as [`features::streamed_chat`] does) or approximate mode
-    /// (byte chunks, as [`chunks::chat`] reads them). Resumed from the
-    /// conversation's snapshot when `body` starts as the one it was taken
-    /// from, and remembered for the next turn. Without a conversation (or
-    /// with [`Scope::KeepTokens`]): computed whole, not remembered. `None`
-    /// when `scope` is [`Scope::ResumedWithin`] and the prompt does not
-    /// resume that way. `held` ends the chain of a prompt computed whole
-    /// and not remembered, in exact mode.
-    #[allow(clippy::too_many_arguments)]
-    pub fn chat_prompt(
+    /// The prompt of a chat from its raw `messages` within `body`, read by
+    /// `reader` (one that [reads messages](Reader::messages)) at `at`.
+    /// Resumed from the conversation's snapshot when `body` starts as the
+    /// one it was taken from, and remembered for the next turn. Without a
+    /// conversation (or with [`Scope::KeepTokens`]): read whole, not
+    /// remembered. `None` when `scope` is [`Scope::ResumedWithin`] and the
+    /// prompt does not resume that way.
+    pub(crate) fn chat(
         &self,
+        reader: Reader,
         (body, raw): (&[u8], &[&[u8]]),
         conversation: Option<Conversation<'_>>,
-        settings: &Settings,
-        extras: BlockExtras<'_>,
+        at: &At<'_>,
         scope: Scope,
-        exact: bool,
-        held: Option<Held<'_>>,
     ) -> Result<Option<Chat>, ApiError> {
-        let keep_all = scope == Scope::KeepTokens;
         let within = match scope {
             Scope::ResumedWithin(n) => Some(n),
             _ => None,
         };
+        let keep_all = scope == Scope::KeepTokens;
         let (Some(c), Some(ends), false) = (conversation, message_ends(body, raw), keep_all) else {
             if within.is_some() {
                 return Ok(None);
             }
-            let prompt = if exact {
-                features::streamed_chat(raw, settings, extras, keep_all, None, held)?.map(|p| p.0)
-            } else {
-                chunks::chat(raw, settings, extras)?
-            };
+            let prompt = reader.messages(raw, at, None)?.map(|(p, _)| p);
             return Ok(Some(Chat { prompt, memo: None }));
         };
-        let id = c.id(settings, extras, exact);
+        let id = c.id(at, reader);
         // One pass over the body's messages: the hash up to the
         // remembered end checks the entry, the hash up to the last
         // message's end is remembered.
         let mut hasher = Xxh3::new();
         let entry = self.get(id).filter(|e| {
             e.messages <= raw.len()
-                && match e.snapshot {
-                    Resume::Tokens(_) => exact,
-                    Resume::Chunks(_) => !exact,
-                    Resume::Rendered(_) => false,
-                }
+                && e.snapshot.read_by(reader)
                 && ends.get(e.messages.wrapping_sub(1)) == Some(&e.prefix_len)
                 && {
                     hasher.update(&body[..e.prefix_len]);
@@ -210,21 +161,9 @@ impl Conversations {
             }
         };
         let memo = Some(memo);
-        let computed = match from {
-            Some((n, Resume::Tokens(s))) => {
-                features::streamed_chat(raw, settings, extras, false, Some((n, *s)), None)?
-                    .map(|(p, s)| (p, Resume::Tokens(Box::new(s))))
-            }
-            Some((n, Resume::Chunks(c))) => chunks::chat_from(raw, settings, extras, Some((n, c)))?
-                .map(|(p, c)| (p, Resume::Chunks(c))),
-            // None, or a rendered prompt's entry (filtered out above).
-            _ if exact => features::streamed_chat(raw, settings, extras, false, None, None)?
-                .map(|(p, s)| (p, Resume::Tokens(Box::new(s)))),
-            _ => {
-                chunks::chat_from(raw, settings, extras, None)?.map(|(p, c)| (p, Resume::Chunks(c)))
-            }
-        };
-        let Some((prompt, snapshot)) = computed else {
+        // A remembered prompt is hashed whole, to be resumed from.
+        let whole = At { held: None, ..*at };
+        let Some((prompt, snapshot)) = reader.messages(raw, &whole, from)? else {
             return Ok(Some(Chat { prompt: None, memo }));
         };
         if let Some(&end) = ends.last() {
@@ -247,23 +186,23 @@ impl Conversations {
         }))
     }
 
-    /// The prompt of a chat in exact mode when the model's tokenizer or
-    /// template reads it (not [`features::streams_chats`]): rendered whole;
-    /// when the rendering starts with the text the conversation's snapshot
-    /// was taken after, only the rest is tokenized and hashed. The snapshot
-    /// kept for the next turn is taken before the prompt's last special
-    /// token ([`Tokenizer::encode_cut`](kvroute_core::tokenize::Tokenizer::encode_cut)):
+    /// The prompt of a chat read by [`Reader::Rendered`] (exact mode with
+    /// the model's tokenizer or template): rendered whole; when the
+    /// rendering starts with the text the conversation's snapshot was taken
+    /// after, only the rest is tokenized and hashed. The snapshot kept for
+    /// the next turn is taken before the prompt's last special token
+    /// ([`Tokenizer::encode_cut`](kvroute_core::tokenize::Tokenizer::encode_cut)):
     /// usually the generation prompt's, which the next turn renders as the
     /// start of the assistant's answer. `prompt: None` when the template or
     /// the tokenizer fails: the request is routed without a chain.
-    pub fn rendered_prompt(
+    pub(crate) fn rendered(
         &self,
         messages: Vec<ChatMessage>,
         conversation: Conversation<'_>,
-        settings: &Settings,
-        extras: BlockExtras<'_>,
+        at: &At<'_>,
     ) -> Chat {
-        let id = conversation.id(settings, extras, true);
+        let (settings, extras) = (at.settings, at.extras);
+        let id = conversation.id(at, Reader::Rendered);
         let Ok(text) = settings.template.render(&messages, true) else {
             return Chat {
                 prompt: None,
@@ -291,8 +230,7 @@ impl Conversations {
             return Chat { prompt: None, memo };
         };
         let snapshot_at = cut.map(|c| c.tokens);
-        let (prompt, snapshot) =
-            features::tokens_prompt(&tokens, settings, extras, from, snapshot_at);
+        let (prompt, snapshot) = tokens::tokens_prompt(&tokens, settings, extras, from, snapshot_at);
         if let (Some(cut), Some(snapshot)) = (cut, snapshot) {
             let end = done + cut.at;
             hasher.update(&text.as_bytes()[done..end]);

@@ -241,12 +241,12 @@ fn string<const CHECK: bool>(b: &[u8], start: usize) -> Result<usize> {
 mod tests {
     use serde_json::{Map, Value};
 
-    use crate::features::{scan_with_serde, skim};
+    use crate::prompt::body::{scan_with_serde, skim};
 
     /// What the router reads of a body: its fields and its messages' texts.
     type Read = (Map<String, Value>, Option<Vec<Vec<u8>>>);
 
-    fn read(s: crate::features::Scanned<'_>) -> Read {
+    fn read(s: crate::prompt::body::Scanned<'_>) -> Read {
         let messages = s.messages.map(|m| m.iter().map(|e| e.to_vec()).collect());
         (s.fields, messages)
     }
@@ -349,7 +349,7 @@ mod tests {
         /// removed.
         #[test]
         fn json_skim_agrees_with_serde_json(
-            value in crate::proxy::tests::value(),
+            value in crate::prompt::tests::value(),
             text in "(\\PC|[\"\\\\\n])*",
             edits in proptest::collection::vec((0usize..4096, 0usize..3, proptest::sample::select(
                 b"{}[],:\"\\ 0-etaunl\x01\xff".to_vec())), 0..4),

@@ -13,8 +13,9 @@ use serde_json::{Map, Value};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::errors::ApiError;
-use crate::features::{self, Api, Prompt};
-use crate::prefixes;
+use super::Prompt;
+use super::body::{self, Api};
+use super::prefixes;
 use crate::settings::Settings;
 
 /// Bytes per pseudo-token.
@@ -116,7 +117,7 @@ impl Chunker {
     }
 }
 
-/// A chat's approximate prompt from its raw `messages` (see [`features::scan`]);
+/// A chat's approximate prompt from its raw `messages` (see [`body::scan`]);
 /// `Ok(None)` when a message has content the router cannot read.
 pub fn chat(
     raw: &[&[u8]],
@@ -136,11 +137,11 @@ pub fn chat_from(
     from: Option<(usize, Chunker)>,
 ) -> Result<Option<(Prompt, Chunker)>, ApiError> {
     if raw.is_empty() {
-        return Err(features::no_messages());
+        return Err(body::no_messages());
     }
     let (skip, mut c) = from.unwrap_or_else(|| (0, Chunker::new(settings, extras)));
     for (i, r) in raw.iter().enumerate().skip(skip) {
-        let Some(message) = features::raw_message(i, r)? else {
+        let Some(message) = body::raw_message(i, r)? else {
             return Ok(None);
         };
         c.message(&message.role, &message.content);
@@ -149,7 +150,7 @@ pub fn chat_from(
     Ok(Some((c.finish(), snapshot)))
 }
 
-/// The approximate prompt of a parsed body (as [`features::prompt`]).
+/// The approximate prompt of a parsed body (as [`super::tokens::prompt`]).
 pub fn prompt(
     api: Api,
     obj: &mut Map<String, Value>,
@@ -159,7 +160,7 @@ pub fn prompt(
     let mut c = Chunker::new(settings, extras);
     let prompt = match api {
         Api::Chat => {
-            let Some(messages) = features::chat_messages(obj)? else {
+            let Some(messages) = body::chat_messages(obj)? else {
                 return Ok(None);
             };
             messages.iter().for_each(|m| c.message(&m.role, &m.content));

@@ -1,0 +1,57 @@
+//! Upstream clients: one per API thread, so that a request and the pooled
+//! connection it is sent on live on one thread's runtime, and one for every
+//! other thread.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::Limits;
+
+/// The HTTP/1 client requests are forwarded with.
+pub(crate) type Upstream = Client<HttpConnector, Full<Bytes>>;
+
+thread_local! {
+    /// The API thread this thread is ([`on_api_thread`]); `None` on every
+    /// other thread.
+    static API_THREAD: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Marks this thread as API thread `k` (of `limits.apiThreads`): its
+/// requests then use an upstream client of their own.
+pub fn on_api_thread(k: usize) {
+    API_THREAD.with(|t| t.set(Some(k)));
+}
+
+/// An upstream client connecting within `limits.connectTimeoutMs`.
+pub(crate) fn upstream(limits: &Limits) -> Upstream {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(Duration::from_millis(limits.connect_timeout_ms)));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(connector)
+}
+
+/// The clients of every API thread, and of the rest.
+#[derive(Debug)]
+pub(crate) struct Clients(Vec<Upstream>);
+
+impl Clients {
+    pub(crate) fn new(limits: &Limits) -> Self {
+        Clients((0..=limits.api_threads()).map(|_| upstream(limits)).collect())
+    }
+
+    /// This thread's client.
+    pub(crate) fn get(&self) -> &Upstream {
+        let last = self.0.len() - 1;
+        let k = API_THREAD
+            .with(std::cell::Cell::get)
+            .map_or(last, |k| k.min(last));
+        &self.0[k]
+    }
+}

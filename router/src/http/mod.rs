@@ -1,0 +1,379 @@
+//! The HTTP front end: the OpenAI-compatible API port's forwarder. It hands
+//! each request to the decision service ([`Service::decide`]), sends it to
+//! the first target, retrying on the next ones while no response byte has
+//! been received, commits the attempt whose response begins
+//! ([`Decision::commit`]) and streams that response back frame by frame as
+//! the engine sends it.
+//!
+//! Not here: admission, reading the prompt, the plan and every count
+//! ([`crate::request`]); the listeners' limits ([`crate::listener`]).
+
+mod clients;
+mod headers;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::header::{self, HeaderName, HeaderValue};
+use axum::http::request::Parts;
+use axum::http::{Request, Response, StatusCode, Uri};
+use bytes::Bytes;
+use futures_util::stream;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use tokio::time::Instant;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+pub use self::clients::on_api_thread;
+pub(crate) use self::clients::upstream;
+use self::clients::Clients;
+use self::headers::{copy_headers, end_to_end};
+use crate::config::Config;
+use crate::errors::ApiError;
+use crate::health::Fault;
+use crate::request::{Ask, Attempt, Decision, Guard, Payload, Service};
+
+/// An attempt's outcome: the response and its first body frame, or why it
+/// failed and whether that is the endpoint's fault.
+type Outcome = Result<(Response<Incoming>, Option<Frame<Bytes>>), (ApiError, Option<Fault>)>;
+
+/// The forwarder's state.
+#[derive(Debug)]
+pub struct Forwarder {
+    /// The decision service.
+    pub service: Arc<Service>,
+    clients: Clients,
+    attempts: u32,
+    endpoint_header: Option<HeaderName>,
+    /// Client headers never forwarded: `Authorization` and the tenant
+    /// header unless configured otherwise.
+    private_headers: Vec<HeaderName>,
+}
+
+impl Forwarder {
+    /// A forwarder deciding with `service`, configured by `config`.
+    pub fn new(service: Arc<Service>, config: &Config) -> Self {
+        let mut private_headers = Vec::new();
+        if !config.proxy.forward_authorization {
+            private_headers.push(header::AUTHORIZATION);
+        }
+        if !config.proxy.forward_tenant_header
+            && let Some(h) = service.tenancy().header()
+        {
+            private_headers.push(h.clone());
+        }
+        let endpoint_header = &config.telemetry.endpoint_header.0;
+        Forwarder {
+            clients: Clients::new(&config.limits),
+            attempts: config.resilience.attempts,
+            endpoint_header: endpoint_header.as_ref().map(|h| h.0.clone()),
+            private_headers,
+            service,
+        }
+    }
+
+    /// Serves one proxied request; when traces are exported, inside a span
+    /// joined to the client's trace context.
+    pub async fn serve(self: &Arc<Self>, request: Request<Body>) -> Response<Body> {
+        let (parts, body) = request.into_parts();
+        let span = if kvroute_telemetry::exporting() {
+            let span = tracing::info_span!("proxy", path = %parts.uri.path());
+            let parent = opentelemetry::global::get_text_map_propagator(|p| {
+                p.extract(&crate::telemetry::HeaderExtractor(&parts.headers))
+            });
+            if let Err(e) = span.set_parent(parent) {
+                tracing::debug!(error = %e, "no trace parent");
+            }
+            span
+        } else {
+            tracing::Span::none()
+        };
+        let ask = Ask {
+            path: parts.uri.path(),
+            headers: &parts.headers,
+            body: Payload::Stream(body),
+            among: &|_| true,
+        };
+        let served = async {
+            let decision = self.service.decide(ask).await?;
+            Ok::<_, ApiError>(self.forward(&parts, decision).await)
+        };
+        match served.instrument(span).await {
+            Ok(response) => response,
+            Err(e) => {
+                tracing::debug!(error = %e, path = %parts.uri.path(), "request refused");
+                axum::response::IntoResponse::into_response(e)
+            }
+        }
+    }
+
+    async fn forward(self: &Arc<Self>, parts: &Parts, decision: Decision) -> Response<Body> {
+        let mut last_error = ApiError::Upstream("no attempt was made".into());
+        let mut last_response: Option<Response<Incoming>> = None;
+        // Fewer targets than attempts (endpoints ejected or full): the
+        // ranking is tried again from the top, as Envoy retries a host.
+        let targets = decision.targets().iter().cycle().take(self.attempts as usize);
+        for (n, target) in targets.enumerate() {
+            // Held until dropped: whether this attempt fails, the client
+            // goes away while it waits, or the response ends.
+            let attempt = decision.send(n, target);
+            let sent = Instant::now();
+            let (first, attempt) = match self.upstream_request(parts, decision.body(), target) {
+                Err(e) => (Err(e), attempt),
+                Ok(upstream) => {
+                    // With a hang deadline the attempt outlives a client
+                    // that leaves, until its first byte or the deadline,
+                    // so a hung engine is found even when every client
+                    // gives up sooner; without one, leaving cancels it.
+                    let mut task = Watched {
+                        abort: attempt.hang.is_none(),
+                        task: tokio::spawn(self.clone().attempt(upstream, attempt, sent)),
+                    };
+                    match (&mut task.task).await {
+                        Ok(done) => done,
+                        Err(e) => {
+                            last_error = ApiError::Internal(format!("the attempt failed: {e}"));
+                            continue;
+                        }
+                    }
+                }
+            };
+            let name = attempt.target.name.clone();
+            let warnings = &self.service.warnings;
+            match first {
+                Ok((response, _)) if retried(response.status()) => {
+                    let status = response.status();
+                    let fault = status.is_server_error().then_some(Fault::Status);
+                    decision.failed(attempt, "status", fault);
+                    if let Some(times) = warnings.admit(&name, "status") {
+                        tracing::info!(endpoint = %name, %status, attempt = n, times, "retrying on the next endpoint");
+                    }
+                    last_error = ApiError::Upstream(format!("{name} answered {status}"));
+                    last_response = Some(response);
+                }
+                Ok((response, first)) => {
+                    let guard = decision.commit(attempt, response.status(), sent);
+                    return self.respond(response, first, &name, guard);
+                }
+                Err((e, fault)) => {
+                    // Dropping the response future or body first cancels
+                    // the request at the engine. The attempt counted its
+                    // own timeout.
+                    let kind = fault.map_or("transport", Fault::as_str);
+                    if fault == Some(Fault::Timeout) {
+                        drop(attempt);
+                    } else {
+                        decision.failed(attempt, kind, fault);
+                    }
+                    if let Some(times) = warnings.admit(&name, kind) {
+                        tracing::info!(endpoint = %name, error = %e, attempt = n, times, "attempt failed");
+                    }
+                    last_error = e;
+                }
+            }
+        }
+        // Every attempt failed before a byte was forwarded: the last
+        // engine answer if there was one, else the last error.
+        let response = match last_response {
+            Some(response) => {
+                let (mut parts, body) = response.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                end_to_end(&mut parts.headers);
+                Response::from_parts(parts, Body::from(body))
+            }
+            None => {
+                tracing::debug!(error = %last_error, path = %parts.uri.path(), "request failed");
+                axum::response::IntoResponse::into_response(last_error)
+            }
+        };
+        decision.answered(response.status());
+        response
+    }
+
+    /// One attempt sent at `sent`: the response headers, then, with a hang
+    /// deadline ([`crate::request::hang`]), the first body frame within it.
+    /// A timeout is counted against the endpoint here, whether or not the
+    /// client still waits.
+    async fn attempt(
+        self: Arc<Self>,
+        upstream: Request<Full<Bytes>>,
+        attempt: Attempt,
+        sent: Instant,
+    ) -> (Outcome, Attempt) {
+        let (target, hang) = (&attempt.target.name, attempt.hang);
+        let timeout = hang.unwrap_or(self.service.hang_cap());
+        let timed_out = || {
+            let e = format!("{target} sent no response within {} ms", timeout.as_millis());
+            (ApiError::Timeout(e), Some(Fault::Timeout))
+        };
+        let deadline = sent + timeout;
+        let outcome = match tokio::time::timeout_at(deadline, self.clients.get().request(upstream))
+            .await
+        {
+            Err(_) => Err(timed_out()),
+            // An upload the engine cut off is not counted against it.
+            Ok(Err(e)) => {
+                let upload_cut = std::error::Error::source(&e)
+                    .and_then(|s| s.downcast_ref::<hyper::Error>())
+                    .is_some_and(hyper::Error::is_body_write_aborted);
+                let fault = (!upload_cut).then_some(Fault::Connect);
+                Err((ApiError::Upstream(format!("{target}: {e}")), fault))
+            }
+            // No byte has reached the client yet: the first body frame is
+            // awaited within the hang deadline, so a hung engine that
+            // sent its headers is retried too. A stream that breaks or
+            // stays silent is the engine's fault; the response is dropped,
+            // which cancels the request at the engine.
+            Ok(Ok(response)) if hang.is_some() && !retried(response.status()) => {
+                let (head, mut incoming) = response.into_parts();
+                if hyper::body::Body::is_end_stream(&incoming) {
+                    Ok((Response::from_parts(head, incoming), None))
+                } else {
+                    match tokio::time::timeout_at(deadline, incoming.frame()).await {
+                        Ok(Some(Ok(frame))) => Ok((Response::from_parts(head, incoming), Some(frame))),
+                        Ok(None) => Ok((Response::from_parts(head, incoming), None)),
+                        Ok(Some(Err(e))) => Err((
+                            ApiError::Upstream(format!("{target}: {e}")),
+                            Some(Fault::Stream),
+                        )),
+                        Err(_) => Err(timed_out()),
+                    }
+                }
+            }
+            Ok(Ok(response)) => Ok((response, None)),
+        };
+        if let Err((_, Some(Fault::Timeout))) = &outcome {
+            let fault = Some(Fault::Timeout);
+            self.service.failure(&attempt.target, Fault::Timeout.as_str(), fault);
+        }
+        (outcome, attempt)
+    }
+
+    /// The request to send to `target`.
+    fn upstream_request(
+        &self,
+        parts: &Parts,
+        bytes: &Bytes,
+        target: &crate::pool::Target,
+    ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let uri: Uri = format!("http://{}{path}", target.http)
+            .parse()
+            .map_err(|e| (ApiError::Upstream(format!("bad upstream URI: {e}")), None))?;
+        let mut request = Request::builder()
+            .method(parts.method.clone())
+            .uri(uri)
+            .body(Full::new(bytes.clone()))
+            .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
+        copy_headers(&parts.headers, request.headers_mut(), &self.private_headers);
+        request.headers_mut().remove(header::HOST);
+        // With tracing on, the engine's parent is this router's span; else
+        // the client's traceparent passes through as copied.
+        if kvroute_telemetry::exporting() {
+            let context = tracing::Span::current().context();
+            opentelemetry::global::get_text_map_propagator(|p| {
+                p.inject_context(
+                    &context,
+                    &mut crate::telemetry::HeaderInjector(request.headers_mut()),
+                )
+            });
+        }
+        request
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        Ok(request)
+    }
+
+    /// Streams the engine's response back frame by frame, `first` first.
+    /// The guard records the first byte and the end; a broken stream ejects
+    /// the endpoint and, for event streams, ends with an error event.
+    fn respond(
+        &self,
+        response: Response<Incoming>,
+        first: Option<Frame<Bytes>>,
+        endpoint: &str,
+        guard: Guard,
+    ) -> Response<Body> {
+        let (mut parts, incoming) = response.into_parts();
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let length = parts.headers.get(header::CONTENT_LENGTH).cloned();
+        end_to_end(&mut parts.headers);
+        // A sized response stays sized (the body passes through whole).
+        if let Some(length) = length {
+            parts.headers.insert(header::CONTENT_LENGTH, length);
+        }
+        if let Some(name) = &self.endpoint_header
+            && let Ok(v) = HeaderValue::from_str(endpoint)
+        {
+            parts.headers.insert(name.clone(), v);
+        }
+        let first = first.map(Ok);
+        let frames = stream::unfold(Some((incoming, guard, first)), move |state| async move {
+            let (mut incoming, mut guard, first) = state?;
+            let next = match first {
+                Some(frame) => Some(frame),
+                None => incoming.frame().await,
+            };
+            match next {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        guard.data(data);
+                    }
+                    // A sized body may not be polled past its last byte.
+                    if hyper::body::Body::is_end_stream(&incoming) {
+                        guard.done();
+                    }
+                    let next = Some((incoming, guard, None));
+                    Some((Ok::<_, std::io::Error>(frame), next))
+                }
+                Some(Err(e)) => {
+                    guard.broke(&e.to_string());
+                    if sse {
+                        let event = serde_json::json!({"error": {
+                            "message": format!("the engine's stream broke: {e}"),
+                            "type": "server_error",
+                            "code": "upstream_stream_error",
+                        }});
+                        let bytes = Bytes::from(format!("data: {event}\n\n"));
+                        Some((Ok(Frame::data(bytes)), None))
+                    } else {
+                        Some((Err(std::io::Error::other(e)), None))
+                    }
+                }
+                None => {
+                    guard.done();
+                    None
+                }
+            }
+        });
+        Response::from_parts(parts, Body::new(StreamBody::new(frames)))
+    }
+}
+
+/// An attempt's task, aborted when dropped if `abort`.
+struct Watched<T> {
+    task: tokio::task::JoinHandle<T>,
+    abort: bool,
+}
+
+impl<T> Drop for Watched<T> {
+    fn drop(&mut self) {
+        if self.abort {
+            self.task.abort();
+        }
+    }
+}
+
+/// Whether an engine's answer with `status` is retried elsewhere.
+fn retried(status: StatusCode) -> bool {
+    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}

@@ -1,0 +1,220 @@
+//! A decided request, from its plan to the start of its response: where
+//! each attempt goes and what it holds, and the one commit that counts
+//! where the response began. Every counter a routed request moves is moved
+//! here (or by the [`Guard`] the commit returns), whichever front end sent
+//! it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::guard::{Expected, Guard};
+use super::labels::Labels;
+use super::{Service, body};
+use crate::health::Fault;
+use crate::metrics::{ModelTenant, Why};
+use crate::pool::{InFlight, Plan, Target};
+use crate::prompt::Analysis;
+
+/// A decided request ([`Service::decide`]). Dropped before a commit or an
+/// answer, it counts the request as 499 (the client went away).
+#[derive(Debug)]
+pub(crate) struct Decision {
+    service: Arc<Service>,
+    labels: Labels,
+    analysis: Analysis,
+    plan: Plan,
+    by: ModelTenant,
+    /// Prompt tokens expected cached at the first target.
+    cached: u64,
+    /// The body's share of the budget.
+    budget: Option<body::Held>,
+}
+
+/// One attempt at an endpoint: the load it holds there until dropped.
+#[derive(Debug)]
+pub(crate) struct Attempt {
+    /// Where it goes.
+    pub(crate) target: Target,
+    load: InFlight,
+    /// Prompt tokens expected cached there.
+    cached: u64,
+    /// Whether it is the policy's first choice.
+    first: bool,
+    /// Whether the policy learned it already.
+    learned: bool,
+    /// When it counts as hung ([`super::hang`]); `None` for a pick whose
+    /// sending the gateway owns.
+    pub(crate) hang: Option<Duration>,
+}
+
+impl Decision {
+    /// A routed request: counted as routed with its prompt tokens.
+    pub(super) fn new(
+        service: &Arc<Service>,
+        labels: Labels,
+        analysis: Analysis,
+        plan: Plan,
+        budget: Option<body::Held>,
+    ) -> Self {
+        let by = labels.model_tenant();
+        service.count_routed(&by, analysis.prompt_tokens);
+        Decision {
+            cached: analysis.expected_cached(plan.cached_blocks),
+            service: service.clone(),
+            labels,
+            analysis,
+            plan,
+            by,
+            budget,
+        }
+    }
+
+    /// The endpoints to try, best first: at least one.
+    pub(crate) fn targets(&self) -> &[Target] {
+        &self.plan.targets
+    }
+
+    /// The body to forward (rewritten when tenancy sets `cache_salt`).
+    pub(crate) fn body(&self) -> &Bytes {
+        &self.analysis.bytes
+    }
+
+    /// Takes the body to forward out, with its share of the budget (held
+    /// until the caller has sent it).
+    pub(crate) fn take_body(&mut self) -> (Bytes, Option<body::Held>) {
+        (std::mem::take(&mut self.analysis.bytes), self.budget.take())
+    }
+
+    /// Attempt `n` (0 the first), sent now to `target`: counted by its
+    /// reason, holding `target`'s load, and learned by the policy.
+    pub(crate) fn send(&self, n: usize, target: &Target) -> Attempt {
+        let first = n == 0;
+        let cached = if first { self.cached } else { 0 };
+        self.count_decision(first);
+        let service = &self.service;
+        let uncached = self.analysis.prompt_tokens - cached;
+        let ttft = service.pool.predicted_ttft(target, uncached);
+        let a = &self.analysis;
+        Attempt {
+            target: target.clone(),
+            load: service.pool.start(&a.request(), target, uncached),
+            cached,
+            first,
+            learned: true,
+            hang: service.hang.of(a.stream, a.max_tokens, ttft),
+        }
+    }
+
+    /// The first target, picked for a gateway to send to: counted by its
+    /// reason and holding its load; the policy learns where the response
+    /// begins ([`commit`](Self::commit)), which may be elsewhere.
+    pub(crate) fn pick(&self) -> Attempt {
+        self.count_decision(true);
+        let target = self.plan.targets[0].clone();
+        let prompt_tokens = self.analysis.prompt_tokens;
+        let load = self
+            .service
+            .pool
+            .hold(&target, prompt_tokens, prompt_tokens - self.cached);
+        Attempt {
+            target,
+            load,
+            cached: self.cached,
+            first: true,
+            learned: false,
+            hang: None,
+        }
+    }
+
+    /// The gateway sent the request to `target` instead of the pick: a
+    /// retry there, expected to find nothing cached.
+    pub(crate) fn instead(&self, target: Target) -> Attempt {
+        self.count_decision(false);
+        let prompt_tokens = self.analysis.prompt_tokens;
+        let load = self
+            .service
+            .pool
+            .hold(&target, prompt_tokens, prompt_tokens);
+        Attempt {
+            target,
+            load,
+            cached: 0,
+            first: false,
+            learned: false,
+            hang: None,
+        }
+    }
+
+    /// `attempt` failed before its response began, `kind` of failure
+    /// (`status`, `transport`, …), the endpoint's `fault` when it is one.
+    pub(crate) fn failed(&self, attempt: Attempt, kind: &'static str, fault: Option<Fault>) {
+        drop(attempt.load);
+        self.service.failure(&attempt.target, kind, fault);
+    }
+
+    /// The response of `attempt`, sent at `sent`, began with `status`: the
+    /// policy learns where it went, and the returned guard follows the
+    /// response and counts the request when it ends.
+    pub(crate) fn commit(mut self, attempt: Attempt, status: StatusCode, sent: Instant) -> Guard {
+        let service = &self.service;
+        if attempt.first {
+            service.metrics.first_choice.inc();
+            service
+                .metrics
+                .expected_cached_tokens
+                .get_or_create(&self.by)
+                .inc_by(attempt.cached);
+        }
+        if !attempt.learned {
+            service.pool.learn(&self.analysis.request(), &attempt.target);
+        }
+        let expected = Expected {
+            cached: attempt.cached,
+            prompt_tokens: self.analysis.prompt_tokens,
+        };
+        let labels = self.labels.hand_over();
+        let load = (attempt.load, attempt.target.name);
+        Guard::new(service, load, sent, labels, status, expected)
+    }
+
+    /// The request was answered with `status` without a response to follow
+    /// (every attempt failed, or the gateway gave up).
+    pub(crate) fn answered(mut self, status: StatusCode) {
+        self.labels.count(status.as_str());
+    }
+
+    /// Never counted as a request ([`Service::measure`]).
+    pub(super) fn forget(self) {
+        self.labels.forget();
+    }
+
+    /// Counts an attempt's decision: the policy's reason for the first
+    /// choice, else `retry`.
+    fn count_decision(&self, first: bool) {
+        let reason = if first {
+            self.plan.reason.as_str()
+        } else {
+            "retry"
+        };
+        self.service
+            .metrics
+            .routing_decisions
+            .get_or_create(&Why { reason })
+            .inc();
+    }
+}
+
+impl Service {
+    /// Counts a failed attempt at `target` (`kind`), and the endpoint's
+    /// `fault` against it when it is one.
+    pub(crate) fn failure(&self, target: &Target, kind: &'static str, fault: Option<Fault>) {
+        if let Some(fault) = fault {
+            self.pool.failed(&target.name, fault);
+        }
+        self.metrics.upstream_failure(&target.name, kind);
+    }
+}

@@ -1,0 +1,148 @@
+//! A served request's response, as either front end follows it: the first
+//! byte ends the prefill, the end counts the request and reads the
+//! engine's `usage` against what the router expected, a broken stream
+//! ejects the endpoint.
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use tokio::time::Instant;
+
+use super::Service;
+use super::labels::Labels;
+use crate::health::Fault;
+use crate::hit_rate::{Usage, UsageScan};
+use crate::metrics::Model;
+use crate::pool::InFlight;
+
+/// A served request's hold on its endpoint's load; dropping it (the client
+/// went away) ends the request and, with the upstream body dropped too,
+/// cancels it at the engine. Its labels count the request: with the status
+/// when the body completed, `stream_error` when it broke, 499 when the
+/// client left first.
+pub(crate) struct Guard {
+    service: Arc<Service>,
+    load: InFlight,
+    name: Arc<str>,
+    sent: Instant,
+    first: bool,
+    labels: Labels,
+    status: StatusCode,
+    expected: Expected,
+    /// The body's end, for the engine's usage.
+    usage: UsageScan,
+}
+
+/// What the router expected of a request at the endpoint it was sent to.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Expected {
+    /// Prompt tokens it expected cached there.
+    pub(crate) cached: u64,
+    /// Prompt tokens, as the router computed them.
+    pub(crate) prompt_tokens: u64,
+}
+
+impl Guard {
+    /// Follows the response of a request sent to endpoint `name` at `sent`
+    /// holding `load`, answered with `status`.
+    pub(crate) fn new(
+        service: &Arc<Service>,
+        (load, name): (InFlight, Arc<str>),
+        sent: Instant,
+        labels: Labels,
+        status: StatusCode,
+        expected: Expected,
+    ) -> Self {
+        Guard {
+            service: service.clone(),
+            load,
+            name,
+            sent,
+            first: true,
+            labels,
+            status,
+            expected,
+            usage: UsageScan::default(),
+        }
+    }
+
+    /// A body chunk of the response arrived.
+    pub(crate) fn data(&mut self, data: &[u8]) {
+        if self.first {
+            self.first_byte();
+        }
+        if self.status.is_success() {
+            self.usage.push(data);
+        }
+    }
+
+    fn first_byte(&mut self) {
+        self.first = false;
+        self.load.first_token();
+        self.service
+            .metrics
+            .upstream_ttft_seconds
+            .observe(self.sent.elapsed().as_secs_f64());
+    }
+
+    /// The response ended.
+    pub(crate) fn done(&mut self) {
+        if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
+            self.service.pool.succeeded(&self.name);
+            if self.status.is_success()
+                && let Some((usage, id)) = self.usage.usage()
+            {
+                self.observed(usage, id);
+            }
+        }
+    }
+
+    /// The response broke off.
+    pub(crate) fn broke(&mut self, error: &str) {
+        let service = &self.service;
+        if let Some(times) = service.warnings.admit(&self.name, "stream") {
+            tracing::warn!(endpoint = %self.name, error, times, "upstream stream broke");
+        }
+        service.pool.failed(&self.name, Fault::Stream);
+        service.metrics.upstream_failure(&self.name, "stream");
+        self.labels.count("stream_error");
+    }
+
+    /// Counts what the engine reported of the request against what the
+    /// router expected, and logs a sustained gap.
+    fn observed(&self, usage: Usage, id: Option<String>) {
+        let by = self.labels.model_tenant();
+        let m = &self.service.metrics;
+        m.observed_prompt_tokens
+            .get_or_create(&by)
+            .inc_by(usage.prompt_tokens);
+        m.observed_cached_tokens
+            .get_or_create(&by)
+            .inc_by(usage.cached_tokens);
+        let mut gap = self.service.gap.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now().into_std();
+        let model = self.labels.model.as_str();
+        let expected = self.expected;
+        let (value, alert) = gap.record(
+            model,
+            expected.cached,
+            expected.prompt_tokens,
+            usage,
+            id,
+            now,
+        );
+        drop(gap);
+        let label = Model {
+            model: model.to_owned(),
+        };
+        m.hit_rate_gap.get_or_create(&label).set(value);
+        if let Some(a) = alert {
+            m.hit_rate_gap_alerts.get_or_create(&label).inc();
+            tracing::warn!(model = %a.model, gap = a.gap, requests = a.requests,
+                example = %a.example.as_deref().unwrap_or("-"),
+                "the engines report far fewer cached tokens than the router expects: \
+                 check that the router's tokenizer, chat template and hashing match the engines' \
+                 (kvroute explain shows what the router computes)");
+        }
+    }
+}

@@ -1,0 +1,635 @@
+//! The decision service: everything about a request that does not depend
+//! on how it arrived. Both front ends, the HTTP forwarder
+//! ([`crate::http`]) and the endpoint picker ([`crate::ext_proc`]), and the
+//! admin port's explain, hand a request to [`Service::decide`] and get a
+//! [`Decision`] back; they then say where it was sent
+//! ([`Decision::send`], [`Decision::pick`]) and where its response began
+//! ([`Decision::commit`]), which does the counting and returns the
+//! response's [`Guard`]. In order:
+//!
+//! 1. Admission ([`Service::admit`]): the path is proxied, the
+//!    credentials name a tenant, and the body's declared size fits its
+//!    budget ([`body`]).
+//! 2. The body, read within its limits (or as the picker received it).
+//! 3. The prompt, read as the pool's mode says ([`crate::prompt`]); a model
+//!    the endpoints do not serve is 404.
+//! 4. The plan: the pool's ranking among the endpoints the request may go
+//!    to, waiting in the bounded queue while all are full ([`queue`]).
+//!
+//! Not here: sending, retrying and streaming bytes (the front ends).
+
+pub mod body;
+mod decision;
+mod guard;
+pub mod hang;
+mod labels;
+mod queue;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use axum::http::header;
+use bytes::Bytes;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use self::body::{BodyBudget, Received};
+pub(crate) use self::decision::{Attempt, Decision};
+pub(crate) use self::guard::Guard;
+pub(crate) use self::labels::Labels;
+use crate::config::{Config, Limits};
+use crate::errors::ApiError;
+use crate::explain::Explanation;
+use crate::hit_rate::Gap;
+use crate::metrics::{Metrics, ModelTenant, Outcome};
+use crate::models::{ModelList, Models};
+use crate::pool::Pool;
+use crate::prompt::body::Api;
+use crate::prompt::conversations::{Conversations, Memo};
+use crate::prompt::prefixes::{Offender, Volatility};
+use crate::prompt::{Analysis, Input, Prompts, Reader, Scope};
+use crate::settings::Settings;
+use crate::tenancy::Tenancy;
+use crate::throttle::Warnings;
+
+/// How long an explain waits for the one before it (503 after).
+const EXPLAIN_WAIT: Duration = Duration::from_secs(10);
+
+/// The `model` label of requests whose model the endpoints do not serve:
+/// labels come only from served models, so clients cannot add series.
+const UNKNOWN_MODEL: &str = "unknown";
+
+/// The endpoints a request may go to.
+pub(crate) type Among<'a> = &'a (dyn Fn(&SocketAddr) -> bool + Sync);
+
+/// The decision service's shared state.
+#[derive(Debug)]
+pub struct Service {
+    /// The pool requests go to.
+    pub pool: Arc<Pool>,
+    /// Counters and histograms.
+    pub metrics: Arc<Metrics>,
+    prompts: Prompts,
+    limits: Limits,
+    allowed_paths: HashSet<String>,
+    /// Request bodies in memory.
+    bodies: Arc<BodyBudget>,
+    /// Requests waiting for a free endpoint.
+    queue: queue::Queue,
+    /// Explains running: one at a time.
+    explains: Arc<Semaphore>,
+    models: Arc<Models>,
+    /// Tenants named in metrics.
+    tenant_labels: HashSet<String>,
+    /// Expected against observed hit rate, per model.
+    gap: std::sync::Mutex<Gap>,
+    /// Volatile prefix detection.
+    prefixes: std::sync::Mutex<Volatility>,
+    /// When an attempt counts as hung.
+    hang: hang::Deadline,
+    /// Per-request warnings, throttled per endpoint and reason.
+    pub(crate) warnings: Warnings,
+}
+
+/// A request as a front end hands it over.
+pub(crate) struct Ask<'a> {
+    /// The path, without the query.
+    pub(crate) path: &'a str,
+    pub(crate) headers: &'a HeaderMap,
+    pub(crate) body: Payload,
+    /// The endpoints it may go to.
+    pub(crate) among: Among<'a>,
+}
+
+/// A request's body as a front end has it.
+pub(crate) enum Payload {
+    /// Still to be read, within its limits (the HTTP forwarder).
+    Stream(axum::body::Body),
+    /// Admitted at its headers and received (the picker).
+    Received(Box<Admitted>),
+    /// Read by the caller (explain, [`Service::measure`]).
+    Read(Bytes),
+    /// None (the picker: headers that end the request): nothing to read,
+    /// so the least loaded endpoint.
+    Bodiless,
+}
+
+/// What a decision is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Purpose {
+    /// Sending the request: counted.
+    Route,
+    /// Explaining it: every token kept, no plan, not counted.
+    Explain,
+}
+
+/// A request admitted and read.
+struct Read {
+    labels: Labels,
+    analysis: Analysis,
+    /// The body's share of the budget, while it is held.
+    budget: Option<body::Held>,
+    /// When it was admitted.
+    started: Instant,
+}
+
+/// A request admitted at its headers, its body arriving.
+pub(crate) struct Admitted {
+    labels: Labels,
+    tenant: Option<String>,
+    /// The body, within its limits.
+    pub(crate) received: Received,
+    /// When it was admitted.
+    started: Instant,
+}
+
+impl Admitted {
+    /// Refuses it: counted with the error's status.
+    pub(crate) fn refuse(mut self, error: ApiError) -> ApiError {
+        self.labels.count(error.status().as_str());
+        error
+    }
+
+    /// Reads `body` into it within its limits.
+    async fn read(&mut self, mut body: axum::body::Body) -> Result<(), ApiError> {
+        use http_body_util::BodyExt;
+        loop {
+            let (deadline, _) = self.received.deadline();
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(Some(frame)) => frame
+                    .map_err(|e| ApiError::BadRequest(format!("reading the request body: {e}")))?,
+                Ok(None) => return Ok(()),
+                Err(_) => return Err(self.received.expired()),
+            };
+            if let Ok(data) = frame.into_data() {
+                self.received.push(data)?;
+            }
+        }
+    }
+}
+
+impl Service {
+    /// A service over `pool` configured by `config`.
+    pub fn new(pool: Arc<Pool>, metrics: Arc<Metrics>, tenancy: Tenancy, config: &Config) -> Self {
+        let limits = config.limits.clone();
+        let tenant_labels = tenancy
+            .tenants()
+            .chain(config.telemetry.tenant_labels.iter().cloned())
+            .collect();
+        let conversations = Conversations::new(metrics.conversation_evictions.clone());
+        Service {
+            pool,
+            prompts: Prompts::new(
+                tenancy,
+                conversations,
+                limits.tokenize_queue,
+                limits.retry_after_s,
+            ),
+            allowed_paths: config.proxy.allowed_paths.iter().cloned().collect(),
+            bodies: BodyBudget::new(&limits, &metrics),
+            queue: queue::Queue::default(),
+            explains: Arc::new(Semaphore::new(1)),
+            models: Arc::new(Models::new(&limits)),
+            tenant_labels,
+            gap: std::sync::Mutex::default(),
+            prefixes: std::sync::Mutex::default(),
+            hang: hang::Deadline::new(&config.resilience, &config.limits),
+            warnings: Warnings::default(),
+            limits,
+            metrics,
+        }
+    }
+
+    /// The tenancy requests are admitted and read with.
+    pub fn tenancy(&self) -> &Tenancy {
+        self.prompts.tenancy()
+    }
+
+    /// Checks a request's credentials as the proxied paths do.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        self.tenancy().tenant(headers).map(drop)
+    }
+
+    /// Whether the router can serve: routable endpoints (their number),
+    /// and the tenancy the pool's policy asks for; else why not.
+    pub fn readiness(&self) -> Result<usize, String> {
+        self.tenancy_check(&self.pool.settings())
+            .map_err(|e| e.to_string())?;
+        match self.pool.routable() {
+            0 => Err("no routable endpoint".into()),
+            n => Ok(n),
+        }
+    }
+
+    /// Refuses every request while the pool's policy (in `settings`) asks
+    /// for salted tenancy that this router is not configured for.
+    pub fn tenancy_check(&self, settings: &Settings) -> Result<(), ApiError> {
+        if settings.salting_required && !self.tenancy().salted() {
+            return Err(ApiError::SaltingRequired);
+        }
+        Ok(())
+    }
+
+    /// The longest an attempt waits for its first byte ([`hang::Deadline::cap`]).
+    pub(crate) fn hang_cap(&self) -> Duration {
+        self.hang.cap()
+    }
+
+    /// `limits.firstByteTimeoutMs`.
+    pub(crate) fn first_byte_timeout(&self) -> Duration {
+        Duration::from_millis(self.limits.first_byte_timeout_ms)
+    }
+
+    /// Admits a request to `path` with `headers` whose body follows:
+    /// the path is proxied, the credentials name a tenant, and the declared
+    /// size fits the body budget. A refusal is counted.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<Admitted, ApiError> {
+        let started = Instant::now();
+        let (mut labels, tenant) = self.checked(path, headers, Purpose::Route)?;
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        match Received::new(&self.bodies, declared, tenant.as_deref()) {
+            Ok(received) => Ok(Admitted {
+                labels,
+                tenant,
+                received,
+                started,
+            }),
+            Err(e) => {
+                labels.count(e.status().as_str());
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks that `path` is proxied and the credentials in `headers`;
+    /// returns the request's labels (counted unless for an explain) and the
+    /// tenant. A refusal is counted.
+    fn checked(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        purpose: Purpose,
+    ) -> Result<(Labels, Option<String>), ApiError> {
+        let mut labels = match purpose {
+            Purpose::Route => Labels::new(self),
+            Purpose::Explain => Labels::uncounted(self),
+        };
+        let checked = self
+            .allowed(path)
+            .and_then(|()| self.identify(headers, &mut labels));
+        match checked {
+            Ok(tenant) => Ok((labels, tenant)),
+            Err(e) => {
+                labels.count(e.status().as_str());
+                Err(e)
+            }
+        }
+    }
+
+    /// The decision for a request: its body read, its prompt read, and a
+    /// plan among the endpoints it may go to with at least one target
+    /// (waiting in the bounded queue while they are all full). Both front
+    /// ends decide here, so they decide alike. A refusal is counted.
+    pub(crate) async fn decide(self: &Arc<Self>, ask: Ask<'_>) -> Result<Decision, ApiError> {
+        let among = ask.among;
+        let Read {
+            mut labels,
+            analysis,
+            budget,
+            started,
+        } = self.read(ask, Purpose::Route).await?;
+        let planned = self
+            .queue
+            .plan(&self.pool, &self.limits, &analysis.request(), analysis.readable, among)
+            .await;
+        let plan = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                labels.count(e.status().as_str());
+                return Err(e);
+            }
+        };
+        self.metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        Ok(Decision::new(self, labels, analysis, plan, budget))
+    }
+
+    /// Admits a request and reads it, as [`decide`](Self::decide) and
+    /// [`explain`](Self::explain) do.
+    async fn read(self: &Arc<Self>, ask: Ask<'_>, purpose: Purpose) -> Result<Read, ApiError> {
+        let Ask {
+            path,
+            headers,
+            body,
+            ..
+        } = ask;
+        let admitted = match body {
+            Payload::Received(admitted) => *admitted,
+            Payload::Stream(body) => {
+                let mut admitted = self.admit(path, headers)?;
+                if let Err(e) = admitted.read(body).await {
+                    return Err(admitted.refuse(e));
+                }
+                admitted
+            }
+            Payload::Read(bytes) => {
+                let started = Instant::now();
+                let (labels, tenant) = self.checked(path, headers, purpose)?;
+                let read = Read {
+                    labels,
+                    analysis: Analysis::bodiless(),
+                    budget: None,
+                    started,
+                };
+                return self.analyzed(read, path, headers, tenant, bytes, purpose).await;
+            }
+            Payload::Bodiless => {
+                let mut labels = Labels::new(self);
+                if let Err(e) = self.identify(headers, &mut labels) {
+                    labels.count(e.status().as_str());
+                    return Err(e);
+                }
+                return Ok(Read {
+                    labels,
+                    analysis: Analysis::bodiless(),
+                    budget: None,
+                    started: Instant::now(),
+                });
+            }
+        };
+        let Admitted {
+            labels,
+            tenant,
+            received,
+            started,
+        } = admitted;
+        let (bytes, budget) = received.finish();
+        let read = Read {
+            labels,
+            analysis: Analysis::bodiless(),
+            budget: Some(budget),
+            started,
+        };
+        self.analyzed(read, path, headers, tenant, bytes, purpose).await
+    }
+
+    /// `read` with the analysis of its body `bytes`.
+    async fn analyzed(
+        self: &Arc<Self>,
+        mut read: Read,
+        path: &str,
+        headers: &HeaderMap,
+        tenant: Option<String>,
+        bytes: Bytes,
+        purpose: Purpose,
+    ) -> Result<Read, ApiError> {
+        let scope = match purpose {
+            Purpose::Route => Scope::Whole,
+            Purpose::Explain => Scope::KeepTokens,
+        };
+        let labels = &mut read.labels;
+        match self
+            .analyze(path, headers, tenant, bytes, scope, &mut labels.model)
+            .await
+        {
+            Ok(a) => read.analysis = a,
+            Err(e) => {
+                labels.count(e.status().as_str());
+                return Err(e);
+            }
+        }
+        if purpose == Purpose::Route {
+            self.volatile(&read.analysis, &read.labels);
+        }
+        Ok(read)
+    }
+
+    /// The tenant the credentials in `headers` name, labelled in `labels`.
+    fn identify(&self, headers: &HeaderMap, labels: &mut Labels) -> Result<Option<String>, ApiError> {
+        let tenant = self.tenancy().tenant(headers)?;
+        labels.tenant = self.tenant_label(tenant.as_deref());
+        Ok(tenant)
+    }
+
+    /// Refuses a path that is not proxied.
+    fn allowed(&self, path: &str) -> Result<(), ApiError> {
+        if self.allowed_paths.contains(path) {
+            return Ok(());
+        }
+        Err(ApiError::NotFound(format!(
+            "{path} is not proxied; see proxy.allowedPaths"
+        )))
+    }
+
+    /// Reads a request to `path` with `headers` and body `bytes` from
+    /// `tenant` ([`Prompts::read`]) as the pool's settings say. Sets
+    /// `model_label` to the model for metrics (`unknown` when not served);
+    /// an unknown model is 404.
+    async fn analyze(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        tenant: Option<String>,
+        bytes: Bytes,
+        scope: Scope,
+        model_label: &mut String,
+    ) -> Result<Analysis, ApiError> {
+        let (settings, exact) = self.pool.routing();
+        self.tenancy_check(&settings)?;
+        let conversation = headers
+            .get(&settings.conversation_header)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let reader = Reader::of(&settings, exact, bytes.len(), self.limits.max_tokenize_bytes);
+        if reader == Reader::TooLarge {
+            self.metrics.prompts_not_tokenized.inc();
+        }
+        let held = (reader.exact()
+            && scope != Scope::KeepTokens
+            && settings.policy.reads_held_prefix_only())
+        .then(|| {
+            let pool = self.pool.clone();
+            Arc::new(move |block| pool.holds_any(block)) as crate::prompt::Holds
+        });
+        let known = self.models().await;
+        let input = Input {
+            api: Api::of(path),
+            tenant,
+            conversation,
+            reader,
+            scope,
+            held,
+        };
+        let analysis = self
+            .prompts
+            .read(bytes, input, settings, known.clone())
+            .await?;
+        if let Some(memo) = analysis.memo {
+            let result = match memo {
+                Memo::Hit => "hit",
+                Memo::Miss => "miss",
+            };
+            self.metrics
+                .conversation_prompts
+                .get_or_create(&Outcome { result })
+                .inc();
+        }
+        if let Some(model) = &analysis.model {
+            if known.ids.contains(model) {
+                model_label.clone_from(model);
+            } else {
+                *model_label = UNKNOWN_MODEL.into();
+                if !known.ids.is_empty() {
+                    return Err(ApiError::NotFound(format!(
+                        "The model `{model}` does not exist."
+                    )));
+                }
+            }
+        }
+        Ok(analysis)
+    }
+
+    /// What the router would do with a request, without sending it or
+    /// changing any state (`POST /debug/explain`): the same admission and
+    /// reading as a proxied request, then the pool's explanation.
+    pub async fn explain(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Explanation, ApiError> {
+        // One at a time, on a blocking thread: an explain reads its prompt
+        // whole, and must not take the request path's tokenizer workers or
+        // its event loops.
+        let retry_after = self.limits.retry_after_s;
+        let one = tokio::time::timeout(EXPLAIN_WAIT, self.explains.clone().acquire_owned())
+            .await
+            .map_err(|_| ApiError::Saturated("explain requests", retry_after))?
+            .expect("the semaphore is never closed");
+        let (service, path, headers) = (self.clone(), path.to_owned(), headers.clone());
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let _one = one;
+            runtime.block_on(service.explain_here(&path, &headers, body))
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("explaining: {e}")))?
+    }
+
+    async fn explain_here(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Explanation, ApiError> {
+        let ask = Ask {
+            path,
+            headers,
+            body: Payload::Read(body),
+            among: &|_| true,
+        };
+        let a = self.read(ask, Purpose::Explain).await?.analysis;
+        let decision = self.pool.explain(&a.request(), a.readable);
+        let (settings, exact) = self.pool.routing();
+        let hashing = settings.hasher.config();
+        Ok(Explanation {
+            path: path.to_owned(),
+            key: format!("{:016x}", a.key.0),
+            prompt_tokens: a.prompt_tokens,
+            tokenized: a.tokenized,
+            mode: if exact { "exact" } else { "approximate" }.to_owned(),
+            block_size: hashing.block_size,
+            hash_algo: hashing.algo.as_str().to_owned(),
+            chain: a.chain.iter().map(|h| format!("{h:016x}")).collect(),
+            model: a.model,
+            lora: a.lora,
+            tokens: a.tokens,
+            decision,
+        })
+    }
+
+    /// The routing decision for a request as a front end makes it: the
+    /// same admission, reading and plan, then the first target's load and
+    /// the policy's memory of it, as when sent (the load released at
+    /// once), without I/O and not counted as a request. Returns the first target's
+    /// name. For measuring what a decision costs.
+    pub async fn measure(
+        self: &Arc<Self>,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<String, ApiError> {
+        let ask = Ask {
+            path,
+            headers,
+            body: Payload::Read(body),
+            among: &|_| true,
+        };
+        let decision = self.decide(ask).await?;
+        let target = decision.targets()[0].clone();
+        drop(decision.send(0, &target));
+        decision.forget();
+        Ok(target.name.to_string())
+    }
+
+    /// `tenant` as a metric label: a tenant of the API-key map or of
+    /// `telemetry.tenantLabels`, `none` without one, else `other`.
+    fn tenant_label(&self, tenant: Option<&str>) -> String {
+        match tenant {
+            None => "none".into(),
+            Some(t) if self.tenant_labels.contains(t) => t.into(),
+            Some(_) => "other".into(),
+        }
+    }
+
+    /// Looks for a volatile prefix in a routed request (see
+    /// [`prefixes`](crate::prompt::prefixes)) and counts one.
+    fn volatile(&self, analysis: &Analysis, labels: &Labels) {
+        let mut v = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(d) = v.observe(analysis.chain.first().copied(), &analysis.contents) else {
+            return;
+        };
+        v.record(&d, analysis.block_tokens as usize, &labels.model, &labels.tenant);
+        drop(v);
+        self.metrics
+            .volatile_prefix_requests
+            .get_or_create(&labels.model_tenant())
+            .inc();
+    }
+
+    /// The recurring volatile prefixes, most frequent first.
+    pub fn volatile_prefixes(&self) -> Vec<Offender> {
+        self.prefixes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .offenders()
+    }
+
+    /// What the endpoints serve (see [`Models`]).
+    pub async fn models(self: &Arc<Self>) -> Arc<ModelList> {
+        self.models.get(|| self.pool.addresses()).await
+    }
+
+    /// Counts a request's `{model, tenant}` labels as routed with its
+    /// prompt tokens.
+    fn count_routed(&self, by: &ModelTenant, prompt_tokens: u64) {
+        self.metrics.routed.inc();
+        self.metrics
+            .prompt_tokens
+            .get_or_create(by)
+            .inc_by(prompt_tokens);
+    }
+}
+
+#[cfg(test)]
+mod tests;

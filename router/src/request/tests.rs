@@ -1,0 +1,90 @@
+//! The decision service on a pool without I/O.
+
+use axum::http::HeaderMap;
+use serde_json::json;
+
+use super::*;
+use crate::config;
+
+/// A service with `config` over a pool of the test settings (no endpoints
+/// yet), tenants shared.
+fn test_service(config: &Config) -> (Arc<Service>, Arc<Pool>) {
+    let metrics = Arc::new(Metrics::default());
+    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
+    let t = Tenancy::load(&config::Tenancy::default()).unwrap();
+    (Arc::new(Service::new(pool.clone(), metrics, t, config)), pool)
+}
+
+/// In exact mode a chain is hashed as far as the engines hold it: the
+/// router asks whether any engine holds its last block after 1, 2, 4, ...
+/// 64 blocks, then every 64.
+#[tokio::test]
+async fn exact_chains_end_past_the_blocks_engines_hold() {
+    let (service, pool) = test_service(&Config::default());
+    let specs = ["a", "b", "c"]
+        .iter()
+        .map(|name| crate::pool::EndpointSpec {
+            name: (*name).into(),
+            http: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
+            cache: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
+            ready: true,
+            draining: false,
+        })
+        .collect();
+    let streams = pool.set_endpoints(specs);
+    let body = |text: &str| {
+        let content = text.repeat(300);
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": content}]});
+        Bytes::from(chat.to_string())
+    };
+    let prompt = "Every block of this prompt is hashed only while an engine holds it. ";
+    let analyze = |bytes: Bytes, keep_tokens: bool| {
+        let service = service.clone();
+        let headers = HeaderMap::new();
+        let scope = if keep_tokens {
+            Scope::KeepTokens
+        } else {
+            Scope::Whole
+        };
+        async move {
+            let mut model = String::new();
+            let a = service
+                .analyze(
+                    "/v1/chat/completions",
+                    &headers,
+                    None,
+                    bytes,
+                    scope,
+                    &mut model,
+                )
+                .await
+                .unwrap();
+            a.chain
+        }
+    };
+    let whole = analyze(body(prompt), true).await;
+    assert!(whole.len() > 256, "{}", whole.len());
+    let engine = kvroute_core::contract::EngineCache::of(&pool.settings().hasher);
+    // `b` holds 100 leading blocks, `c` 150.
+    for (s, held) in streams.start.iter().zip([0, 100, 150]) {
+        pool.apply_snapshot(
+            &s.name,
+            s.generation,
+            engine.clone(),
+            1 << 12,
+            &whole[..held],
+            &[],
+        )
+        .unwrap();
+    }
+    // Asked at 1, 2, 4, ... 64, 128 (held by `c`), 192 (held by none).
+    let ended = analyze(body(prompt), false).await;
+    assert_eq!(ended.len(), 192);
+    assert!(whole.starts_with(&ended));
+    let path = "/v1/chat/completions";
+    let decided = service.measure(path, &HeaderMap::new(), body(prompt)).await;
+    assert_eq!(decided.unwrap(), "c");
+    // A prompt nobody holds costs one block's hash.
+    let other = analyze(body("A prompt no engine has seen. "), false).await;
+    assert_eq!(other.len(), 1);
+}
