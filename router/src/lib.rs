@@ -17,7 +17,6 @@ pub mod explain;
 pub mod ext_proc;
 pub mod health;
 pub mod health_checks;
-pub mod hit_rate;
 pub mod http;
 pub mod listener;
 pub mod metrics;

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::Service;
 use super::labels::Labels;
 use crate::health::Fault;
-use crate::hit_rate::{Usage, UsageScan};
+use crate::request::hit_rate::{Usage, UsageScan};
 use crate::metrics::Model;
 use crate::pool::InFlight;
 

@@ -22,6 +22,7 @@ pub mod body;
 mod decision;
 mod guard;
 pub mod hang;
+pub mod hit_rate;
 mod labels;
 mod queue;
 
@@ -43,7 +44,7 @@ pub(crate) use self::labels::Labels;
 use crate::config::{Config, Limits};
 use crate::errors::ApiError;
 use crate::explain::Explanation;
-use crate::hit_rate::Gap;
+use crate::request::hit_rate::Gap;
 use crate::metrics::{Metrics, ModelTenant, Outcome};
 use crate::models::{ModelList, Models};
 use crate::pool::Pool;
