@@ -31,6 +31,7 @@ pub mod tasks;
 pub mod telemetry;
 pub mod tenancy;
 pub mod throttle;
+mod upstream;
 
 pub use config::Config;
 

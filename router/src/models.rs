@@ -83,7 +83,7 @@ impl Models {
     /// A list fetched with an upstream client configured by `limits`.
     pub fn new(limits: &crate::config::Limits) -> Self {
         Models {
-            client: crate::http::upstream(limits),
+            client: crate::upstream::upstream(limits),
             cached: Mutex::default(),
             refreshing: AtomicBool::default(),
         }

@@ -2,18 +2,8 @@
 //! connection it is sent on live on one thread's runtime, and one for every
 //! other thread.
 
-use std::time::Duration;
-
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-
 use crate::config::Limits;
-
-/// The HTTP/1 client requests are forwarded with.
-pub(crate) type Upstream = Client<HttpConnector, Full<Bytes>>;
+use crate::upstream::{Upstream, upstream};
 
 thread_local! {
     /// The API thread this thread is ([`on_api_thread`]); `None` on every
@@ -25,16 +15,6 @@ thread_local! {
 /// requests then use an upstream client of their own.
 pub fn on_api_thread(k: usize) {
     API_THREAD.with(|t| t.set(Some(k)));
-}
-
-/// An upstream client connecting within `limits.connectTimeoutMs`.
-pub(crate) fn upstream(limits: &Limits) -> Upstream {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(Duration::from_millis(limits.connect_timeout_ms)));
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .build(connector)
 }
 
 /// The clients of every API thread, and of the rest.

@@ -26,7 +26,6 @@ use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 pub use self::clients::on_api_thread;
-pub(crate) use self::clients::upstream;
 use self::clients::Clients;
 use self::headers::{copy_headers, end_to_end};
 use crate::config::Config;
