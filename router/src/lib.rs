@@ -4,11 +4,10 @@
 //! load bounded, and streams responses through as the engine sends them.
 //!
 //! The request path is [`proxy`]; routing state is [`pool`]; endpoints come
-//! from [`discovery`]; engines' caches from [`cache_watch`]. Every routing
-//! decision is made by `kvroute-core`.
+//! from [`discovery`]; engines' caches from [`pool::cache_watch`]. Every
+//! routing decision is made by `kvroute-core`.
 
 pub mod body;
-pub mod cache_watch;
 pub mod chunks;
 pub mod config;
 pub mod conversations;
@@ -18,8 +17,6 @@ pub mod explain;
 pub mod ext_proc;
 pub mod features;
 pub mod hang;
-pub mod health;
-pub mod health_checks;
 pub mod hit_rate;
 mod json_skim;
 pub mod listener;

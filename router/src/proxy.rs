@@ -35,11 +35,10 @@ use crate::conversations::{Conversation, Conversations, Memo, Scope};
 use crate::errors::ApiError;
 use crate::explain::Explanation;
 use crate::features::{self, Api, Held};
-use crate::health::Fault;
 use crate::hit_rate::{Gap, Usage, UsageScan};
 use crate::metrics::{Metrics, Model, ModelStatus, ModelTenant, Outcome, Why};
 use crate::models::{ModelList, Models};
-use crate::pool::{InFlight, Plan, Pool, Target};
+use crate::pool::{Fault, InFlight, Plan, Pool, Target};
 use crate::prefixes::{Offender, Volatility};
 use crate::tenancy::Tenancy;
 use crate::throttle::Warnings;
@@ -777,7 +776,8 @@ impl Proxy {
                     drop(load);
                     let status = response.status();
                     if status.is_server_error() {
-                        self.pool.failed(&target.name, Fault::Status);
+                        self.metrics
+                            .health(self.pool.failed(&target.name, Fault::Status));
                     }
                     self.failure(target, "status");
                     if let Some(times) = self.warnings.admit(&target.name, "status") {
@@ -805,7 +805,7 @@ impl Proxy {
                     // The attempt counted its own timeout.
                     if fault != Some(Fault::Timeout) {
                         if let Some(fault) = fault {
-                            self.pool.failed(&target.name, fault);
+                            self.metrics.health(self.pool.failed(&target.name, fault));
                         }
                         self.failure(target, kind);
                     }
@@ -893,7 +893,8 @@ impl Proxy {
             other => other.map(|r| (r, None)),
         };
         if let Err((_, Some(Fault::Timeout))) = &outcome {
-            self.pool.failed(&target.name, Fault::Timeout);
+            self.metrics
+                .health(self.pool.failed(&target.name, Fault::Timeout));
             self.failure(&target, Fault::Timeout.as_str());
         }
         (outcome, load)
@@ -1546,7 +1547,9 @@ impl Guard {
     /// The response ended.
     pub(crate) fn done(&mut self) {
         if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
-            self.proxy.pool.succeeded(&self.name);
+            self.proxy
+                .metrics
+                .health(self.proxy.pool.succeeded(&self.name));
             if self.status.is_success()
                 && let Some((usage, id)) = self.usage.usage()
             {
@@ -1559,7 +1562,9 @@ impl Guard {
         if let Some(times) = self.proxy.warnings.admit(&self.name, "stream") {
             tracing::warn!(endpoint = %self.name, error, times, "upstream stream broke");
         }
-        self.proxy.pool.failed(&self.name, Fault::Stream);
+        self.proxy
+            .metrics
+            .health(self.proxy.pool.failed(&self.name, Fault::Stream));
         self.proxy.metrics.upstream_failure(&self.name, "stream");
         self.labels.count("stream_error");
     }

@@ -17,13 +17,13 @@ use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::cache_watch::Watchers;
 use crate::config::{Config, ConfigError, Discovery, TenancyMode};
 use crate::discovery;
 use crate::errors::ApiError;
 use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
+use crate::pool::Watchers;
 use crate::proxy::Proxy;
 use crate::settings::Settings;
 use crate::tasks::{Stop, TaskDied, Tasks};
@@ -220,7 +220,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let pool = Pool::new(
         settings,
         &config.resilience,
-        metrics.clone(),
         config.limits.endpoint_concurrency,
     );
     pool.set_index_bounds(config.limits.index_bounds());
@@ -258,7 +257,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     tasks.spawn(
         "health-checks",
         Stop::Aborted,
-        crate::health_checks::run(pool.clone(), config.resilience.health_check.clone()),
+        crate::pool::health_checks::run(
+            pool.clone(),
+            metrics.clone(),
+            config.resilience.health_check.clone(),
+        ),
     );
     let proxy = Arc::new(Proxy::new(pool.clone(), metrics.clone(), tenancy, &config));
 

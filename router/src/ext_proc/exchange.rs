@@ -47,8 +47,7 @@ use tonic::{Status, Streaming};
 use super::envoy::{self, Direction, Headers, Subset};
 use crate::body::{Held, Received};
 use crate::errors::ApiError;
-use crate::health::Fault;
-use crate::pool::{InFlight, Target};
+use crate::pool::{Fault, InFlight, Target};
 use crate::proxy::{Analysis, Expected, Guard, Labels, Proxy};
 
 /// Serves one `Process` stream: reads the gateway's messages and sends the
@@ -512,7 +511,9 @@ impl Exchange {
             self.proxy.pool.learn(&a.request(), &target);
         }
         if status.is_server_error() && self.rules.trusted {
-            self.proxy.pool.failed(&target.name, Fault::Status);
+            self.proxy
+                .metrics
+                .health(self.proxy.pool.failed(&target.name, Fault::Status));
         }
         Guard::new(
             &self.proxy,

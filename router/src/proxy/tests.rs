@@ -543,7 +543,7 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
 /// yet), tenants shared.
 fn test_proxy(config: &Config) -> (Arc<Proxy>, Arc<Pool>) {
     let metrics = Arc::new(Metrics::default());
-    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
+    let pool = Pool::new(Settings::test(), &config.resilience, 8);
     let t = tenancy(TenancyMode::Shared, ClientSalt::Reject);
     (Arc::new(Proxy::new(pool.clone(), metrics, t, config)), pool)
 }

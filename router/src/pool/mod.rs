@@ -6,7 +6,7 @@
 //!
 //! The pool runs no tasks: a change that needs WatchCache streams started
 //! or stopped returns them as [`Streams`], and discovery, which owns the
-//! watcher tasks ([`crate::cache_watch::Watchers`]), runs them.
+//! watcher tasks ([`Watchers`]), runs them.
 //!
 //! Everything sits behind one mutex, held for microseconds: a routing
 //! decision, an applied update, a counter change. No I/O happens under it.
@@ -14,6 +14,13 @@
 //! in between: a snapshot is applied [`SNAPSHOT_CHUNK`] blocks at a time,
 //! and a forgotten endpoint's entries go one index shard at a time (hidden
 //! from routing at once).
+
+pub mod cache_watch;
+pub mod health_checks;
+pub mod outliers;
+
+pub use cache_watch::Watchers;
+pub use outliers::{Event, Fault, Restore};
 
 use kvroute_core::contract::{Contract, EngineCache, Mismatch};
 use kvroute_core::hash::BlockHash;
@@ -27,12 +34,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{Notify, watch};
 
+use self::outliers::Outlier;
 use crate::config::Resilience;
 use crate::explain::{Explained, ExplainedEndpoint};
-use crate::health::{self, Event, Fault, Outlier};
-use crate::metrics::{Metrics, Why};
 use crate::settings::Settings;
-use crate::throttle::Warnings;
 
 /// Blocks of a snapshot applied under one hold of the lock: about a
 /// millisecond of work, so routing never waits longer for a snapshot.
@@ -145,6 +150,39 @@ pub struct Stream {
     pub addr: SocketAddr,
 }
 
+/// What a step of outlier detection changed: ejections, refused
+/// ejections and restorations, in order. The pool neither logs nor counts
+/// them; its caller does, once each.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[must_use = "the caller logs and counts the health events"]
+pub struct HealthEvents(Vec<Event>);
+
+impl HealthEvents {
+    /// Whether one of them is an ejection.
+    pub fn ejected(&self) -> bool {
+        self.0.iter().any(|e| matches!(e, Event::Ejected { .. }))
+    }
+
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The events, in order.
+    pub fn iter(&self) -> std::slice::Iter<'_, Event> {
+        self.0.iter()
+    }
+}
+
+impl IntoIterator for HealthEvents {
+    type Item = Event;
+    type IntoIter = std::vec::IntoIter<Event>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
     members: BTreeMap<String, Member>,
@@ -165,14 +203,11 @@ struct Inner {
 /// A pool. See the module docs.
 pub struct Pool {
     inner: Mutex<Inner>,
-    metrics: Arc<Metrics>,
     concurrency: u32,
     ready: watch::Sender<usize>,
     /// Signalled whenever a request ends, for requests queued on full
     /// endpoints.
     released: Notify,
-    /// Refused ejections repeat with every failure: logged throttled.
-    warnings: Warnings,
 }
 
 impl std::fmt::Debug for Pool {
@@ -227,13 +262,8 @@ pub struct EndpointStatus {
 
 impl Pool {
     /// An empty pool.
-    pub fn new(
-        settings: Settings,
-        resilience: &Resilience,
-        metrics: Arc<Metrics>,
-        concurrency: u32,
-    ) -> Arc<Self> {
-        let outlier = Outlier::new(health::Config {
+    pub fn new(settings: Settings, resilience: &Resilience, concurrency: u32) -> Arc<Self> {
+        let outlier = Outlier::new(outliers::Config {
             eject_after_failures: resilience.eject_after_failures,
             base: std::time::Duration::from_millis(resilience.ejection_base_ms),
             max: std::time::Duration::from_millis(resilience.ejection_max_ms),
@@ -258,11 +288,9 @@ impl Pool {
                 generations: 0,
                 exact: false,
             }),
-            metrics,
             concurrency,
             ready: watch::channel(0).0,
             released: Notify::new(),
-            warnings: Warnings::default(),
         })
     }
 
@@ -672,30 +700,31 @@ impl Pool {
     }
 
     /// The endpoint answered well.
-    pub fn succeeded(&self, name: &str) {
-        self.health(|o, now| o.success(name, now));
+    pub fn succeeded(&self, name: &str) -> HealthEvents {
+        self.health(|o, now| o.success(name, now))
     }
 
-    /// The endpoint failed by its own fault (see [`health`]). Returns
-    /// whether it was ejected now.
-    pub fn failed(&self, name: &str, fault: Fault) -> bool {
+    /// The endpoint failed by its own fault (see [`outliers`]).
+    pub fn failed(&self, name: &str, fault: Fault) -> HealthEvents {
         self.health(|o, now| o.failure(name, fault, now))
     }
 
     /// An active health check of `name` passed or failed.
-    pub fn checked(&self, name: &str, passed: bool) {
-        self.health(|o, now| o.check(name, passed, now));
+    pub fn checked(&self, name: &str, passed: bool) -> HealthEvents {
+        self.health(|o, now| o.check(name, passed, now))
     }
 
     /// Ends the ejections whose time has passed.
-    pub fn tick(&self) {
-        self.health(Outlier::tick);
+    pub fn tick(&self) -> HealthEvents {
+        self.health(Outlier::tick)
     }
 
-    /// Runs one step of the health state machine, publishes readiness, and
-    /// logs and counts its events (outside the lock); returns whether one
-    /// was an ejection.
-    fn health(&self, step: impl FnOnce(&mut Outlier, std::time::Instant) -> Vec<Event>) -> bool {
+    /// Runs one step of the health state machine and publishes readiness;
+    /// returns its events for the caller to log and count.
+    fn health(
+        &self,
+        step: impl FnOnce(&mut Outlier, std::time::Instant) -> Vec<Event>,
+    ) -> HealthEvents {
         let mut inner = self.lock();
         let events = step(&mut inner.outlier, now());
         // Routability changes only with an event (an ejection whose time
@@ -703,42 +732,7 @@ impl Pool {
         if !events.is_empty() {
             self.publish_ready(&inner);
         }
-        drop(inner);
-        let mut ejected = false;
-        for event in &events {
-            match event {
-                Event::Ejected {
-                    endpoint,
-                    fault,
-                    duration,
-                } => {
-                    ejected = true;
-                    let ms = duration.map(|d| d.as_millis() as u64);
-                    tracing::warn!(%endpoint, reason = fault.as_str(), ejected_for_ms = ms, "endpoint ejected");
-                    let reason = fault.as_str();
-                    self.metrics.ejections.get_or_create(&Why { reason }).inc();
-                }
-                Event::Refused { endpoint, fault } => {
-                    let reason = fault.as_str();
-                    if let Some(n) = self.warnings.admit(endpoint, reason) {
-                        tracing::warn!(%endpoint, reason, times = n, "endpoint not ejected: the ejected share is at resilience.maxEjectedPercent");
-                    }
-                    self.metrics
-                        .ejections_refused
-                        .get_or_create(&Why { reason })
-                        .inc();
-                }
-                Event::Restored { endpoint, why } => {
-                    tracing::info!(%endpoint, reason = why.as_str(), "endpoint restored");
-                    let reason = why.as_str();
-                    self.metrics
-                        .restorations
-                        .get_or_create(&Why { reason })
-                        .inc();
-                }
-            }
-        }
-        ejected
+        HealthEvents(events)
     }
 
     /// Applies a snapshot for the watcher `(name, generation)`: checks the
