@@ -1,9 +1,11 @@
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvroute_core::index::{CacheEvent, IndexError};
 use kvroute_core::keys::RoutingKey;
+use kvroute_core::policy::{PolicyConfig, Request};
 
 use super::*;
-use kvroute_core::policy::PolicyConfig;
 
 fn spec(name: &str, port: u16) -> EndpointSpec {
     EndpointSpec {
