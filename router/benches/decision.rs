@@ -129,7 +129,7 @@ impl Setup {
             .unwrap();
         let config = Config::default();
         let metrics = Arc::new(Metrics::default());
-        let pool = Pool::new(settings, &config.resilience, metrics.clone(), 256);
+        let pool = Pool::new(settings, &config.resilience, 256);
         let tenancy = Tenancy::load(&config.tenancy).unwrap();
         let service = Arc::new(Service::new(pool.clone(), metrics, tenancy, &config));
         let specs = (0..ENDPOINTS)

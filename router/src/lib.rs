@@ -6,17 +6,14 @@
 //! A request is decided by [`request`] (reading its prompt with
 //! [`prompt`]) for either front end: the HTTP forwarder [`http`] or the
 //! Envoy endpoint picker [`ext_proc`]. Routing state is [`pool`]; endpoints
-//! come from [`discovery`]; engines' caches from [`cache_watch`]. Every
-//! routing decision is made by `kvroute-core`.
+//! come from [`discovery`]; engines' caches from [`pool::cache_watch`].
+//! Every routing decision is made by `kvroute-core`.
 
-pub mod cache_watch;
 pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod explain;
 pub mod ext_proc;
-pub mod health;
-pub mod health_checks;
 pub mod http;
 pub mod listener;
 pub mod metrics;

@@ -1,7 +1,9 @@
 //! The router's Prometheus metrics: typed families on `prometheus-client`,
 //! exposed in the OpenMetrics text format. Each metric is a field of
 //! [`Metrics`], named once where it is registered; label sets are structs.
-//! Per-endpoint gauges are read from the pool at scrape time.
+//! Per-endpoint gauges are read from the pool at scrape time. The pool's
+//! health events are logged and counted here ([`Metrics::health`]), by
+//! whoever reported the outcome that caused them.
 //!
 //! Bounded: `model` comes from the served models, `tenant` from a
 //! configured list, `endpoint` from the pool; the failure series of an
@@ -19,7 +21,12 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::pool::{EndpointStatus, Pool, TierStats};
+use crate::pool::{EndpointStatus, Event, HealthEvents, Pool, TierStats};
+use crate::throttle::Warnings;
+
+/// The target the health events are logged under: the pool's, where they
+/// happen, so log filters on it see them.
+const HEALTH_TARGET: &str = "kvroute_router::pool";
 
 /// Histogram buckets, seconds.
 const BUCKETS: [f64; 16] = [
@@ -167,6 +174,8 @@ pub struct Metrics {
     upstream_failures: Family<EndpointKind, Counter>,
     /// Endpoints with failure series.
     failed_endpoints: Mutex<BTreeSet<String>>,
+    /// Refused ejections repeat with every failure: logged throttled.
+    refused_ejections: Warnings,
     /// `kvroute_decision_seconds`.
     pub decision_seconds: Histogram,
     /// `kvroute_upstream_ttft_seconds`.
@@ -206,6 +215,7 @@ impl Default for Metrics {
             conversation_evictions: Counter::default(),
             upstream_failures: Family::default(),
             failed_endpoints: Mutex::default(),
+            refused_ejections: Warnings::default(),
             decision_seconds: Histogram::new(BUCKETS.iter().copied()),
             upstream_ttft_seconds: Histogram::new(BUCKETS.iter().copied()),
         };
@@ -354,6 +364,37 @@ impl Metrics {
             .inc();
     }
 
+    /// Logs and counts the pool's health events: each ejection, refused
+    /// ejection and restoration.
+    pub fn health(&self, events: HealthEvents) {
+        for event in events {
+            match event {
+                Event::Ejected {
+                    endpoint,
+                    fault,
+                    duration,
+                } => {
+                    let ms = duration.map(|d| d.as_millis() as u64);
+                    tracing::warn!(target: HEALTH_TARGET, %endpoint, reason = fault.as_str(), ejected_for_ms = ms, "endpoint ejected");
+                    let reason = fault.as_str();
+                    self.ejections.get_or_create(&Why { reason }).inc();
+                }
+                Event::Refused { endpoint, fault } => {
+                    let reason = fault.as_str();
+                    if let Some(n) = self.refused_ejections.admit(&endpoint, reason) {
+                        tracing::warn!(target: HEALTH_TARGET, %endpoint, reason, times = n, "endpoint not ejected: the ejected share is at resilience.maxEjectedPercent");
+                    }
+                    self.ejections_refused.get_or_create(&Why { reason }).inc();
+                }
+                Event::Restored { endpoint, why } => {
+                    tracing::info!(target: HEALTH_TARGET, %endpoint, reason = why.as_str(), "endpoint restored");
+                    let reason = why.as_str();
+                    self.restorations.get_or_create(&Why { reason }).inc();
+                }
+            }
+        }
+    }
+
     /// The exposition text without the pool's gauges.
     #[cfg(test)]
     pub(crate) fn render_text(&self) -> String {
@@ -498,28 +539,64 @@ mod tests {
 
     use super::*;
     use crate::config::Resilience;
+    use crate::pool::Fault;
     use crate::settings::Settings;
 
     fn pool() -> std::sync::Arc<Pool> {
         Pool::new(
             Settings::builtin(PolicyConfig::default()),
             &Resilience::default(),
-            Default::default(),
             8,
         )
+    }
+
+    fn spec(name: &str) -> crate::pool::EndpointSpec {
+        crate::pool::EndpointSpec {
+            name: name.into(),
+            http: "127.0.0.1:1".parse().unwrap(),
+            cache: None,
+            ready: true,
+            draining: false,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn health_events_are_counted_by_reason() {
+        let m = Metrics::default();
+        let pool = Pool::new(
+            Settings::builtin(PolicyConfig::default()),
+            &Resilience {
+                eject_after_failures: 1,
+                health_check: None,
+                ..Resilience::default()
+            },
+            8,
+        );
+        pool.set_endpoints(["a", "b", "c", "d"].map(spec).to_vec());
+        for name in ["a", "b", "c", "d"] {
+            m.health(pool.failed(name, Fault::Connect));
+        }
+        tokio::time::advance(std::time::Duration::from_millis(5001)).await;
+        m.health(pool.tick());
+        let text = m.render(&pool);
+        assert!(
+            text.contains("kvroute_ejections_total{reason=\"connect\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_ejections_refused_total{reason=\"connect\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_restorations_total{reason=\"expired\"} 2"),
+            "{text}"
+        );
     }
 
     #[test]
     fn series_of_removed_endpoints_are_dropped() {
         let m = Metrics::default();
         let pool = pool();
-        let spec = |name: &str| crate::pool::EndpointSpec {
-            name: name.into(),
-            http: "127.0.0.1:1".parse().unwrap(),
-            cache: None,
-            ready: true,
-            draining: false,
-        };
         pool.set_endpoints(vec![spec("a"), spec("ab")]);
         for e in ["a", "ab"] {
             m.upstream_failure(e, "connect");

@@ -4,7 +4,7 @@
 //! and [`error_chain`] to say why an attempt failed.
 //!
 //! Not here: the subscriptions themselves, or deciding when a stream is
-//! broken (`cache_watch` and `discovery::operator` do).
+//! broken (`pool::cache_watch` and `discovery::operator` do).
 
 use std::time::{Duration, SystemTime};
 

@@ -17,14 +17,14 @@ use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::cache_watch::Watchers;
 use crate::config::{Config, ConfigError, Discovery, TenancyMode};
 use crate::discovery;
 use crate::errors::ApiError;
+use crate::http::Forwarder;
 use crate::listener::{self, ConnLimits};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
-use crate::http::Forwarder;
+use crate::pool::Watchers;
 use crate::request::Service;
 use crate::settings::Settings;
 use crate::tasks::{Stop, TaskDied, Tasks};
@@ -221,7 +221,6 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let pool = Pool::new(
         settings,
         &config.resilience,
-        metrics.clone(),
         config.limits.endpoint_concurrency,
     );
     pool.set_index_bounds(config.limits.index_bounds());
@@ -259,9 +258,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     tasks.spawn(
         "health-checks",
         Stop::Aborted,
-        crate::health_checks::run(pool.clone(), config.resilience.health_check.clone()),
+        crate::pool::health_checks::run(
+            pool.clone(),
+            metrics.clone(),
+            config.resilience.health_check.clone(),
+        ),
     );
-    let service = Arc::new(Service::new(pool.clone(), metrics.clone(), tenancy, &config));
+    let service = Arc::new(Service::new(
+        pool.clone(),
+        metrics.clone(),
+        tenancy,
+        &config,
+    ));
 
     let (stop, stopped) = watch::channel(false);
     let caps = listener::fit_to_open_files(

@@ -5,11 +5,11 @@
 //! ([`operator`]). Both replace the pool's whole endpoint set with
 //! [`Pool::set_endpoints`](crate::pool::Pool::set_endpoints), keep the
 //! last good set when their source breaks, and own the pool's WatchCache
-//! watcher tasks ([`Watchers`](crate::cache_watch::Watchers)), starting and
+//! watcher tasks ([`Watchers`](crate::pool::Watchers)), starting and
 //! stopping them as each change says.
 //!
 //! Not here: health checking, ejection, or what a watcher does (the pool
-//! and [`crate::cache_watch`] do those).
+//! and [`crate::pool::cache_watch`] do those).
 
 pub mod operator;
 pub mod static_file;

@@ -31,7 +31,7 @@ use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
 
 use tonic::transport::ClientTlsConfig;
 
-use crate::cache_watch::Watchers;
+use crate::pool::Watchers;
 use crate::pool::{EndpointSpec, Pool, Streams};
 use crate::reconnect::{BACKOFF_RESET_AFTER, Backoff, error_chain};
 use crate::settings::Settings;

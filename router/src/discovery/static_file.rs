@@ -26,7 +26,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::DiscoveryError;
-use crate::cache_watch::Watchers;
+use crate::pool::Watchers;
 use crate::pool::{EndpointSpec, Pool};
 
 /// The whole file.

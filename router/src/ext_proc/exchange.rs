@@ -44,8 +44,7 @@ use tonic::{Status, Streaming};
 
 use super::envoy::{self, Direction, Headers, Subset};
 use crate::errors::ApiError;
-use crate::health::Fault;
-use crate::pool::Target;
+use crate::pool::{Fault, Target};
 use crate::request::body::Held;
 use crate::request::{Admitted, Ask, Attempt, Decision, Guard, Payload, Service};
 
@@ -439,7 +438,11 @@ impl Exchange {
             None => attempt,
         };
         if status.is_server_error() && self.rules.trusted {
-            self.service.pool.failed(&attempt.target.name, Fault::Status);
+            let failed = self
+                .service
+                .pool
+                .failed(&attempt.target.name, Fault::Status);
+            self.service.metrics.health(failed);
         }
         decision.commit(attempt, status, sent)
     }

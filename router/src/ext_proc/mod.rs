@@ -83,7 +83,12 @@ impl ExternalProcessor for Picker {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let (out, answers) = mpsc::channel(ANSWERS_QUEUED);
         let inbound = request.into_inner();
-        tokio::spawn(exchange::run(self.service.clone(), inbound, out, self.rules));
+        tokio::spawn(exchange::run(
+            self.service.clone(),
+            inbound,
+            out,
+            self.rules,
+        ));
         Ok(Response::new(ReceiverStream::new(answers)))
     }
 }

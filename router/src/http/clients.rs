@@ -23,7 +23,11 @@ pub(crate) struct Clients(Vec<Upstream>);
 
 impl Clients {
     pub(crate) fn new(limits: &Limits) -> Self {
-        Clients((0..=limits.api_threads()).map(|_| upstream(limits)).collect())
+        Clients(
+            (0..=limits.api_threads())
+                .map(|_| upstream(limits))
+                .collect(),
+        )
     }
 
     /// This thread's client.

@@ -25,12 +25,12 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-pub use self::clients::on_api_thread;
 use self::clients::Clients;
+pub use self::clients::on_api_thread;
 use self::headers::{copy_headers, end_to_end};
 use crate::config::Config;
 use crate::errors::ApiError;
-use crate::health::Fault;
+use crate::pool::Fault;
 use crate::request::{Ask, Attempt, Decision, Guard, Payload, Service};
 
 /// An attempt's outcome: the response and its first body frame, or why it
@@ -112,7 +112,11 @@ impl Forwarder {
         let mut last_response: Option<Response<Incoming>> = None;
         // Fewer targets than attempts (endpoints ejected or full): the
         // ranking is tried again from the top, as Envoy retries a host.
-        let targets = decision.targets().iter().cycle().take(self.attempts as usize);
+        let targets = decision
+            .targets()
+            .iter()
+            .cycle()
+            .take(self.attempts as usize);
         for (n, target) in targets.enumerate() {
             // Held until dropped: whether this attempt fails, the client
             // goes away while it waits, or the response ends.
@@ -207,48 +211,53 @@ impl Forwarder {
         let (target, hang) = (&attempt.target.name, attempt.hang);
         let timeout = hang.unwrap_or(self.service.hang_cap());
         let timed_out = || {
-            let e = format!("{target} sent no response within {} ms", timeout.as_millis());
+            let e = format!(
+                "{target} sent no response within {} ms",
+                timeout.as_millis()
+            );
             (ApiError::Timeout(e), Some(Fault::Timeout))
         };
         let deadline = sent + timeout;
-        let outcome = match tokio::time::timeout_at(deadline, self.clients.get().request(upstream))
-            .await
-        {
-            Err(_) => Err(timed_out()),
-            // An upload the engine cut off is not counted against it.
-            Ok(Err(e)) => {
-                let upload_cut = std::error::Error::source(&e)
-                    .and_then(|s| s.downcast_ref::<hyper::Error>())
-                    .is_some_and(hyper::Error::is_body_write_aborted);
-                let fault = (!upload_cut).then_some(Fault::Connect);
-                Err((ApiError::Upstream(format!("{target}: {e}")), fault))
-            }
-            // No byte has reached the client yet: the first body frame is
-            // awaited within the hang deadline, so a hung engine that
-            // sent its headers is retried too. A stream that breaks or
-            // stays silent is the engine's fault; the response is dropped,
-            // which cancels the request at the engine.
-            Ok(Ok(response)) if hang.is_some() && !retried(response.status()) => {
-                let (head, mut incoming) = response.into_parts();
-                if hyper::body::Body::is_end_stream(&incoming) {
-                    Ok((Response::from_parts(head, incoming), None))
-                } else {
-                    match tokio::time::timeout_at(deadline, incoming.frame()).await {
-                        Ok(Some(Ok(frame))) => Ok((Response::from_parts(head, incoming), Some(frame))),
-                        Ok(None) => Ok((Response::from_parts(head, incoming), None)),
-                        Ok(Some(Err(e))) => Err((
-                            ApiError::Upstream(format!("{target}: {e}")),
-                            Some(Fault::Stream),
-                        )),
-                        Err(_) => Err(timed_out()),
+        let outcome =
+            match tokio::time::timeout_at(deadline, self.clients.get().request(upstream)).await {
+                Err(_) => Err(timed_out()),
+                // An upload the engine cut off is not counted against it.
+                Ok(Err(e)) => {
+                    let upload_cut = std::error::Error::source(&e)
+                        .and_then(|s| s.downcast_ref::<hyper::Error>())
+                        .is_some_and(hyper::Error::is_body_write_aborted);
+                    let fault = (!upload_cut).then_some(Fault::Connect);
+                    Err((ApiError::Upstream(format!("{target}: {e}")), fault))
+                }
+                // No byte has reached the client yet: the first body frame is
+                // awaited within the hang deadline, so a hung engine that
+                // sent its headers is retried too. A stream that breaks or
+                // stays silent is the engine's fault; the response is dropped,
+                // which cancels the request at the engine.
+                Ok(Ok(response)) if hang.is_some() && !retried(response.status()) => {
+                    let (head, mut incoming) = response.into_parts();
+                    if hyper::body::Body::is_end_stream(&incoming) {
+                        Ok((Response::from_parts(head, incoming), None))
+                    } else {
+                        match tokio::time::timeout_at(deadline, incoming.frame()).await {
+                            Ok(Some(Ok(frame))) => {
+                                Ok((Response::from_parts(head, incoming), Some(frame)))
+                            }
+                            Ok(None) => Ok((Response::from_parts(head, incoming), None)),
+                            Ok(Some(Err(e))) => Err((
+                                ApiError::Upstream(format!("{target}: {e}")),
+                                Some(Fault::Stream),
+                            )),
+                            Err(_) => Err(timed_out()),
+                        }
                     }
                 }
-            }
-            Ok(Ok(response)) => Ok((response, None)),
-        };
+                Ok(Ok(response)) => Ok((response, None)),
+            };
         if let Err((_, Some(Fault::Timeout))) = &outcome {
             let fault = Some(Fault::Timeout);
-            self.service.failure(&attempt.target, Fault::Timeout.as_str(), fault);
+            self.service
+                .failure(&attempt.target, Fault::Timeout.as_str(), fault);
         }
         (outcome, attempt)
     }

@@ -1,10 +1,11 @@
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvroute_core::index::{CacheEvent, IndexError};
 use kvroute_core::keys::RoutingKey;
+use kvroute_core::policy::{PolicyConfig, Request};
 
 use super::*;
-use crate::health::Fault;
-use kvroute_core::policy::PolicyConfig;
 
 fn spec(name: &str, port: u16) -> EndpointSpec {
     EndpointSpec {
@@ -28,7 +29,6 @@ fn pool(concurrency: u32) -> Arc<Pool> {
             health_check: None,
             ..Resilience::default()
         },
-        Arc::new(Metrics::default()),
         concurrency,
     )
 }
@@ -98,10 +98,10 @@ async fn full_endpoints_are_left_out_of_the_plan() {
 async fn ejection_backs_off_exponentially_and_readmits() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
-    assert!(!p.failed("a", Fault::Status));
-    p.succeeded("a"); // a success resets the count
-    assert!(!p.failed("a", Fault::Status));
-    assert!(p.failed("a", Fault::Status), "two in a row eject");
+    assert!(!p.failed("a", Fault::Status).ejected());
+    let _ = p.succeeded("a"); // a success resets the count
+    assert!(!p.failed("a", Fault::Status).ejected());
+    assert!(p.failed("a", Fault::Status).ejected(), "two in a row eject");
     assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
     tokio::time::advance(Duration::from_millis(1001)).await;
     assert_eq!(
@@ -110,25 +110,25 @@ async fn ejection_backs_off_exponentially_and_readmits() {
         "re-admitted after 1 s"
     );
     // On probation: one failure ejects it again, for twice as long.
-    assert!(p.failed("a", Fault::Status));
+    assert!(p.failed("a", Fault::Status).ejected());
     tokio::time::advance(Duration::from_millis(1500)).await;
     assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
     tokio::time::advance(Duration::from_millis(600)).await;
     assert_eq!(names(&p.plan(&request(), true)), vec!["a", "b"]);
     // Capped at 3 s.
-    assert!(p.failed("a", Fault::Status));
+    assert!(p.failed("a", Fault::Status).ejected());
     tokio::time::advance(Duration::from_millis(3001)).await;
     assert_eq!(p.routable(), 2);
     // A good answer after re-admission clears the history.
-    p.succeeded("a");
-    assert!(!p.failed("a", Fault::Status));
+    let _ = p.succeeded("a");
+    assert!(!p.failed("a", Fault::Status).ejected());
 }
 
 #[tokio::test]
 async fn a_broken_stream_ejects_at_once() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
-    assert!(p.failed("a", Fault::Stream));
+    assert!(p.failed("a", Fault::Stream).ejected());
     assert_eq!(names(&p.plan(&request(), true)), vec!["b"]);
 }
 
@@ -163,7 +163,6 @@ async fn unreadable_requests_go_to_the_least_loaded() {
     let p = Pool::new(
         Settings::builtin(PolicyConfig::default()),
         &Resilience::default(),
-        Arc::new(Metrics::default()),
         8,
     );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
@@ -181,8 +180,7 @@ async fn unreadable_requests_go_to_the_least_loaded() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
-    let metrics = Arc::new(Metrics::default());
+async fn at_most_half_the_endpoints_are_ejected_and_each_event_is_returned() {
     let p = Pool::new(
         Settings::builtin(PolicyConfig::by_name("round-robin").unwrap()),
         &Resilience {
@@ -190,30 +188,23 @@ async fn at_most_half_the_endpoints_are_ejected_and_events_are_counted() {
             health_check: None,
             ..Resilience::default()
         },
-        metrics.clone(),
         8,
     );
     p.set_endpoints(vec![spec("a", 1), spec("b", 2), spec("c", 3), spec("d", 4)]);
+    let mut events = Vec::new();
     for name in ["a", "b", "c", "d"] {
-        p.failed(name, Fault::Connect);
+        events.extend(p.failed(name, Fault::Connect));
     }
     assert_eq!(p.routable(), 2, "two of four stay routable");
     tokio::time::advance(Duration::from_millis(5001)).await;
-    p.tick();
+    events.extend(p.tick());
     assert_eq!(p.routable(), 4);
-    let text = metrics.render(&p);
-    assert!(
-        text.contains("kvroute_ejections_total{reason=\"connect\"} 2"),
-        "{text}"
-    );
-    assert!(
-        text.contains("kvroute_ejections_refused_total{reason=\"connect\"} 2"),
-        "{text}"
-    );
-    assert!(
-        text.contains("kvroute_restorations_total{reason=\"expired\"} 2"),
-        "{text}"
-    );
+    let count = |f: &dyn Fn(&Event) -> bool| events.iter().filter(|e| f(e)).count();
+    let ejected = count(&|e| matches!(e, Event::Ejected { fault, .. } if *fault == Fault::Connect));
+    let refused = count(&|e| matches!(e, Event::Refused { fault, .. } if *fault == Fault::Connect));
+    let restored = count(&|e| matches!(e, Event::Restored { why, .. } if *why == Restore::Expired));
+    assert_eq!((ejected, refused, restored), (2, 2, 2), "{events:?}");
+    assert_eq!(events.len(), 6, "{events:?}");
 }
 
 #[tokio::test]

@@ -12,10 +12,10 @@ use kvroute_core::hash::BlockExtras;
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::errors::ApiError;
 use super::Prompt;
 use super::body::{self, Api};
 use super::prefixes;
+use crate::errors::ApiError;
 use crate::settings::Settings;
 
 /// Bytes per pseudo-token.

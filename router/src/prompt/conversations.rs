@@ -230,7 +230,8 @@ impl Conversations {
             return Chat { prompt: None, memo };
         };
         let snapshot_at = cut.map(|c| c.tokens);
-        let (prompt, snapshot) = tokens::tokens_prompt(&tokens, settings, extras, from, snapshot_at);
+        let (prompt, snapshot) =
+            tokens::tokens_prompt(&tokens, settings, extras, from, snapshot_at);
         if let (Some(cut), Some(snapshot)) = (cut, snapshot) {
             let end = done + cut.at;
             hasher.update(&text.as_bytes()[done..end]);

@@ -381,9 +381,14 @@ impl Prompts {
                 scope: Scope::ResumedWithin(INLINE_BODY_BYTES),
                 ..input.clone()
             };
-            if let Some(analysis) =
-                read(bytes.clone(), resumed, &self.tenancy, &settings, &models, &self.conversations)?
-            {
+            if let Some(analysis) = read(
+                bytes.clone(),
+                resumed,
+                &self.tenancy,
+                &settings,
+                &models,
+                &self.conversations,
+            )? {
                 return Ok(analysis);
             }
         }
@@ -405,7 +410,14 @@ impl Prompts {
         settings: &Settings,
         models: &ModelList,
     ) -> Result<Analysis, ApiError> {
-        let read = read(bytes, input, &self.tenancy, settings, models, &self.conversations)?;
+        let read = read(
+            bytes,
+            input,
+            &self.tenancy,
+            settings,
+            models,
+            &self.conversations,
+        )?;
         Ok(read.expect("only ResumedWithin leaves a prompt unread"))
     }
 }

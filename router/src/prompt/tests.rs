@@ -570,4 +570,3 @@ fn approximate_mode_chunks_the_text_without_tokenizing() {
     // Another salt: another chain.
     assert_ne!(c.chain[0], a.chain[0]);
 }
-

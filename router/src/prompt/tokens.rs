@@ -11,9 +11,9 @@ use kvroute_core::tokenize::{
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::Xxh3;
 
-use super::{Held, Prompt};
 use super::body::{Api, chat_messages, no_messages, raw_message};
 use super::prefixes;
+use super::{Held, Prompt};
 use crate::errors::ApiError;
 use crate::settings::Settings;
 

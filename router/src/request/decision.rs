@@ -14,8 +14,8 @@ use tokio::time::Instant;
 use super::guard::{Expected, Guard};
 use super::labels::Labels;
 use super::{Service, body};
-use crate::health::Fault;
 use crate::metrics::{ModelTenant, Why};
+use crate::pool::Fault;
 use crate::pool::{InFlight, Plan, Target};
 use crate::prompt::Analysis;
 
@@ -170,7 +170,9 @@ impl Decision {
                 .inc_by(attempt.cached);
         }
         if !attempt.learned {
-            service.pool.learn(&self.analysis.request(), &attempt.target);
+            service
+                .pool
+                .learn(&self.analysis.request(), &attempt.target);
         }
         let expected = Expected {
             cached: attempt.cached,
@@ -213,7 +215,7 @@ impl Service {
     /// `fault` against it when it is one.
     pub(crate) fn failure(&self, target: &Target, kind: &'static str, fault: Option<Fault>) {
         if let Some(fault) = fault {
-            self.pool.failed(&target.name, fault);
+            self.metrics.health(self.pool.failed(&target.name, fault));
         }
         self.metrics.upstream_failure(&target.name, kind);
     }

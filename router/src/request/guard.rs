@@ -10,10 +10,10 @@ use tokio::time::Instant;
 
 use super::Service;
 use super::labels::Labels;
-use crate::health::Fault;
-use crate::request::hit_rate::{Usage, UsageScan};
 use crate::metrics::Model;
+use crate::pool::Fault;
 use crate::pool::InFlight;
+use crate::request::hit_rate::{Usage, UsageScan};
 
 /// A served request's hold on its endpoint's load; dropping it (the client
 /// went away) ends the request and, with the upstream body dropped too,
@@ -88,7 +88,8 @@ impl Guard {
     /// The response ended.
     pub(crate) fn done(&mut self) {
         if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
-            self.service.pool.succeeded(&self.name);
+            let succeeded = self.service.pool.succeeded(&self.name);
+            self.service.metrics.health(succeeded);
             if self.status.is_success()
                 && let Some((usage, id)) = self.usage.usage()
             {
@@ -103,7 +104,9 @@ impl Guard {
         if let Some(times) = service.warnings.admit(&self.name, "stream") {
             tracing::warn!(endpoint = %self.name, error, times, "upstream stream broke");
         }
-        service.pool.failed(&self.name, Fault::Stream);
+        service
+            .metrics
+            .health(service.pool.failed(&self.name, Fault::Stream));
         service.metrics.upstream_failure(&self.name, "stream");
         self.labels.count("stream_error");
     }

@@ -15,7 +15,7 @@
 //! 3. `limits.firstByteTimeoutMs` caps every deadline.
 //!
 //! The proxy cancels an attempt that misses it, counts a `timeout` fault
-//! ([`crate::health`] rule 5) and retries on the next endpoint, as no byte
+//! ([`crate::pool::outliers`] rule 5) and retries on the next endpoint, as no byte
 //! has reached the client.
 
 use std::time::Duration;

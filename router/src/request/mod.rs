@@ -44,7 +44,6 @@ pub(crate) use self::labels::Labels;
 use crate::config::{Config, Limits};
 use crate::errors::ApiError;
 use crate::explain::Explanation;
-use crate::request::hit_rate::Gap;
 use crate::metrics::{Metrics, ModelTenant, Outcome};
 use crate::models::{ModelList, Models};
 use crate::pool::Pool;
@@ -52,6 +51,7 @@ use crate::prompt::body::Api;
 use crate::prompt::conversations::{Conversations, Memo};
 use crate::prompt::prefixes::{Offender, Volatility};
 use crate::prompt::{Analysis, Input, Prompts, Reader, Scope};
+use crate::request::hit_rate::Gap;
 use crate::settings::Settings;
 use crate::tenancy::Tenancy;
 use crate::throttle::Warnings;
@@ -310,7 +310,13 @@ impl Service {
         } = self.read(ask, Purpose::Route).await?;
         let planned = self
             .queue
-            .plan(&self.pool, &self.limits, &analysis.request(), analysis.readable, among)
+            .plan(
+                &self.pool,
+                &self.limits,
+                &analysis.request(),
+                analysis.readable,
+                among,
+            )
             .await;
         let plan = match planned {
             Ok(p) => p,
@@ -352,7 +358,9 @@ impl Service {
                     budget: None,
                     started,
                 };
-                return self.analyzed(read, path, headers, tenant, bytes, purpose).await;
+                return self
+                    .analyzed(read, path, headers, tenant, bytes, purpose)
+                    .await;
             }
             Payload::Bodiless => {
                 let mut labels = Labels::new(self);
@@ -381,7 +389,8 @@ impl Service {
             budget: Some(budget),
             started,
         };
-        self.analyzed(read, path, headers, tenant, bytes, purpose).await
+        self.analyzed(read, path, headers, tenant, bytes, purpose)
+            .await
     }
 
     /// `read` with the analysis of its body `bytes`.
@@ -416,7 +425,11 @@ impl Service {
     }
 
     /// The tenant the credentials in `headers` name, labelled in `labels`.
-    fn identify(&self, headers: &HeaderMap, labels: &mut Labels) -> Result<Option<String>, ApiError> {
+    fn identify(
+        &self,
+        headers: &HeaderMap,
+        labels: &mut Labels,
+    ) -> Result<Option<String>, ApiError> {
         let tenant = self.tenancy().tenant(headers)?;
         labels.tenant = self.tenant_label(tenant.as_deref());
         Ok(tenant)
@@ -451,7 +464,12 @@ impl Service {
             .get(&settings.conversation_header)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        let reader = Reader::of(&settings, exact, bytes.len(), self.limits.max_tokenize_bytes);
+        let reader = Reader::of(
+            &settings,
+            exact,
+            bytes.len(),
+            self.limits.max_tokenize_bytes,
+        );
         if reader == Reader::TooLarge {
             self.metrics.prompts_not_tokenized.inc();
         }
@@ -600,7 +618,12 @@ impl Service {
         let Some(d) = v.observe(analysis.chain.first().copied(), &analysis.contents) else {
             return;
         };
-        v.record(&d, analysis.block_tokens as usize, &labels.model, &labels.tenant);
+        v.record(
+            &d,
+            analysis.block_tokens as usize,
+            &labels.model,
+            &labels.tenant,
+        );
         drop(v);
         self.metrics
             .volatile_prefix_requests

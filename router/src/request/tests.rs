@@ -10,9 +10,12 @@ use crate::config;
 /// yet), tenants shared.
 fn test_service(config: &Config) -> (Arc<Service>, Arc<Pool>) {
     let metrics = Arc::new(Metrics::default());
-    let pool = Pool::new(Settings::test(), &config.resilience, metrics.clone(), 8);
+    let pool = Pool::new(Settings::test(), &config.resilience, 8);
     let t = Tenancy::load(&config::Tenancy::default()).unwrap();
-    (Arc::new(Service::new(pool.clone(), metrics, t, config)), pool)
+    (
+        Arc::new(Service::new(pool.clone(), metrics, t, config)),
+        pool,
+    )
 }
 
 /// In exact mode a chain is hashed as far as the engines hold it: the

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use kvroute_core::policy::PolicyConfig;
 use kvroute_engine_sim::{Config, Sim, start};
-use kvroute_router::cache_watch::Watchers;
 use kvroute_router::config::Resilience;
+use kvroute_router::pool::Watchers;
 use kvroute_router::pool::{EndpointSpec, EndpointStatus, Pool};
 use kvroute_router::settings::Settings;
 use serde_json::json;
@@ -19,7 +19,6 @@ fn pool() -> Arc<Pool> {
     Pool::new(
         Settings::builtin(PolicyConfig::default()),
         &Resilience::default(),
-        Default::default(),
         256,
     )
 }

@@ -14,10 +14,10 @@ use kvroute_core::keys::{KeyMode, RoutingKey};
 use kvroute_core::policy::{PolicyConfig, Request};
 use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
 use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
-use kvroute_router::cache_watch::Watchers;
 use kvroute_router::config::Resilience;
 use kvroute_router::discovery::{DiscoveryError, operator, static_file};
 use kvroute_router::pool::Pool;
+use kvroute_router::pool::Watchers;
 use kvroute_router::settings::Settings;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -28,7 +28,6 @@ fn pool() -> Arc<Pool> {
     Pool::new(
         Settings::builtin(PolicyConfig::default()),
         &Resilience::default(),
-        Default::default(),
         256,
     )
 }

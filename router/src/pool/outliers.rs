@@ -1,7 +1,7 @@
 //! Outlier ejection, after Envoy's outlier detection: a pure state machine
 //! over the endpoints' names. It reads no clock (every call takes `now`)
-//! and does no I/O; the pool calls it under its lock and logs and counts
-//! the [`Event`]s it returns.
+//! and does no I/O; the pool calls it under its lock and hands the
+//! [`Event`]s it returns to its caller, who logs and counts them.
 //!
 //! The rules:
 //! 1. Only faults of the engine count ([`Fault`]): a refused or failed

@@ -1,0 +1,203 @@
+//! One pool's routing state: its endpoints and their health, the occupancy
+//! index fed by WatchCache, each engine's contract, load accounting, and
+//! the routing settings with the policy they name. Discovery replaces the
+//! endpoint set and the settings; cache watchers apply engine updates; the
+//! proxy asks for a ranked plan and reports outcomes.
+//!
+//! The pool runs no tasks: a change that needs WatchCache streams started
+//! or stopped returns them as [`Streams`], and discovery, which owns the
+//! watcher tasks ([`Watchers`]), runs them. It logs and counts no health
+//! event either: an outcome reported to it returns the [`HealthEvents`] it
+//! caused, for the caller to log and count.
+//!
+//! Everything sits behind one mutex, held for microseconds: a routing
+//! decision, an applied update, a counter change. No I/O happens under it.
+//! Work that grows with an engine's cache is done in steps that release it
+//! in between: a snapshot is applied [`SNAPSHOT_CHUNK`] blocks at a time,
+//! and a forgotten endpoint's entries go one index shard at a time (hidden
+//! from routing at once).
+//!
+//! This file holds the [`Pool`] handle and its lock; the rest, one job a
+//! file: `endpoints` (the endpoint table and the streams it asks for),
+//! `engines` (what the engines report: contracts, snapshots, changes,
+//! load), `routing` (plans, explanations, in-flight requests), `health`
+//! (outcomes into the [`outliers`] state machine), `status` (snapshots for
+//! metrics and `/debug/pool`). The tasks that keep a pool current from the
+//! engines are here too: [`cache_watch`] and [`health_checks`].
+
+pub mod cache_watch;
+mod endpoints;
+mod engines;
+mod health;
+pub mod health_checks;
+pub mod outliers;
+mod routing;
+mod status;
+
+pub use cache_watch::Watchers;
+pub use endpoints::{EndpointSpec, Stream, StreamState, Streams};
+pub use engines::SNAPSHOT_CHUNK;
+pub use health::HealthEvents;
+pub use outliers::{Event, Fault, Restore};
+pub use routing::{InFlight, Plan, Target};
+pub use status::{EndpointStatus, TierStats};
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvroute_core::hash::BlockHash;
+use kvroute_core::index::{Bounds, OccupancyIndex};
+use kvroute_core::load::LoadTracker;
+use kvroute_core::policy::{LeastLoaded, Policy};
+use kvroute_core::slot::Slots;
+use tokio::sync::{Notify, watch};
+
+use self::endpoints::Member;
+use self::outliers::Outlier;
+use crate::config::Resilience;
+use crate::settings::Settings;
+
+/// The clock the health state machine is given: tokio's, so tests can
+/// pause it.
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// The pool's state, under its one lock.
+#[derive(Debug)]
+struct Inner {
+    members: BTreeMap<String, Member>,
+    slots: Slots,
+    index: OccupancyIndex,
+    load: LoadTracker,
+    /// The routing settings; `policy` is built from `settings.policy`.
+    settings: Arc<Settings>,
+    policy: Box<dyn Policy>,
+    outlier: Outlier,
+    /// For requests without a readable prompt.
+    least_loaded: LeastLoaded,
+    generations: u64,
+    /// Whether any endpoint reports its cache: routing is then exact.
+    exact: bool,
+}
+
+/// A pool. See the module docs.
+pub struct Pool {
+    inner: Mutex<Inner>,
+    concurrency: u32,
+    ready: watch::Sender<usize>,
+    /// Signalled whenever a request ends, for requests queued on full
+    /// endpoints.
+    released: Notify,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    /// An empty pool.
+    pub fn new(settings: Settings, resilience: &Resilience, concurrency: u32) -> Arc<Self> {
+        let outlier = Outlier::new(outliers::Config {
+            eject_after_failures: resilience.eject_after_failures,
+            base: std::time::Duration::from_millis(resilience.ejection_base_ms),
+            max: std::time::Duration::from_millis(resilience.ejection_max_ms),
+            max_ejected_percent: resilience.max_ejected_percent,
+            unhealthy_threshold: resilience
+                .health_check
+                .as_ref()
+                .map_or(u32::MAX, |c| c.unhealthy_threshold),
+        });
+        let mut index = OccupancyIndex::new();
+        index.set_offload_weight(settings.offload_weight);
+        Arc::new(Pool {
+            inner: Mutex::new(Inner {
+                members: BTreeMap::new(),
+                slots: Slots::default(),
+                index,
+                load: LoadTracker::new(),
+                policy: settings.policy.build(),
+                settings: Arc::new(settings),
+                outlier,
+                least_loaded: LeastLoaded::default(),
+                generations: 0,
+                exact: false,
+            }),
+            concurrency,
+            ready: watch::channel(0).0,
+            released: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bounds what one endpoint can make the index hold, per tier (the
+    /// router's `limits`); unbounded until set.
+    pub fn set_index_bounds(&self, bounds: Bounds) {
+        self.lock().index.set_bounds(bounds);
+    }
+
+    /// Routable endpoints as of the last change; watch it to wait for
+    /// readiness.
+    pub fn ready(&self) -> watch::Receiver<usize> {
+        self.ready.subscribe()
+    }
+
+    /// Routable endpoints right now (ejections expire on their own).
+    pub fn routable(&self) -> usize {
+        let inner = self.lock();
+        let now = now();
+        inner
+            .members
+            .values()
+            .filter(|m| inner.is_routable(m, now))
+            .count()
+    }
+
+    /// The routing settings now.
+    pub fn settings(&self) -> Arc<Settings> {
+        self.lock().settings.clone()
+    }
+
+    /// The routing settings, and whether routing is exact (some endpoint
+    /// reports its cache; else approximate: the router's own memory of
+    /// where prefixes went), under one lock.
+    pub fn routing(&self) -> (Arc<Settings>, bool) {
+        let inner = self.lock();
+        (inner.settings.clone(), inner.exact)
+    }
+
+    /// Whether any engine reports holding `block` (exact mode's index).
+    pub fn holds_any(&self, block: BlockHash) -> bool {
+        self.lock().index.holds_any(block)
+    }
+
+    /// Resolves at the next end of a request after it is enabled.
+    pub fn released(&self) -> tokio::sync::futures::Notified<'_> {
+        self.released.notified()
+    }
+
+    fn publish_ready(&self, inner: &Inner) {
+        let now = now();
+        let n = inner
+            .members
+            .values()
+            .filter(|m| inner.is_routable(m, now))
+            .count();
+        self.ready
+            .send_if_modified(|r| std::mem::replace(r, n) != n);
+    }
+}
+
+impl Inner {
+    fn is_routable(&self, m: &Member, now: std::time::Instant) -> bool {
+        m.spec.ready && !m.spec.draining && self.outlier.admits(&m.spec.name, now)
+    }
+}
+
+#[cfg(test)]
+mod tests;

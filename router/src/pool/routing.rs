@@ -1,0 +1,314 @@
+//! Routing over the pool: a ranked [`Plan`] for a request (the policy's,
+//! or the least loaded endpoint's when the prompt is unreadable), what it
+//! would be and why ([`Pool::explain`]), the predicted time to first token,
+//! and the requests in flight: counted against their endpoint's load and
+//! taught to the policy when started, released by dropping [`InFlight`].
+//!
+//! Not here: the decision rules (`kvroute_core::policy`), or what an
+//! outcome means for the endpoint's health (`health`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kvroute_core::load::Ticket;
+use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
+use kvroute_core::slot::Slot;
+
+use super::{Inner, Pool, now};
+use crate::explain::{Explained, ExplainedEndpoint};
+
+/// One endpoint in a routing plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// Its name.
+    pub name: Arc<str>,
+    /// Its HTTP address.
+    pub http: SocketAddr,
+    /// Its slot.
+    pub slot: Slot,
+    /// Its rendezvous identity.
+    pub id: u64,
+}
+
+/// Where a request should go, in order.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Endpoints under their concurrency limit, best first.
+    pub targets: Vec<Target>,
+    /// Routable endpoints that were at their limit.
+    pub full: usize,
+    /// The policy's reason for the first.
+    pub reason: Reason,
+    /// Leading blocks the policy believes the first holds.
+    pub cached_blocks: u32,
+}
+
+impl Pool {
+    /// Ranks the routable endpoints for `request`. Endpoints at their
+    /// concurrency limit are left out of the targets (and counted in
+    /// `full`).
+    /// `readable` is false when the router could not read a prompt from the
+    /// request: it then goes to the least loaded endpoint instead.
+    pub fn plan(&self, request: &Request<'_>, readable: bool) -> Plan {
+        self.plan_among(request, readable, &|_| true)
+    }
+
+    /// [`plan`](Self::plan) among the endpoints whose HTTP address
+    /// `among` accepts (a gateway's subset hint).
+    pub fn plan_among(
+        &self,
+        request: &Request<'_>,
+        readable: bool,
+        among: &dyn Fn(&SocketAddr) -> bool,
+    ) -> Plan {
+        let mut inner = self.lock();
+        let now = now();
+        let (endpoints, candidates) = inner.candidates(now, among);
+        let inner = &mut *inner;
+        // Field by field: the policy is borrowed mutably beside it.
+        let cx = Context {
+            index: inner.exact.then_some(&inner.index),
+            block_tokens: inner.settings.hasher.config().block_size as u64,
+            now,
+        };
+        let decision = if readable {
+            inner.policy.rank(request, &endpoints, &cx)
+        } else {
+            inner.least_loaded.rank(request, &endpoints, &cx)
+        };
+        let mut full = 0;
+        let targets = decision
+            .ranked
+            .iter()
+            .filter(|&&i| {
+                let under = endpoints[i].load.in_flight < self.concurrency;
+                full += usize::from(!under);
+                under
+            })
+            .map(|&i| candidates[i].clone())
+            .collect();
+        Plan {
+            targets,
+            full,
+            reason: decision.reason,
+            cached_blocks: decision.cached_blocks,
+        }
+    }
+
+    /// What [`plan`](Self::plan) would decide for `request`, with every
+    /// endpoint's view of it, changing nothing: the policy decides on a
+    /// copy of itself.
+    pub fn explain(&self, request: &Request<'_>, readable: bool) -> Explained {
+        let inner = self.lock();
+        let now = now();
+        let prefill = inner.settings.policy.prefill_model();
+        let block_tokens = inner.settings.hasher.config().block_size as u64;
+        let cx = Context {
+            index: inner.exact.then_some(&inner.index),
+            block_tokens,
+            now,
+        };
+        let mut leading = Vec::new();
+        if inner.exact {
+            inner.index.longest_prefix(request.chain, &mut leading);
+        }
+        let (endpoints, targets) = inner.candidates(now, &|_| true);
+        let mut policy = if readable {
+            inner.policy.boxed_clone()
+        } else {
+            inner.least_loaded.boxed_clone()
+        };
+        let decision = policy.rank(request, &endpoints, &cx);
+        // The policies compare every routable endpoint at one rate.
+        let rate = prefill.pool_rate(endpoints.iter().map(|e| &e.load));
+        let ranked = decision
+            .ranked
+            .iter()
+            .map(|&i| targets[i].name.to_string())
+            .collect();
+        let explained_endpoints = inner
+            .members
+            .values()
+            .map(|m| {
+                let load = inner.load.load(m.slot);
+                let cached = leading.get(m.slot.index()).copied().unwrap_or(0);
+                let uncached = request
+                    .prompt_tokens
+                    .saturating_sub(u64::from(cached) * block_tokens);
+                let blocks = uncached.div_ceil(block_tokens.max(1));
+                let queued = prefill.queued_s_at(&load, now, rate);
+                let memory = prefill.memory_wait_s(&load, blocks, block_tokens, now);
+                ExplainedEndpoint {
+                    name: m.spec.name.clone(),
+                    routable: inner.is_routable(m, now),
+                    full: load.in_flight >= self.concurrency,
+                    contract: m.contract.as_str().to_owned(),
+                    cached_blocks: cached,
+                    in_flight: load.in_flight,
+                    queue_seconds: queued,
+                    memory_wait_seconds: memory,
+                    predicted_ttft_seconds: queued.max(memory)
+                        + prefill.prefill_s_at(uncached, rate),
+                }
+            })
+            .collect();
+        Explained {
+            policy: policy.name().to_owned(),
+            reason: if readable {
+                decision.reason.as_str()
+            } else {
+                "unreadable"
+            }
+            .to_owned(),
+            cached_blocks: decision.cached_blocks,
+            ranked,
+            prefill_tokens_per_second: rate,
+            endpoints: explained_endpoints,
+        }
+    }
+
+    /// Counts a request sent to `target` and lets the policy learn it.
+    /// The count ends when the returned guard is dropped, however the
+    /// request ends: completion, error, client disconnect, stream reset or
+    /// timeout.
+    pub fn start(
+        self: &Arc<Self>,
+        request: &Request<'_>,
+        target: &Target,
+        uncached_tokens: u64,
+    ) -> InFlight {
+        // One lock for all: this is the request path.
+        let mut inner = self.lock();
+        inner.learn(request, target);
+        let ticket = inner
+            .load
+            .start(target.slot, request.prompt_tokens, uncached_tokens);
+        let trial = inner.outlier.begin(&target.name, now());
+        drop(inner);
+        let mut load = self.in_flight(ticket);
+        if trial {
+            load.trial = Some(target.name.clone());
+        }
+        load
+    }
+
+    /// The predicted time to first token at `target` for a request with
+    /// `uncached_tokens` to prefill there, by the policy's prefill model
+    /// over the endpoint's load now (before the request is counted).
+    pub fn predicted_ttft(&self, target: &Target, uncached_tokens: u64) -> std::time::Duration {
+        let inner = self.lock();
+        let load = inner.load.load(target.slot);
+        let block_tokens = inner.settings.hasher.config().block_size as u64;
+        let s = inner.settings.policy.prefill_model().ttft_s(
+            &load,
+            uncached_tokens,
+            block_tokens,
+            now(),
+        );
+        std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
+    }
+
+    /// Lets the policy learn that `target` serves `request` (approximate
+    /// mode remembers where prefixes went).
+    pub fn learn(&self, request: &Request<'_>, target: &Target) {
+        self.lock().learn(request, target);
+    }
+
+    /// Counts a request of `prompt_tokens` (`uncached_tokens` to prefill)
+    /// against `target`'s load until the returned guard is dropped, without
+    /// teaching the policy anything.
+    pub fn hold(
+        self: &Arc<Self>,
+        target: &Target,
+        prompt_tokens: u64,
+        uncached_tokens: u64,
+    ) -> InFlight {
+        let ticket = self
+            .lock()
+            .load
+            .start(target.slot, prompt_tokens, uncached_tokens);
+        self.in_flight(ticket)
+    }
+
+    fn in_flight(self: &Arc<Self>, ticket: Ticket) -> InFlight {
+        InFlight {
+            pool: self.clone(),
+            ticket: Some(ticket),
+            trial: None,
+        }
+    }
+}
+
+impl Inner {
+    /// Lets the policy learn that `target` serves `request`.
+    fn learn(&mut self, request: &Request<'_>, target: &Target) {
+        let endpoint = Endpoint {
+            slot: target.slot,
+            id: target.id,
+            load: self.load.load(target.slot),
+        };
+        self.policy.routed(request, &endpoint);
+    }
+
+    /// The routable endpoints `among` accepts, as the policy sees them and
+    /// as targets.
+    fn candidates(
+        &self,
+        now: std::time::Instant,
+        among: &dyn Fn(&SocketAddr) -> bool,
+    ) -> (Vec<Endpoint>, Vec<Target>) {
+        self.members
+            .values()
+            .filter(|m| self.is_routable(m, now) && among(&m.spec.http))
+            .map(|m| {
+                let endpoint = Endpoint {
+                    slot: m.slot,
+                    id: m.id,
+                    load: self.load.load(m.slot),
+                };
+                let target = Target {
+                    name: m.name.clone(),
+                    http: m.spec.http,
+                    slot: m.slot,
+                    id: m.id,
+                };
+                (endpoint, target)
+            })
+            .unzip()
+    }
+}
+
+/// A request counted against its endpoint's load. Dropping it ends the
+/// count, so no path (an error, a client that goes away mid-request, a
+/// reset stream, a timeout) can leak load.
+#[derive(Debug)]
+pub struct InFlight {
+    pool: Arc<Pool>,
+    ticket: Option<Ticket>,
+    /// The half-open endpoint whose trial this request is: released
+    /// unjudged if it ends without a success or failure reported.
+    trial: Option<Arc<str>>,
+}
+
+impl InFlight {
+    /// The request's first response byte arrived: its prefill is done.
+    pub fn first_token(&mut self) {
+        if let Some(t) = self.ticket.as_mut() {
+            self.pool.lock().load.first_token(t);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            let mut inner = self.pool.lock();
+            inner.load.finish(t);
+            if let Some(name) = self.trial.take() {
+                inner.outlier.abandon(&name);
+            }
+            drop(inner);
+            self.pool.released.notify_waiters();
+        }
+    }
+}

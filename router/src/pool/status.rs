@@ -1,0 +1,97 @@
+//! Snapshots of the pool for metrics and `/debug/pool`: every endpoint's
+//! state and load, and the occupancy index's size per tier. Read-only.
+
+use kvroute_core::contract::Mismatch;
+use kvroute_core::index::Tier;
+
+use super::{Pool, now};
+
+/// One tier of the occupancy index, for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierStats {
+    /// The tier.
+    pub tier: Tier,
+    /// (block, endpoint) entries in it.
+    pub entries: usize,
+    /// Blocks dropped from it to stay within the per-endpoint bound, ever.
+    pub dropped: u64,
+}
+
+/// A snapshot of one endpoint, for metrics and `/debug/pool`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct EndpointStatus {
+    /// Name.
+    pub name: String,
+    /// HTTP address.
+    pub http: String,
+    /// Ready per discovery.
+    pub ready: bool,
+    /// Draining per discovery.
+    pub draining: bool,
+    /// Ejected for failures right now.
+    pub ejected: bool,
+    /// WatchCache stream state.
+    pub stream: &'static str,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Outstanding prefill tokens (this router's requests).
+    pub prefill_tokens: u64,
+    /// Predicted prefill queue, seconds: how long a new request would wait
+    /// before its prefill starts, fleet-wide when the engine reports load.
+    pub queue_seconds: f64,
+    /// Age of the engine's last load report, seconds; `None` before one.
+    pub load_report_age_seconds: Option<f64>,
+    /// Blocks the index holds for it.
+    pub cached_blocks: usize,
+    /// Its engine contract: `unknown`, `match` or `mismatch`.
+    pub contract: &'static str,
+    /// The fields on which its engine differs from the routing settings.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub contract_mismatches: Vec<Mismatch>,
+}
+
+impl Pool {
+    /// Every endpoint's status.
+    pub fn status(&self) -> Vec<EndpointStatus> {
+        let inner = self.lock();
+        let now = now();
+        let model = inner.settings.policy.prefill_model();
+        inner
+            .members
+            .values()
+            .map(|m| {
+                let load = inner.load.load(m.slot);
+                EndpointStatus {
+                    name: m.spec.name.clone(),
+                    http: m.spec.http.to_string(),
+                    ready: m.spec.ready,
+                    draining: m.spec.draining,
+                    ejected: inner.outlier.is_ejected(&m.spec.name, now),
+                    stream: m.stream.as_str(),
+                    in_flight: load.in_flight,
+                    prefill_tokens: load.prefill_tokens,
+                    queue_seconds: model.queued_s(&load, now),
+                    load_report_age_seconds: load.engine.map(|e| e.age(now).as_secs_f64()),
+                    cached_blocks: inner.index.usage(m.slot).map_or(0, |(used, _)| used),
+                    contract: m.contract.as_str(),
+                    contract_mismatches: m.contract.mismatches().to_vec(),
+                }
+            })
+            .collect()
+    }
+
+    /// (block, endpoint) entries in the index, GPU tier.
+    pub fn index_entries(&self) -> usize {
+        self.lock().index.entries()
+    }
+
+    /// Each tier's entries and drops.
+    pub fn index_stats(&self) -> [TierStats; 2] {
+        let inner = self.lock();
+        Tier::ALL.map(|tier| TierStats {
+            tier,
+            entries: inner.index.tier_entries(tier),
+            dropped: inner.index.dropped(tier),
+        })
+    }
+}
