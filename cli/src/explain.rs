@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use kvroute_router::explain::Explanation;
+use kvroute_router::admin::explain::Explanation;
 use serde_json::{Value, json};
 
 /// Flags of `kvroute explain`.

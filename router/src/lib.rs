@@ -9,10 +9,10 @@
 //! come from [`discovery`]; engines' caches from [`pool::cache_watch`].
 //! Every routing decision is made by `kvroute-core`.
 
+pub mod admin;
 pub mod config;
 pub mod discovery;
 pub mod errors;
-pub mod explain;
 pub mod ext_proc;
 pub mod http;
 pub mod listener;

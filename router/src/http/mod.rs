@@ -10,6 +10,7 @@
 
 mod clients;
 mod headers;
+mod routes;
 
 use std::sync::Arc;
 
@@ -28,6 +29,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use self::clients::Clients;
 pub use self::clients::on_api_thread;
 use self::headers::{copy_headers, end_to_end};
+pub(crate) use self::routes::routes;
 use crate::config::Config;
 use crate::errors::ApiError;
 use crate::pool::Fault;
