@@ -267,13 +267,16 @@ impl System {
     pub async fn start(bins: &Bins, logs: &Path, setup: Setup) -> anyhow::Result<System> {
         let mut attempt = 1;
         loop {
-            match Self::start_on_fresh_ports(bins, logs, setup.clone()).await {
-                Err(e) if attempt < START_ATTEMPTS && e.downcast_ref::<PortTaken>().is_some() => {
-                    eprintln!("kvroute-e2e: {e}; starting the system again on fresh ports");
-                    attempt += 1;
-                }
-                result => return result,
+            let started = Self::start_on_fresh_ports(bins, logs, setup.clone()).await;
+            match started.as_ref().map_err(|e| e.downcast_ref::<PortTaken>()) {
+                // No log named: the next attempt starts with fresh logs.
+                Err(Some(taken)) if attempt < START_ATTEMPTS => eprintln!(
+                    "kvroute-e2e: {}'s port stayed taken; starting the system again on fresh ports",
+                    taken.name
+                ),
+                _ => return started,
             }
+            attempt += 1;
         }
     }
 
