@@ -579,11 +579,12 @@ struct Replica {
 
 impl Replica {
     fn start(client: &Client, identity: &'static str) -> Replica {
-        let config = LeaseConfig::new("default", "kvroute-operator", identity);
-        assert_eq!(
-            (config.lease_duration, config.renew_period, config.retry_period),
-            (LEASE_DURATION, RENEW, RETRY)
-        );
+        let config = LeaseConfig {
+            lease_duration: LEASE_DURATION,
+            renew_period: RENEW,
+            retry_period: RETRY,
+            ..LeaseConfig::new("default", "kvroute-operator", identity)
+        };
         let (leader_tx, leader) = watch::channel(false);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(run(

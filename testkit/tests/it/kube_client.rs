@@ -463,7 +463,10 @@ async fn the_in_process_service_shares_the_servers_objects() {
     let over_http: Api<Pod> = Api::default_namespaced(client(&server).await);
 
     let created = in_process
-        .create(&PostParams::default(), &pod("engine-0", &[("app", "engine")]))
+        .create(
+            &PostParams::default(),
+            &pod("engine-0", &[("app", "engine")]),
+        )
         .await
         .expect("create through the service");
     let read = over_http.get("engine-0").await.expect("read over HTTP");
