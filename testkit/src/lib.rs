@@ -80,6 +80,8 @@
 //! Test helpers ([`FakeApiServer::put`], [`get`](FakeApiServer::get),
 //! [`delete`](FakeApiServer::delete), [`list`](FakeApiServer::list)) work on
 //! the store directly, with the same versioning and watch events as HTTP.
+//! [`FakeApiServer::service`] serves the same routes in process, without a
+//! socket, for tests on tokio's paused clock.
 
 #![forbid(unsafe_code)]
 
@@ -134,6 +136,15 @@ impl FakeApiServer {
             }
         });
         FakeApiServer { addr, store, task }
+    }
+
+    /// The same server as a tower service, over the same objects, for a
+    /// client in this process that needs no socket
+    /// (`kube::Client::new(server.service(), "default")`). With no I/O
+    /// between client and server, tokio's paused clock advances only when
+    /// every task waits on a timer, so a test of timing on it is exact.
+    pub fn service(&self) -> axum::Router {
+        http::router(self.store.clone())
     }
 
     /// The base URL, e.g. `http://127.0.0.1:40123`.

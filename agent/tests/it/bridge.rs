@@ -327,13 +327,15 @@ async fn a_block_size_other_than_vllms_stops_serving_with_a_clear_error() {
             .unwrap();
         (r.status().as_u16(), r.text().await.unwrap())
     };
-    for _ in 0..500 {
-        let (status, body) = readyz().await;
-        if status == 503 && body.contains("block_size 4") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    kvroute_testkit::eventually(
+        "/readyz refuses the engine's block_size 4",
+        Duration::from_secs(5),
+        || async {
+            let (status, body) = readyz().await;
+            (status == 503 && body.contains("block_size 4")).then_some(())
+        },
+    )
+    .await;
     let (status, body) = readyz().await;
     assert_eq!(status, 503);
     assert!(body.contains("--block-size 16"), "{body}");

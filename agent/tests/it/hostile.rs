@@ -131,13 +131,11 @@ impl Agent {
 /// Polls `check` until it holds (60 s at most: a debug build on a busy
 /// machine).
 async fn until<F: std::future::Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-    for _ in 0..3000 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("never: {what}");
+    kvroute_testkit::eventually(what, Duration::from_secs(60), || {
+        let holds = check();
+        async move { holds.await.then_some(()) }
+    })
+    .await;
 }
 
 /// The ZMTP side of vLLM, spoken byte by byte.

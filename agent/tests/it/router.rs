@@ -46,12 +46,12 @@ async fn post(url: String, body: &Value) -> reqwest::Response {
     r
 }
 
+/// Polls `check` until it holds (10 s at most).
 async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    kvroute_testkit::eventually(what, Duration::from_secs(10), || {
+        std::future::ready(check().then_some(()))
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -66,14 +66,12 @@ async fn explains_a_request_to_a_running_router() {
         .to_str()
         .unwrap()
         .to_owned();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while router.pool.index_entries() == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the index never filled"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    kvroute_testkit::eventually(
+        "the index to fill",
+        std::time::Duration::from_secs(10),
+        || std::future::ready((router.pool.index_entries() > 0).then_some(())),
+    )
+    .await;
 
     let admin = format!("http://{}", router.admin_addr);
     let out = kvroute(vec![

@@ -1,9 +1,11 @@
 //! The binaries under test and the processes started from them: each
 //! process writes its stdout and stderr to its own log file, and is killed
 //! when its [`Proc`] is dropped, so a failing scenario leaves nothing
-//! running.
+//! running. A process that exited because a port it was given was taken
+//! says so ([`Proc::port_taken`]), so that the system can start it again.
 
 use std::fs::File;
+use std::io::{Read as _, Seek as _, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -80,6 +82,11 @@ fn build(cargo: &std::ffi::OsStr, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the operating system says of a port in use (`EADDRINUSE`), which
+/// every binary's listen or bind error carries, e.g. `cannot listen on
+/// 127.0.0.1:8000: Address already in use (os error 98)`.
+const ADDR_IN_USE: &str = "Address already in use";
+
 /// A running process, killed on drop.
 #[derive(Debug)]
 pub struct Proc {
@@ -88,6 +95,10 @@ pub struct Proc {
     /// Stopped with SIGTERM on drop (a process whose children outlive a
     /// SIGKILL, as nginx's workers do).
     graceful: bool,
+    /// Its log, and the log's length when it started (a restarted
+    /// process appends to its predecessor's): its own output follows.
+    log: PathBuf,
+    log_start: u64,
 }
 
 impl Proc {
@@ -118,6 +129,7 @@ impl Proc {
             .append(true)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
+        let log_start = log.metadata().map_or(0, |m| m.len());
         let child = Command::new(program)
             .args(args)
             .env_remove("PYTHONHASHSEED")
@@ -133,7 +145,31 @@ impl Proc {
             name: name.to_owned(),
             child,
             graceful: false,
+            log: path,
+            log_start,
         })
+    }
+
+    /// Its log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// Whether it has exited because an address it was to listen on was in
+    /// use, as its output says.
+    pub fn port_taken(&mut self) -> bool {
+        self.exited() && self.output().contains(ADDR_IN_USE)
+    }
+
+    /// What it has written to its log.
+    fn output(&self) -> String {
+        let mut bytes = Vec::new();
+        if let Ok(mut file) = File::open(&self.log)
+            && file.seek(SeekFrom::Start(self.log_start)).is_ok()
+        {
+            let _ = file.read_to_end(&mut bytes);
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// Its process id.
@@ -234,4 +270,37 @@ pub fn pip_install(venv: &Path, python: &Path, spec: &str, exe: &str) -> Result<
         return Err(format!("pip installed no {} executable", exe.display()));
     }
     Ok(exe)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sh -c script` as process `name`, run to its end.
+    fn exited(logs: &Path, name: &str, script: &str) -> Proc {
+        let args = ["-c".to_owned(), script.to_owned()];
+        let mut proc = Proc::spawn_program(logs, name, Path::new("sh"), &args, &[]).unwrap();
+        proc.child.wait().unwrap();
+        proc
+    }
+
+    #[test]
+    fn a_process_refused_its_port_says_so_and_only_that_one() {
+        let logs = std::env::temp_dir().join(format!("kvroute-e2e-procs-{}", std::process::id()));
+        std::fs::create_dir_all(&logs).unwrap();
+        let refused = "echo 'Error: cannot listen on 127.0.0.1:8000: \
+            Address already in use (os error 98)' >&2; exit 1";
+
+        assert!(exited(&logs, "router", refused).port_taken());
+        // Started again under the same name, its log follows the first's:
+        // what the first wrote is not held against it.
+        assert!(!exited(&logs, "router", "echo 'Error: no such file' >&2; exit 1").port_taken());
+        assert!(!exited(&logs, "sim", "echo listening; exit 0").port_taken());
+        // Running, it has not been refused anything yet.
+        let args = ["-c".to_owned(), format!("echo '{ADDR_IN_USE}'; sleep 30")];
+        let mut running = Proc::spawn_program(&logs, "agent", Path::new("sh"), &args, &[]).unwrap();
+        assert!(!running.port_taken());
+        running.kill();
+        let _ = std::fs::remove_dir_all(&logs);
+    }
 }

@@ -11,6 +11,12 @@
 //! objects whose status the scenario writes; the InferencePool and the
 //! CacheRoutingPolicy are applied as YAML.
 //!
+//! Ports are chosen free, then given to the processes, so another process
+//! may take one in between: a process that exits because its port was
+//! taken is started again on the same ports a few times (whoever took it
+//! seldom keeps it), and a system whose start still fails so starts again
+//! on fresh ports ([`PortTaken`]).
+//!
 //! Not here: the load ([`super::load`]) or what a scenario does with the
 //! system ([`super::scenarios`]).
 
@@ -52,6 +58,33 @@ pub const ODD_SEED: &str = "42";
 
 /// How long a process may take to become ready, or the system to settle.
 pub const STARTUP: Duration = Duration::from_secs(30);
+
+/// How many times a process refused its port is started on the same
+/// ports, a second apart, before [`PortTaken`].
+const PORT_ATTEMPTS: u32 = 5;
+/// How many times [`System::start`] tries fresh ports.
+const START_ATTEMPTS: u32 = 3;
+
+/// A process that could not listen because another process held a port
+/// the suite had chosen for it, even after [`PORT_ATTEMPTS`] starts.
+#[derive(Debug)]
+pub struct PortTaken {
+    name: String,
+    log: PathBuf,
+}
+
+impl std::fmt::Display for PortTaken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} could not listen: another process holds its port; see {}",
+            self.name,
+            self.log.display()
+        )
+    }
+}
+
+impl std::error::Error for PortTaken {}
 
 /// How a system is set up.
 #[derive(Clone, Debug)]
@@ -228,8 +261,31 @@ pub fn free_ports(n: usize) -> anyhow::Result<impl Iterator<Item = u16>> {
 
 impl System {
     /// Starts everything in `setup` and waits until both routers follow
-    /// every pod's cache. Logs go to `logs`.
+    /// every pod's cache. Logs go to `logs`. When a port it chose was taken
+    /// ([`PortTaken`]), it stops what it started and starts again on fresh
+    /// ports.
     pub async fn start(bins: &Bins, logs: &Path, setup: Setup) -> anyhow::Result<System> {
+        let mut attempt = 1;
+        loop {
+            let started = Self::start_on_fresh_ports(bins, logs, setup.clone()).await;
+            match started.as_ref().map_err(|e| e.downcast_ref::<PortTaken>()) {
+                // No log named: the next attempt starts with fresh logs.
+                Err(Some(taken)) if attempt < START_ATTEMPTS => eprintln!(
+                    "kvroute-e2e: {}'s port stayed taken; starting the system again on fresh ports",
+                    taken.name
+                ),
+                _ => return started,
+            }
+            attempt += 1;
+        }
+    }
+
+    /// [`start`](Self::start), once.
+    async fn start_on_fresh_ports(
+        bins: &Bins,
+        logs: &Path,
+        setup: Setup,
+    ) -> anyhow::Result<System> {
         let _ = std::fs::remove_dir_all(logs);
         std::fs::create_dir_all(logs).with_context(|| format!("creating {}", logs.display()))?;
         // Each system its own addresses: a port a killed process held may
@@ -462,17 +518,12 @@ spec:
             args.push(format!("--hash-seed={ODD_SEED}"));
         }
         let name = format!("{}-engine", self.pods[k].name);
-        let proc = Proc::spawn(
-            &self.bins,
-            &self.logs,
-            &name,
-            "kvroute-engine-sim",
-            &args,
-            &[],
-        )?;
-        self.pods[k].sim = Some(proc);
         let url = format!("http://{ip}:{}/health", p.http);
-        self.wait_http(&url, &name).await
+        let proc = self
+            .launch(&name, "kvroute-engine-sim", &args, &[], &url)
+            .await?;
+        self.pods[k].sim = Some(proc);
+        Ok(())
     }
 
     /// Starts pod `k`'s agent and waits until it serves.
@@ -495,10 +546,12 @@ spec:
             Vec::new()
         };
         let name = format!("{}-agent", self.pods[k].name);
-        let proc = Proc::spawn(&self.bins, &self.logs, &name, "kvroute-agent", &args, &env)?;
-        self.pods[k].agent = Some(proc);
         let url = format!("http://{ip}:{}/readyz", p.agent_admin);
-        self.wait_http(&url, &name).await
+        let proc = self
+            .launch(&name, "kvroute-agent", &args, &env, &url)
+            .await?;
+        self.pods[k].agent = Some(proc);
+        Ok(())
     }
 
     /// SIGKILLs pod `k`'s agent.
@@ -556,16 +609,11 @@ spec:
         .into();
         let env = [("KUBECONFIG", self.kubeconfig.display().to_string())];
         let (name, url) = (o.identity.clone(), format!("http://{}/readyz", o.admin));
-        let proc = Proc::spawn(
-            &self.bins,
-            &self.logs,
-            &name,
-            "kvroute-operator",
-            &args,
-            &env,
-        )?;
+        let proc = self
+            .launch(&name, "kvroute-operator", &args, &env, &url)
+            .await?;
         self.operators[i].proc = Some(proc);
-        self.wait_http(&url, &name).await
+        Ok(())
     }
 
     /// The index of the operator holding the Lease, if any.
@@ -599,9 +647,11 @@ spec:
         let r = &self.routers[i];
         let args = vec![format!("--config={}", r.config.display())];
         let (name, url) = (r.name.clone(), format!("http://{}/healthz", r.admin));
-        let proc = Proc::spawn(&self.bins, &self.logs, &name, "kvroute-router", &args, &[])?;
+        let proc = self
+            .launch(&name, "kvroute-router", &args, &[], &url)
+            .await?;
         self.routers[i].proc = Some(proc);
-        self.wait_http(&url, &name).await
+        Ok(())
     }
 
     /// Stops router `i` with SIGTERM, as a rolling restart does: it
@@ -718,8 +768,42 @@ spec:
         }
     }
 
-    /// Waits until `url` answers 200; fails early if a process exited.
-    async fn wait_http(&mut self, url: &str, name: &str) -> anyhow::Result<()> {
+    /// Starts binary `bin` as process `name` and waits until `url` answers
+    /// 200. A process that exits because a port it was given is in use is
+    /// started again on the same ports, up to [`PORT_ATTEMPTS`] times.
+    async fn launch(
+        &mut self,
+        name: &str,
+        bin: &str,
+        args: &[String],
+        env: &[(&str, String)],
+        url: &str,
+    ) -> anyhow::Result<Proc> {
+        let mut attempt = 1;
+        loop {
+            let mut proc = Proc::spawn(&self.bins, &self.logs, name, bin, args, env)?;
+            let served = self.wait_http(url, &mut proc).await;
+            if served.is_ok() || !proc.port_taken() {
+                return served.map(|()| proc);
+            }
+            if attempt == PORT_ATTEMPTS {
+                let log = proc.log().to_owned();
+                return Err(PortTaken {
+                    name: name.to_owned(),
+                    log,
+                }
+                .into());
+            }
+            eprintln!("kvroute-e2e: {name}'s port is taken; starting it again in a second");
+            attempt += 1;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Waits until `url` answers 200; fails early if `proc` or a process
+    /// already running exited.
+    async fn wait_http(&mut self, url: &str, proc: &mut Proc) -> anyhow::Result<()> {
+        let name = proc.name().to_owned();
         let start = Instant::now();
         loop {
             if let Ok(r) = self.http.get(url).send().await
@@ -727,7 +811,11 @@ spec:
             {
                 return Ok(());
             }
-            if let Some(exited) = self.exited() {
+            if let Some(exited) = proc
+                .exited()
+                .then(|| name.clone())
+                .or_else(|| self.exited())
+            {
                 bail!(
                     "{exited} exited; see {}",
                     self.logs.join(format!("{exited}.log")).display()

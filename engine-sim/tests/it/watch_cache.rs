@@ -135,9 +135,10 @@ async fn an_arrival_is_reported_at_once_not_an_interval_later() {
     assert!(matches!(first.update, Some(Update::Snapshot(_))));
     let http = sim.http_addr;
     let request = tokio::spawn(async move { complete(http, &"slow prefill ".repeat(8)).await });
-    let sent = std::time::Instant::now();
     // The interval's first tick (at start) may also reach the subscriber,
-    // from before the request: skip reports of an idle engine.
+    // from before the request: skip reports of an idle engine. Without a
+    // report on arrival the next would come an interval (10 min) later,
+    // and `next` gives up after 10 s.
     let load = loop {
         let u = next(&mut stream).await.unwrap();
         if let Some(Update::Load(load)) = u.update
@@ -146,11 +147,6 @@ async fn an_arrival_is_reported_at_once_not_an_interval_later() {
             break load;
         }
     };
-    assert!(
-        sent.elapsed() < Duration::from_secs(5),
-        "reported after {:?}",
-        sent.elapsed()
-    );
     assert_eq!(load.running, 1, "{load:?}");
     assert!(load.queued_prefill_tokens.unwrap() > 0, "{load:?}");
     request.abort();

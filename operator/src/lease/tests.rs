@@ -1,6 +1,7 @@
 //! The decision alone (no API); [`run`] against a scripted API whose every
-//! request is asserted (tower-test, on tokio's paused clock); and two
-//! replicas against the stateful fake API server, in real time.
+//! request is asserted (tower-test); and two replicas against the stateful
+//! fake API server, served in process. All on tokio's paused clock, so every
+//! timing asserted is exact and no test waits in real time.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +9,6 @@ use std::time::Duration;
 use http::Method;
 use k8s_openapi::jiff::Timestamp;
 use kube::client::Body;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
@@ -563,6 +563,12 @@ async fn shutdown_as_a_follower_releases_nothing() {
 
 // ---- two replicas, against the fake API server ----
 
+/// The replicas' periods: the operator's defaults, which the paused clock
+/// makes no slower to test than short ones.
+const LEASE_DURATION: Duration = DEFAULT_LEASE_DURATION;
+const RENEW: Duration = DEFAULT_RENEW_PERIOD;
+const RETRY: Duration = DEFAULT_RETRY_PERIOD;
+
 /// One `run` with its own identity, against a real client.
 struct Replica {
     identity: &'static str,
@@ -572,12 +578,11 @@ struct Replica {
 }
 
 impl Replica {
-    /// Short periods, so that the test takes seconds.
     fn start(client: &Client, identity: &'static str) -> Replica {
         let config = LeaseConfig {
-            lease_duration: secs(2),
-            renew_period: Duration::from_millis(300),
-            retry_period: Duration::from_millis(200),
+            lease_duration: LEASE_DURATION,
+            renew_period: RENEW,
+            retry_period: RETRY,
             ..LeaseConfig::new("default", "kvroute-operator", identity)
         };
         let (leader_tx, leader) = watch::channel(false);
@@ -609,12 +614,10 @@ impl Replica {
     }
 }
 
-async fn fake_client(server: &FakeApiServer) -> Client {
-    let kubeconfig = Kubeconfig::from_yaml(&server.kubeconfig_yaml()).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .expect("config from kubeconfig");
-    Client::try_from(config).expect("client")
+/// A client of `server` served in process: no socket, so on the paused
+/// clock time passes only while every task waits on a timer.
+fn fake_client(server: &FakeApiServer) -> Client {
+    Client::new(server.service(), "default")
 }
 
 /// Watches two leader channels until both senders are gone; true if both
@@ -636,19 +639,23 @@ async fn ever_both(mut a: watch::Receiver<bool>, mut b: watch::Receiver<bool>) -
     false
 }
 
-/// Waits for one of two fresh replicas to lead: (leader, follower).
+/// Waits for one of two fresh replicas to lead: (leader, follower). Both
+/// start with no lease; one creates it, the other loses the race to, so
+/// a leader is there before any period has passed.
 async fn first_leader(a: Replica, b: Replica) -> (Replica, Replica) {
+    let started = Instant::now();
     let mut either = (a.leader.clone(), b.leader.clone());
-    tokio::time::timeout(secs(5), async {
-        while !*either.0.borrow_and_update() && !*either.1.borrow_and_update() {
-            tokio::select! {
-                _ = either.0.changed() => {}
-                _ = either.1.changed() => {}
-            }
+    while !*either.0.borrow_and_update() && !*either.1.borrow_and_update() {
+        tokio::select! {
+            _ = either.0.changed() => {}
+            _ = either.1.changed() => {}
         }
-    })
-    .await
-    .expect("a leader within 5 s");
+    }
+    assert!(
+        started.elapsed() < RETRY,
+        "a leader only after {:?}",
+        started.elapsed()
+    );
     if a.leading() { (a, b) } else { (b, a) }
 }
 
@@ -663,33 +670,43 @@ fn stored_lease(server: &FakeApiServer) -> Value {
         .expect("the lease exists")
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn two_replicas_elect_one_leader_and_hand_over_on_shutdown() {
     let server = FakeApiServer::start().await;
-    let client = fake_client(&server).await;
+    let client = fake_client(&server);
     let a = Replica::start(&client, "replica-a");
     let b = Replica::start(&client, "replica-b");
     let overlap = tokio::spawn(ever_both(a.leader.clone(), b.leader.clone()));
 
     let (leader, mut follower) = first_leader(a, b).await;
 
-    // Several renewals and retries later, the same one leads, and the lease
-    // says so.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Several renewals and retries later (and longer than the lease lasts,
+    // so a follower that missed the renewals would have taken it), the same
+    // one leads, and the lease says so. Half a retry period more puts the
+    // shutdown between two of the follower's reads, so that taking over at
+    // the next one shows the lease was released: waiting out even the
+    // released lease's 1 s would take a read more.
+    tokio::time::sleep(2 * LEASE_DURATION + RETRY / 2).await;
     assert!(leader.leading() && !follower.leading());
     let lease = stored_lease(&server);
     assert_eq!(lease["spec"]["holderIdentity"], leader.identity);
     assert_eq!(lease["spec"]["leaseTransitions"], 0);
 
-    // Shutting the leader down releases the lease: the follower takes it
-    // within about a retry period, well before the 2 s lease could expire.
-    let stopped = std::time::Instant::now();
+    // Shutting the leader down releases the lease: the follower takes it at
+    // its next read, within a retry period, long before the lease could
+    // expire.
+    let stopped = Instant::now();
     leader.stop().await;
-    tokio::time::timeout(secs(1), follower.leader.wait_for(|l| *l))
+    follower
+        .leader
+        .wait_for(|l| *l)
         .await
-        .expect("the follower leads within 1 s")
         .expect("follower running");
-    assert!(stopped.elapsed() < secs(1));
+    assert!(
+        stopped.elapsed() <= RETRY,
+        "the follower took {:?} to lead",
+        stopped.elapsed()
+    );
     let lease = stored_lease(&server);
     assert_eq!(lease["spec"]["holderIdentity"], follower.identity);
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
@@ -701,26 +718,39 @@ async fn two_replicas_elect_one_leader_and_hand_over_on_shutdown() {
     assert!(!overlap.await.expect("monitor"), "two leaders at once");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_crashed_leaders_lease_is_taken_over_once_it_expires() {
     let server = FakeApiServer::start().await;
-    let client = fake_client(&server).await;
+    let client = fake_client(&server);
     let a = Replica::start(&client, "replica-a");
     let b = Replica::start(&client, "replica-b");
     let overlap = tokio::spawn(ever_both(a.leader.clone(), b.leader.clone()));
     let (leader, mut follower) = first_leader(a, b).await;
+    // Past the first renewals, so the crash falls between two of them.
+    tokio::time::sleep(LEASE_DURATION + RENEW / 2).await;
+    assert!(!follower.leading());
 
     // A crash: no release, the lease just stops being renewed.
     leader.task.abort();
-    let crashed = std::time::Instant::now();
+    let crashed = Instant::now();
     let _ = leader.task.await;
-    tokio::time::timeout(secs(5), follower.leader.wait_for(|l| *l))
+    follower
+        .leader
+        .wait_for(|l| *l)
         .await
-        .expect("the follower leads within 5 s")
         .expect("follower running");
-    // The last renewal was at most a renew period (0.3 s) before the crash,
-    // and the 2 s lease runs from when the follower saw it.
-    assert!(crashed.elapsed() >= Duration::from_millis(1700));
+    // The last renewal was at most a renew period before the crash, and the
+    // lease runs from when the follower first saw that renewal (within a
+    // retry period of it); it reads every retry period.
+    let took = crashed.elapsed();
+    assert!(
+        took >= LEASE_DURATION - RENEW,
+        "taken over {took:?} after the crash: before the lease expired"
+    );
+    assert!(
+        took <= LEASE_DURATION + 2 * RETRY,
+        "taken over only {took:?} after the crash"
+    );
     let lease = stored_lease(&server);
     assert_eq!(lease["spec"]["holderIdentity"], follower.identity);
     assert_eq!(lease["spec"]["leaseTransitions"], 1);

@@ -656,28 +656,28 @@ async fn health_services_report_readiness() {
         .connect()
         .await
         .unwrap();
-    let mut health = HealthClient::new(channel);
+    let health = HealthClient::new(channel);
     for service in [
         "liveness",
         "readiness",
         "envoy.service.ext_proc.v3.ExternalProcessor",
     ] {
-        let mut status = ServingStatus::Unknown;
-        for _ in 0..100 {
-            status = health
-                .check(HealthCheckRequest {
-                    service: service.into(),
-                })
-                .await
-                .unwrap()
-                .into_inner()
-                .status();
-            if status == ServingStatus::Serving {
-                break;
+        let what = format!("{service} serving");
+        kvroute_testkit::eventually(&what, Duration::from_secs(10), || {
+            let mut health = health.clone();
+            async move {
+                let status = health
+                    .check(HealthCheckRequest {
+                        service: service.into(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .status();
+                (status == ServingStatus::Serving).then_some(())
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(status, ServingStatus::Serving, "{service}");
+        })
+        .await;
     }
     let ready =
         crate::support::get_text(&format!("http://{}/readyz", stack.router.admin_addr)).await;
@@ -1084,15 +1084,15 @@ proptest::proptest! {
                 stack.router.pool.status().iter().all(|e| e.in_flight == 0 && e.prefill_tokens == 0)
             })
             .await;
-            let mut held = f64::NAN;
-            for _ in 0..500 {
-                held = sum_of(&stack.metrics().await, "kvroute_request_body_bytes");
-                if held == 0.0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            assert_eq!(held, 0.0, "no body budget left held");
+            kvroute_testkit::eventually(
+                "no body budget left held",
+                Duration::from_secs(10),
+                || async {
+                    let held = sum_of(&stack.metrics().await, "kvroute_request_body_bytes");
+                    (held == 0.0).then_some(())
+                },
+            )
+            .await;
             stack.stop().await;
         });
     }

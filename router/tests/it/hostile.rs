@@ -67,14 +67,15 @@ async fn declared_lengths_reserve_nothing_while_other_clients_are_served() {
         streams.push(tokio::spawn(request.send()));
     }
     let admin = format!("http://{}/metrics", stack.router.admin_addr);
-    let mut text = String::new();
-    for _ in 0..500 {
-        text = get_text(&admin).await;
-        if gauge(&text, "kvroute_request_body_bytes") >= 272.0 * 1024.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let text = kvroute_testkit::eventually(
+        "every stream's body counted",
+        Duration::from_secs(10),
+        || async {
+            let text = get_text(&admin).await;
+            (gauge(&text, "kvroute_request_body_bytes") >= 272.0 * 1024.0).then_some(text)
+        },
+    )
+    .await;
     // Each holds what it sent, by the KiB: 272 KiB in all, not 8.5 GiB.
     assert_eq!(
         gauge(&text, "kvroute_request_body_bytes"),
@@ -184,12 +185,15 @@ async fn one_tenant_cannot_hold_the_others_budget() {
     c.write_all(head.as_bytes()).await.unwrap();
     c.write_all(&vec![b' '; (1 << 20) - 1]).await.unwrap();
     let admin = format!("http://{}/metrics", stack.router.admin_addr);
-    for _ in 0..500 {
-        if gauge(&get_text(&admin).await, "kvroute_request_body_bytes") >= (1 << 20) as f64 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    kvroute_testkit::eventually(
+        "tenant a's body counted",
+        Duration::from_secs(10),
+        || async {
+            let held = gauge(&get_text(&admin).await, "kvroute_request_body_bytes");
+            (held >= (1 << 20) as f64).then_some(())
+        },
+    )
+    .await;
     let send = |tenant: &'static str| {
         stack
             .client

@@ -343,11 +343,10 @@ async fn a_hung_engine_is_readmitted_by_one_trial_request_at_a_time() {
     assert!(first.iter().all(|(s, e)| *s == 200 && e == "b-healthy"));
     assert!(stuck_ejected());
     // Its time passes (the passing checks restore nothing): half-open.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while restorations("half_open").await < 1.0 {
-        assert!(Instant::now() < deadline, "never half-open");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    kvroute_testkit::eventually("half-open", Duration::from_secs(10), || async {
+        (restorations("half_open").await >= 1.0).then_some(())
+    })
+    .await;
     assert_eq!(restorations("health_check").await, 0.0);
     // Half-open and still hung: of a burst, one request is its trial.
     let before = posts.load(Ordering::SeqCst);
@@ -361,15 +360,20 @@ async fn a_hung_engine_is_readmitted_by_one_trial_request_at_a_time() {
     assert!(stuck_ejected(), "the failed trial ejects it again");
     // It recovers: the next trial succeeds and it takes traffic again.
     hung.store(false, Ordering::SeqCst);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut i = 100;
-    while restorations("trial").await < 1.0 {
-        assert!(Instant::now() < deadline, "never re-admitted");
-        let (status, _) = send(i).await;
-        assert_eq!(status, 200);
-        i += 1;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let mut numbers = 100..;
+    kvroute_testkit::eventually("re-admitted", Duration::from_secs(20), || {
+        let i = numbers.next().expect("endless");
+        let (send, restorations) = (&send, &restorations);
+        async move {
+            if restorations("trial").await >= 1.0 {
+                return Some(());
+            }
+            let (status, _) = send(i).await;
+            assert_eq!(status, 200);
+            None
+        }
+    })
+    .await;
     let after = futures_util::future::join_all((1000..1004).map(send)).await;
     assert!(
         after.iter().any(|(_, e)| e == "a-stuck"),

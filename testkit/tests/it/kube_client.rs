@@ -1,6 +1,7 @@
 //! The fake API server driven by a real `kube::Client` (kube-rs, rustls
 //! build) over plain HTTP: typed CRUD on pods, a kube-runtime watcher, and a
-//! lease, as the real controllers use them.
+//! lease, as the real controllers use them; and the same server in
+//! process, without HTTP ([`FakeApiServer::service`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -453,4 +454,36 @@ async fn watcher_relists_after_an_expired_watch() {
     }
     relisted_names.sort();
     assert_eq!(relisted_names, ["churn", "seed"]);
+}
+
+#[tokio::test]
+async fn the_in_process_service_shares_the_servers_objects() {
+    let server = FakeApiServer::start().await;
+    let in_process: Api<Pod> = Api::default_namespaced(Client::new(server.service(), "default"));
+    let over_http: Api<Pod> = Api::default_namespaced(client(&server).await);
+
+    let created = in_process
+        .create(
+            &PostParams::default(),
+            &pod("engine-0", &[("app", "engine")]),
+        )
+        .await
+        .expect("create through the service");
+    let read = over_http.get("engine-0").await.expect("read over HTTP");
+    assert_eq!(read.resource_version(), created.resource_version());
+    let mut edited = created.clone();
+    edited.metadata.labels = None;
+    in_process
+        .replace("engine-0", &PostParams::default(), &edited)
+        .await
+        .expect("replace at the version read");
+    let conflict = in_process
+        .replace("engine-0", &PostParams::default(), &created)
+        .await
+        .expect_err("a stale resourceVersion conflicts");
+    assert_eq!(api_code(&conflict), Some(409));
+    assert_eq!(
+        server.get("v1", "Pod", "default", "engine-0").unwrap()["metadata"].get("labels"),
+        None
+    );
 }

@@ -102,18 +102,12 @@ impl Operator {
     /// Waits until `/metrics` has a line `metric value`.
     pub async fn metric(&self, metric: &str, value: &str) {
         let wanted = format!("{metric} {value}");
-        let wait = async {
-            loop {
-                let (_, text) = self.admin("/metrics").await;
-                if text.lines().any(|l| l == wanted) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        tokio::time::timeout(STARTUP, wait)
-            .await
-            .unwrap_or_else(|_| panic!("no `{wanted}` in /metrics"));
+        let what = format!("`{wanted}` in /metrics");
+        kvroute_testkit::eventually(&what, STARTUP, || async {
+            let (_, text) = self.admin("/metrics").await;
+            text.lines().any(|l| l == wanted).then_some(())
+        })
+        .await;
     }
 
     /// Stops it with SIGTERM, as Kubernetes does, and waits for it to exit.
