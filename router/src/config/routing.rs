@@ -1,16 +1,21 @@
-//! `routing`: how requests are placed, and the model's files.
+//! `routing`: how requests are placed, and the model's files. Its routing
+//! part (policy, key, hashing, offload weight) is the core's
+//! [`RoutingSpec`] written out, with the spec's defaults; with
+//! `tenancy.mode` it is read back into one by [`Config::routing_spec`], the
+//! spec the router's settings are built from.
 //!
 //! Not here: the settings the request path uses ([`crate::settings`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use kvroute_core::hash::HashAlgo;
+use kvroute_core::hash::{HashAlgo, HashConfig};
 use kvroute_core::keys::KeyConfig;
 use kvroute_core::policy::PolicyConfig;
+use kvroute_core::spec::{RoutingSpec, TenancyMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::Header;
+use super::{Config, Header};
 
 /// The default `routing.conversationHeader`.
 pub const DEFAULT_CONVERSATION_HEADER: &str = "x-conversation-id";
@@ -79,18 +84,46 @@ fn lora_paths<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String
 }
 
 impl Default for Routing {
+    /// [`RoutingSpec::default`]'s routing, the built-in tokenizer and
+    /// template, no adapters.
     fn default() -> Self {
+        let spec = RoutingSpec::default();
         Routing {
-            policy: PolicyConfig::default(),
-            key: KeyConfig::default(),
+            policy: spec.policy,
+            key: spec.key,
             conversation_header: Header::from_static(DEFAULT_CONVERSATION_HEADER),
-            block_size: kvroute_core::hash::DEFAULT_BLOCK_SIZE,
-            hash_algo: kvroute_core::hash::DEFAULT_HASH_ALGO,
-            hash_seed: None,
+            block_size: spec.hash.block_size,
+            hash_algo: spec.hash.algo,
+            hash_seed: spec.hash.seed,
             tokenizer: None,
             tokenizer_config: None,
             lora_adapters: BTreeMap::new(),
-            offload_weight: kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
+            offload_weight: spec.offload_weight,
+        }
+    }
+}
+
+impl Config {
+    /// The routing spec this configuration says: `routing` with
+    /// `tenancy.mode`, keys scoped by the tenant when tenancy is salted (so
+    /// tenants never share keys).
+    pub fn routing_spec(&self) -> RoutingSpec {
+        let r = &self.routing;
+        let salted = self.tenancy.mode == TenancyMode::Salted;
+        RoutingSpec {
+            policy: r.policy.clone(),
+            key: KeyConfig {
+                scope_by_tenant: r.key.scope_by_tenant || salted,
+                ..r.key.clone()
+            },
+            hash: HashConfig {
+                algo: r.hash_algo,
+                block_size: r.block_size,
+                seed: r.hash_seed.clone(),
+                ..HashConfig::default()
+            },
+            offload_weight: r.offload_weight,
+            tenancy: self.tenancy.mode,
         }
     }
 }

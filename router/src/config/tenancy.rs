@@ -5,21 +5,14 @@
 
 use std::path::PathBuf;
 
+use kvroute_core::spec::RoutingSpec;
 use serde::{Deserialize, Serialize};
 
 use super::Header;
 
-/// Whether tenants share the engines' caches.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TenancyMode {
-    /// One cache for all (the default).
-    #[default]
-    Shared,
-    /// Each tenant's blocks are salted apart: no sharing, no timing side
-    /// channel.
-    Salted,
-}
+/// Whether tenants share the engines' caches: the core's, written `shared`
+/// or `salted`.
+pub use kvroute_core::spec::TenancyMode;
 
 /// What to do with a client's own `cache_salt` in salted mode.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -33,7 +26,7 @@ pub enum ClientSalt {
 }
 
 /// Tenant identity and isolation.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct Tenancy {
     /// `shared` or `salted`. Default: shared.
@@ -53,4 +46,16 @@ pub struct Tenancy {
     /// A client-supplied `cache_salt` in salted mode: `reject` or
     /// `overwrite`. Default: reject.
     pub client_salt: ClientSalt,
+}
+
+impl Default for Tenancy {
+    fn default() -> Self {
+        Tenancy {
+            mode: RoutingSpec::default().tenancy,
+            tenant_header: None,
+            api_keys_file: None,
+            secret_file: None,
+            client_salt: ClientSalt::default(),
+        }
+    }
 }

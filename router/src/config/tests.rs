@@ -346,3 +346,22 @@ fn lora_paths_are_strings() {
     assert_eq!(c.routing.lora_adapters["a"], "5");
     assert_eq!(c.routing.lora_adapters["b"], "/models/b");
 }
+
+#[test]
+fn the_routing_spec_is_the_cores_by_default_and_read_in_one_place() {
+    use kvroute_core::spec::RoutingSpec;
+    assert_eq!(Config::default().routing_spec(), RoutingSpec::default());
+    let c: Config = serde_yaml::from_str(
+        "routing: {policy: {name: round-robin}, blockSize: 32, hashSeed: '0', offloadWeight: 0.25}\ntenancy: {mode: salted, tenantHeader: x-t, secretFile: s}",
+    )
+    .unwrap();
+    let spec = c.routing_spec();
+    assert_eq!(spec.policy.name(), "round-robin");
+    assert_eq!(
+        (spec.hash.block_size, spec.hash.seed.as_deref()),
+        (32, Some("0"))
+    );
+    assert_eq!(spec.offload_weight, 0.25);
+    assert_eq!(spec.tenancy, TenancyMode::Salted);
+    assert!(spec.key.scope_by_tenant, "salted tenancy scopes keys");
+}
