@@ -26,7 +26,7 @@ pub use self::policy::{
     CacheRoutingPolicy, CacheRoutingPolicySpec, CacheRoutingPolicyStatus, Engine, HashAlgorithm,
     KeyMode, PolicyName, PolicyTargetReference, RoutingKey, Tenancy,
 };
+pub use self::validation::ValidationError;
 /// A policy's tenancy mode: the core's, spelled `Shared` and `Salted` in the
 /// CRD.
 pub use kvroute_core::spec::TenancyMode;
-pub use self::validation::ValidationError;

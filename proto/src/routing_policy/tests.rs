@@ -140,7 +140,11 @@ fn policies_by_name_with_their_parameters() {
     p.policy = "kvroute".into();
     p.prefill_tokens_per_second = Some(0.0);
     let (spec, unusable) = p.to_spec(&current);
-    assert_eq!(spec.policy, PolicyConfig::Modulo, "an unusable rate is refused");
+    assert_eq!(
+        spec.policy,
+        PolicyConfig::Modulo,
+        "an unusable rate is refused"
+    );
     assert!(
         matches!(&unusable[..], [Unusable::Policy { name, .. }] if name == "kvroute"),
         "{unusable:?}"
@@ -218,7 +222,11 @@ fn offload_weight_and_tenancy() {
         ..RoutingSpec::default()
     };
     let mut p = policy();
-    assert_eq!(p.to_spec(&current).0.offload_weight, 0.5, "absent: the default");
+    assert_eq!(
+        p.to_spec(&current).0.offload_weight,
+        0.5,
+        "absent: the default"
+    );
     p.offload_weight = Some(1.5);
     let (spec, unusable) = p.to_spec(&current);
     assert_eq!(spec.offload_weight, 0.75);

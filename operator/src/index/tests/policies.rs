@@ -259,7 +259,11 @@ fn a_policy_may_set_every_field() {
     };
     let wire = min_ttft.routing_policy();
     assert_eq!(
-        (wire.latency_slack, wire.prefill_tokens_per_second, wire.prefill_overhead_ms),
+        (
+            wire.latency_slack,
+            wire.prefill_tokens_per_second,
+            wire.prefill_overhead_ms
+        ),
         (None, Some(40_000.0), Some(5.0))
     );
 }
