@@ -8,7 +8,7 @@
 //! ([`RoutingSpec::default`], and the kvroute policy's own for its
 //! parameters), as are the operator's defaults for a pool with no policy.
 //! The tenancy mode is the core's [`TenancyMode`], spelled as the CRD spells
-//! it (`Shared`) by [`super::spelling`].
+//! it (`Shared`) by serde attributes (`api/spelling.rs`).
 //!
 //! Not here: which policy wins when several target one pool, whether the
 //! target exists (the index decides both and reports them as the
@@ -155,6 +155,7 @@ pub struct CacheRoutingPolicySpec {
     pub tenancy: Tenancy,
 }
 
+/// The kvroute policy's own default ([`kvroute_core::policy::KvrouteConfig`]).
 fn default_latency_slack() -> f64 {
     kvroute_core::policy::KvrouteConfig::default().latency_slack
 }
@@ -393,10 +394,12 @@ fn default_block_size() -> i32 {
     i32::try_from(RoutingSpec::default().hash.block_size).expect("the default fits the CRD")
 }
 
+/// The core's prefill model's default ([`kvroute_core::load::PrefillModel`]).
 fn default_prefill_tokens_per_second() -> f64 {
     kvroute_core::load::PrefillModel::default().prefill_tokens_per_second
 }
 
+/// The core's prefill model's default ([`kvroute_core::load::PrefillModel`]).
 fn default_prefill_overhead_ms() -> f64 {
     kvroute_core::load::PrefillModel::default().prefill_overhead_ms
 }
