@@ -78,13 +78,12 @@ fn update_le<T: Copy, const N: usize>(h: &mut Xxh3, values: &[T], le: impl Fn(T)
 }
 
 /// What a routing key is made from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum KeyMode {
     /// The conversation key when the request has one, else the prompt prefix.
-    /// The default: multi-turn chats stay together, everything else is
-    /// grouped by what it starts with.
-    #[default]
+    /// The default ([`DEFAULT_KEY_MODE`]): multi-turn chats stay together,
+    /// everything else is grouped by what it starts with.
     Conversation,
     /// Always the first `prefix_tokens` prompt tokens.
     Prefix,
@@ -113,6 +112,12 @@ pub struct KeyConfig {
 pub const DEFAULT_KEY_MODE: KeyMode = KeyMode::Conversation;
 /// Default prefix length of a routing key, in tokens: 256 (16 blocks of 16).
 pub const DEFAULT_PREFIX_TOKENS: usize = 256;
+
+impl Default for KeyMode {
+    fn default() -> Self {
+        DEFAULT_KEY_MODE
+    }
+}
 
 impl Default for KeyConfig {
     fn default() -> Self {

@@ -3,7 +3,8 @@
 //! Everything that decides where a request goes lives here: vLLM-exact block
 //! hashing ([`hash`]), routing keys ([`keys`]), rendezvous ranking
 //! ([`rendezvous`]), the per-pool occupancy index ([`index`]), load accounting
-//! ([`load`]) and the routing policies ([`policy`]); and the one model of an
+//! ([`load`]), the routing policies ([`policy`]) and what a routing policy
+//! says of a pool, with its defaults ([`spec`]); and the one model of an
 //! engine's scheduler ([`engine`]) that the simulator and the replay run.
 //! The router, the replay benchmark and the engine simulator all call this
 //! crate, so a decision made in a benchmark is the decision the router makes.
@@ -21,4 +22,5 @@ pub mod policy;
 pub mod rendezvous;
 pub mod rng;
 pub mod slot;
+pub mod spec;
 pub mod tokenize;

@@ -16,8 +16,8 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::ObjectMeta;
 
 use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
-use crate::api::{CacheRoutingPolicy, InferencePool, TenancyMode};
-use crate::index::{self, Observed, PickerRef, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
+use crate::api::{CacheRoutingPolicy, InferencePool};
+use crate::index::{Observed, PickerRef, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
 
 #[cfg(test)]
 mod tests;
@@ -146,10 +146,7 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
             .engine
             .cache_port
             .map(|p| u16::try_from(p).unwrap_or(0)),
-        tenancy_mode: Some(match spec.tenancy.mode {
-            TenancyMode::Shared => index::TenancyMode::Shared,
-            TenancyMode::Salted => index::TenancyMode::Salted,
-        }),
+        tenancy_mode: Some(spec.tenancy.mode),
         tenant_header: spec.tenancy.tenant_header.clone(),
         observed: observed(&policy.metadata, policy.status.as_ref()),
     })

@@ -8,6 +8,9 @@
 //!   are the documentation.
 //! - Conversions between the wire's [`v1::HashAlgorithm`] and the core's
 //!   [`HashAlgo`](kvroute_core::hash::HashAlgo).
+//! - The one pair of conversions between the wire's [`v1::RoutingPolicy`]
+//!   and the core's [`RoutingSpec`](kvroute_core::spec::RoutingSpec)
+//!   ([`Unusable`] names what a router cannot use of one).
 //! - [`SequenceCheck`], the incarnation and sequence rules a `WatchCache`
 //!   subscriber applies to every update.
 //!
@@ -26,10 +29,12 @@
 
 pub mod feed;
 mod hash_algorithm;
+mod routing_policy;
 mod sequence;
 pub mod tls;
 
 pub use hash_algorithm::hash_algo_from_i32;
+pub use routing_policy::Unusable;
 pub use sequence::{ResyncReason, SequenceCheck, Verdict};
 
 /// Generated messages, clients and servers of package `kvroute.v1`.

@@ -7,11 +7,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::hash::{BlockHasher, HashConfig, Lora};
+use kvroute_core::hash::Lora;
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 use tokio::sync::watch;
 
-use crate::config::{Config, ConfigError, Discovery, TenancyMode};
+use crate::config::{Config, ConfigError, Discovery};
 use crate::discovery;
 use crate::http::Forwarder;
 use crate::listener::{self, ConnLimits};
@@ -134,31 +134,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .map_err(|e| StartError::Tokenize("routing.tokenizerConfig", e))?,
         None => ChatTemplate::builtin(),
     };
-    let hasher = BlockHasher::new(HashConfig {
-        algo: r.hash_algo,
-        block_size: r.block_size,
-        seed: r.hash_seed.clone(),
-        ..HashConfig::default()
-    })?;
-    let mut key = r.key.clone();
-    if config.tenancy.mode == TenancyMode::Salted {
-        key.scope_by_tenant = true;
-    }
-    let settings = Settings {
-        key,
-        hasher,
-        tokenizer: Arc::new(tokenizer),
-        template: Arc::new(template),
-        conversation_header: r.conversation_header.0.clone(),
-        policy: r.policy.clone(),
-        lora_adapters: r
-            .lora_adapters
+    let settings = Settings::new(
+        &config.routing_spec(),
+        tokenizer,
+        template,
+        r.conversation_header.0.clone(),
+        r.lora_adapters
             .iter()
             .map(|(name, path)| (name.clone(), Lora::new(name, path)))
             .collect(),
-        offload_weight: r.offload_weight,
-        salting_required: false,
-    };
+    )?;
     let tenancy = Tenancy::load(&config.tenancy)?;
     let tls = config
         .tls

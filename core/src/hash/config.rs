@@ -11,14 +11,11 @@ use super::HashError;
 ///
 /// The name used by [`FromStr`], [`Display`](fmt::Display) and serde is
 /// vLLM's own spelling of the flag value.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HashAlgo {
-    /// `sha256`, vLLM's default: SHA-256 over the pickle protocol 5 bytes of
-    /// the block tuple; 32-byte digests.
-    #[default]
+    /// `sha256`, vLLM's default ([`DEFAULT_HASH_ALGO`]): SHA-256 over the
+    /// pickle protocol 5 bytes of the block tuple; 32-byte digests.
     Sha256,
     /// `sha256_cbor`: SHA-256 over the canonical CBOR bytes of the block
     /// tuple; 32-byte digests.
@@ -26,6 +23,12 @@ pub enum HashAlgo {
     /// `xxhash_cbor`: XXH3-128 over the canonical CBOR bytes of the block
     /// tuple; 16-byte big-endian digests.
     XxhashCbor,
+}
+
+impl Default for HashAlgo {
+    fn default() -> Self {
+        DEFAULT_HASH_ALGO
+    }
 }
 
 impl HashAlgo {

@@ -18,6 +18,7 @@ mod least_loaded;
 pub mod memory;
 mod min_ttft;
 mod modulo;
+mod parameters;
 mod random;
 mod rendezvous;
 mod rendezvous_bounded;
@@ -39,6 +40,7 @@ pub use kvroute::{Config as KvrouteConfig, Kvroute};
 pub use least_loaded::LeastLoaded;
 pub use min_ttft::{Config as MinTtftConfig, MinTtft};
 pub use modulo::Modulo;
+pub use parameters::PolicyParameters;
 pub use random::{Config as RandomConfig, Random};
 pub use rendezvous::Rendezvous;
 pub use rendezvous_bounded::{Config as RendezvousBoundedConfig, RendezvousBounded};
@@ -266,13 +268,15 @@ impl From<Written> for PolicyConfig {
 }
 
 impl Default for PolicyConfig {
+    /// `kvroute` with its defaults ([`KvrouteConfig`]).
     fn default() -> Self {
         PolicyConfig::Kvroute(KvrouteConfig::default())
     }
 }
 
 impl PolicyConfig {
-    /// Every policy name, the default first.
+    /// Every policy name, in the order they are listed to users (the
+    /// default is [`PolicyConfig::default`]'s, whatever its place here).
     pub const NAMES: [&'static str; 10] = [
         "kvroute",
         "round-robin",

@@ -14,6 +14,7 @@ mod crdgen;
 pub mod inference_pool;
 pub mod policy;
 mod schema;
+mod spelling;
 mod validation;
 
 pub use self::crdgen::{CrdFile, crd_files, crds, render, write_crds};
@@ -23,6 +24,9 @@ pub use self::inference_pool::{
 };
 pub use self::policy::{
     CacheRoutingPolicy, CacheRoutingPolicySpec, CacheRoutingPolicyStatus, Engine, HashAlgorithm,
-    KeyMode, PolicyName, PolicyTargetReference, RoutingKey, Tenancy, TenancyMode,
+    KeyMode, PolicyName, PolicyTargetReference, RoutingKey, Tenancy,
 };
 pub use self::validation::ValidationError;
+/// A policy's tenancy mode: the core's, spelled `Shared` and `Salted` in the
+/// CRD.
+pub use kvroute_core::spec::TenancyMode;

@@ -4,8 +4,11 @@
 //!
 //! Every field but the target has a default, written into the schema so the
 //! API server fills it in and `kubectl get -o yaml` shows the effective value;
-//! the same defaults apply when deserializing in Rust. They equal the
-//! operator's defaults for a pool with no policy.
+//! the same defaults apply when deserializing in Rust. They are the core's
+//! ([`RoutingSpec::default`], and the kvroute policy's own for its
+//! parameters), as are the operator's defaults for a pool with no policy.
+//! The tenancy mode is the core's [`TenancyMode`], spelled as the CRD spells
+//! it (`Shared`) by serde attributes (`api/spelling.rs`).
 //!
 //! Not here: which policy wins when several target one pool, whether the
 //! target exists (the index decides both and reports them as the
@@ -13,6 +16,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
+use kvroute_core::spec::{RoutingSpec, TenancyMode};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -24,8 +28,6 @@ use super::validation::{
 pub const TARGET_GROUP: &str = "inference.networking.k8s.io";
 /// Kind a policy's target must be.
 pub const TARGET_KIND: &str = "InferencePool";
-/// Default prefix length of a routing key, in tokens (the core's).
-pub const DEFAULT_PREFIX_TOKENS: i32 = kvroute_core::keys::DEFAULT_PREFIX_TOKENS as i32;
 /// Most tokens a prefix key may cover.
 pub const MAX_PREFIX_TOKENS: i32 = 65536;
 /// Largest ε of the rendezvous-bounded policy's in-flight bound.
@@ -35,8 +37,6 @@ pub const MAX_LOAD_BOUND: f64 = 10.0;
 pub const MAX_LATENCY_SLACK: f64 = 1000.0;
 /// Largest prefill overhead, milliseconds.
 pub const MAX_PREFILL_OVERHEAD_MS: f64 = 60_000.0;
-/// Default engine block size in tokens (the core's: vLLM's default).
-pub const DEFAULT_BLOCK_SIZE: i32 = kvroute_core::hash::DEFAULT_BLOCK_SIZE as i32;
 /// Largest engine block size in tokens.
 pub const MAX_BLOCK_SIZE: i32 = 4096;
 
@@ -155,6 +155,7 @@ pub struct CacheRoutingPolicySpec {
     pub tenancy: Tenancy,
 }
 
+/// The kvroute policy's own default ([`kvroute_core::policy::KvrouteConfig`]).
 fn default_latency_slack() -> f64 {
     kvroute_core::policy::KvrouteConfig::default().latency_slack
 }
@@ -209,26 +210,33 @@ impl Default for RoutingKey {
     fn default() -> Self {
         Self {
             mode: KeyMode::default(),
-            prefix_tokens: DEFAULT_PREFIX_TOKENS,
+            prefix_tokens: default_prefix_tokens(),
         }
     }
 }
 
+/// The core's default prefix length ([`RoutingSpec::default`]).
 fn default_prefix_tokens() -> i32 {
-    DEFAULT_PREFIX_TOKENS
+    i32::try_from(RoutingSpec::default().key.prefix_tokens).expect("the default fits the CRD")
 }
 
 /// What routing keys are derived from.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KeyMode {
     /// The conversation key when the request has one, else the prompt prefix
     /// (the default).
-    #[default]
     Conversation,
     /// Always the prompt prefix.
     Prefix,
     /// The authenticated tenant when known, else the prompt prefix.
     Tenant,
+}
+
+impl Default for KeyMode {
+    /// The core's ([`RoutingSpec::default`]).
+    fn default() -> Self {
+        RoutingSpec::default().key.mode.into()
+    }
 }
 
 impl From<KeyMode> for kvroute_core::keys::KeyMode {
@@ -241,13 +249,23 @@ impl From<KeyMode> for kvroute_core::keys::KeyMode {
     }
 }
 
+impl From<kvroute_core::keys::KeyMode> for KeyMode {
+    fn from(mode: kvroute_core::keys::KeyMode) -> Self {
+        use kvroute_core::keys::KeyMode as Core;
+        match mode {
+            Core::Conversation => KeyMode::Conversation,
+            Core::Prefix => KeyMode::Prefix,
+            Core::Tenant => KeyMode::Tenant,
+        }
+    }
+}
+
 /// A routing policy, by the name kvroute's policies go by.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[serde(rename_all = "kebab-case")]
 pub enum PolicyName {
     /// `kvroute`: warm prefix first within a latency slack, rendezvous for
     /// cold keys (the default).
-    #[default]
     Kvroute,
     /// `round-robin`: each endpoint in turn.
     RoundRobin,
@@ -270,8 +288,20 @@ pub enum PolicyName {
     MinTtft,
 }
 
+impl Default for PolicyName {
+    /// The core's ([`RoutingSpec::default`]).
+    fn default() -> Self {
+        let name = RoutingSpec::default().policy.name();
+        PolicyName::ALL
+            .into_iter()
+            .find(|p| p.as_str() == name)
+            .expect("every core policy has a CRD name")
+    }
+}
+
 impl PolicyName {
-    /// Every policy, the default first.
+    /// Every policy, in the core's order
+    /// ([`kvroute_core::policy::PolicyConfig::NAMES`]).
     pub const ALL: [PolicyName; 10] = [
         PolicyName::Kvroute,
         PolicyName::RoundRobin,
@@ -349,7 +379,7 @@ pub struct Engine {
 impl Default for Engine {
     fn default() -> Self {
         Self {
-            block_size: DEFAULT_BLOCK_SIZE,
+            block_size: default_block_size(),
             hash_algorithm: HashAlgorithm::default(),
             hash_seed: None,
             cache_port: None,
@@ -359,29 +389,49 @@ impl Default for Engine {
     }
 }
 
+/// The core's default block size ([`RoutingSpec::default`]).
 fn default_block_size() -> i32 {
-    DEFAULT_BLOCK_SIZE
+    i32::try_from(RoutingSpec::default().hash.block_size).expect("the default fits the CRD")
 }
 
+/// The core's prefill model's default ([`kvroute_core::load::PrefillModel`]).
 fn default_prefill_tokens_per_second() -> f64 {
     kvroute_core::load::PrefillModel::default().prefill_tokens_per_second
 }
 
+/// The core's prefill model's default ([`kvroute_core::load::PrefillModel`]).
 fn default_prefill_overhead_ms() -> f64 {
     kvroute_core::load::PrefillModel::default().prefill_overhead_ms
 }
 
 /// A block hash algorithm of vLLM's prefix cache.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum HashAlgorithm {
     /// `sha256`: SHA-256 over pickled block tuples (vLLM's default).
-    #[default]
     Sha256,
     /// `sha256_cbor`: SHA-256 over canonical CBOR.
     Sha256Cbor,
     /// `xxhash_cbor`: XXH3-128 over canonical CBOR.
     XxhashCbor,
+}
+
+impl Default for HashAlgorithm {
+    /// The core's ([`RoutingSpec::default`]).
+    fn default() -> Self {
+        RoutingSpec::default().hash.algo.into()
+    }
+}
+
+impl From<kvroute_core::hash::HashAlgo> for HashAlgorithm {
+    fn from(algo: kvroute_core::hash::HashAlgo) -> Self {
+        use kvroute_core::hash::HashAlgo;
+        match algo {
+            HashAlgo::Sha256 => HashAlgorithm::Sha256,
+            HashAlgo::Sha256Cbor => HashAlgorithm::Sha256Cbor,
+            HashAlgo::XxhashCbor => HashAlgorithm::XxhashCbor,
+        }
+    }
 }
 
 impl From<HashAlgorithm> for kvroute_core::hash::HashAlgo {
@@ -401,7 +451,8 @@ pub struct Tenancy {
     /// Shared (the default: all tenants share cached prefixes) or Salted
     /// (routers salt each request's cache with its tenant, so tenants never
     /// share blocks or routing keys).
-    #[serde(default)]
+    #[serde(default, with = "super::spelling::pascal_case")]
+    #[schemars(schema_with = "super::spelling::tenancy_mode")]
     pub mode: TenancyMode,
 
     /// The request header carrying the authenticated tenant, set by a
@@ -409,16 +460,6 @@ pub struct Tenancy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256), pattern(HEADER_NAME_PATTERN))]
     pub tenant_header: Option<String>,
-}
-
-/// Whether tenants share cached prefixes.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum TenancyMode {
-    /// All tenants share cached prefixes (the default).
-    #[default]
-    Shared,
-    /// Each tenant's requests are salted with the tenant: no sharing.
-    Salted,
 }
 
 /// Observed state of a `CacheRoutingPolicy`.

@@ -3,7 +3,10 @@
 use k8s_openapi::api::core::v1::Pod;
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::KeyMode;
+use kvroute_core::spec::TenancyMode;
 use serde_json::json;
+
+use crate::index;
 
 use super::*;
 
@@ -201,7 +204,7 @@ fn a_policy_maps_every_field() {
             hash_algorithm: Some(HashAlgo::XxhashCbor),
             hash_seed: Some("42".into()),
             cache_port: Some(5557),
-            tenancy_mode: Some(index::TenancyMode::Salted),
+            tenancy_mode: Some(TenancyMode::Salted),
             tenant_header: Some("x-tenant".into()),
             ..PolicySpec::default()
         }

@@ -41,10 +41,7 @@ use tokio::sync::watch;
 
 pub use self::observed::Observed;
 pub use self::pods::PodInfo;
-pub use self::policy::{
-    DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGORITHM, DEFAULT_KEY_MODE, DEFAULT_POLICY,
-    DEFAULT_PREFIX_TOKENS, PolicySpec, TenancyMode, default_policy,
-};
+pub use self::policy::{PolicySpec, default_policy};
 pub use self::pool::PoolSpec;
 pub use self::services::{PickerRef, ServiceInfo};
 pub use self::state::{Clock, wall_clock_micros};

@@ -1,6 +1,10 @@
-//! `PolicySpec`, the index's view of a `CacheRoutingPolicy`; the documented
-//! defaults; validation; which policy attaches to a pool; and the effective
+//! `PolicySpec`, the index's view of a `CacheRoutingPolicy`; validation;
+//! which policy attaches to a pool; and the effective [`RoutingSpec`] and
 //! [`v1::RoutingPolicy`] routers receive.
+//!
+//! Defaults: what a policy leaves out is the core's
+//! ([`RoutingSpec::default`]), filled in by [`PolicySpec::routing_spec`]
+//! alone; a pool with no policy gets every one of them.
 //!
 //! Attachment: a policy targets a pool of its own namespace by name. Of the
 //! valid policies targeting one pool the oldest wins (equal creation times:
@@ -11,51 +15,17 @@
 //! that), or writing its status ([`super::status`] computes it).
 
 use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
-use kvroute_core::keys::KeyMode;
-use kvroute_core::load::PrefillModel;
-use kvroute_core::policy::{KvrouteConfig, PolicyConfig};
+use kvroute_core::keys::{KeyConfig, KeyMode};
+use kvroute_core::policy::{PolicyConfig, PolicyParameters};
+use kvroute_core::spec::{RoutingSpec, TenancyMode};
 use kvroute_proto::v1;
 
 use super::observed::Observed;
 use crate::api::CacheRoutingPolicyStatus;
 
-// The defaults of a pool with no `CacheRoutingPolicy`: the core's.
-
-/// The routing policy: the core's default, `kvroute`.
-pub const DEFAULT_POLICY: &str = PolicyConfig::NAMES[0];
-/// Key mode: [`kvroute_core::keys::DEFAULT_KEY_MODE`].
-pub const DEFAULT_KEY_MODE: KeyMode = kvroute_core::keys::DEFAULT_KEY_MODE;
-/// Prefix length of a routing key, in tokens:
-/// [`kvroute_core::keys::DEFAULT_PREFIX_TOKENS`].
-pub const DEFAULT_PREFIX_TOKENS: u32 = kvroute_core::keys::DEFAULT_PREFIX_TOKENS as u32;
-/// Engine block size, in tokens: [`kvroute_core::hash::DEFAULT_BLOCK_SIZE`].
-pub const DEFAULT_BLOCK_SIZE: u32 = kvroute_core::hash::DEFAULT_BLOCK_SIZE as u32;
-/// Engine block hash: [`kvroute_core::hash::DEFAULT_HASH_ALGO`].
-pub const DEFAULT_HASH_ALGORITHM: HashAlgo = kvroute_core::hash::DEFAULT_HASH_ALGO;
-
-/// Whether tenants share cached blocks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum TenancyMode {
-    /// All tenants share the cache (the default).
-    #[default]
-    Shared,
-    /// Routers salt each request's cache with its tenant; tenants never
-    /// share blocks or routing keys.
-    Salted,
-}
-
-impl From<TenancyMode> for v1::TenancyMode {
-    fn from(mode: TenancyMode) -> Self {
-        match mode {
-            TenancyMode::Shared => v1::TenancyMode::Shared,
-            TenancyMode::Salted => v1::TenancyMode::Salted,
-        }
-    }
-}
-
 /// What the index needs of a `CacheRoutingPolicy`. Every `None` means "the
-/// default" (the `DEFAULT_*` constants; no hash seed, no cache port, shared
-/// tenancy, no tenant header).
+/// default" ([`RoutingSpec::default`]'s; no hash seed, no cache port, no
+/// tenant header).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PolicySpec {
     /// The policy's namespace; it can target pools of this namespace only.
@@ -108,13 +78,29 @@ impl PolicySpec {
     /// The block hashing the policy tells routers to use; `None` when its
     /// block size is invalid.
     pub fn hasher(&self) -> Option<BlockHasher> {
-        BlockHasher::new(HashConfig {
-            algo: self.hash_algorithm.unwrap_or(DEFAULT_HASH_ALGORITHM),
-            block_size: self.block_size.unwrap_or(DEFAULT_BLOCK_SIZE) as usize,
+        BlockHasher::new(self.hash_config(&RoutingSpec::default().hash)).ok()
+    }
+
+    /// The hashing the policy sets, `default`'s where it sets none.
+    fn hash_config(&self, default: &HashConfig) -> HashConfig {
+        HashConfig {
+            algo: self.hash_algorithm.unwrap_or(default.algo),
+            block_size: self
+                .block_size
+                .map_or(default.block_size, |size| size as usize),
             seed: self.hash_seed.clone(),
-            ..HashConfig::default()
-        })
-        .ok()
+            ..default.clone()
+        }
+    }
+
+    /// The policy parameters the policy sets.
+    fn parameters(&self) -> PolicyParameters {
+        PolicyParameters {
+            latency_slack: self.latency_slack,
+            load_bound: self.load_bound,
+            prefill_tokens_per_second: self.prefill_tokens_per_second,
+            prefill_overhead_ms: self.prefill_overhead_ms,
+        }
     }
 
     /// Why the policy cannot take effect, naming the field and its value.
@@ -137,23 +123,11 @@ impl PolicySpec {
                 "load bound {bound}: must be a number of at least 0"
             ));
         }
-        let engine = PrefillModel {
-            prefill_tokens_per_second: self
-                .prefill_tokens_per_second
-                .unwrap_or(PrefillModel::default().prefill_tokens_per_second),
-            prefill_overhead_ms: self
-                .prefill_overhead_ms
-                .unwrap_or(PrefillModel::default().prefill_overhead_ms),
-            ..PrefillModel::default()
-        };
-        let kvroute = KvrouteConfig {
-            latency_slack: self
-                .latency_slack
-                .unwrap_or(KvrouteConfig::default().latency_slack),
-            engine,
-            ..KvrouteConfig::default()
-        };
-        kvroute.validate()?;
+        // The slack and the prefill model are checked whatever the policy,
+        // as the kvroute policy would take them.
+        PolicyConfig::with_parameters("kvroute", &self.parameters())
+            .expect("kvroute is a policy")
+            .validate()?;
         if let Some(size) = self.block_size
             && !(1..=kvroute_core::hash::MAX_BLOCK_SIZE).contains(&(size as usize))
         {
@@ -175,38 +149,36 @@ impl PolicySpec {
         Ok(())
     }
 
-    /// The routing policy this spec asks for, with defaults filled in.
+    /// What this policy says, with the core's defaults where it says
+    /// nothing: the one place they are filled in.
+    pub fn routing_spec(&self) -> RoutingSpec {
+        let default = RoutingSpec::default();
+        let name = self.policy.as_deref().unwrap_or(default.policy.name());
+        RoutingSpec {
+            policy: PolicyConfig::with_parameters(name, &self.parameters())
+                .unwrap_or_else(|| default.policy.clone()),
+            key: KeyConfig {
+                mode: self.key_mode.unwrap_or(default.key.mode),
+                prefix_tokens: self
+                    .prefix_tokens
+                    .map_or(default.key.prefix_tokens, |t| t as usize),
+                ..default.key.clone()
+            },
+            hash: self.hash_config(&default.hash),
+            offload_weight: self
+                .offload_weight
+                .map_or(default.offload_weight, |w| w as f32),
+            tenancy: self.tenancy_mode.unwrap_or(default.tenancy),
+        }
+    }
+
+    /// The routing policy routers receive: [`Self::routing_spec`] on the
+    /// wire, with the cache port and the tenant header.
     pub fn routing_policy(&self) -> v1::RoutingPolicy {
         v1::RoutingPolicy {
-            policy: self.policy.as_deref().unwrap_or(DEFAULT_POLICY).to_owned(),
-            key_mode: key_mode(self.key_mode.unwrap_or(DEFAULT_KEY_MODE)).into(),
-            prefix_tokens: self.prefix_tokens.unwrap_or(DEFAULT_PREFIX_TOKENS),
-            load_bound: self.load_bound.unwrap_or(0.0),
-            latency_slack: Some(
-                self.latency_slack
-                    .unwrap_or(KvrouteConfig::default().latency_slack),
-            ),
-            prefill_tokens_per_second: Some(
-                self.prefill_tokens_per_second
-                    .unwrap_or(PrefillModel::default().prefill_tokens_per_second),
-            ),
-            prefill_overhead_ms: Some(
-                self.prefill_overhead_ms
-                    .unwrap_or(PrefillModel::default().prefill_overhead_ms),
-            ),
-            offload_weight: Some(
-                self.offload_weight
-                    .unwrap_or(f64::from(kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT)),
-            ),
-            block_size: self.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
-            hash_algorithm: v1::HashAlgorithm::from(
-                self.hash_algorithm.unwrap_or(DEFAULT_HASH_ALGORITHM),
-            )
-            .into(),
-            hash_seed: self.hash_seed.clone(),
             cache_port: self.cache_port.map_or(0, u32::from),
-            tenancy: v1::TenancyMode::from(self.tenancy_mode.unwrap_or_default()).into(),
             tenant_header: self.tenant_header.clone().unwrap_or_default(),
+            ..v1::RoutingPolicy::from(&self.routing_spec())
         }
     }
 
@@ -232,12 +204,4 @@ pub(super) fn attached<'a>(
         .into_iter()
         .filter(|p| p.target_pool == pool && p.validate().is_ok())
         .reduce(|best, p| if p.precedes(best) { p } else { best })
-}
-
-fn key_mode(mode: KeyMode) -> v1::KeyMode {
-    match mode {
-        KeyMode::Conversation => v1::KeyMode::Conversation,
-        KeyMode::Prefix => v1::KeyMode::Prefix,
-        KeyMode::Tenant => v1::KeyMode::Tenant,
-    }
 }

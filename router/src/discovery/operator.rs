@@ -21,11 +21,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{BlockHasher, HashConfig};
-use kvroute_core::keys::{KeyConfig, KeyMode};
-use kvroute_core::load::PrefillModel;
-use kvroute_core::policy::PolicyConfig;
-use kvroute_proto::hash_algo_from_i32;
+use kvroute_core::spec::TenancyMode;
+use kvroute_proto::Unusable;
 use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
 use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
 
@@ -34,7 +31,6 @@ use tonic::transport::ClientTlsConfig;
 use crate::pool::Watchers;
 use crate::pool::{EndpointSpec, Pool, Streams};
 use crate::reconnect::{BACKOFF_RESET_AFTER, Backoff, error_chain};
-use crate::settings::Settings;
 
 /// How the router names itself to the operator.
 const SUBSCRIBER: &str = "kvroute-router";
@@ -259,125 +255,55 @@ fn endpoint(e: &v1::Endpoint, default_cache_port: u32) -> Result<EndpointSpec, &
     })
 }
 
-/// The policy by name with the operator's parameters for it; `None` for a
-/// name this build does not know or parameters it cannot use.
-fn policy_config(policy: &RoutingPolicy) -> Option<PolicyConfig> {
-    let mut config = PolicyConfig::by_name(&policy.policy)?;
-    let engine = |e: &mut PrefillModel| {
-        if let Some(rate) = policy.prefill_tokens_per_second {
-            e.prefill_tokens_per_second = rate;
-        }
-        if let Some(ms) = policy.prefill_overhead_ms {
-            e.prefill_overhead_ms = ms;
-        }
-    };
-    match &mut config {
-        PolicyConfig::Kvroute(c) => {
-            if let Some(slack) = policy.latency_slack {
-                c.latency_slack = slack;
-            }
-            engine(&mut c.engine);
-        }
-        PolicyConfig::MinTtft(c) => engine(&mut c.engine),
-        PolicyConfig::RendezvousBounded(c) if policy.load_bound > 0.0 => {
-            c.slack = 1.0 + policy.load_bound;
-        }
-        _ => {}
-    }
-    config.validate().ok().map(|()| config)
-}
-
-/// The key config `policy` asks for, starting from `current`.
-fn key_config(policy: &RoutingPolicy, current: &KeyConfig) -> KeyConfig {
-    let mut key = current.clone();
-    match v1::KeyMode::try_from(policy.key_mode) {
-        Ok(v1::KeyMode::Conversation) => key.mode = KeyMode::Conversation,
-        Ok(v1::KeyMode::Prefix) => key.mode = KeyMode::Prefix,
-        Ok(v1::KeyMode::Tenant) => key.mode = KeyMode::Tenant,
-        Ok(v1::KeyMode::Unspecified) | Err(_) => tracing::warn!(
-            key_mode = policy.key_mode,
-            "unknown key mode from the operator; keeping the current one"
-        ),
-    }
-    if policy.prefix_tokens > 0 {
-        key.prefix_tokens = policy.prefix_tokens as usize;
-    }
-    key
-}
-
-/// A hasher for the hashing `policy` asks for, when it differs from
-/// `current`; `Err` when the combination is invalid.
-fn hasher(policy: &RoutingPolicy, current: &HashConfig) -> Result<Option<BlockHasher>, String> {
-    let algo = hash_algo_from_i32(policy.hash_algorithm).map_err(|e| e.to_string())?;
-    let config = HashConfig {
-        algo,
-        block_size: policy.block_size as usize,
-        seed: policy.hash_seed.clone(),
-        extra_keys: current.extra_keys,
-    };
-    if &config == current {
-        return Ok(None);
-    }
-    BlockHasher::new(config)
-        .map(Some)
-        .map_err(|e| e.to_string())
-}
-
-/// Replaces the pool's settings when the operator's policy changes the
-/// policy, the key or the hashing; a part it gets wrong is kept as it was.
+/// Replaces the pool's settings when the operator's policy changes what
+/// they route by; a part it gets wrong is kept as it was (and logged).
 /// Returns the streams to restart.
 fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
-    let current = pool.settings();
-    let config = policy_config(policy).unwrap_or_else(|| {
-        tracing::warn!(policy = %policy.policy,
-            "unknown routing policy or unusable parameters from the operator; keeping the current one");
-        current.policy.clone()
-    });
-    let key = key_config(policy, &current.key);
-    let hasher = match hasher(policy, current.hasher.config()) {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::warn!(error = %e, block_size = policy.block_size,
-                hash_algorithm = policy.hash_algorithm,
-                "invalid block hashing from the operator; keeping the current hashing");
-            None
-        }
-    };
-    let offload_weight = match policy.offload_weight {
-        Some(w) if (0.0..=1.0).contains(&w) => w as f32,
-        Some(w) => {
-            tracing::warn!(
-                offload_weight = w,
-                "invalid offload weight from the operator; keeping the current one"
-            );
-            current.offload_weight
-        }
-        None => kvroute_core::index::DEFAULT_OFFLOAD_WEIGHT,
-    };
-    let salting_required = policy.tenancy == v1::TenancyMode::Salted as i32;
-    if key == current.key
-        && hasher.is_none()
-        && config == current.policy
-        && offload_weight == current.offload_weight
-        && salting_required == current.salting_required
-    {
+    let current = pool.settings().spec();
+    let (spec, unusable) = policy.to_spec(&current);
+    for part in unusable {
+        warn_unusable(&part);
+    }
+    if spec == current {
         return Streams::default();
     }
-    tracing::info!(policy = ?config, key = ?key, hashing = ?hasher.as_ref().map(|h| h.config()),
-        offload_weight, "routing settings from the operator");
-    if salting_required {
+    let hashing = (spec.hash != current.hash).then_some(&spec.hash);
+    tracing::info!(policy = ?spec.policy, key = ?spec.key, hashing = ?hashing,
+        offload_weight = spec.offload_weight, "routing settings from the operator");
+    if spec.tenancy == TenancyMode::Salted {
         tracing::info!(
             "the pool's policy sets tenancy Salted: requests are refused unless this router salts (tenancy.mode: salted)"
         );
     }
-    pool.update_settings(|cur| Settings {
-        key,
-        hasher: hasher.unwrap_or_else(|| cur.hasher.clone()),
-        policy: config,
-        offload_weight,
-        salting_required,
-        ..cur.clone()
+    pool.update_settings(|cur| {
+        cur.with_spec(&spec).unwrap_or_else(|e| {
+            // `to_spec` kept the current hashing if the new one was invalid.
+            tracing::warn!(error = %e, "invalid block hashing from the operator; keeping the current settings");
+            cur.clone()
+        })
     })
+}
+
+/// Logs a part of the operator's policy the router cannot use.
+fn warn_unusable(part: &Unusable) {
+    match part {
+        Unusable::Policy { name, reason } => tracing::warn!(policy = %name, reason = %reason,
+            "unknown routing policy or unusable parameters from the operator; keeping the current one"),
+        Unusable::KeyMode(mode) => tracing::warn!(
+            key_mode = mode,
+            "unknown key mode from the operator; keeping the current one"
+        ),
+        Unusable::Hashing {
+            block_size,
+            hash_algorithm,
+            reason,
+        } => tracing::warn!(error = %reason, block_size, hash_algorithm,
+            "invalid block hashing from the operator; keeping the current hashing"),
+        Unusable::OffloadWeight(w) => tracing::warn!(
+            offload_weight = w,
+            "invalid offload weight from the operator; keeping the current one"
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 
 use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::KeyMode;
+use kvroute_core::spec::TenancyMode;
 use kvroute_proto::v1;
 
 use super::*;
@@ -204,7 +205,7 @@ fn policy_status_reports_the_observed_generation() {
 #[test]
 fn a_policy_may_set_every_field() {
     let policy = PolicySpec {
-        policy: Some("exact-prefix-load".into()),
+        policy: Some("kvroute".into()),
         key_mode: Some(KeyMode::Tenant),
         prefix_tokens: Some(64),
         load_bound: Some(0.25),
@@ -224,10 +225,10 @@ fn a_policy_may_set_every_field() {
     assert_eq!(
         policy.routing_policy(),
         v1::RoutingPolicy {
-            policy: "exact-prefix-load".into(),
+            policy: "kvroute".into(),
             key_mode: v1::KeyMode::Tenant.into(),
             prefix_tokens: 64,
-            load_bound: 0.25,
+            load_bound: 0.0, // not kvroute's: see below
             block_size: 32,
             hash_algorithm: v1::HashAlgorithm::XxhashCbor.into(),
             hash_seed: Some("0".into()),
@@ -239,6 +240,31 @@ fn a_policy_may_set_every_field() {
             prefill_overhead_ms: Some(5.0),
             offload_weight: Some(0.25),
         }
+    );
+    // The parameters a policy does not have are not sent; each policy gets
+    // its own.
+    let bounded = PolicySpec {
+        policy: Some("rendezvous-bounded".into()),
+        ..policy.clone()
+    };
+    let wire = bounded.routing_policy();
+    assert_eq!(wire.load_bound, 0.25);
+    assert_eq!(
+        (wire.latency_slack, wire.prefill_tokens_per_second),
+        (None, None)
+    );
+    let min_ttft = PolicySpec {
+        policy: Some("min-ttft".into()),
+        ..policy
+    };
+    let wire = min_ttft.routing_policy();
+    assert_eq!(
+        (
+            wire.latency_slack,
+            wire.prefill_tokens_per_second,
+            wire.prefill_overhead_ms
+        ),
+        (None, Some(40_000.0), Some(5.0))
     );
 }
 

@@ -1,0 +1,38 @@
+//! `telemetry`: logs, traces and the headers and labels that describe a
+//! request.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Header, OptionalHeader};
+
+/// Log format: `text` (the default) or `json`. Shared with the operator.
+pub use kvroute_telemetry::LogFormat;
+
+/// Observability settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Telemetry {
+    /// `text` or `json`. Default: text.
+    pub log_format: LogFormat,
+    /// Response header naming the endpoint that served the request; empty
+    /// (`""`) turns it off. Default: `x-kvroute-endpoint`.
+    pub endpoint_header: OptionalHeader,
+    /// OTLP/gRPC collector for traces, e.g. `http://otel-collector:4317`;
+    /// unset: no traces.
+    pub otlp_endpoint: Option<String>,
+    /// Tenants named in the `tenant` label of metrics, besides those of
+    /// `tenancy.apiKeysFile`; any other tenant is `other` (so clients
+    /// cannot create series). Default: none.
+    pub tenant_labels: Vec<String>,
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Telemetry {
+            log_format: LogFormat::Text,
+            endpoint_header: OptionalHeader(Some(Header::from_static("x-kvroute-endpoint"))),
+            otlp_endpoint: None,
+            tenant_labels: Vec::new(),
+        }
+    }
+}
