@@ -117,19 +117,11 @@ impl Chunker {
     }
 }
 
-/// A chat's approximate prompt from its raw `messages` (see [`body::scan`]);
-/// `Ok(None)` when a message has content the router cannot read.
-pub fn chat(
-    raw: &[&[u8]],
-    settings: &Settings,
-    extras: BlockExtras<'_>,
-) -> Result<Option<Prompt>, ApiError> {
-    Ok(chat_from(raw, settings, extras, None)?.map(|(prompt, _)| prompt))
-}
-
-/// As [`chat`], starting after the first `from.0` messages from chunker
+/// A chat's approximate prompt from its raw `messages` (see
+/// [`body::scan`]), starting after the first `from.0` of them from chunker
 /// `from.1` when given; also returns the chunker after the last message,
-/// to resume the next turn from.
+/// to resume the next turn from. `Ok(None)` when a message has content the
+/// router cannot read.
 pub fn chat_from(
     raw: &[&[u8]],
     settings: &Settings,
