@@ -199,5 +199,11 @@ impl Inner {
     }
 }
 
+impl crate::prompt::Holds for Pool {
+    fn holds_any(&self, block: BlockHash) -> bool {
+        Pool::holds_any(self, block)
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -368,12 +368,13 @@ fn chat_message(i: usize, m: &mut Value) -> Result<Option<ChatMessage>, ApiError
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use serde_json::json;
 
     use super::*;
 
-    fn obj(v: Value) -> Map<String, Value> {
+    /// `v`, a JSON object, as a map.
+    pub(crate) fn obj(v: Value) -> Map<String, Value> {
         let Value::Object(o) = v else { panic!() };
         o
     }

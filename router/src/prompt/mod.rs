@@ -85,8 +85,11 @@ pub struct Prompt {
 /// hashed for the volatile-prefix sketch.
 pub type Held<'a> = &'a dyn Fn(u64) -> bool;
 
-/// [`Held`] as a request carries it.
-pub(crate) type Holds = Arc<dyn Fn(u64) -> bool + Send + Sync>;
+/// What a request asks [`Held`] of: the pool's index of what engines hold.
+pub trait Holds: Send + Sync {
+    /// Whether any engine holds `block`.
+    fn holds_any(&self, block: u64) -> bool;
+}
 
 /// How a request's prompt is read, chosen once per request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,7 +251,7 @@ pub(crate) struct Input {
     pub(crate) scope: Scope,
     /// Ends a chain early ([`Held`]): in exact mode, for a policy that
     /// reads only held prefixes, unless every token is kept.
-    pub(crate) held: Option<Holds>,
+    pub(crate) held: Option<Arc<dyn Holds>>,
 }
 
 /// What routing takes from a request, computed by [`Prompts::read`].
@@ -367,7 +370,15 @@ impl Prompts {
         let scan_only = input.reader == Reader::Unread && !self.tenancy.salted();
         if small || scan_only || input.scope == Scope::KeepTokens {
             // (`KeepTokens`: an explain, on a thread of its own.)
-            return self.read_here(bytes, input, &settings, &models);
+            let conversations = &self.conversations;
+            return read_whole(
+                bytes,
+                input,
+                &self.tenancy,
+                &settings,
+                &models,
+                conversations,
+            );
         }
         // So is a follow-up turn with little new in it (exact mode): a
         // scan, and a hash of the body up to the conversation's snapshot.
@@ -396,30 +407,24 @@ impl Prompts {
         let conversations = self.conversations.clone();
         self.workers
             .run(self.retry_after, move || {
-                let read = read(bytes, input, &tenancy, &settings, &models, &conversations);
-                read.map(|a| a.expect("only ResumedWithin leaves a prompt unread"))
+                read_whole(bytes, input, &tenancy, &settings, &models, &conversations)
             })
             .await?
     }
+}
 
-    /// [`read`] on this thread, for a scope that reads every prompt.
-    fn read_here(
-        &self,
-        bytes: Bytes,
-        input: Input,
-        settings: &Settings,
-        models: &ModelList,
-    ) -> Result<Analysis, ApiError> {
-        let read = read(
-            bytes,
-            input,
-            &self.tenancy,
-            settings,
-            models,
-            &self.conversations,
-        )?;
-        Ok(read.expect("only ResumedWithin leaves a prompt unread"))
-    }
+/// [`read`] of a scope that reads every prompt ([`Scope::Whole`] or
+/// [`Scope::KeepTokens`]).
+fn read_whole(
+    bytes: Bytes,
+    input: Input,
+    tenancy: &Tenancy,
+    settings: &Settings,
+    models: &ModelList,
+    conversations: &Conversations,
+) -> Result<Analysis, ApiError> {
+    let read = read(bytes, input, tenancy, settings, models, conversations)?;
+    Ok(read.expect("only ResumedWithin leaves a prompt unread"))
 }
 
 /// Reads a request: parses its body as its reader needs, applies tenancy,
@@ -482,7 +487,7 @@ fn read(
             .get(m)
             .or_else(|| models.adapters.get(m).map(|a| &a.lora))
     });
-    let holds = |block| held.as_ref().is_some_and(|h| h(block));
+    let holds = |block| held.as_ref().is_some_and(|h| h.holds_any(block));
     let at = At {
         settings,
         extras: BlockExtras {

@@ -8,18 +8,8 @@ use serde_json::{Value, json};
 use super::*;
 use crate::config::{self, ClientSalt, TenancyMode};
 
-/// [`read`] of a scope that reads every prompt.
-fn analyze(
-    bytes: Bytes,
-    input: Input,
-    tenancy: &Tenancy,
-    settings: &Settings,
-    models: &ModelList,
-    conversations: &Conversations,
-) -> Result<Analysis, ApiError> {
-    let read = read(bytes, input, tenancy, settings, models, conversations)?;
-    Ok(read.expect("only ResumedWithin leaves a prompt unread"))
-}
+/// [`read_whole`], as the tests call it.
+use super::read_whole as analyze;
 
 /// [`read`] of a chat resuming a conversation with at most `within` new
 /// body bytes.

@@ -289,12 +289,8 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::prompt::body::tests::obj;
     use crate::prompt::body::{parse, skim};
-
-    fn obj(v: Value) -> Map<String, Value> {
-        let Value::Object(o) = v else { panic!() };
-        o
-    }
 
     #[test]
     fn chat_tokens_match_the_engine_sim() {

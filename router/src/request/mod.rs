@@ -476,10 +476,7 @@ impl Service {
         let held = (reader.exact()
             && scope != Scope::KeepTokens
             && settings.policy.reads_held_prefix_only())
-        .then(|| {
-            let pool = self.pool.clone();
-            Arc::new(move |block| pool.holds_any(block)) as crate::prompt::Holds
-        });
+        .then(|| self.pool.clone() as Arc<dyn crate::prompt::Holds>);
         let known = self.models().await;
         let input = Input {
             api: Api::of(path),
