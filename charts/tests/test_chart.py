@@ -402,9 +402,19 @@ def check_service_monitors(monitors, name):
 
 
 def check_dashboard():
-    """Every metric the dashboard queries is one the router exports."""
+    """Every metric the dashboard queries is one the router exports, and no
+    two panels overlap on Grafana's 24-column grid."""
     with open(os.path.join(CHART, "dashboards", "kvroute.json")) as f:
         dashboard = json.load(f)
+    cells = {}
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                cells.setdefault((x, y), []).append(panel["title"])
+    overlaps = sorted({tuple(titles) for titles in cells.values() if len(titles) > 1})
+    check("dashboard: panels within 24 columns, none overlapping",
+          not overlaps and all(x < 24 for x, _ in cells), overlaps)
     source = ""
     for path in glob.glob(os.path.join(ROOT, "router", "src", "**", "*.rs"), recursive=True):
         with open(path) as f:
