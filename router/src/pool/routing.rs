@@ -319,22 +319,20 @@ impl Inner {
         let mut by_slot = Vec::new();
         self.index.longest_prefix(chain, &mut by_slot);
         let held_by = |slot: Slot| by_slot.get(slot.index()).copied().unwrap_or(0);
-        let mut seen = Seen {
-            held: targets.iter().map(|t| held_by(t.slot)).collect(),
-            foreign: Vec::with_capacity(targets.len()),
-            outside: None,
-            recent: 0,
-        };
+        let slots = (self.members.values())
+            .map(|m| m.slot.index() + 1)
+            .max()
+            .unwrap_or(0);
+        let (mut target, mut foreign) = (vec![false; slots], vec![false; slots]);
         for t in targets {
-            let foreign = self
-                .members
-                .get(&*t.name)
-                .is_some_and(|m| matches!(m.contract, Contract::Mismatch(_)));
-            seen.foreign.push(foreign);
+            target[t.slot.index()] = true;
         }
+        let mut outside = None;
         for m in self.members.values() {
+            let i = m.slot.index();
+            foreign[i] = matches!(m.contract, Contract::Mismatch(_));
             let held = held_by(m.slot);
-            if held <= seen.outside.map_or(0, |o| o.0) || targets.iter().any(|t| t.slot == m.slot) {
+            if target[i] || held <= outside.map_or(0, |o: (u32, Lost)| o.0) {
                 continue;
             }
             let lost = if self.outlier.is_ejected(&m.spec.name, now) {
@@ -346,15 +344,19 @@ impl Inner {
             } else {
                 Lost::Queue
             };
-            seen.outside = Some((held, lost));
+            outside = Some((held, lost));
         }
         let longest = by_slot.iter().copied().max().unwrap_or(0) as usize;
         let recent = chain
             .iter()
             .skip(longest)
             .position(|&b| !self.index.holds_any(b) && !self.index.recently_evicted(b));
-        seen.recent = recent.map_or(chain.len(), |r| longest + r) as u32;
-        seen
+        Seen {
+            held: targets.iter().map(|t| held_by(t.slot)).collect(),
+            foreign: targets.iter().map(|t| foreign[t.slot.index()]).collect(),
+            outside,
+            recent: recent.map_or(chain.len(), |r| longest + r) as u32,
+        }
     }
 
     /// Lets the policy learn that `target` serves `request`.

@@ -25,7 +25,7 @@ use crate::prompt::Analysis;
 pub(crate) struct Decision {
     service: Arc<Service>,
     labels: Labels,
-    analysis: Analysis,
+    pub(super) analysis: Analysis,
     plan: Plan,
     by: ModelTenant,
     /// Prompt tokens expected cached at the first target.
@@ -51,7 +51,7 @@ pub(crate) struct Attempt {
     /// Whether the policy learned it already.
     learned: bool,
     /// What the router knew of the request there.
-    known: Known,
+    pub(super) known: Known,
     /// When it counts as hung ([`super::hang`]); `None` for a pick whose
     /// sending the gateway owns.
     pub(crate) hang: Option<Duration>,
