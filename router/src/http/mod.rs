@@ -24,7 +24,6 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use tokio::time::Instant;
 use tracing::Instrument;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use self::clients::Clients;
 pub use self::clients::on_api_thread;
@@ -79,18 +78,7 @@ impl Forwarder {
     /// joined to the client's trace context.
     pub async fn serve(self: &Arc<Self>, request: Request<Body>) -> Response<Body> {
         let (parts, body) = request.into_parts();
-        let span = if kvroute_telemetry::exporting() {
-            let span = tracing::info_span!("proxy", path = %parts.uri.path());
-            let parent = opentelemetry::global::get_text_map_propagator(|p| {
-                p.extract(&crate::telemetry::HeaderExtractor(&parts.headers))
-            });
-            if let Err(e) = span.set_parent(parent) {
-                tracing::debug!(error = %e, "no trace parent");
-            }
-            span
-        } else {
-            tracing::Span::none()
-        };
+        let span = crate::telemetry::request_span(parts.uri.path(), &parts.headers);
         let id = RequestId::of(&parts.headers);
         let ask = Ask {
             path: parts.uri.path(),
@@ -110,9 +98,8 @@ impl Forwarder {
                 axum::response::IntoResponse::into_response(e)
             }
         };
-        response
-            .headers_mut()
-            .insert(REQUEST_ID, id.header().clone());
+        let headers = response.headers_mut();
+        headers.insert(REQUEST_ID, id.header().clone());
         response
     }
 
@@ -289,25 +276,14 @@ impl Forwarder {
             .uri(uri)
             .body(Full::new(bytes.clone()))
             .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
-        copy_headers(&parts.headers, request.headers_mut(), &self.private_headers);
-        request.headers_mut().remove(header::HOST);
-        request
-            .headers_mut()
-            .insert(REQUEST_ID, id.header().clone());
+        let headers = request.headers_mut();
+        copy_headers(&parts.headers, headers, &self.private_headers);
+        headers.remove(header::HOST);
+        headers.insert(REQUEST_ID, id.header().clone());
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         // With tracing on, the engine's parent is this router's span; else
         // the client's traceparent passes through as copied.
-        if kvroute_telemetry::exporting() {
-            let context = tracing::Span::current().context();
-            opentelemetry::global::get_text_map_propagator(|p| {
-                p.inject_context(
-                    &context,
-                    &mut crate::telemetry::HeaderInjector(request.headers_mut()),
-                )
-            });
-        }
-        request
-            .headers_mut()
-            .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        crate::telemetry::inject(headers);
         Ok(request)
     }
 

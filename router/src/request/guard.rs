@@ -9,10 +9,9 @@ use axum::http::StatusCode;
 use tokio::time::Instant;
 
 use super::labels::Labels;
-use super::missed::{self, Cause, Known};
+use super::missed::{self, Known};
 use super::{RequestId, Service};
-use crate::admin::explain::Recorded;
-use crate::metrics::{Model, ModelReason, ModelTenantCause};
+use crate::metrics::Model;
 use crate::pool::Fault;
 use crate::pool::InFlight;
 use crate::request::hit_rate::{Usage, UsageScan};
@@ -198,70 +197,5 @@ impl Guard {
                  check that the router's tokenizer, chat template and hashing match the engines' \
                  (kvroute explain shows what the router computes)");
         }
-    }
-}
-
-impl Service {
-    /// Attributes the missed tokens of a request `labels` sent to
-    /// `endpoint` expecting `e`, whose engine reported `usage` in its
-    /// response `response_id` ([`missed`]): counted, in the pressure
-    /// window, and recorded for `/debug/requests`.
-    pub(crate) fn missed(
-        &self,
-        labels: &Labels,
-        endpoint: &str,
-        e: &Expected,
-        usage: Usage,
-        response_id: Option<String>,
-    ) {
-        let split = missed::attribute(&e.known, usage.prompt_tokens, usage.cached_tokens);
-        let service = self;
-        let m = &service.metrics;
-        let (model, tenant) = (&labels.model, &labels.tenant);
-        for (cause, tokens) in split.causes() {
-            m.missed_prompt_tokens
-                .get_or_create(&ModelTenantCause {
-                    model: model.clone(),
-                    tenant: tenant.clone(),
-                    cause: cause.as_str(),
-                })
-                .inc_by(tokens);
-        }
-        if let Some(lost) = split.lost {
-            m.routed_elsewhere_tokens
-                .get_or_create(&ModelReason {
-                    model: model.clone(),
-                    reason: lost.as_str(),
-                })
-                .inc_by(split.of(Cause::RoutedElsewhere));
-        }
-        service.pressure(
-            model,
-            split.of(Cause::Evicted),
-            usage.prompt_tokens,
-            Instant::now().into_std(),
-        );
-        let hex = |h: u64| format!("{h:016x}");
-        service.recent.push(Recorded {
-            request_id: e.id.as_str().to_owned(),
-            response_id,
-            at_unix_s: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            model: model.clone(),
-            tenant: tenant.clone(),
-            endpoint: endpoint.to_owned(),
-            key: hex(e.key),
-            first_block: e.first_block.map(hex),
-            block_size: e.known.block_tokens,
-            router_prompt_tokens: e.prompt_tokens,
-            prompt_tokens: usage.prompt_tokens,
-            expected_cached_tokens: e.cached,
-            cached_tokens: usage.cached_tokens,
-            missed: (split.causes().iter())
-                .map(|(c, n)| (c.as_str().to_owned(), *n))
-                .collect(),
-            routed_elsewhere_reason: split.lost.map(|l| l.as_str().to_owned()),
-        });
     }
 }

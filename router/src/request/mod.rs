@@ -25,6 +25,7 @@ pub mod hang;
 pub mod hit_rate;
 mod labels;
 pub mod missed;
+mod observed;
 mod queue;
 pub mod recent;
 
@@ -675,41 +676,6 @@ impl Service {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .offenders()
-    }
-
-    /// Adds a request of `model` with `prompt_tokens`, `evicted` of them
-    /// missed as evicted, to the model's pressure window at `now`.
-    fn pressure(&self, model: &str, evicted: u64, prompt_tokens: u64, now: std::time::Instant) {
-        let mut p = self.pressure.lock().unwrap_or_else(|e| e.into_inner());
-        if !p.contains_key(model) {
-            p.insert(model.to_owned(), missed::Pressure::default());
-        }
-        if let Some(w) = p.get_mut(model) {
-            w.record(now, evicted, prompt_tokens);
-        }
-    }
-
-    /// The exposition text of `/metrics`, with `kvroute_cache_pressure`
-    /// as of now.
-    pub fn render_metrics(&self) -> String {
-        let now = std::time::Instant::now();
-        let mut p = self.pressure.lock().unwrap_or_else(|e| e.into_inner());
-        for (model, window) in p.iter_mut() {
-            self.metrics
-                .cache_pressure
-                .get_or_create(&crate::metrics::Model {
-                    model: model.clone(),
-                })
-                .set(window.share(now));
-        }
-        drop(p);
-        self.metrics.render(&self.pool)
-    }
-
-    /// A recent request's record, by its `x-request-id` or the engine's
-    /// response id.
-    pub fn recorded(&self, id: &str) -> Option<crate::admin::explain::Recorded> {
-        self.recent.find(id)
     }
 
     /// What the endpoints serve (see [`Models`]).
