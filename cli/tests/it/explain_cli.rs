@@ -145,7 +145,9 @@ async fn explains_a_request_to_a_running_router() {
     assert_eq!(missing.status.code(), Some(1));
     let stderr = String::from_utf8(missing.stderr).unwrap();
     assert!(
-        stderr.starts_with("error: the router answered 404 Not Found: no recent request nope"),
+        stderr.starts_with(
+            "error: the router refused the request (404 Not Found): no recent request nope"
+        ),
         "{stderr}"
     );
 
