@@ -12,6 +12,7 @@
 //! most [`OFFENDERS`] offenders are kept (the least frequent goes). Only
 //! hashes and offsets are kept, never text.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use kvroute_core::lru::Lru;
@@ -92,7 +93,12 @@ impl Volatility {
                 xxh3_64_with_seed(&h.to_le_bytes(), tenant)
             }
         };
-        let contents: Vec<u64> = contents.iter().take(BLOCKS).map(|&c| own(c)).collect();
+        let contents = &contents[..contents.len().min(BLOCKS)];
+        let contents: Cow<[u64]> = if tenant == 0 {
+            Cow::Borrowed(contents)
+        } else {
+            Cow::Owned(contents.iter().map(|&c| own(c)).collect())
+        };
         let mut h = own(first?);
         let chain: Vec<u64> = (contents.iter().enumerate())
             .map(|(i, c)| {

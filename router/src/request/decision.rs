@@ -246,10 +246,11 @@ impl Decision {
             };
         };
         let tokens = |blocks: u32| u64::from(blocks) * a.block_tokens;
-        let mut held = at.map_or(0, |i| seen.held[i]);
-        if at == Some(0) {
-            held = held.max(self.plan.cached_blocks);
-        }
+        // What the engine's reports said it held: a prefix the policy
+        // credits only because this router sent it there recently may have
+        // been evicted since (the index would say so) or not be computed
+        // yet (first sight).
+        let held = at.map_or(0, |i| seen.held[i]);
         let mut elsewhere = seen.outside;
         for (i, &h) in seen.held.iter().enumerate() {
             if Some(i) != at && h > elsewhere.map_or(0, |e| e.0) {

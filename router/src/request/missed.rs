@@ -10,10 +10,9 @@
 //!    last prompt token, which vLLM always computes (so a prompt of whole
 //!    blocks has its last block computed).
 //! 3. The full blocks of the rest, by position:
-//!    - `engine_shortfall` up to what the chosen endpoint was known to hold
-//!      (its engine's reports, or the policy's memory of a prefix in
-//!      flight): it held them and reported fewer cached, evicted between
-//!      decision and prefill, or hashing the router cannot see;
+//!    - `engine_shortfall` up to what the chosen endpoint held by its
+//!      engine's reports: it held them and reported fewer cached, evicted
+//!      between decision and prefill, or hashing the router cannot see;
 //!    - `routed_elsewhere` up to the longest prefix another endpoint held,
 //!      with the reason it lost ([`Lost`]);
 //!    - `evicted` up to the last leading block an engine held or evicted
@@ -89,7 +88,7 @@ pub struct Known {
     pub prompt_tokens: Option<u64>,
     /// The chosen engine hashes differently.
     pub contract: bool,
-    /// The prefix the chosen endpoint was known to hold.
+    /// The prefix the chosen endpoint held, by its engine's reports.
     pub held: u64,
     /// The longest prefix another endpoint held, and why it lost.
     pub elsewhere: Option<(u64, Lost)>,
@@ -100,7 +99,7 @@ pub struct Known {
 }
 
 /// Missed tokens by [`Cause`] (in [`Cause::ALL`] order), and why the
-/// `routed_elsewhere` ones went elsewhere.
+/// `routed_elsewhere` ones went elsewhere (when there are any).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Split {
     pub tokens: [u64; 8],

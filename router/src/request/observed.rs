@@ -3,6 +3,8 @@
 //! `kvroute_cache_pressure`, and the ring of recent requests behind
 //! `GET /debug/requests/{id}`.
 
+use std::sync::Arc;
+
 use tokio::time::Instant;
 
 use super::Service;
@@ -10,6 +12,7 @@ use super::guard::Expected;
 use super::hit_rate::Usage;
 use super::labels::Labels;
 use super::missed::{self, Cause};
+use super::recent::Entry;
 use crate::admin::explain::Recorded;
 use crate::metrics::{Model, ModelReason, ModelTenantCause};
 
@@ -21,59 +24,62 @@ impl Service {
     pub(crate) fn missed(
         &self,
         labels: &Labels,
-        endpoint: &str,
+        endpoint: &Arc<str>,
         e: &Expected,
         usage: Usage,
         response_id: Option<String>,
     ) {
         let split = missed::attribute(&e.known, usage.prompt_tokens, usage.cached_tokens);
         let m = &self.metrics;
-        let (model, tenant) = (&labels.model, &labels.tenant);
-        for (cause, tokens) in split.causes() {
-            m.missed_prompt_tokens
-                .get_or_create(&ModelTenantCause {
-                    model: model.clone(),
-                    tenant: tenant.clone(),
-                    cause: cause.as_str(),
-                })
-                .inc_by(tokens);
+        let mut by = ModelTenantCause {
+            model: labels.model.clone(),
+            tenant: labels.tenant.clone(),
+            cause: "",
+        };
+        for cause in Cause::ALL {
+            let tokens = split.of(cause);
+            if tokens > 0 {
+                by.cause = cause.as_str();
+                m.missed_prompt_tokens.get_or_create(&by).inc_by(tokens);
+            }
         }
-        if let Some(lost) = split.lost {
+        let ModelTenantCause { model, tenant, .. } = by;
+        let elsewhere = split.of(Cause::RoutedElsewhere);
+        if let Some(lost) = split.lost.filter(|_| elsewhere > 0) {
+            let by = ModelReason {
+                model: model.clone(),
+                reason: lost.as_str(),
+            };
             m.routed_elsewhere_tokens
-                .get_or_create(&ModelReason {
-                    model: model.clone(),
-                    reason: lost.as_str(),
-                })
-                .inc_by(split.of(Cause::RoutedElsewhere));
+                .get_or_create(&by)
+                .inc_by(elsewhere);
         }
         let mut pressure = self.pressure.lock().unwrap_or_else(|e| e.into_inner());
-        pressure.entry(model.clone()).or_default().record(
-            Instant::now().into_std(),
-            split.of(Cause::Evicted),
-            usage.prompt_tokens,
-        );
+        let now = Instant::now().into_std();
+        let evicted = split.of(Cause::Evicted);
+        match pressure.get_mut(&model) {
+            Some(w) => w.record(now, evicted, usage.prompt_tokens),
+            None => {
+                let mut w = missed::Pressure::default();
+                w.record(now, evicted, usage.prompt_tokens);
+                pressure.insert(model.clone(), w);
+            }
+        }
         drop(pressure);
-        let hex = |h: u64| format!("{h:016x}");
-        self.recent.push(Recorded {
-            request_id: e.id.as_str().to_owned(),
+        self.recent.push(Entry {
+            id: e.id.clone(),
             response_id,
-            at_unix_s: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            model: model.clone(),
-            tenant: tenant.clone(),
-            endpoint: endpoint.to_owned(),
-            key: hex(e.key),
-            first_block: e.first_block.map(hex),
+            at: std::time::SystemTime::now(),
+            model,
+            tenant,
+            endpoint: endpoint.clone(),
+            key: e.key,
+            first_block: e.first_block,
             block_size: e.known.block_tokens,
-            router_prompt_tokens: e.prompt_tokens,
-            prompt_tokens: usage.prompt_tokens,
-            expected_cached_tokens: e.cached,
-            cached_tokens: usage.cached_tokens,
-            missed: (split.causes().iter())
-                .map(|(c, n)| (c.as_str().to_owned(), *n))
-                .collect(),
-            routed_elsewhere_reason: split.lost.map(|l| l.as_str().to_owned()),
+            prompt_tokens: e.prompt_tokens,
+            expected_cached: e.cached,
+            usage,
+            split,
         });
     }
 

@@ -5,15 +5,19 @@
 //! the router generates. The front ends forward it to the engine (vLLM
 //! names its request after it) and echo it in the response.
 //!
-//! [`Recent`] keeps the last [`RECENT`] served requests' records
-//! ([`Recorded`]) for `GET /debug/requests/{id}`: about 400 bytes each.
+//! [`Recent`] keeps the last [`RECENT`] served requests' entries for
+//! `GET /debug/requests/{id}`, about 300 bytes each, and renders one as a
+//! [`Recorded`] when asked.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::SystemTime;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
+use super::hit_rate::Usage;
+use super::missed::Split;
 use crate::admin::explain::Recorded;
 
 /// The request id header.
@@ -57,7 +61,8 @@ impl RequestId {
             "{prefix:016x}{:016x}",
             std::hash::BuildHasher::hash_one(state, n)
         );
-        RequestId(HeaderValue::from_str(&id).expect("hex digits are a header value"))
+        let id = HeaderValue::from_maybe_shared(bytes::Bytes::from(id));
+        RequestId(id.expect("hex digits are a header value"))
     }
 
     /// The id as a header value.
@@ -71,29 +76,75 @@ impl RequestId {
     }
 }
 
-/// The last [`RECENT`] requests' records.
+/// A served request's missed tokens, as kept.
+#[derive(Debug)]
+pub struct Entry {
+    pub id: RequestId,
+    /// The engine's response `id`.
+    pub response_id: Option<String>,
+    pub at: SystemTime,
+    pub model: String,
+    pub tenant: String,
+    pub endpoint: Arc<str>,
+    pub key: u64,
+    pub first_block: Option<u64>,
+    pub block_size: u64,
+    /// Prompt tokens as the router counted them.
+    pub prompt_tokens: u64,
+    pub expected_cached: u64,
+    /// What the engine reported.
+    pub usage: Usage,
+    pub split: Split,
+}
+
+impl Entry {
+    /// As `GET /debug/requests/{id}` answers.
+    fn recorded(&self) -> Recorded {
+        let hex = |h: u64| format!("{h:016x}");
+        Recorded {
+            request_id: self.id.as_str().to_owned(),
+            response_id: self.response_id.clone(),
+            at_unix_s: (self.at.duration_since(SystemTime::UNIX_EPOCH)).map_or(0, |d| d.as_secs()),
+            model: self.model.clone(),
+            tenant: self.tenant.clone(),
+            endpoint: self.endpoint.to_string(),
+            key: hex(self.key),
+            first_block: self.first_block.map(hex),
+            block_size: self.block_size,
+            router_prompt_tokens: self.prompt_tokens,
+            prompt_tokens: self.usage.prompt_tokens,
+            expected_cached_tokens: self.expected_cached,
+            cached_tokens: self.usage.cached_tokens,
+            missed: (self.split.causes().iter())
+                .map(|(c, n)| (c.as_str().to_owned(), *n))
+                .collect(),
+            routed_elsewhere_reason: self.split.lost.map(|l| l.as_str().to_owned()),
+        }
+    }
+}
+
+/// The last [`RECENT`] requests' entries.
 #[derive(Debug, Default)]
 pub struct Recent {
-    ring: Mutex<VecDeque<Recorded>>,
+    ring: Mutex<VecDeque<Entry>>,
 }
 
 impl Recent {
-    /// Keeps `r`, forgetting the oldest beyond [`RECENT`].
-    pub fn push(&self, r: Recorded) {
+    /// Keeps `e`, forgetting the oldest beyond [`RECENT`].
+    pub fn push(&self, e: Entry) {
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         if ring.len() == RECENT {
             ring.pop_front();
         }
-        ring.push_back(r);
+        ring.push_back(e);
     }
 
-    /// The newest record whose request id or response id is `id`.
+    /// The newest request whose request id or response id is `id`.
     pub fn find(&self, id: &str) -> Option<Recorded> {
         let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        ring.iter()
-            .rev()
-            .find(|r| r.request_id == id || r.response_id.as_deref() == Some(id))
-            .cloned()
+        (ring.iter().rev())
+            .find(|e| e.id.as_str() == id || e.response_id.as_deref() == Some(id))
+            .map(Entry::recorded)
     }
 }
 
@@ -126,23 +177,27 @@ mod tests {
         assert!(a.as_str().bytes().all(|c| c.is_ascii_hexdigit()));
     }
 
-    fn record(request_id: &str, response_id: &str) -> Recorded {
-        Recorded {
-            request_id: request_id.into(),
+    fn entry(request_id: &str, response_id: &str) -> Entry {
+        Entry {
+            id: RequestId::of(&headers(request_id.as_bytes())),
             response_id: Some(response_id.into()),
-            at_unix_s: 0,
+            at: SystemTime::UNIX_EPOCH,
             model: "m".into(),
             tenant: "none".into(),
             endpoint: "e".into(),
-            key: "0".into(),
+            key: 0xab,
             first_block: None,
             block_size: 16,
-            router_prompt_tokens: 1,
-            prompt_tokens: 1,
-            expected_cached_tokens: 0,
-            cached_tokens: 0,
-            missed: Vec::new(),
-            routed_elsewhere_reason: None,
+            prompt_tokens: 40,
+            expected_cached: 16,
+            usage: Usage {
+                prompt_tokens: 40,
+                cached_tokens: 16,
+            },
+            split: Split {
+                tokens: [0, 8, 16, 0, 0, 0, 0, 0],
+                lost: Some(crate::pool::Lost::Queue),
+            },
         }
     }
 
@@ -150,16 +205,19 @@ mod tests {
     fn found_by_either_id_and_bounded() {
         let recent = Recent::default();
         for i in 0..RECENT + 10 {
-            recent.push(record(&format!("r{i}"), &format!("chatcmpl-{i}")));
+            recent.push(entry(&format!("r{i}"), &format!("chatcmpl-{i}")));
         }
         assert_eq!(recent.ring.lock().unwrap().len(), RECENT);
         assert!(recent.find("r5").is_none(), "the oldest went");
         let last = format!("r{}", RECENT + 9);
         assert_eq!(recent.find(&last).unwrap().request_id, last);
+        let r = recent.find("chatcmpl-100").unwrap();
+        assert_eq!(r.request_id, "r100", "by the engine's id");
+        assert_eq!(r.key, "00000000000000ab");
         assert_eq!(
-            recent.find("chatcmpl-100").unwrap().request_id,
-            "r100",
-            "by the engine's id"
+            r.missed,
+            [("routed_elsewhere".into(), 16), ("partial_block".into(), 8)]
         );
+        assert_eq!(r.routed_elsewhere_reason.as_deref(), Some("queue"));
     }
 }
