@@ -122,7 +122,7 @@ fn record(s: &mut Scenario, phase: &str, missed: &Missed, samples: &[Sample]) ->
     );
     let sent: u64 = samples
         .iter()
-        .map(|x| x.prompt_tokens - x.cached_tokens)
+        .map(|x| x.prompt_tokens.saturating_sub(x.cached_tokens))
         .sum();
     s.check(
         missed.total() > 0.0,
@@ -394,7 +394,7 @@ async fn routed_elsewhere(ctx: &Ctx, name: &str) -> anyhow::Result<Measured> {
         },
         ..Setup::new(2)
     };
-    let (system, _) = start(ctx, name, setup).await?;
+    let system = ctx.system(name, setup).await?;
     let warm = prompts("Warm", 0x3a53, 6, 1200);
     to_engine(&system, 0, &warm).await?;
     for body in &warm {
