@@ -122,7 +122,8 @@ def value_paths(values, prefix=""):
         paths.add(path)
         # Free-form maps (resources, config, selectors) stop here.
         if isinstance(v, dict) and v and name not in ("config", "requests", "limits", "labels",
-                                                       "nodeSelector", "metricsNamespaceSelector"):
+                                                       "nodeSelector", "metricsNamespaceSelector",
+                                                       "behavior"):
             paths |= value_paths(v, path)
     return paths
 
@@ -252,6 +253,10 @@ def main():
         "a misspelt router config section": ({"router": {"config": {"tenency": {}}}}, "tenency"),
         "a misspelt router config field": ({"pools": [{"name": "p", "config": {"limits": {"maxBodyByts": 1}}}]},
                                            "maxBodyByts"),
+        "engine autoscaling without a deployment": ({"engineAutoscaling": {"enabled": True},
+                                                     "pools": [{"name": "p"}]}, "deployment"),
+        "an engine pressure target over 1": ({"pools": [{"name": "p", "engineAutoscaling": {"target": "1.5"}}]},
+                                             "target"),
     }
     for what, (values, field) in bad.items():
         try:
@@ -261,6 +266,7 @@ def main():
             check(f"{what} fails rendering, naming {field}", field in str(e), str(e))
 
     check_picker_network_policy()
+    check_engine_autoscaling()
     check_dashboard()
     check_dockerfile()
     if failures:
@@ -359,6 +365,32 @@ def check_picker_network_policy():
               f"{'without' if warns else 'with'} a NetworkPolicy", ("WARNING" in notes) == warns, notes)
 
 
+def check_engine_autoscaling():
+    """A pool's engineAutoscaling scales its engine Deployment, in the pool's
+    namespace, on the average kvroute_cache_pressure of that pool's routers
+    (type Value: the HPA sums what the adapter returns and divides nothing
+    by the engine count); a pool without it gets no HPA."""
+    values = {"engineAutoscaling": {"maxReplicas": 6},
+              "pools": [{"name": "p", "namespace": "ml", "engineAutoscaling": {"enabled": True, "deployment": "vllm"}},
+                        {"name": "q"}]}
+    hpas = [d for d in render(values) if d["kind"] == "HorizontalPodAutoscaler"]
+    check("engineAutoscaling: one HPA, for the pool that enables it", len(hpas) == 1, hpas)
+    if len(hpas) != 1:
+        return
+    hpa = hpas[0]
+    metric = hpa["spec"]["metrics"][0]["external"]
+    check("engineAutoscaling: the engine Deployment in the pool's namespace, pool defaults merged",
+          hpa["metadata"]["namespace"] == "ml"
+          and hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vllm"}
+          and (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 6), hpa)
+    check("engineAutoscaling: kvroute_cache_pressure of the pool's routers, target type Value 0.2",
+          metric["metric"] == {"name": "kvroute_cache_pressure",
+                               "selector": {"matchLabels": {"namespace": "kvroute", "service": "kv-kvroute-p"}}}
+          and metric["target"] == {"type": "Value", "value": "0.2"}, metric)
+    check("engineAutoscaling: scale-down slowed by default",
+          hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 1800, hpa["spec"].get("behavior"))
+
+
 def check_service_monitors(monitors, name):
     """Validates with the prometheus-operator models' validators (generated
     from the ServiceMonitor CRD), run by node: charts/tests/servicemonitor
@@ -370,9 +402,19 @@ def check_service_monitors(monitors, name):
 
 
 def check_dashboard():
-    """Every metric the dashboard queries is one the router exports."""
+    """Every metric the dashboard queries is one the router exports, and no
+    two panels overlap on Grafana's 24-column grid."""
     with open(os.path.join(CHART, "dashboards", "kvroute.json")) as f:
         dashboard = json.load(f)
+    cells = {}
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                cells.setdefault((x, y), []).append(panel["title"])
+    overlaps = sorted({tuple(titles) for titles in cells.values() if len(titles) > 1})
+    check("dashboard: panels within 24 columns, none overlapping",
+          not overlaps and all(x < 24 for x, _ in cells), overlaps)
     source = ""
     for path in glob.glob(os.path.join(ROOT, "router", "src", "**", "*.rs"), recursive=True):
         with open(path) as f:

@@ -4,13 +4,17 @@
 //! many of its leading blocks, each endpoint's contract, load and predicted
 //! TTFT, and the decision with its reason. Nothing is sent to an engine and
 //! no state changes.
+//!
+//! With `--request-id ID`, it shows instead where a served request's
+//! missed prompt tokens went (`GET /debug/requests/{id}`): the id is the
+//! request's `x-request-id` or the engine's response `id`.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use kvroute_router::admin::explain::Explanation;
+use kvroute_router::admin::explain::{Explanation, Recorded};
 use serde_json::{Value, json};
 
 /// Flags of `kvroute explain`.
@@ -33,6 +37,11 @@ pub struct ExplainArgs {
     /// Print the router's JSON answer as it is.
     #[arg(long)]
     json: bool,
+    /// Show a served request's missed tokens by cause instead, by its
+    /// `x-request-id` or the engine's response `id` (the router keeps the
+    /// last 1024).
+    #[arg(long, conflicts_with = "body")]
+    request_id: Option<String>,
     /// The request body (JSON): a file, or - for standard input.
     #[arg(default_value = "-")]
     body: PathBuf,
@@ -49,6 +58,9 @@ fn parse_header(s: &str) -> Result<(String, String), String> {
 
 /// Runs `kvroute explain`.
 pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
+    if let Some(id) = &args.request_id {
+        return recorded(args, id, out);
+    }
     let body = if args.body.as_os_str() == "-" {
         let mut body = String::new();
         std::io::stdin()
@@ -93,6 +105,89 @@ pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
         out.write_all(render(&explanation).as_bytes())?;
     }
     Ok(())
+}
+
+/// `kvroute explain --request-id ID`.
+fn recorded(args: &ExplainArgs, id: &str, out: &mut impl Write) -> anyhow::Result<()> {
+    // The id goes in a path segment: escape what is not unreserved.
+    let escaped: String = (id.bytes())
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let url = format!(
+        "{}/debug/requests/{escaped}",
+        args.admin.trim_end_matches('/')
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (status, answer) = runtime.block_on(async {
+        let mut get = reqwest::Client::new().get(&url);
+        if let Some(token) = &args.admin_token {
+            get = get.bearer_auth(token);
+        }
+        let response = get.send().await.with_context(|| format!("asking {url}"))?;
+        let status = response.status();
+        anyhow::Ok((status, response.text().await?))
+    })?;
+    let value: Value = serde_json::from_str(&answer)
+        .with_context(|| format!("{url} answered {status} with no JSON: {answer}"))?;
+    if !status.is_success() {
+        let message = value["error"]["message"].as_str().unwrap_or(&answer);
+        bail!("the router answered {status}: {message}");
+    }
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        let r: Recorded = serde_json::from_value(value)
+            .with_context(|| format!("{url} answered with no request record: {answer}"))?;
+        out.write_all(render_recorded(&r).as_bytes())?;
+    }
+    Ok(())
+}
+
+/// A request's record for people.
+fn render_recorded(r: &Recorded) -> String {
+    let mut s = String::new();
+    let missed = r.prompt_tokens.saturating_sub(r.cached_tokens);
+    let _ = writeln!(
+        s,
+        "request   {} (response {})",
+        r.request_id,
+        r.response_id.as_deref().unwrap_or("-")
+    );
+    let _ = writeln!(
+        s,
+        "served    by {}; model {}, tenant {}; key {}, first block {}",
+        r.endpoint,
+        r.model,
+        r.tenant,
+        r.key,
+        r.first_block.as_deref().unwrap_or("-")
+    );
+    let _ = writeln!(
+        s,
+        "prompt    {} tokens ({} as the router counted, blocks of {})",
+        r.prompt_tokens, r.router_prompt_tokens, r.block_size
+    );
+    let _ = writeln!(
+        s,
+        "cached    {} tokens (expected {})",
+        r.cached_tokens, r.expected_cached_tokens
+    );
+    let _ = writeln!(s, "missed    {missed} tokens");
+    for (cause, tokens) in &r.missed {
+        let why = match (cause.as_str(), &r.routed_elsewhere_reason) {
+            ("routed_elsewhere", Some(reason)) => format!(" (lost on {reason})"),
+            _ => String::new(),
+        };
+        let _ = writeln!(s, "  {cause:<17} {tokens:>8}{why}");
+    }
+    s
 }
 
 /// The answer for people.

@@ -54,6 +54,13 @@
 //! copy counts against the capacity and the bounds. Extra copies are rare
 //! and live in a small side table.
 //!
+//! ## Evicted blocks
+//!
+//! A block an engine removes (a `Removed` event, not a snapshot, a clear or
+//! a forgotten endpoint) that no endpoint holds afterwards goes to a bounded
+//! set of [recently evicted](crate::evicted) blocks, 8 bytes each, so a
+//! missed block can be told lost to capacity from never seen.
+//!
 //! ## Offloaded blocks
 //!
 //! Blocks an engine keeps on another medium than its GPU cache (vLLM's KV
@@ -74,6 +81,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
+use crate::evicted::RecentlyEvicted;
 use crate::hash::BlockHash;
 use crate::slot::Slot;
 
@@ -405,6 +413,8 @@ pub struct OccupancyIndex {
     retiring: Vec<Retiring>,
     /// Bitset of the retiring slots, which queries ignore.
     hidden: Vec<u64>,
+    /// Blocks removed by their engines and then held by none.
+    evicted: RecentlyEvicted,
 }
 
 impl Default for OccupancyIndex {
@@ -417,6 +427,7 @@ impl Default for OccupancyIndex {
             dropped: [0, 0],
             retiring: Vec::new(),
             hidden: Vec::new(),
+            evicted: RecentlyEvicted::default(),
         }
     }
 }
@@ -446,6 +457,27 @@ impl OccupancyIndex {
     /// The per-endpoint bounds.
     pub fn bounds(&self) -> Bounds {
         self.bounds
+    }
+
+    /// Remembers about the last `blocks` blocks evicted (removed by their
+    /// engine and then held by none); 0, the default, none. A change
+    /// forgets those remembered.
+    pub fn set_evicted_capacity(&mut self, blocks: usize) {
+        let fresh = RecentlyEvicted::new(blocks);
+        if fresh.capacity() != self.evicted.capacity() {
+            self.evicted = fresh;
+        }
+    }
+
+    /// Whether an engine removed `block` recently and none has held it
+    /// since ([`RecentlyEvicted`]).
+    pub fn recently_evicted(&self, block: BlockHash) -> bool {
+        self.evicted.contains(block)
+    }
+
+    /// Evicted blocks forgotten to make room for newer ones, ever.
+    pub fn evicted_overflow(&self) -> u64 {
+        self.evicted.overflow()
     }
 
     /// Applies one event to `slot`'s blocks. On error nothing changes.
@@ -589,6 +621,9 @@ impl OccupancyIndex {
         let ep = self.endpoint_mut(slot);
         ep.held[tier] -= 1;
         ep.distinct[tier] -= usize::from(last_copy);
+        if last_copy && !self.holds_any(block) {
+            self.evicted.insert(block);
+        }
         true
     }
 

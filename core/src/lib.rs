@@ -13,6 +13,7 @@
 
 pub mod contract;
 pub mod engine;
+pub mod evicted;
 pub mod hash;
 pub mod index;
 pub mod keys;

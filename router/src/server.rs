@@ -202,6 +202,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config.limits.endpoint_concurrency,
     );
     pool.set_index_bounds(config.limits.index_bounds());
+    pool.set_evicted_capacity(config.limits.max_evicted_blocks);
     let mut tasks = Tasks::default();
     // Discovery owns the WatchCache watchers; aborting it stops them.
     let mut watchers = Watchers::new(grpc_tls.clone());

@@ -6,11 +6,12 @@
 //!
 //! Installing the subscriber and exporter is `kvroute-telemetry`'s job; this
 //! module maps the router's config onto it and owns the header adapters the
-//! proxy uses to read and write trace context.
+//! proxy reads and writes trace context with.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 pub use kvroute_telemetry::{Error, TelemetryGuard};
 use opentelemetry::propagation::{Extractor, Injector};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::Telemetry;
 
@@ -24,9 +25,35 @@ pub fn init(config: &Telemetry) -> Result<TelemetryGuard, Error> {
     )
 }
 
+/// A proxied request's span, when traces are exported: joined to the
+/// client's trace context in `headers`.
+pub fn request_span(path: &str, headers: &HeaderMap) -> tracing::Span {
+    if !kvroute_telemetry::exporting() {
+        return tracing::Span::none();
+    }
+    let span = tracing::info_span!("proxy", path = %path);
+    let parent =
+        opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)));
+    if let Err(e) = span.set_parent(parent) {
+        tracing::debug!(error = %e, "no trace parent");
+    }
+    span
+}
+
+/// When traces are exported, writes the current span into an upstream
+/// request's `headers` as its parent.
+pub fn inject(headers: &mut HeaderMap) {
+    if kvroute_telemetry::exporting() {
+        let context = tracing::Span::current().context();
+        opentelemetry::global::get_text_map_propagator(|p| {
+            p.inject_context(&context, &mut HeaderInjector(headers))
+        });
+    }
+}
+
 /// Reads W3C trace context from request headers.
 #[derive(Debug)]
-pub struct HeaderExtractor<'a>(pub &'a HeaderMap);
+struct HeaderExtractor<'a>(&'a HeaderMap);
 
 impl Extractor for HeaderExtractor<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -40,7 +67,7 @@ impl Extractor for HeaderExtractor<'_> {
 
 /// Writes W3C trace context into request headers.
 #[derive(Debug)]
-pub struct HeaderInjector<'a>(pub &'a mut HeaderMap);
+struct HeaderInjector<'a>(&'a mut HeaderMap);
 
 impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {

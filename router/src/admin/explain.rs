@@ -84,3 +84,41 @@ pub struct ExplainedEndpoint {
     /// then its own prefill, seconds.
     pub predicted_ttft_seconds: f64,
 }
+
+/// A served request's missed tokens, as `GET /debug/requests/{id}`
+/// answers: hashes, counts and causes, never text or token ids.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Recorded {
+    /// The request's `x-request-id`.
+    pub request_id: String,
+    /// The `id` of the engine's response object (`chatcmpl-…`).
+    pub response_id: Option<String>,
+    /// When the response ended, seconds since the Unix epoch.
+    pub at_unix_s: u64,
+    /// The `model` label.
+    pub model: String,
+    /// The `tenant` label.
+    pub tenant: String,
+    /// The endpoint that served it.
+    pub endpoint: String,
+    /// The routing key, hex.
+    pub key: String,
+    /// The prompt's first block hash, hex, when it has a full block.
+    pub first_block: Option<String>,
+    /// Tokens per block.
+    pub block_size: u64,
+    /// Prompt tokens as the router counted them.
+    pub router_prompt_tokens: u64,
+    /// Prompt tokens as the engine counted them.
+    pub prompt_tokens: u64,
+    /// Cached prompt tokens the router expected there.
+    pub expected_cached_tokens: u64,
+    /// Cached prompt tokens the engine reported.
+    pub cached_tokens: u64,
+    /// The missed tokens (`prompt_tokens − cached_tokens`) by cause,
+    /// largest first.
+    pub missed: Vec<(String, u64)>,
+    /// Why an endpoint holding more of the prefix lost, with
+    /// `routed_elsewhere` tokens.
+    pub routed_elsewhere_reason: Option<String>,
+}

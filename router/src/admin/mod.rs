@@ -6,7 +6,7 @@ pub mod explain;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -51,6 +51,19 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
         )
         .route("/debug/explain", axum::routing::post(explain))
         .route(
+            "/debug/requests/{id}",
+            get(
+                |State(p): State<Arc<Service>>, Path(id): Path<String>| async move {
+                    p.recorded(&id).map(axum::Json).ok_or_else(|| {
+                        ApiError::NotFound(format!(
+                            "no recent request {id}: the router keeps the last {} served requests with usage",
+                            crate::request::recent::RECENT
+                        ))
+                    })
+                },
+            ),
+        )
+        .route(
             "/debug/prefixes",
             get(|State(p): State<Arc<Service>>| async move { axum::Json(p.volatile_prefixes()) }),
         )
@@ -81,7 +94,7 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
                         header::CONTENT_TYPE,
                         kvroute_telemetry::metrics::CONTENT_TYPE,
                     )],
-                    p.metrics.render(&p.pool),
+                    p.render_metrics(),
                 )
             }),
         )

@@ -86,6 +86,13 @@ pub struct Limits {
     /// dropped and counted (`medium="offloaded"`). 0 indexes none.
     /// Default: 4194304 (2^22).
     pub max_offloaded_blocks_per_endpoint: usize,
+    /// Blocks of the recently evicted set, for the whole pool: blocks an
+    /// engine removed that no engine holds since, so that a missed block
+    /// can be told `evicted` from `cold` (docs/missed-tokens.md). 8 bytes
+    /// each; the oldest go first, counted in
+    /// `kvroute_evicted_set_overflow_total`. 0 keeps none (every such miss
+    /// is then `cold`). Default: 1048576 (2^20, 8 MiB).
+    pub max_evicted_blocks: usize,
 }
 
 impl Limits {
@@ -131,6 +138,7 @@ impl Default for Limits {
             api_threads: 0,
             max_index_blocks_per_endpoint: 1 << 22,
             max_offloaded_blocks_per_endpoint: 1 << 22,
+            max_evicted_blocks: 1 << 20,
         }
     }
 }

@@ -24,6 +24,12 @@ pub struct Telemetry {
     /// `tenancy.apiKeysFile`; any other tenant is `other` (so clients
     /// cannot create series). Default: none.
     pub tenant_labels: Vec<String>,
+    /// Adds `x-kvroute-cache` to responses: the endpoint, the prompt
+    /// tokens expected cached there, and the expected cause of the rest
+    /// (`endpoint=pod-a; expected-cached=512; expected-missed=cold:96,partial_block:7`).
+    /// It tells a client whether another tenant's prompt was cached only
+    /// as the engine's own `cached_tokens` does. Default: false.
+    pub cache_header: bool,
 }
 
 impl Default for Telemetry {
@@ -33,6 +39,7 @@ impl Default for Telemetry {
             endpoint_header: OptionalHeader(Some(Header::from_static("x-kvroute-endpoint"))),
             otlp_endpoint: None,
             tenant_labels: Vec::new(),
+            cache_header: false,
         }
     }
 }

@@ -18,6 +18,8 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
 use crate::errors::ApiError;
+use crate::request::RequestId;
+use crate::request::recent::REQUEST_ID;
 
 /// The header and `envoy.lb` metadata key naming the picked endpoints,
 /// `ip:port,ip:port,…` best first (the Gateway API Inference Extension's
@@ -160,11 +162,11 @@ pub fn served(metadata: Option<&Metadata>, headers: &HeaderMap) -> Option<Socket
 }
 
 /// A header set, replacing any value the request had.
-fn set(key: &str, value: &str) -> HeaderValueOption {
+fn set(key: &str, value: &[u8]) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_owned(),
-            raw_value: value.as_bytes().to_vec(),
+            raw_value: value.to_vec(),
             ..HeaderValue::default()
         }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
@@ -182,10 +184,13 @@ fn string(s: &str) -> Value {
 /// destination header (and `content-length` of the body sent back, when
 /// there is one), the same value in `envoy.lb` metadata, and a cleared
 /// route cache so the gateway routes on them.
-pub fn destination(endpoints: &str, body_len: Option<usize>) -> ProcessingResponse {
-    let mut set_headers = vec![set(DESTINATION, endpoints)];
+pub fn destination(endpoints: &str, body_len: Option<usize>, id: &RequestId) -> ProcessingResponse {
+    let mut set_headers = vec![
+        set(DESTINATION, endpoints.as_bytes()),
+        set(REQUEST_ID.as_str(), id.header().as_bytes()),
+    ];
     if let Some(len) = body_len {
-        set_headers.push(set("content-length", &len.to_string()));
+        set_headers.push(set("content-length", len.to_string().as_bytes()));
     }
     let lb = Struct {
         fields: [(DESTINATION.to_owned(), string(endpoints))].into(),
@@ -272,6 +277,25 @@ fn body_answer(direction: Direction, mutation: Option<BodyMutation>) -> Processi
     }
 }
 
+/// The engine's response headers with `set` set.
+pub fn response_headers(set_headers: &[(HeaderName, HttpValue)]) -> ProcessingResponse {
+    let set_headers = (set_headers.iter())
+        .map(|(k, v)| set(k.as_str(), v.as_bytes()))
+        .collect();
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers,
+                    remove_headers: Vec::new(),
+                }),
+                ..CommonResponse::default()
+            }),
+        })),
+        ..ProcessingResponse::default()
+    }
+}
+
 /// Headers passed on unchanged.
 pub fn headers_unchanged(direction: Direction) -> ProcessingResponse {
     let answer = HeadersResponse {
@@ -301,9 +325,9 @@ pub fn trailers_unchanged(direction: Direction) -> ProcessingResponse {
 /// The gateway answers the client at once with `error`: its status, an
 /// OpenAI-style JSON body and `Retry-After` where the error has one.
 pub fn refusal(error: &ApiError) -> ProcessingResponse {
-    let mut headers = vec![set("content-type", "application/json")];
+    let mut headers = vec![set("content-type", b"application/json")];
     if let Some(s) = error.retry_after() {
-        headers.push(set("retry-after", &s.to_string()));
+        headers.push(set("retry-after", s.to_string().as_bytes()));
     }
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {

@@ -46,7 +46,8 @@ use super::envoy::{self, Direction, Headers, Subset};
 use crate::errors::ApiError;
 use crate::pool::{Fault, Target};
 use crate::request::body::Held;
-use crate::request::{Admitted, Ask, Attempt, Decision, Guard, Payload, Service};
+use crate::request::recent::{CACHE_HEADER, REQUEST_ID};
+use crate::request::{Admitted, Ask, Attempt, Decision, Guard, Payload, RequestId, Service};
 
 /// Serves one `Process` stream: reads the gateway's messages and sends the
 /// answers on `out` until the request is over or the stream ends.
@@ -317,12 +318,14 @@ impl Exchange {
                 let served = envoy::served(metadata.as_ref(), &headers.map);
                 let status = headers.status.unwrap_or(StatusCode::OK);
                 let mut guard = self.served(*picked, served, status);
+                let mut set = vec![(REQUEST_ID, guard.id().header().clone())];
+                set.extend(guard.cache_header().map(|v| (CACHE_HEADER, v)));
                 if h.end_of_stream {
                     guard.done();
                 } else {
                     self.phase = Phase::Response(Box::new(guard));
                 }
-                Ok(vec![envoy::headers_unchanged(Direction::Response)])
+                Ok(vec![envoy::response_headers(&set)])
             }
             (Phase::Response(mut guard), Message::ResponseBody(b)) => {
                 guard.data(&b.body);
@@ -399,12 +402,14 @@ impl Exchange {
             headers,
             body,
             among: &among,
+            id: RequestId::of(headers),
         };
         let mut decision = self.service.decide(ask).await.map_err(Stop::Refuse)?;
         let (body, budget) = decision.take_body();
         let mut answers = vec![envoy::destination(
             &ranked(decision.targets()),
             (!body.is_empty()).then_some(body.len()),
+            decision.id(),
         )];
         if budget.is_some() {
             answers.extend(envoy::body(Direction::Request, &body, end_of_stream));

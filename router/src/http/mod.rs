@@ -24,7 +24,6 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use tokio::time::Instant;
 use tracing::Instrument;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use self::clients::Clients;
 pub use self::clients::on_api_thread;
@@ -33,7 +32,8 @@ pub(crate) use self::routes::routes;
 use crate::config::Config;
 use crate::errors::ApiError;
 use crate::pool::Fault;
-use crate::request::{Ask, Attempt, Decision, Guard, Payload, Service};
+use crate::request::recent::{CACHE_HEADER, REQUEST_ID};
+use crate::request::{Ask, Attempt, Decision, Guard, Payload, RequestId, Service};
 
 /// An attempt's outcome: the response and its first body frame, or why it
 /// failed and whether that is the endpoint's fault.
@@ -78,35 +78,29 @@ impl Forwarder {
     /// joined to the client's trace context.
     pub async fn serve(self: &Arc<Self>, request: Request<Body>) -> Response<Body> {
         let (parts, body) = request.into_parts();
-        let span = if kvroute_telemetry::exporting() {
-            let span = tracing::info_span!("proxy", path = %parts.uri.path());
-            let parent = opentelemetry::global::get_text_map_propagator(|p| {
-                p.extract(&crate::telemetry::HeaderExtractor(&parts.headers))
-            });
-            if let Err(e) = span.set_parent(parent) {
-                tracing::debug!(error = %e, "no trace parent");
-            }
-            span
-        } else {
-            tracing::Span::none()
-        };
+        let span = crate::telemetry::request_span(parts.uri.path(), &parts.headers);
+        let id = RequestId::of(&parts.headers);
         let ask = Ask {
             path: parts.uri.path(),
             headers: &parts.headers,
             body: Payload::Stream(body),
             among: &|_| true,
+            id: id.clone(),
         };
         let served = async {
             let decision = self.service.decide(ask).await?;
             Ok::<_, ApiError>(self.forward(&parts, decision).await)
         };
-        match served.instrument(span).await {
+        let mut response = match served.instrument(span).await {
             Ok(response) => response,
             Err(e) => {
                 tracing::debug!(error = %e, path = %parts.uri.path(), "request refused");
                 axum::response::IntoResponse::into_response(e)
             }
-        }
+        };
+        let headers = response.headers_mut();
+        headers.insert(REQUEST_ID, id.header().clone());
+        response
     }
 
     async fn forward(self: &Arc<Self>, parts: &Parts, decision: Decision) -> Response<Body> {
@@ -124,7 +118,8 @@ impl Forwarder {
             // goes away while it waits, or the response ends.
             let attempt = decision.send(n, target);
             let sent = Instant::now();
-            let (first, attempt) = match self.upstream_request(parts, decision.body(), target) {
+            let upstream = self.upstream_request(parts, decision.body(), target, decision.id());
+            let (first, attempt) = match upstream {
                 Err(e) => (Err(e), attempt),
                 Ok(upstream) => {
                     // With a hang deadline the attempt outlives a client
@@ -270,6 +265,7 @@ impl Forwarder {
         parts: &Parts,
         bytes: &Bytes,
         target: &crate::pool::Target,
+        id: &RequestId,
     ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri: Uri = format!("http://{}{path}", target.http)
@@ -280,22 +276,14 @@ impl Forwarder {
             .uri(uri)
             .body(Full::new(bytes.clone()))
             .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
-        copy_headers(&parts.headers, request.headers_mut(), &self.private_headers);
-        request.headers_mut().remove(header::HOST);
+        let headers = request.headers_mut();
+        copy_headers(&parts.headers, headers, &self.private_headers);
+        headers.remove(header::HOST);
+        headers.insert(REQUEST_ID, id.header().clone());
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         // With tracing on, the engine's parent is this router's span; else
         // the client's traceparent passes through as copied.
-        if kvroute_telemetry::exporting() {
-            let context = tracing::Span::current().context();
-            opentelemetry::global::get_text_map_propagator(|p| {
-                p.inject_context(
-                    &context,
-                    &mut crate::telemetry::HeaderInjector(request.headers_mut()),
-                )
-            });
-        }
-        request
-            .headers_mut()
-            .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        crate::telemetry::inject(headers);
         Ok(request)
     }
 
@@ -325,6 +313,9 @@ impl Forwarder {
             && let Ok(v) = HeaderValue::from_str(endpoint)
         {
             parts.headers.insert(name.clone(), v);
+        }
+        if let Some(v) = guard.cache_header() {
+            parts.headers.insert(CACHE_HEADER, v);
         }
         let first = first.map(Ok);
         let frames = stream::unfold(Some((incoming, guard, first)), move |state| async move {

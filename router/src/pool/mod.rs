@@ -39,7 +39,7 @@ pub use endpoints::{EndpointSpec, Stream, StreamState, Streams};
 pub use engines::SNAPSHOT_CHUNK;
 pub use health::HealthEvents;
 pub use outliers::{Event, Fault, Restore};
-pub use routing::{InFlight, Plan, Target};
+pub use routing::{InFlight, Lost, Plan, Seen, Target};
 pub use status::{EndpointStatus, TierStats};
 
 use std::collections::BTreeMap;
@@ -176,6 +176,12 @@ impl Pool {
         self.lock().index.holds_any(block)
     }
 
+    /// Remembers about the last `blocks` blocks evicted
+    /// (`limits.maxEvictedBlocks`).
+    pub fn set_evicted_capacity(&self, blocks: usize) {
+        self.lock().index.set_evicted_capacity(blocks);
+    }
+
     /// Resolves at the next end of a request after it is enabled.
     pub fn released(&self) -> tokio::sync::futures::Notified<'_> {
         self.released.notified()
@@ -200,8 +206,11 @@ impl Inner {
 }
 
 impl crate::prompt::Holds for Pool {
+    /// Held, or evicted recently: the chain goes on as far as its missed
+    /// blocks can be told evicted from never seen.
     fn holds_any(&self, block: BlockHash) -> bool {
-        Pool::holds_any(self, block)
+        let inner = self.lock();
+        inner.index.holds_any(block) || inner.index.recently_evicted(block)
     }
 }
 

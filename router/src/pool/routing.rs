@@ -10,6 +10,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use kvroute_core::contract::Contract;
 use kvroute_core::load::Ticket;
 use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
 use kvroute_core::slot::Slot;
@@ -41,6 +42,68 @@ pub struct Plan {
     pub reason: Reason,
     /// Leading blocks the policy believes the first holds.
     pub cached_blocks: u32,
+    /// What the engines' reports said of the request's prefix (exact mode,
+    /// a prompt read).
+    pub seen: Option<Seen>,
+}
+
+/// What the engines' reports said of a request's prefix when it was
+/// planned, in blocks: what its missed tokens are attributed by
+/// ([`crate::request::missed`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// Leading blocks each target holds, by target.
+    pub held: Vec<u32>,
+    /// Whether each target's engine hashes differently, by target.
+    pub foreign: Vec<bool>,
+    /// The longest prefix an endpoint that is not a target holds, and
+    /// why it is not one.
+    pub outside: Option<(u32, Lost)>,
+    /// Leading blocks of the chain that an engine holds or evicted
+    /// recently.
+    pub recent: u32,
+}
+
+/// Why an endpoint holding a longer prefix was not the one sent to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lost {
+    /// It was routable and free, and the policy ranked it lower: slower by
+    /// the latency model beyond the slack.
+    Load,
+    /// It was at its concurrency limit.
+    Queue,
+    /// Not ready, draining, or failing its health checks.
+    Health,
+    /// Ejected as an outlier.
+    Ejection,
+    /// A gateway's subset hint left it out.
+    Subset,
+    /// It was tried first and failed; the response came from a retry.
+    Retry,
+}
+
+impl Lost {
+    /// Every reason.
+    pub const ALL: [Lost; 6] = [
+        Lost::Load,
+        Lost::Queue,
+        Lost::Health,
+        Lost::Ejection,
+        Lost::Subset,
+        Lost::Retry,
+    ];
+
+    /// The reason as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lost::Load => "load",
+            Lost::Queue => "queue",
+            Lost::Health => "health",
+            Lost::Ejection => "ejection",
+            Lost::Subset => "subset",
+            Lost::Retry => "retry",
+        }
+    }
 }
 
 impl Pool {
@@ -77,7 +140,7 @@ impl Pool {
             inner.least_loaded.rank(request, &endpoints, &cx)
         };
         let mut full = 0;
-        let targets = decision
+        let targets: Vec<Target> = decision
             .ranked
             .iter()
             .filter(|&&i| {
@@ -87,11 +150,14 @@ impl Pool {
             })
             .map(|&i| candidates[i].clone())
             .collect();
+        let seen =
+            (inner.exact && readable).then(|| inner.seen(request.chain, &targets, now, among));
         Plan {
             targets,
             full,
             reason: decision.reason,
             cached_blocks: decision.cached_blocks,
+            seen,
         }
     }
 
@@ -240,6 +306,59 @@ impl Pool {
 }
 
 impl Inner {
+    /// What the index says of `chain` for a plan of `targets` among the
+    /// endpoints `among` accepts: one more walk of the held prefix, and of
+    /// the recently evicted blocks past it.
+    fn seen(
+        &self,
+        chain: &[u64],
+        targets: &[Target],
+        now: std::time::Instant,
+        among: &dyn Fn(&SocketAddr) -> bool,
+    ) -> Seen {
+        let mut by_slot = Vec::new();
+        self.index.longest_prefix(chain, &mut by_slot);
+        let held_by = |slot: Slot| by_slot.get(slot.index()).copied().unwrap_or(0);
+        let slots = (self.members.values())
+            .map(|m| m.slot.index() + 1)
+            .max()
+            .unwrap_or(0);
+        let (mut target, mut foreign) = (vec![false; slots], vec![false; slots]);
+        for t in targets {
+            target[t.slot.index()] = true;
+        }
+        let mut outside = None;
+        for m in self.members.values() {
+            let i = m.slot.index();
+            foreign[i] = matches!(m.contract, Contract::Mismatch(_));
+            let held = held_by(m.slot);
+            if target[i] || held <= outside.map_or(0, |o: (u32, Lost)| o.0) {
+                continue;
+            }
+            let lost = if self.outlier.is_ejected(&m.spec.name, now) {
+                Lost::Ejection
+            } else if !self.is_routable(m, now) {
+                Lost::Health
+            } else if !among(&m.spec.http) {
+                Lost::Subset
+            } else {
+                Lost::Queue
+            };
+            outside = Some((held, lost));
+        }
+        let longest = by_slot.iter().copied().max().unwrap_or(0) as usize;
+        let recent = chain
+            .iter()
+            .skip(longest)
+            .position(|&b| !self.index.holds_any(b) && !self.index.recently_evicted(b));
+        Seen {
+            held: targets.iter().map(|t| held_by(t.slot)).collect(),
+            foreign: targets.iter().map(|t| foreign[t.slot.index()]).collect(),
+            outside,
+            recent: recent.map_or(chain.len(), |r| longest + r) as u32,
+        }
+    }
+
     /// Lets the policy learn that `target` serves `request`.
     fn learn(&mut self, request: &Request<'_>, target: &Target) {
         let endpoint = Endpoint {

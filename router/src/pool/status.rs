@@ -85,6 +85,11 @@ impl Pool {
         self.lock().index.entries()
     }
 
+    /// Evicted blocks forgotten to make room for newer ones, ever.
+    pub fn evicted_overflow(&self) -> u64 {
+        self.lock().index.evicted_overflow()
+    }
+
     /// Each tier's entries and drops.
     pub fn index_stats(&self) -> [TierStats; 2] {
         let inner = self.lock();

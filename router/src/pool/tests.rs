@@ -252,3 +252,55 @@ async fn a_large_snapshot_is_applied_in_chunks_within_the_index_bounds() {
     assert_eq!(p.index_stats()[0].entries, 0);
     assert!(!p.holds_any(7));
 }
+
+#[tokio::test]
+async fn a_plan_says_who_held_the_prefix_and_why_they_lost() {
+    let p = pool(1);
+    p.set_evicted_capacity(1024);
+    let with_cache = |name, port| EndpointSpec {
+        cache: Some(SocketAddr::from(([127, 0, 0, 1], 9))),
+        ..spec(name, port)
+    };
+    let streams = p.set_endpoints(vec![
+        with_cache("a", 1),
+        with_cache("b", 2),
+        with_cache("c", 3),
+    ]);
+    let engine = kvroute_core::contract::EngineCache::of(&p.settings().hasher);
+    for (s, blocks) in streams.start.iter().zip([&[1, 4][..], &[1, 2], &[1, 2, 3]]) {
+        p.apply_snapshot(&s.name, s.generation, engine.clone(), 8, blocks, &[])
+            .unwrap();
+        p.set_stream(&s.name, s.generation, StreamState::Live);
+    }
+    // a drops block 4, which no one else holds: evicted.
+    let a = &streams.start[0];
+    p.apply_cache("a", a.generation, CacheEvent::Removed(&[4]))
+        .unwrap();
+    assert!(p.failed("b", Fault::Stream).ejected());
+    let chain = [1, 2, 3, 4, 9, 10];
+    let r = Request {
+        key: RoutingKey(1),
+        chain: &chain,
+        prompt_tokens: 100,
+    };
+    let c_addr = SocketAddr::from(([127, 0, 0, 1], 3));
+    let seen = |plan: &Plan| plan.seen.clone().unwrap();
+
+    // c left out by the gateway's hint: it held the most.
+    let plan = p.plan_among(&r, true, &|addr| *addr != c_addr);
+    assert_eq!(names(&plan), ["a"]);
+    let s = seen(&plan);
+    assert_eq!((s.held, s.foreign), (vec![1], vec![false]));
+    assert_eq!(s.outside, Some((3, Lost::Subset)));
+    assert_eq!(s.recent, 4, "blocks 1-3 held, 4 evicted, 9 never seen");
+
+    // With c a target, b (ejected) is the best of the rest.
+    let plan = p.plan(&r, true);
+    assert_eq!(seen(&plan).outside, Some((2, Lost::Ejection)));
+    // c full: left out, and why.
+    let c = plan.targets.iter().find(|t| &*t.name == "c").unwrap();
+    let _busy = p.start(&r, c, 100);
+    assert_eq!(seen(&p.plan(&r, true)).outside, Some((3, Lost::Queue)));
+    // Unreadable prompts say nothing.
+    assert_eq!(p.plan(&r, false).seen, None);
+}

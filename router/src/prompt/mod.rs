@@ -87,7 +87,9 @@ pub type Held<'a> = &'a dyn Fn(u64) -> bool;
 
 /// What a request asks [`Held`] of: the pool's index of what engines hold.
 pub trait Holds: Send + Sync {
-    /// Whether any engine holds `block`.
+    /// Whether any engine holds `block`, or held it until recently (so a
+    /// missed block can be told evicted from never seen:
+    /// [`crate::request::missed`]).
     fn holds_any(&self, block: u64) -> bool;
 }
 

@@ -38,6 +38,13 @@ pub struct Divergence {
     pub anchor: u64,
 }
 
+impl Divergence {
+    /// Whether it is early enough to call the prefix volatile.
+    pub fn early(&self) -> bool {
+        self.block < EARLY_BLOCKS
+    }
+}
+
 /// A recurring volatile prefix, for `/debug/prefixes`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Offender {
@@ -62,16 +69,31 @@ pub struct Volatility {
 }
 
 impl Volatility {
-    /// Looks at one request: `first`, its first block's chained hash (which
-    /// carries its extra keys: salt, adapter), and `contents`, its blocks'
+    /// Looks at one request of a tenant (`tenant`, a hash of its name, 0
+    /// for none): `first`, its first block's chained hash (which carries
+    /// its extra keys: salt, adapter), and `contents`, its blocks'
     /// unchained content hashes (the first [`BLOCKS`] at most). Its chained
     /// hashes are folded from both, so the request's own chain need not
     /// reach past its first block (exact mode stops hashing where no engine
-    /// holds a block). Remembers both and returns where the request
-    /// diverged if it is flagged.
-    pub fn observe(&mut self, first: Option<u64>, contents: &[u64]) -> Option<Divergence> {
-        let contents = &contents[..contents.len().min(BLOCKS)];
-        let mut h = first?;
+    /// holds a block). Each tenant's hashes are its own: one tenant's
+    /// prompts never make another's look seen. Remembers both and returns
+    /// where the request diverged from a recent prompt whose later contents
+    /// recur, early or not ([`Divergence::early`]).
+    pub fn observe(
+        &mut self,
+        tenant: u64,
+        first: Option<u64>,
+        contents: &[u64],
+    ) -> Option<Divergence> {
+        let own = |h: u64| {
+            if tenant == 0 {
+                h
+            } else {
+                xxh3_64_with_seed(&h.to_le_bytes(), tenant)
+            }
+        };
+        let contents: Vec<u64> = contents.iter().take(BLOCKS).map(|&c| own(c)).collect();
+        let mut h = own(first?);
         let chain: Vec<u64> = (contents.iter().enumerate())
             .map(|(i, c)| {
                 if i > 0 {
@@ -83,7 +105,6 @@ impl Volatility {
         let flagged = chain
             .iter()
             .position(|h| !self.chains.contains(*h))
-            .filter(|&d| d < EARLY_BLOCKS)
             .and_then(|d| {
                 let later = &contents[d + 1..];
                 let seen: Vec<u64> = later
@@ -100,7 +121,7 @@ impl Volatility {
             });
         for (sketch, hashes) in [
             (&mut self.chains, &chain[..]),
-            (&mut self.contents, contents),
+            (&mut self.contents, &contents[..]),
         ] {
             for &h in hashes {
                 sketch.touch(h);
@@ -176,10 +197,14 @@ mod tests {
     fn a_changing_early_block_before_a_stable_rest_is_flagged() {
         let mut v = Volatility::default();
         let (c, k) = prompt(20, Some(2), 0);
-        assert_eq!(v.observe(c.first().copied(), &k), None, "nothing seen yet");
+        assert_eq!(
+            v.observe(0, c.first().copied(), &k),
+            None,
+            "nothing seen yet"
+        );
         for r in 1..10 {
             let (c, k) = prompt(20, Some(2), r);
-            let d = v.observe(c.first().copied(), &k).expect("flagged");
+            let d = v.observe(0, c.first().copied(), &k).expect("flagged");
             assert_eq!(d.block, 2);
             assert_eq!(d.anchor, 3, "the first stable block after it");
             v.record(&d, 16, "m", "t");
@@ -193,24 +218,35 @@ mod tests {
     fn repeats_new_prompts_and_growing_conversations_are_not() {
         let mut v = Volatility::default();
         let (c, k) = prompt(20, None, 0);
-        v.observe(c.first().copied(), &k);
+        v.observe(0, c.first().copied(), &k);
         assert_eq!(
-            v.observe(c.first().copied(), &k),
+            v.observe(0, c.first().copied(), &k),
             None,
             "a repeat is all known"
         );
         // A conversation that grows: new only at its end.
         let (c, k) = prompt(30, None, 0);
-        assert_eq!(v.observe(c.first().copied(), &k), None);
+        assert_eq!(v.observe(0, c.first().copied(), &k), None);
         // New prompts with contents never seen.
         for r in 0..5 {
             let contents: Vec<u64> = (0..20).map(|b| 5_000 + r * 100 + b).collect();
             let chain: Vec<u64> = contents.iter().map(|c| c ^ 0xabc).collect();
-            assert_eq!(v.observe(chain.first().copied(), &contents), None);
+            assert_eq!(v.observe(0, chain.first().copied(), &contents), None);
         }
         // A late change is not early.
         let (c, k) = prompt(40, Some(EARLY_BLOCKS + 2), 7);
-        assert_eq!(v.observe(c.first().copied(), &k), None);
+        let late = v.observe(0, c.first().copied(), &k).expect("diverged");
+        assert!(!late.early());
+    }
+
+    #[test]
+    fn tenants_do_not_see_each_others_prompts() {
+        let mut v = Volatility::default();
+        let (c, k) = prompt(20, Some(0), 0);
+        v.observe(1, c.first().copied(), &k);
+        let (c, k) = prompt(20, Some(0), 1);
+        assert_eq!(v.observe(2, c.first().copied(), &k), None, "another tenant");
+        assert!(v.observe(1, c.first().copied(), &k).is_some(), "the same");
     }
 
     #[test]
@@ -219,7 +255,7 @@ mod tests {
         for r in 0..(SKETCH as u64 / 8) {
             let contents: Vec<u64> = (0..BLOCKS as u64 * 2).map(|b| r << 20 | b).collect();
             let chain: Vec<u64> = contents.iter().map(|c| !c).collect();
-            v.observe(chain.first().copied(), &contents);
+            v.observe(0, chain.first().copied(), &contents);
             let d = Divergence {
                 block: 0,
                 anchor: r,

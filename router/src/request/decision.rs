@@ -13,10 +13,10 @@ use tokio::time::Instant;
 
 use super::guard::{Expected, Guard};
 use super::labels::Labels;
-use super::{Service, body};
+use super::missed::Known;
+use super::{RequestId, Service, body};
 use crate::metrics::{ModelTenant, Why};
-use crate::pool::Fault;
-use crate::pool::{InFlight, Plan, Target};
+use crate::pool::{Fault, InFlight, Lost, Plan, Target};
 use crate::prompt::Analysis;
 
 /// A decided request ([`Service::decide`]). Dropped before a commit or an
@@ -25,13 +25,17 @@ use crate::prompt::Analysis;
 pub(crate) struct Decision {
     service: Arc<Service>,
     labels: Labels,
-    analysis: Analysis,
+    pub(super) analysis: Analysis,
     plan: Plan,
     by: ModelTenant,
     /// Prompt tokens expected cached at the first target.
     cached: u64,
     /// The body's share of the budget.
     budget: Option<body::Held>,
+    id: RequestId,
+    /// The block where the prompt left a recent one whose later contents
+    /// recur.
+    diverged: Option<u32>,
 }
 
 /// One attempt at an endpoint: the load it holds there until dropped.
@@ -46,6 +50,8 @@ pub(crate) struct Attempt {
     first: bool,
     /// Whether the policy learned it already.
     learned: bool,
+    /// What the router knew of the request there.
+    pub(super) known: Known,
     /// When it counts as hung ([`super::hang`]); `None` for a pick whose
     /// sending the gateway owns.
     pub(crate) hang: Option<Duration>,
@@ -55,8 +61,8 @@ impl Decision {
     /// A routed request: counted as routed with its prompt tokens.
     pub(super) fn new(
         service: &Arc<Service>,
-        labels: Labels,
-        analysis: Analysis,
+        (labels, id): (Labels, RequestId),
+        (analysis, diverged): (Analysis, Option<u32>),
         plan: Plan,
         budget: Option<body::Held>,
     ) -> Self {
@@ -70,7 +76,14 @@ impl Decision {
             plan,
             by,
             budget,
+            id,
+            diverged,
         }
+    }
+
+    /// The request's id.
+    pub(crate) fn id(&self) -> &RequestId {
+        &self.id
     }
 
     /// The endpoints to try, best first: at least one.
@@ -105,6 +118,7 @@ impl Decision {
             cached,
             first,
             learned: true,
+            known: self.known(Some(n % self.plan.targets.len())),
             hang: service.hang.of(a.stream, a.max_tokens, ttft),
         }
     }
@@ -126,6 +140,7 @@ impl Decision {
             cached: self.cached,
             first: true,
             learned: false,
+            known: self.known(Some(0)),
             hang: None,
         }
     }
@@ -134,6 +149,7 @@ impl Decision {
     /// retry there, expected to find nothing cached.
     pub(crate) fn instead(&self, target: Target) -> Attempt {
         self.count_decision(false);
+        let at = self.plan.targets.iter().position(|t| t.slot == target.slot);
         let prompt_tokens = self.analysis.prompt_tokens;
         let load = self
             .service
@@ -145,6 +161,7 @@ impl Decision {
             cached: 0,
             first: false,
             learned: false,
+            known: self.known(at),
             hang: None,
         }
     }
@@ -174,10 +191,7 @@ impl Decision {
                 .pool
                 .learn(&self.analysis.request(), &attempt.target);
         }
-        let expected = Expected {
-            cached: attempt.cached,
-            prompt_tokens: self.analysis.prompt_tokens,
-        };
+        let expected = self.expected(&attempt);
         let labels = self.labels.hand_over();
         let load = (attempt.load, attempt.target.name);
         Guard::new(service, load, sent, labels, status, expected)
@@ -192,6 +206,70 @@ impl Decision {
     /// Never counted as a request ([`Service::measure`]).
     pub(super) fn forget(self) {
         self.labels.forget();
+    }
+
+    /// What the router expected of `attempt`.
+    fn expected(&self, attempt: &Attempt) -> Expected {
+        let a = &self.analysis;
+        Expected {
+            cached: attempt.cached,
+            prompt_tokens: a.prompt_tokens,
+            known: attempt.known,
+            id: self.id.clone(),
+            key: a.key.0,
+            first_block: a.chain.first().copied(),
+        }
+    }
+
+    /// Attributes the missed tokens of `attempt` as if its engine found
+    /// what was expected cached there ([`Service::measure`]).
+    pub(super) fn attribute_expected(&self, attempt: &Attempt) {
+        let e = self.expected(attempt);
+        let usage = super::hit_rate::Usage {
+            prompt_tokens: e.prompt_tokens,
+            cached_tokens: e.cached,
+        };
+        let name = &attempt.target.name;
+        (self.service).missed(&self.labels, name, &e, usage, None);
+    }
+
+    /// What the router knew of the request at target `at` (by position;
+    /// `None`: not a target), for attributing its missed tokens
+    /// ([`super::missed`]). Targets before it were tried and failed; those
+    /// after it were ranked lower.
+    fn known(&self, at: Option<usize>) -> Known {
+        let a = &self.analysis;
+        let Some(seen) = &self.plan.seen else {
+            return Known {
+                block_tokens: a.block_tokens,
+                ..Known::default()
+            };
+        };
+        let tokens = |blocks: u32| u64::from(blocks) * a.block_tokens;
+        let mut held = at.map_or(0, |i| seen.held[i]);
+        if at == Some(0) {
+            held = held.max(self.plan.cached_blocks);
+        }
+        let mut elsewhere = seen.outside;
+        for (i, &h) in seen.held.iter().enumerate() {
+            if Some(i) != at && h > elsewhere.map_or(0, |e| e.0) {
+                let lost = if at.is_none_or(|at| i < at) {
+                    Lost::Retry
+                } else {
+                    Lost::Load
+                };
+                elsewhere = Some((h, lost));
+            }
+        }
+        Known {
+            block_tokens: a.block_tokens,
+            prompt_tokens: a.tokenized.then_some(a.prompt_tokens),
+            contract: at.is_some_and(|i| seen.foreign[i]),
+            held: tokens(held),
+            elsewhere: elsewhere.map(|(b, lost)| (tokens(b), lost)),
+            recent: tokens(seen.recent),
+            diverged: self.diverged.map(tokens),
+        }
     }
 
     /// Counts an attempt's decision: the policy's reason for the first

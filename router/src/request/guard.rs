@@ -8,8 +8,9 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use tokio::time::Instant;
 
-use super::Service;
 use super::labels::Labels;
+use super::missed::{self, Known};
+use super::{RequestId, Service};
 use crate::metrics::Model;
 use crate::pool::Fault;
 use crate::pool::InFlight;
@@ -34,12 +35,19 @@ pub(crate) struct Guard {
 }
 
 /// What the router expected of a request at the endpoint it was sent to.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Expected {
     /// Prompt tokens it expected cached there.
     pub(crate) cached: u64,
     /// Prompt tokens, as the router computed them.
     pub(crate) prompt_tokens: u64,
+    /// What it knew there, to attribute missed tokens by.
+    pub(crate) known: Known,
+    pub(crate) id: RequestId,
+    /// The routing key.
+    pub(crate) key: u64,
+    /// The first block's hash.
+    pub(crate) first_block: Option<u64>,
 }
 
 impl Guard {
@@ -66,6 +74,32 @@ impl Guard {
         }
     }
 
+    /// The request's id.
+    pub(crate) fn id(&self) -> &RequestId {
+        &self.expected.id
+    }
+
+    /// With `telemetry.cacheHeader`, what is expected of the request when
+    /// its headers go out: `endpoint=…; expected-cached=N;
+    /// expected-missed=cause:N,…`.
+    pub(crate) fn cache_header(&self) -> Option<axum::http::HeaderValue> {
+        if !self.service.cache_header {
+            return None;
+        }
+        let e = &self.expected;
+        let split = missed::attribute(&e.known, e.prompt_tokens, e.cached);
+        let missed: Vec<String> = (split.causes().iter())
+            .map(|(c, n)| format!("{}:{n}", c.as_str()))
+            .collect();
+        let value = format!(
+            "endpoint={}; expected-cached={}; expected-missed={}",
+            self.name,
+            e.cached,
+            missed.join(",")
+        );
+        axum::http::HeaderValue::from_str(&value).ok()
+    }
+
     /// A body chunk of the response arrived.
     pub(crate) fn data(&mut self, data: &[u8]) {
         if self.first {
@@ -90,10 +124,15 @@ impl Guard {
         if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
             let succeeded = self.service.pool.succeeded(&self.name);
             self.service.metrics.health(succeeded);
-            if self.status.is_success()
-                && let Some((usage, id)) = self.usage.usage()
-            {
-                self.observed(usage, id);
+            if self.status.is_success() {
+                match self.usage.usage() {
+                    Some((usage, id)) => {
+                        let (labels, name) = (&self.labels, &self.name);
+                        (self.service).missed(labels, name, &self.expected, usage, id.clone());
+                        self.observed(usage, id);
+                    }
+                    None => self.unreported(),
+                }
             }
         }
     }
@@ -111,6 +150,17 @@ impl Guard {
         self.labels.count("stream_error");
     }
 
+    /// Counts the prompt tokens of a response without usage.
+    fn unreported(&self) {
+        self.service
+            .metrics
+            .unreported_prompt_tokens
+            .get_or_create(&Model {
+                model: self.labels.model.clone(),
+            })
+            .inc_by(self.expected.prompt_tokens);
+    }
+
     /// Counts what the engine reported of the request against what the
     /// router expected, and logs a sustained gap.
     fn observed(&self, usage: Usage, id: Option<String>) {
@@ -125,7 +175,7 @@ impl Guard {
         let mut gap = self.service.gap.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now().into_std();
         let model = self.labels.model.as_str();
-        let expected = self.expected;
+        let expected = &self.expected;
         let (value, alert) = gap.record(
             model,
             expected.cached,

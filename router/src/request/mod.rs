@@ -24,7 +24,10 @@ mod guard;
 pub mod hang;
 pub mod hit_rate;
 mod labels;
+pub mod missed;
+mod observed;
 mod queue;
+pub mod recent;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -41,6 +44,7 @@ use self::body::{BodyBudget, Received};
 pub(crate) use self::decision::{Attempt, Decision};
 pub(crate) use self::guard::Guard;
 pub(crate) use self::labels::Labels;
+pub use self::recent::RequestId;
 use crate::admin::explain::Explanation;
 use crate::config::{Config, Limits};
 use crate::errors::ApiError;
@@ -89,6 +93,12 @@ pub struct Service {
     gap: std::sync::Mutex<Gap>,
     /// Volatile prefix detection.
     prefixes: std::sync::Mutex<Volatility>,
+    /// The `evicted` share of prompt tokens, per model label.
+    pressure: std::sync::Mutex<std::collections::HashMap<String, missed::Pressure>>,
+    /// Recent requests' missed tokens.
+    recent: recent::Recent,
+    /// `telemetry.cacheHeader`.
+    pub(crate) cache_header: bool,
     /// When an attempt counts as hung.
     hang: hang::Deadline,
     /// Per-request warnings, throttled per endpoint and reason.
@@ -103,6 +113,8 @@ pub(crate) struct Ask<'a> {
     pub(crate) body: Payload,
     /// The endpoints it may go to.
     pub(crate) among: Among<'a>,
+    /// Its id.
+    pub(crate) id: RequestId,
 }
 
 /// A request's body as a front end has it.
@@ -131,6 +143,9 @@ enum Purpose {
 struct Read {
     labels: Labels,
     analysis: Analysis,
+    /// The block where it left a recent prompt of its tenant whose later
+    /// contents recur.
+    diverged: Option<u32>,
     /// The body's share of the budget, while it is held.
     budget: Option<body::Held>,
     /// When it was admitted.
@@ -197,6 +212,9 @@ impl Service {
             tenant_labels,
             gap: std::sync::Mutex::default(),
             prefixes: std::sync::Mutex::default(),
+            pressure: std::sync::Mutex::default(),
+            recent: recent::Recent::default(),
+            cache_header: config.telemetry.cache_header,
             hang: hang::Deadline::new(&config.resilience, &config.limits),
             warnings: Warnings::default(),
             limits,
@@ -302,9 +320,11 @@ impl Service {
     /// ends decide here, so they decide alike. A refusal is counted.
     pub(crate) async fn decide(self: &Arc<Self>, ask: Ask<'_>) -> Result<Decision, ApiError> {
         let among = ask.among;
+        let id = ask.id.clone();
         let Read {
             mut labels,
             analysis,
+            diverged,
             budget,
             started,
         } = self.read(ask, Purpose::Route).await?;
@@ -328,7 +348,13 @@ impl Service {
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        Ok(Decision::new(self, labels, analysis, plan, budget))
+        Ok(Decision::new(
+            self,
+            (labels, id),
+            (analysis, diverged),
+            plan,
+            budget,
+        ))
     }
 
     /// Admits a request and reads it, as [`decide`](Self::decide) and
@@ -355,6 +381,7 @@ impl Service {
                 let read = Read {
                     labels,
                     analysis: Analysis::bodiless(),
+                    diverged: None,
                     budget: None,
                     started,
                 };
@@ -371,6 +398,7 @@ impl Service {
                 return Ok(Read {
                     labels,
                     analysis: Analysis::bodiless(),
+                    diverged: None,
                     budget: None,
                     started: Instant::now(),
                 });
@@ -386,6 +414,7 @@ impl Service {
         let read = Read {
             labels,
             analysis: Analysis::bodiless(),
+            diverged: None,
             budget: Some(budget),
             started,
         };
@@ -407,6 +436,9 @@ impl Service {
             Purpose::Route => Scope::Whole,
             Purpose::Explain => Scope::KeepTokens,
         };
+        let own = tenant
+            .as_deref()
+            .map_or(0, |t| xxhash_rust::xxh3::xxh3_64(t.as_bytes()));
         let labels = &mut read.labels;
         match self
             .analyze(path, headers, tenant, bytes, scope, &mut labels.model)
@@ -419,7 +451,7 @@ impl Service {
             }
         }
         if purpose == Purpose::Route {
-            self.volatile(&read.analysis, &read.labels);
+            read.diverged = self.volatile(&read.analysis, &read.labels, own);
         }
         Ok(read)
     }
@@ -553,6 +585,7 @@ impl Service {
             headers,
             body: Payload::Read(body),
             among: &|_| true,
+            id: RequestId::of(headers),
         };
         let a = self.read(ask, Purpose::Explain).await?.analysis;
         let decision = self.pool.explain(&a.request(), a.readable);
@@ -577,8 +610,9 @@ impl Service {
     /// The routing decision for a request as a front end makes it: the
     /// same admission, reading and plan, then the first target's load and
     /// the policy's memory of it, as when sent (the load released at
-    /// once), without I/O and not counted as a request. Returns the first target's
-    /// name. For measuring what a decision costs.
+    /// once) and its missed tokens attributed as if the engine found what
+    /// was expected, without I/O and not counted as a request. Returns the
+    /// first target's name. For measuring what a decision costs.
     pub async fn measure(
         self: &Arc<Self>,
         path: &str,
@@ -590,10 +624,13 @@ impl Service {
             headers,
             body: Payload::Read(body),
             among: &|_| true,
+            id: RequestId::of(headers),
         };
         let decision = self.decide(ask).await?;
         let target = decision.targets()[0].clone();
-        drop(decision.send(0, &target));
+        let attempt = decision.send(0, &target);
+        decision.attribute_expected(&attempt);
+        drop(attempt);
         decision.forget();
         Ok(target.name.to_string())
     }
@@ -608,13 +645,17 @@ impl Service {
         }
     }
 
-    /// Looks for a volatile prefix in a routed request (see
-    /// [`prefixes`](crate::prompt::prefixes)) and counts one.
-    fn volatile(&self, analysis: &Analysis, labels: &Labels) {
+    /// Looks for where a routed request of `tenant` (a hash) left a recent
+    /// prompt whose later contents recur (see
+    /// [`prefixes`](crate::prompt::prefixes)), and returns that block;
+    /// counts an early one as a volatile prefix.
+    fn volatile(&self, analysis: &Analysis, labels: &Labels, tenant: u64) -> Option<u32> {
         let mut v = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(d) = v.observe(analysis.chain.first().copied(), &analysis.contents) else {
-            return;
-        };
+        let first = analysis.chain.first().copied();
+        let d = v.observe(tenant, first, &analysis.contents)?;
+        if !d.early() {
+            return Some(d.block as u32);
+        }
         v.record(
             &d,
             analysis.block_tokens as usize,
@@ -626,6 +667,7 @@ impl Service {
             .volatile_prefix_requests
             .get_or_create(&labels.model_tenant())
             .inc();
+        Some(d.block as u32)
     }
 
     /// The recurring volatile prefixes, most frequent first.

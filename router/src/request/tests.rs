@@ -5,6 +5,7 @@ use serde_json::json;
 
 use super::*;
 use crate::config;
+use crate::pool::Lost;
 
 /// A service with `config` over a pool of the test settings (no endpoints
 /// yet), tenants shared.
@@ -90,4 +91,70 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
     // A prompt nobody holds costs one block's hash.
     let other = analyze(body("A prompt no engine has seen. "), false).await;
     assert_eq!(other.len(), 1);
+}
+
+/// An attempt knows what its endpoint held and who held more: endpoints
+/// tried before it (a retry), or ranked after it (load).
+#[tokio::test]
+async fn attempts_know_who_held_more_and_why_it_lost() {
+    let (service, pool) = test_service(&Config::default());
+    let specs = ["a", "b"]
+        .iter()
+        .map(|name| crate::pool::EndpointSpec {
+            name: (*name).into(),
+            http: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
+            cache: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
+            ready: true,
+            draining: false,
+        })
+        .collect();
+    let streams = pool.set_endpoints(specs);
+    let content = "Attempts remember who held the prefix. ".repeat(40);
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": content}]});
+    let bytes = Bytes::from(chat.to_string());
+    let headers = HeaderMap::new();
+    let ask = |bytes: Bytes| Ask {
+        path: "/v1/chat/completions",
+        headers: &headers,
+        body: Payload::Read(bytes),
+        among: &|_| true,
+        id: RequestId::of(&headers),
+    };
+    let path = "/v1/chat/completions";
+    let mut model = String::new();
+    let whole = service.analyze(
+        path,
+        &headers,
+        None,
+        bytes.clone(),
+        Scope::KeepTokens,
+        &mut model,
+    );
+    let chain = whole.await.unwrap().chain;
+    assert!(chain.len() >= 4);
+    let engine = kvroute_core::contract::EngineCache::of(&pool.settings().hasher);
+    // `a` holds 2 leading blocks, `b` 4.
+    for (s, held) in streams.start.iter().zip([2, 4]) {
+        pool.apply_snapshot(
+            &s.name,
+            s.generation,
+            engine.clone(),
+            64,
+            &chain[..held],
+            &[],
+        )
+        .unwrap();
+    }
+    let d = service.decide(ask(bytes)).await.unwrap();
+    let targets = d.targets().to_vec();
+    assert_eq!(&*targets[0].name, "b", "the longest prefix first");
+    let bs = d.analysis.block_tokens;
+    let first = d.send(0, &targets[0]);
+    assert_eq!(first.known.held, 4 * bs);
+    assert_eq!(first.known.elsewhere, Some((2 * bs, Lost::Load)));
+    assert_eq!(first.known.prompt_tokens, Some(d.analysis.prompt_tokens));
+    let retry = d.send(1, &targets[1]);
+    assert_eq!(retry.known.held, 2 * bs);
+    assert_eq!(retry.known.elsewhere, Some((4 * bs, Lost::Retry)));
+    d.forget();
 }

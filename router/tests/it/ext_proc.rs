@@ -216,16 +216,18 @@ impl Envoy {
             endpoints: header.split(',').map(|s| s.parse().unwrap()).collect(),
             body,
             ended,
+            request_id: set["x-request-id"].clone(),
         }
     }
 
-    /// Response headers with `status`, the served endpoint in `envoy.lb`.
+    /// Response headers with `status`, the served endpoint in `envoy.lb`;
+    /// returns the headers the picker sets on them.
     async fn response_headers(
         &mut self,
         status: &str,
         content_type: &str,
         served: Option<SocketAddr>,
-    ) {
+    ) -> HashMap<String, String> {
         let md = served.and_then(|s| {
             metadata(
                 "envoy.lb",
@@ -239,9 +241,18 @@ impl Envoy {
             ..HttpHeaders::default()
         };
         self.send(Message::ResponseHeaders(h), md).await;
-        let Answer::ResponseHeaders(_) = self.next().await else {
+        let Answer::ResponseHeaders(h) = self.next().await else {
             panic!("expected the response headers answer")
         };
+        (h.response.and_then(|r| r.header_mutation))
+            .map(|m| m.set_headers)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|o| {
+                let h = o.header.unwrap();
+                (h.key, String::from_utf8(h.raw_value).unwrap())
+            })
+            .collect()
     }
 
     /// Sends response body chunks and returns what came back.
@@ -300,6 +311,8 @@ struct Decision {
     endpoints: Vec<SocketAddr>,
     body: Vec<u8>,
     ended: bool,
+    /// The `x-request-id` set on the request.
+    request_id: String,
 }
 
 async fn picker(
@@ -384,10 +397,15 @@ async fn picks_as_the_proxy_does_and_follows_the_response() {
     let request = chat(&system, "second question", 4);
     let body = serde_json::to_vec(&request).unwrap();
     let expected = explained(&stack, &request).await;
+    let missed_before = sum_of(&stack.metrics().await, "kvroute_missed_prompt_tokens_total");
 
     let mut envoy = Envoy::open(&mut client).await;
     envoy
-        .request_headers("/v1/chat/completions?x=1", &[], None)
+        .request_headers(
+            "/v1/chat/completions?x=1",
+            &[("x-request-id", "pick-1")],
+            None,
+        )
         .await;
     // Chunks of 1, 3 and 7 bytes split multi-byte characters and JSON
     // strings anywhere.
@@ -403,10 +421,12 @@ async fn picks_as_the_proxy_does_and_follows_the_response() {
     assert_eq!(d.body, body, "the body goes back whole");
     assert!(d.ended);
     assert_eq!(in_flight(&stack, holder), 1, "the pick carries the load");
+    assert_eq!(d.request_id, "pick-1", "the engine gets the request's id");
 
-    envoy
+    let set = envoy
         .response_headers("200", "text/event-stream", Some(holder))
         .await;
+    assert_eq!(set["x-request-id"], "pick-1", "and so does the client");
     let events = [
         "data: {\"choices\":[{\"delta\":{\"content\":\"h\"}}]}\n\n",
         "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":1,",
@@ -422,6 +442,14 @@ async fn picks_as_the_proxy_does_and_follows_the_response() {
     let metrics = stack.metrics().await;
     assert!(sum_of(&metrics, "kvroute_observed_cached_tokens_total") >= 32.0);
     assert!(metrics.contains("kvroute_requests_total{model=\"kvroute-sim\",status=\"200\"}"));
+    // Its 8 missed tokens are attributed (the engine counted another
+    // prompt than the router read: unknown, but the last block).
+    let missed = sum_of(&metrics, "kvroute_missed_prompt_tokens_total");
+    assert_eq!(missed - missed_before, 8.0);
+    let url = format!("http://{}/debug/requests/pick-1", stack.router.admin_addr);
+    let record: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+    let missed: Vec<(String, u64)> = serde_json::from_value(record["missed"].clone()).unwrap();
+    assert_eq!(missed.iter().map(|m| m.1).sum::<u64>(), 8, "{record}");
     stack.stop().await;
 }
 

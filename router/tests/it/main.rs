@@ -14,6 +14,7 @@ mod hung;
 mod identity;
 mod index_bounds;
 mod memory;
+mod missed;
 mod open_files;
 mod prefixes;
 mod proxy;

@@ -62,6 +62,26 @@ pub struct ModelTenant {
     pub tenant: String,
 }
 
+/// `{model, tenant, cause}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelTenantCause {
+    /// A served model, or `unknown`.
+    pub model: String,
+    /// A listed tenant, `none` or `other`.
+    pub tenant: String,
+    /// A [`Cause`](crate::request::missed::Cause).
+    pub cause: &'static str,
+}
+
+/// `{model, reason}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelReason {
+    /// A served model, or `unknown`.
+    pub model: String,
+    /// A [`Lost`](crate::pool::Lost).
+    pub reason: &'static str,
+}
+
 /// `{model}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Model {
@@ -165,6 +185,14 @@ pub struct Metrics {
     pub hit_rate_gap_alerts: Family<Model, Counter>,
     /// `kvroute_volatile_prefix_requests_total{model,tenant}`.
     pub volatile_prefix_requests: Family<ModelTenant, Counter>,
+    /// `kvroute_missed_prompt_tokens_total{model,tenant,cause}`.
+    pub missed_prompt_tokens: Family<ModelTenantCause, Counter>,
+    /// `kvroute_routed_elsewhere_tokens_total{model,reason}`.
+    pub routed_elsewhere_tokens: Family<ModelReason, Counter>,
+    /// `kvroute_unreported_prompt_tokens_total{model}`.
+    pub unreported_prompt_tokens: Family<Model, Counter>,
+    /// `kvroute_cache_pressure{model}`, set at each scrape.
+    pub cache_pressure: Family<Model, Gauge<f64, AtomicU64>>,
     /// `kvroute_conversation_prompts_total{result}`.
     pub conversation_prompts: Family<Outcome, Counter>,
     /// `kvroute_conversation_evictions_total`.
@@ -211,6 +239,10 @@ impl Default for Metrics {
             hit_rate_gap: Family::default(),
             hit_rate_gap_alerts: Family::default(),
             volatile_prefix_requests: Family::default(),
+            missed_prompt_tokens: Family::default(),
+            routed_elsewhere_tokens: Family::default(),
+            unreported_prompt_tokens: Family::default(),
+            cache_pressure: Family::default(),
             conversation_prompts: Family::default(),
             conversation_evictions: Counter::default(),
             upstream_failures: Family::default(),
@@ -331,6 +363,26 @@ impl Default for Metrics {
             m.volatile_prefix_requests.clone(),
         );
         r.register(
+            "kvroute_missed_prompt_tokens",
+            "Prompt tokens the engine computed (usage.prompt_tokens minus prompt_tokens_details.cached_tokens), by model, tenant and cause: contract, partial_block, routed_elsewhere, engine_shortfall, evicted, diverged, cold, unknown (docs/missed-tokens.md)",
+            m.missed_prompt_tokens.clone(),
+        );
+        r.register(
+            "kvroute_routed_elsewhere_tokens",
+            "Missed prompt tokens another endpoint held, by model and why it lost: load, queue, health, ejection, subset, retry",
+            m.routed_elsewhere_tokens.clone(),
+        );
+        r.register(
+            "kvroute_unreported_prompt_tokens",
+            "Prompt tokens of successful responses without usage (a stream without stream_options.include_usage, an engine without --enable-prompt-tokens-details): not attributed",
+            m.unreported_prompt_tokens.clone(),
+        );
+        r.register(
+            "kvroute_cache_pressure",
+            "The evicted share of prompt tokens over the last 60 s at this router: the pool's cache-capacity pressure",
+            m.cache_pressure.clone(),
+        );
+        r.register(
             "kvroute_upstream_failures",
             "Failed attempts by endpoint and kind (connect, status, timeout, stream, transport)",
             m.upstream_failures.clone(),
@@ -423,13 +475,17 @@ impl Metrics {
                 present
             });
         }
-        let gauges = pool_gauges(&endpoints, &pool.index_stats());
+        let gauges = pool_gauges(&endpoints, &pool.index_stats(), pool.evicted_overflow());
         kvroute_telemetry::metrics::encode(&[&self.registry, &gauges])
     }
 }
 
 /// The pool's gauges as of now, in a registry of their own.
-fn pool_gauges(endpoints: &[EndpointStatus], index: &[TierStats]) -> Registry {
+fn pool_gauges(
+    endpoints: &[EndpointStatus],
+    index: &[TierStats],
+    evicted_overflow: u64,
+) -> Registry {
     let mut r = Registry::default();
     let mut per_endpoint =
         |name: &str, help: &str, value: &dyn Fn(&EndpointStatus) -> Option<f64>| {
@@ -530,119 +586,15 @@ fn pool_gauges(endpoints: &[EndpointStatus], index: &[TierStats]) -> Registry {
         "Blocks engines reported stored that the occupancy index dropped to hold at most limits.maxIndexBlocksPerEndpoint (gpu) or limits.maxOffloadedBlocksPerEndpoint (offloaded) per endpoint: misses, never false hits",
         dropped,
     );
+    let overflow = Counter::<u64>::default();
+    overflow.inc_by(evicted_overflow);
+    r.register(
+        "kvroute_evicted_set_overflow",
+        "Evicted blocks forgotten to make room in the recently evicted set (limits.maxEvictedBlocks): some evicted misses are then called cold",
+        overflow,
+    );
     r
 }
 
 #[cfg(test)]
-mod tests {
-    use kvroute_core::policy::PolicyConfig;
-
-    use super::*;
-    use crate::config::Resilience;
-    use crate::pool::Fault;
-    use crate::settings::Settings;
-
-    fn pool() -> std::sync::Arc<Pool> {
-        Pool::new(
-            Settings::builtin(PolicyConfig::default()),
-            &Resilience::default(),
-            8,
-        )
-    }
-
-    fn spec(name: &str) -> crate::pool::EndpointSpec {
-        crate::pool::EndpointSpec {
-            name: name.into(),
-            http: "127.0.0.1:1".parse().unwrap(),
-            cache: None,
-            ready: true,
-            draining: false,
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn health_events_are_counted_by_reason() {
-        let m = Metrics::default();
-        let pool = Pool::new(
-            Settings::builtin(PolicyConfig::default()),
-            &Resilience {
-                eject_after_failures: 1,
-                health_check: None,
-                ..Resilience::default()
-            },
-            8,
-        );
-        pool.set_endpoints(["a", "b", "c", "d"].map(spec).to_vec());
-        for name in ["a", "b", "c", "d"] {
-            m.health(pool.failed(name, Fault::Connect));
-        }
-        tokio::time::advance(std::time::Duration::from_millis(5001)).await;
-        m.health(pool.tick());
-        let text = m.render(&pool);
-        assert!(
-            text.contains("kvroute_ejections_total{reason=\"connect\"} 2"),
-            "{text}"
-        );
-        assert!(
-            text.contains("kvroute_ejections_refused_total{reason=\"connect\"} 2"),
-            "{text}"
-        );
-        assert!(
-            text.contains("kvroute_restorations_total{reason=\"expired\"} 2"),
-            "{text}"
-        );
-    }
-
-    #[test]
-    fn series_of_removed_endpoints_are_dropped() {
-        let m = Metrics::default();
-        let pool = pool();
-        pool.set_endpoints(vec![spec("a"), spec("ab")]);
-        for e in ["a", "ab"] {
-            m.upstream_failure(e, "connect");
-        }
-        assert!(m.render(&pool).contains("endpoint=\"a\",kind"));
-        pool.set_endpoints(vec![spec("ab")]);
-        let text = m.render(&pool);
-        assert!(!text.contains("endpoint=\"a\",kind"), "{text}");
-        assert!(text.contains("endpoint=\"ab\",kind"), "{text}");
-    }
-
-    #[test]
-    fn renders_counters_histograms_and_pool_gauges() {
-        let m = Metrics::default();
-        let labels = ModelStatus {
-            model: "m\"x".into(),
-            status: "200".into(),
-        };
-        m.requests.get_or_create(&labels).inc();
-        m.requests.get_or_create(&labels).inc();
-        m.decision_seconds.observe(0.002);
-        let pool = pool();
-        let text = m.render(&pool);
-        assert!(
-            text.contains("kvroute_requests_total{model=\"m\\\"x\",status=\"200\"} 2\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("kvroute_decision_seconds_bucket{le=\"0.005\"} 1\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("kvroute_decision_seconds_bucket{le=\"0.001\"} 0\n"),
-            "{text}"
-        );
-        assert!(text.contains("# TYPE kvroute_decision_seconds histogram"));
-        assert!(text.contains("# TYPE kvroute_requests counter"));
-        assert!(
-            text.contains("kvroute_index_entries{medium=\"gpu\"} 0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("kvroute_index_dropped_blocks_total{medium=\"offloaded\"} 0\n"),
-            "{text}"
-        );
-        assert!(text.ends_with("# EOF\n"), "one exposition: {text}");
-        assert_eq!(text.matches("# EOF").count(), 1);
-    }
-}
+mod tests;
