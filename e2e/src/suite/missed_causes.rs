@@ -152,40 +152,41 @@ fn record(s: &mut Scenario, phase: &str, missed: &Missed, samples: &[Sample]) ->
 /// Requests noted when a phase misses its goal.
 const DIAGNOSED: usize = 3;
 
-/// Notes the routers' records (`/debug/requests/{id}`) of the first
-/// [`DIAGNOSED`] requests of `phase` that missed tokens for another cause
-/// than the phase's and `partial_block`: which cause took them, and what
-/// the router expected there.
+/// Notes the routers' records (`/debug/requests/{id}`) of the
+/// [`DIAGNOSED`] requests of `phase` with the most missed tokens of
+/// another cause than the phase's and `partial_block`: which cause took
+/// them, and what the router expected there.
 async fn diagnose(s: &mut Scenario, phase: &str, system: &System, sent: &[Sent]) {
-    let mut noted = 0;
+    let mut others = Vec::new();
     for x in sent {
         let Ok(r) = system.recorded(x.router, &x.id).await else {
             continue;
         };
-        let other = r["missed"].as_array().into_iter().flatten().any(|m| {
-            let cause = m[0].as_str().unwrap_or("");
-            cause != phase && cause != "partial_block"
-        });
-        if other {
-            s.notes.push(format!(
-                "{phase}: {} on router-{}: endpoint {}, prompt {} tokens, expected cached {}, cached {}, missed {}{}",
-                x.id,
-                x.router,
-                r["endpoint"].as_str().unwrap_or("?"),
-                r["prompt_tokens"],
-                r["expected_cached_tokens"],
-                r["cached_tokens"],
-                r["missed"],
-                r["routed_elsewhere_reason"]
-                    .as_str()
-                    .map(|w| format!(" (elsewhere: {w})"))
-                    .unwrap_or_default(),
-            ));
-            noted += 1;
-            if noted == DIAGNOSED {
-                break;
-            }
+        let other: u64 = (r["missed"].as_array().into_iter().flatten())
+            .filter(|m| !matches!(m[0].as_str(), Some(c) if c == phase || c == "partial_block"))
+            .filter_map(|m| m[1].as_u64())
+            .sum();
+        if other > 0 {
+            others.push((other, x, r));
         }
+    }
+    others.sort_by_key(|(other, ..)| std::cmp::Reverse(*other));
+    let count = others.len();
+    for (_, x, r) in others.into_iter().take(DIAGNOSED) {
+        s.notes.push(format!(
+            "{phase}: {} on router-{}: endpoint {}, prompt {} tokens, expected cached {}, cached {}, missed {}{} (of {count} requests with other causes)",
+            x.id,
+            x.router,
+            r["endpoint"].as_str().unwrap_or("?"),
+            r["prompt_tokens"],
+            r["expected_cached_tokens"],
+            r["cached_tokens"],
+            r["missed"],
+            r["routed_elsewhere_reason"]
+                .as_str()
+                .map(|w| format!(" (elsewhere: {w})"))
+                .unwrap_or_default(),
+        ));
     }
 }
 
