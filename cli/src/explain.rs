@@ -78,18 +78,38 @@ pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
         .collect();
     let request = json!({"path": args.path, "headers": headers, "body": body});
     let url = format!("{}/debug/explain", args.admin.trim_end_matches('/'));
+    ask(args, &url, Some(request), "explanation", render, out)
+}
+
+/// Asks the router's admin port at `url` (a POST of `body` when given,
+/// else a GET) and prints the answer, a `what`: as the router's JSON with
+/// `--json`, else `render`ed.
+fn ask<T: serde::de::DeserializeOwned>(
+    args: &ExplainArgs,
+    url: &str,
+    body: Option<Value>,
+    what: &str,
+    render: fn(&T) -> String,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let (status, answer) = runtime.block_on(async {
-        let mut post = reqwest::Client::new().post(&url).json(&request);
+        let client = reqwest::Client::new();
+        let mut request = match &body {
+            Some(body) => client.post(url).json(body),
+            None => client.get(url),
+        };
         if let Some(token) = &args.admin_token {
-            post = post.bearer_auth(token);
+            request = request.bearer_auth(token);
         }
-        let response = post.send().await.with_context(|| format!("asking {url}"))?;
+        let response = request
+            .send()
+            .await
+            .with_context(|| format!("asking {url}"))?;
         let status = response.status();
-        let text = response.text().await?;
-        anyhow::Ok((status, text))
+        anyhow::Ok((status, response.text().await?))
     })?;
     let value: Value = serde_json::from_str(&answer)
         .with_context(|| format!("{url} answered {status} with no JSON: {answer}"))?;
@@ -100,54 +120,28 @@ pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
     } else {
-        let explanation: Explanation = serde_json::from_value(value)
-            .with_context(|| format!("{url} answered with no explanation: {answer}"))?;
-        out.write_all(render(&explanation).as_bytes())?;
+        let answer: T = serde_json::from_value(value)
+            .with_context(|| format!("{url} answered with no {what}: {answer}"))?;
+        out.write_all(render(&answer).as_bytes())?;
     }
     Ok(())
 }
 
 /// `kvroute explain --request-id ID`.
 fn recorded(args: &ExplainArgs, id: &str, out: &mut impl Write) -> anyhow::Result<()> {
-    // The id goes in a path segment: escape what is not unreserved.
-    let escaped: String = (id.bytes())
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                char::from(b).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect();
-    let url = format!(
-        "{}/debug/requests/{escaped}",
-        args.admin.trim_end_matches('/')
-    );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let (status, answer) = runtime.block_on(async {
-        let mut get = reqwest::Client::new().get(&url);
-        if let Some(token) = &args.admin_token {
-            get = get.bearer_auth(token);
-        }
-        let response = get.send().await.with_context(|| format!("asking {url}"))?;
-        let status = response.status();
-        anyhow::Ok((status, response.text().await?))
-    })?;
-    let value: Value = serde_json::from_str(&answer)
-        .with_context(|| format!("{url} answered {status} with no JSON: {answer}"))?;
-    if !status.is_success() {
-        let message = value["error"]["message"].as_str().unwrap_or(&answer);
-        bail!("the router answered {status}: {message}");
-    }
-    if args.json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
-    } else {
-        let r: Recorded = serde_json::from_value(value)
-            .with_context(|| format!("{url} answered with no request record: {answer}"))?;
-        out.write_all(render_recorded(&r).as_bytes())?;
-    }
-    Ok(())
+    let mut url = reqwest::Url::parse(args.admin.trim_end_matches('/'))
+        .with_context(|| format!("--admin {}", args.admin))?;
+    url.path_segments_mut()
+        .map_err(|()| anyhow::anyhow!("--admin {} is not an http URL", args.admin))?
+        .extend(["debug", "requests", id]);
+    ask(
+        args,
+        url.as_str(),
+        None,
+        "request record",
+        render_recorded,
+        out,
+    )
 }
 
 /// A request's record for people.

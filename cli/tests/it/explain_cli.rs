@@ -1,6 +1,7 @@
 //! `kvroute explain` against a router over engine sims in this process: it
-//! prints the chain, each endpoint's cached blocks and the decision; a
-//! router that cannot be reached is one error line.
+//! prints the chain, each endpoint's cached blocks and the decision, and a
+//! served request's missed tokens by cause; a router that cannot be reached
+//! is one error line.
 
 use std::process::{Command, Output};
 
@@ -58,6 +59,7 @@ async fn explains_a_request_to_a_running_router() {
     // Warm one engine and wait until the router's index has its blocks.
     let r = reqwest::Client::new()
         .post(format!("http://{}/v1/chat/completions", router.addr()))
+        .header("x-request-id", "warm-1")
         .json(&body)
         .send()
         .await
@@ -116,6 +118,38 @@ async fn explains_a_request_to_a_running_router() {
     .await;
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["decision"]["ranked"][0], holder.as_str());
+
+    // Where the first request's missed tokens went.
+    let id = |id: &str| {
+        vec![
+            "explain".into(),
+            "--admin".into(),
+            format!("http://{}", router.admin_addr),
+            "--request-id".into(),
+            id.into(),
+        ]
+    };
+    let out = kvroute(id("warm-1")).await;
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.starts_with("request   warm-1 (response chatcmpl-"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("served    by {holder};")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("\n  cold "), "{stdout}");
+    let missing = kvroute(id("nope")).await;
+    assert_eq!(missing.status.code(), Some(1));
+    let stderr = String::from_utf8(missing.stderr).unwrap();
+    assert!(
+        stderr.starts_with(
+            "error: the router refused the request (404 Not Found): no recent request nope"
+        ),
+        "{stderr}"
+    );
 
     let unreachable = kvroute(vec![
         "explain".into(),

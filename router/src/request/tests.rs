@@ -19,14 +19,9 @@ fn test_service(config: &Config) -> (Arc<Service>, Arc<Pool>) {
     )
 }
 
-/// In exact mode a chain is hashed as far as the engines hold it: the
-/// router asks whether any engine holds its last block after 1, 2, 4, ...
-/// 64 blocks, then every 64.
-#[tokio::test]
-async fn exact_chains_end_past_the_blocks_engines_hold() {
-    let (service, pool) = test_service(&Config::default());
-    let specs = ["a", "b", "c"]
-        .iter()
+/// Endpoints `names` that report their caches.
+fn reporting(names: &[&str]) -> Vec<crate::pool::EndpointSpec> {
+    (names.iter())
         .map(|name| crate::pool::EndpointSpec {
             name: (*name).into(),
             http: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
@@ -34,8 +29,16 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
             ready: true,
             draining: false,
         })
-        .collect();
-    let streams = pool.set_endpoints(specs);
+        .collect()
+}
+
+/// In exact mode a chain is hashed as far as the engines hold it: the
+/// router asks whether any engine holds its last block after 1, 2, 4, ...
+/// 64 blocks, then every 64.
+#[tokio::test]
+async fn exact_chains_end_past_the_blocks_engines_hold() {
+    let (service, pool) = test_service(&Config::default());
+    let streams = pool.set_endpoints(reporting(&["a", "b", "c"]));
     let body = |text: &str| {
         let content = text.repeat(300);
         let chat = json!({"model": "m", "messages": [{"role": "user", "content": content}]});
@@ -98,17 +101,7 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
 #[tokio::test]
 async fn attempts_know_who_held_more_and_why_it_lost() {
     let (service, pool) = test_service(&Config::default());
-    let specs = ["a", "b"]
-        .iter()
-        .map(|name| crate::pool::EndpointSpec {
-            name: (*name).into(),
-            http: std::net::SocketAddr::from(([127, 0, 0, 1], 9)),
-            cache: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
-            ready: true,
-            draining: false,
-        })
-        .collect();
-    let streams = pool.set_endpoints(specs);
+    let streams = pool.set_endpoints(reporting(&["a", "b"]));
     let content = "Attempts remember who held the prefix. ".repeat(40);
     let chat = json!({"model": "m", "messages": [{"role": "user", "content": content}]});
     let bytes = Bytes::from(chat.to_string());
