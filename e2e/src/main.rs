@@ -226,4 +226,7 @@ fn print_scenario(s: &Scenario, title: &str) {
         .map(|(k, v)| format!("{k}={v:.3}"))
         .collect();
     println!("  {}", figures.join(" "));
+    for line in &s.text {
+        println!("  {line}");
+    }
 }

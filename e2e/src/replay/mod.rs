@@ -223,6 +223,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         prefill_overhead_ms: PREFILL_OVERHEAD_MS,
         itl_ms: ITL_MS,
         time_scale: args.time_scale,
+        extra_latency_ms: 0,
     };
     // How old a router's view of engine load is on average (see model.rs).
     let report_lag_ms = (f64::from(LOAD_INTERVAL_MS) * args.time_scale / 2.0).round() as u32;

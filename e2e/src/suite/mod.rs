@@ -3,6 +3,8 @@
 
 pub mod inference_perf;
 pub mod load;
+pub mod missed;
+pub mod missed_causes;
 pub mod procs;
 pub mod repeat;
 pub mod report;

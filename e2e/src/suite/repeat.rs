@@ -126,6 +126,7 @@ pub fn combine(mut runs: Vec<Scenario>) -> Scenario {
         checks: merge_checks(&runs, |r| &r.checks),
         goals: merge_checks(&runs, |r| &r.goals),
         notes,
+        text: first.text.clone(),
         error: (!errors.is_empty()).then(|| errors.join("; ")),
         skipped: if skipped { first.skipped.clone() } else { None },
         plot: first.plot.clone(),

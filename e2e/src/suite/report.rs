@@ -43,6 +43,9 @@ pub struct Scenario {
     /// What was not done, and why.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// Lines printed below the figures: a table of them, say.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub text: Vec<String>,
     /// Why it could not finish, if it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -13,6 +13,7 @@ use kvroute_core::rng::SplitMix64;
 use serde_json::json;
 
 use super::load::{self, Outcome, Rotation, Sample, Shape};
+use super::missed::Missed;
 use super::procs::Bins;
 use super::report::{self, Scenario, Timeline};
 use super::system::{MODEL, Setup, System, TENANT_HEADER};
@@ -64,7 +65,7 @@ impl Ctx {
         self.baseline.get_or_try_init(run).await.cloned()
     }
 
-    async fn system(&self, name: &str, setup: Setup) -> anyhow::Result<System> {
+    pub(super) async fn system(&self, name: &str, setup: Setup) -> anyhow::Result<System> {
         System::start(&self.bins, &self.out.join("logs").join(name), setup).await
     }
 
@@ -92,7 +93,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -102,6 +103,7 @@ pub const NAMES: [&str; 9] = [
     "agent_restarted",
     "tenants",
     "contract_mismatch",
+    "missed_causes",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -116,6 +118,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "agent_restarted" => agent_restarted(ctx, s).await,
         "tenants" => tenants(ctx, s).await,
         "contract_mismatch" => contract_mismatch(ctx, s).await,
+        "missed_causes" => super::missed_causes::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }
@@ -183,6 +186,25 @@ fn latency_figures(s: &mut Scenario, prefix: &str, samples: &[Sample]) {
     );
 }
 
+/// The routers' attribution of the run's missed prompt tokens to causes,
+/// under `prefix`; for kvroute (no prefix) a goal on `unknown`. Round
+/// robin reads no prompt, so its misses are mostly `unknown`: recorded,
+/// no goal.
+fn missed_figures(s: &mut Scenario, prefix: &str, missed: &Missed) {
+    missed.figures(s, prefix);
+    if prefix.is_empty() {
+        let unknown = missed.share("unknown");
+        s.goal(
+            unknown <= 0.05 && missed.total() > 0.0,
+            format!(
+                "unknown ≤ 5 % of missed tokens: {:.1} % of {:.0}",
+                unknown * 100.0,
+                missed.total()
+            ),
+        );
+    }
+}
+
 /// The undisturbed run's hit ratio in the [`COMPARE_S`] from `t` minus
 /// the disturbed run's, in percentage points: the same requests were sent
 /// at the same moments, so the difference is the disturbance's plus the
@@ -234,7 +256,10 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         // Half again as long as the others: the second half is measured.
         let shape = Shape::standard(STEADY_PODS, steady);
         let rotation = Rotation::new(system.router_addrs());
+        let start = Missed::read(&system).await?;
         let samples = load::run(shape, rotation, system.t0).await;
+        let missed = Missed::read(&system).await?.since(&start);
+        missed_figures(s, if policy == "kvroute" { "" } else { "rr_" }, &missed);
         if policy == "kvroute" {
             openai_sdk(ctx, &system, s).await?;
             let agreement = cold_key_agreement(&system, 200).await?;
@@ -440,6 +465,7 @@ async fn cold_key_agreement(system: &System, n: usize) -> anyhow::Result<f64> {
 async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let baseline = ctx.baseline().await?;
     let mut system = ctx.system("scale_out", Setup::new(4)).await?;
+    let missed_at_start = Missed::read(&system).await?;
     let (_, load) = start_load(ctx, &system);
     at(&system, EVENT_AT).await;
     let k = system.add_pod().await?;
@@ -469,10 +495,15 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let mut arrivals = Vec::new();
     for (i, mut body) in labelled_cold_bodies("New", 40).into_iter().enumerate() {
         body["stream"] = json!(true);
+        // With usage, as the load's: the routers attribute their missed
+        // tokens too.
+        body["stream_options"] = json!({"include_usage": true});
         let (sample, _) = load::chat(&client, routers[i % 2], &body, &[], system.t0).await;
         arrivals.push(sample);
     }
     let samples = load.await?;
+    let missed = Missed::read(&system).await?.since(&missed_at_start);
+    missed_figures(s, "", &missed);
     // New keys, once the load is over (under load the fastest endpoints
     // are preferred): the share of cold prompts the routers would send it.
     // The pods are compared at the pool's one prefill rate, so their

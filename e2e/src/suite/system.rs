@@ -146,6 +146,9 @@ pub struct EngineSetup {
     pub itl_ms: u32,
     /// Engine time runs this many times faster than real time.
     pub time_scale: f64,
+    /// Delay before each completion's admission, milliseconds: a window
+    /// between a router's decision and the engine's prefill.
+    pub extra_latency_ms: u64,
 }
 
 impl EngineSetup {
@@ -161,6 +164,7 @@ impl EngineSetup {
             prefill_overhead_ms: PREFILL_OVERHEAD_MS,
             itl_ms: ITL_MS,
             time_scale: 1.0,
+            extra_latency_ms: 0,
         }
     }
 }
@@ -517,6 +521,9 @@ spec:
         if self.pods[k].odd {
             args.push(format!("--hash-seed={ODD_SEED}"));
         }
+        if e.extra_latency_ms > 0 {
+            args.push(format!("--extra-latency-ms={}", e.extra_latency_ms));
+        }
         let name = format!("{}-engine", self.pods[k].name);
         let url = format!("http://{ip}:{}/health", p.http);
         let proc = self
@@ -673,6 +680,19 @@ spec:
         Ok(endpoints)
     }
 
+    /// Pod `k`'s engine's HTTP address (to bypass the routers).
+    pub fn engine_addr(&self, k: usize) -> SocketAddr {
+        SocketAddr::new(self.pods[k].ip.into(), self.ports.http)
+    }
+
+    /// Drops every block pod `k`'s engine caches (vLLM's
+    /// `POST /reset_prefix_cache`); fails while requests run there.
+    pub async fn reset_prefix_cache(&self, k: usize) -> anyhow::Result<()> {
+        let url = format!("http://{}/reset_prefix_cache", self.engine_addr(k));
+        self.http.post(&url).send().await?.error_for_status()?;
+        Ok(())
+    }
+
     /// The routers' name for pod `k`'s endpoint: `pod:port`.
     pub fn endpoint_name(&self, k: usize) -> String {
         format!("{}:{}", self.pods[k].name, self.ports.http)
@@ -692,6 +712,14 @@ spec:
     pub async fn router_metrics(&self, i: usize) -> anyhow::Result<String> {
         let url = format!("http://{}/metrics", self.routers[i].admin);
         Ok(self.http.get(&url).send().await?.text().await?)
+    }
+
+    /// Router `i`'s record of a recent request by its `x-request-id`
+    /// (`/debug/requests/{id}`: its missed tokens by cause).
+    pub async fn recorded(&self, i: usize, id: &str) -> anyhow::Result<Value> {
+        let url = format!("http://{}/debug/requests/{id}", self.routers[i].admin);
+        let response = self.http.get(&url).send().await?.error_for_status()?;
+        Ok(response.json().await?)
     }
 
     /// Router `i`'s `/debug/explain` of a chat request `body` sent with
