@@ -50,7 +50,7 @@ pub struct Plan {
 /// What the engines' reports said of a request's prefix when it was
 /// planned, in blocks: what its missed tokens are attributed by
 /// ([`crate::request::missed`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Seen {
     /// Leading blocks each target holds, by target.
     pub held: Vec<u32>,
@@ -83,16 +83,6 @@ pub enum Lost {
 }
 
 impl Lost {
-    /// Every reason.
-    pub const ALL: [Lost; 6] = [
-        Lost::Load,
-        Lost::Queue,
-        Lost::Health,
-        Lost::Ejection,
-        Lost::Subset,
-        Lost::Retry,
-    ];
-
     /// The reason as a metric label.
     pub fn as_str(self) -> &'static str {
         match self {
