@@ -95,7 +95,7 @@ fn rss_kb(pid: u32) -> u64 {
 /// The sum of `family`'s samples, read with the agent's own parser.
 fn counter(text: &str, family: &str) -> f64 {
     text.lines()
-        .filter_map(kvroute_agent::load::parse_line)
+        .filter_map(kvroute_telemetry::metrics::parse_line)
         .filter(|s| s.name == family)
         .map(|s| s.value)
         .sum()

@@ -194,7 +194,7 @@ impl Mirror {
 /// the agent's own exposition parser.
 fn counter(text: &str, family: &str, kind: &str) -> u64 {
     text.lines()
-        .filter_map(kvroute_agent::load::parse_line)
+        .filter_map(kvroute_telemetry::metrics::parse_line)
         .filter(|s| s.name == family && s.label("kind") == Some(kind))
         .map(|s| s.value as u64)
         .sum()

@@ -107,7 +107,7 @@ impl Agent {
     async fn counter(&self, family: &str, kind: Option<&str>) -> u64 {
         let text = self.get("/metrics").await.map(|r| r.1).unwrap_or_default();
         text.lines()
-            .filter_map(kvroute_agent::load::parse_line)
+            .filter_map(kvroute_telemetry::metrics::parse_line)
             .filter(|s| s.name == family && kind.is_none_or(|k| s.label("kind") == Some(k)))
             .map(|s| s.value as u64)
             .sum()

@@ -15,6 +15,8 @@
 
 use std::collections::BTreeMap;
 
+use kvroute_telemetry::metrics::{Sample, parse_line};
+
 use super::system::System;
 
 /// The causes a router attributes missed tokens to.
@@ -37,62 +39,20 @@ const MISSED: &str = "kvroute_missed_prompt_tokens_total";
 const ELSEWHERE: &str = "kvroute_routed_elsewhere_tokens_total";
 const UNREPORTED: &str = "kvroute_unreported_prompt_tokens_total";
 
-/// One sample of a metric: its labels and value.
-pub type Sample<'a> = (BTreeMap<&'a str, String>, f64);
-
 /// The samples of metric `name` (its full name, `_total` included) in
 /// Prometheus or OpenMetrics text. Lines that do not parse are skipped: a
 /// scrape is read, not validated.
-pub fn samples<'a>(text: &'a str, name: &str) -> Vec<Sample<'a>> {
-    text.lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix(name)?;
-            let (labels, rest) = match rest.strip_prefix('{') {
-                Some(inner) => labels(inner)?,
-                None if rest.starts_with(' ') => (BTreeMap::new(), rest),
-                None => return None,
-            };
-            // The value; a timestamp or an exemplar may follow it.
-            let value = rest.split_whitespace().next()?.parse().ok()?;
-            Some((labels, value))
-        })
-        .collect()
-}
-
-/// The label set at the start of `text` (just after `{`), and what
-/// follows its `}`.
-fn labels(mut text: &str) -> Option<(BTreeMap<&str, String>, &str)> {
-    let mut out = BTreeMap::new();
-    loop {
-        text = text.trim_start_matches([' ', ',']);
-        if let Some(rest) = text.strip_prefix('}') {
-            return Some((out, rest));
-        }
-        let (name, rest) = text.split_once("=\"")?;
-        let mut value = String::new();
-        let mut chars = rest.char_indices();
-        let end = loop {
-            match chars.next()? {
-                (i, '"') => break i,
-                (_, '\\') => match chars.next()?.1 {
-                    'n' => value.push('\n'),
-                    c => value.push(c),
-                },
-                (_, c) => value.push(c),
-            }
-        };
-        out.insert(name.trim(), value);
-        text = &rest[end + 1..];
-    }
+pub fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = Sample<'a>> {
+    (text.lines().filter_map(parse_line)).filter(move |s| s.name == name)
 }
 
 /// The sum of metric `name`'s samples by the value of label `by`
 /// (samples without it are left out).
 fn sum_by(text: &str, name: &str, by: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    for (labels, value) in samples(text, name) {
-        if let Some(key) = labels.get(by) {
-            *out.entry(key.clone()).or_insert(0.0) += value;
+    for s in samples(text, name) {
+        if let Some(key) = s.label(by) {
+            *out.entry(key.to_owned()).or_insert(0.0) += s.value;
         }
     }
     out
@@ -100,7 +60,7 @@ fn sum_by(text: &str, name: &str, by: &str) -> BTreeMap<String, f64> {
 
 /// The sum of every sample of metric `name`.
 pub fn sum(text: &str, name: &str) -> f64 {
-    samples(text, name).iter().map(|(_, v)| v).sum()
+    samples(text, name).map(|s| s.value).sum()
 }
 
 /// Missed prompt tokens by cause, over every model and tenant: one
@@ -229,26 +189,13 @@ kvroute_routed_total 12
 
     #[test]
     fn samples_read_labels_values_and_nothing_else() {
-        let s = samples(SCRAPE, "kvroute_missed_prompt_tokens_total");
+        let s: Vec<_> = samples(SCRAPE, "kvroute_missed_prompt_tokens_total").collect();
         assert_eq!(s.len(), 4, "the _created line is another metric");
-        assert_eq!(s[0].0["cause"], "cold");
-        assert_eq!(s[1].0["tenant"], "acme");
-        assert_eq!(s[3].1, 100.0, "an exemplar after the value is ignored");
+        assert_eq!(s[0].label("cause"), Some("cold"));
+        assert_eq!(s[1].label("tenant"), Some("acme"));
+        assert_eq!(s[3].value, 100.0, "an exemplar after the value is ignored");
         assert_eq!(sum(SCRAPE, "kvroute_routed_total"), 12.0);
         assert_eq!(sum(SCRAPE, "kvroute_routed"), 0.0, "names match whole");
-    }
-
-    #[test]
-    fn label_values_may_hold_escapes_commas_and_braces() {
-        let text = r#"m{a="x,\"y\"}",b="\\"} 3 1700000000"#;
-        let s = samples(text, "m");
-        assert_eq!(s.len(), 1);
-        assert_eq!(
-            (s[0].0["a"].as_str(), s[0].0["b"].as_str()),
-            (r#"x,"y"}"#, "\\")
-        );
-        assert_eq!(s[0].1, 3.0);
-        assert!(samples("m{a=\"unterminated} 3", "m").is_empty());
     }
 
     #[test]
