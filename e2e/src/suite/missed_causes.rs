@@ -16,7 +16,7 @@
 //! 4. **diverged**: 2 pods; one 60-block system prompt with a fixed-width
 //!    timestamp on its first line, a new timestamp per request. The first
 //!    request each router sees is `cold` by definition, so 60 requests.
-//! 5. **contract**: one pod, hashing with another seed than the policy's;
+//! 5. **contract**: one pod, its blocks of 32 tokens where the policy says 16;
 //!    measured once both routers mark its contract a mismatch.
 //! 6. **engine_shortfall**: one pod whose engine waits 1 s before
 //!    admitting a request; a prompt warmed on it (straight to its engine)
@@ -466,8 +466,10 @@ async fn diverged(ctx: &Ctx, name: &str) -> anyhow::Result<Measured> {
 }
 
 async fn contract(ctx: &Ctx, name: &str) -> anyhow::Result<Measured> {
+    // Blocks of 32 tokens where the policy says 16.
     let setup = Setup {
         odd_pod: Some(0),
+        odd_block_size: Some(32),
         ..Setup::new(1)
     };
     let system = ctx.system(name, setup).await?;

@@ -95,8 +95,11 @@ pub struct Setup {
     pub policy: &'static str,
     /// `Salted` tenancy (else `Shared`).
     pub salted: bool,
-    /// A pod whose engine and agent use [`ODD_SEED`].
+    /// A pod whose engine and agent hash otherwise than the policy says:
+    /// with [`ODD_SEED`], or with `odd_block_size`.
     pub odd_pod: Option<usize>,
+    /// The odd pod's block size, instead of another seed.
+    pub odd_block_size: Option<u32>,
     /// Every pod's engine.
     pub engine: EngineSetup,
     /// The policy's `routingKey`: `Prefix` mode over this many leading
@@ -119,6 +122,7 @@ impl Setup {
             policy: "kvroute",
             salted: false,
             odd_pod: None,
+            odd_block_size: None,
             engine: EngineSetup::suite(),
             prefix_tokens: None,
             load_interval_ms: 100,
@@ -502,12 +506,13 @@ spec:
 
     async fn start_sim(&mut self, k: usize) -> anyhow::Result<()> {
         let (ip, p, e) = (self.pods[k].ip, self.ports, &self.setup.engine);
+        let (block_size, seed) = self.hashing(k);
         let mut args: Vec<String> = [
             format!("--listen={ip}:{}", p.http),
             format!("--cache-listen={ip}:{}", p.sim_cache),
             format!("--model={MODEL}"),
             format!("--num-gpu-blocks={}", e.num_gpu_blocks),
-            format!("--block-size={}", e.block_size),
+            format!("--block-size={block_size}"),
             format!("--max-model-len={}", e.max_model_len),
             format!("--prefill-tokens-per-s={}", e.prefill_tokens_per_s),
             format!("--prefill-overhead-ms={}", e.prefill_overhead_ms),
@@ -518,8 +523,8 @@ spec:
             format!("--kv-events-replay-endpoint=tcp://{ip}:{}", p.replay),
         ]
         .into();
-        if self.pods[k].odd {
-            args.push(format!("--hash-seed={ODD_SEED}"));
+        if let Some(seed) = seed {
+            args.push(format!("--hash-seed={seed}"));
         }
         if e.extra_latency_ms > 0 {
             args.push(format!("--extra-latency-ms={}", e.extra_latency_ms));
@@ -533,9 +538,20 @@ spec:
         Ok(())
     }
 
+    /// Pod `k`'s block size and hash seed (`None`: the default).
+    fn hashing(&self, k: usize) -> (u32, Option<&'static str>) {
+        let normal = self.setup.engine.block_size;
+        match (self.pods[k].odd, self.setup.odd_block_size) {
+            (false, _) => (normal, None),
+            (true, Some(size)) => (size, None),
+            (true, None) => (normal, Some(ODD_SEED)),
+        }
+    }
+
     /// Starts pod `k`'s agent and waits until it serves.
     pub async fn start_agent(&mut self, k: usize) -> anyhow::Result<()> {
         let (ip, p) = (self.pods[k].ip, self.ports);
+        let (block_size, seed) = self.hashing(k);
         let args: Vec<String> = [
             format!("--kv-events-endpoint=tcp://{ip}:{}", p.zmq),
             format!("--kv-events-replay-endpoint=tcp://{ip}:{}", p.replay),
@@ -543,15 +559,14 @@ spec:
             format!("--admin-listen={ip}:{}", p.agent_admin),
             format!("--engine-url=http://{ip}:{}", p.http),
             format!("--served-model-name={MODEL}"),
-            format!("--block-size={}", self.setup.engine.block_size),
+            format!("--block-size={block_size}"),
             format!("--load-interval-ms={}", self.setup.load_interval_ms),
         ]
         .into();
-        let env = if self.pods[k].odd {
-            vec![("PYTHONHASHSEED", ODD_SEED.to_owned())]
-        } else {
-            Vec::new()
-        };
+        let env: Vec<_> = seed
+            .map(|s| ("PYTHONHASHSEED", s.to_owned()))
+            .into_iter()
+            .collect();
         let name = format!("{}-agent", self.pods[k].name);
         let url = format!("http://{ip}:{}/readyz", p.agent_admin);
         let proc = self
