@@ -11,6 +11,7 @@
 //!
 //! Not here: networking, clocks beyond `std::time`, Kubernetes, async runtimes.
 
+pub mod admission;
 pub mod contract;
 pub mod engine;
 pub mod evicted;

@@ -408,6 +408,15 @@ impl LoadTracker {
         }
     }
 
+    /// An engine refused a request sent to `slot` ([`crate::admission`]):
+    /// its answer is a fresh report of its queue, covering every request
+    /// sent so far.
+    pub fn refused(&mut self, slot: Slot, refusal: crate::admission::Refusal, now: Instant) {
+        let entry = self.entry(slot);
+        entry.load.refused(refusal, now);
+        entry.reports += 1;
+    }
+
     /// Records an engine's own load report. It covers the requests sent
     /// so far, so none of them count as unreported any more.
     pub fn report(&mut self, slot: Slot, engine: EngineLoad) {

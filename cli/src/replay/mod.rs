@@ -23,7 +23,7 @@ use run::{KeySource, PolicyResult, Setup, Vllm};
 use trace::Trace;
 
 /// Flags of `kvroute replay`.
-#[derive(Debug, clap::Args)]
+#[derive(Clone, Debug, clap::Args)]
 pub struct ReplayArgs {
     /// The trace: Mooncake JSON lines, plain or .gz.
     #[arg(long, value_name = "PATH")]
@@ -85,9 +85,20 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "L", default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=3_600_000))]
     report_lag_ms: u32,
 
+    /// Rounds the trace's arrival times down to multiples of Q milliseconds
+    /// (0: as recorded), so requests come in bursts at the same instant,
+    /// as from batch jobs, agents fanning out or retries after an incident.
+    #[arg(long, value_name = "Q", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=3_600_000))]
+    quantize_arrivals_ms: u32,
+
     /// The kvroute policy's `latencySlack` (default: the policy's own).
     #[arg(long, value_name = "S", value_parser = parse_slack)]
     latency_slack: Option<f64>,
+
+    /// The kvroute policy's `admissionToleranceMs`, or `off` for no
+    /// admission checks (default: the policy's own).
+    #[arg(long, value_name = "MS", value_parser = parse_tolerance)]
+    admission_tolerance_ms: Option<Tolerance>,
 
     /// Seed of the random policy.
     #[arg(long, value_name = "S", default_value_t = 0)]
@@ -107,6 +118,20 @@ fn parse_slack(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if f >= 0.0 => Ok(f),
         _ => Err("expected a number ≥ 0 (inf for no limit)".to_owned()),
+    }
+}
+
+/// `--admission-tolerance-ms`: milliseconds, or no check.
+#[derive(Clone, Copy, Debug)]
+struct Tolerance(Option<f64>);
+
+fn parse_tolerance(s: &str) -> Result<Tolerance, String> {
+    match s {
+        "off" => Ok(Tolerance(None)),
+        _ => match s.parse::<f64>() {
+            Ok(f) if f.is_finite() && f >= 0.0 => Ok(Tolerance(Some(f))),
+            _ => Err("expected milliseconds ≥ 0, or off".to_owned()),
+        },
     }
 }
 
@@ -138,6 +163,11 @@ struct Meta {
     routers: u32,
     /// How late routers learn cache contents and load, milliseconds.
     report_lag_ms: u32,
+    /// Arrivals rounded down to multiples of this, milliseconds (0: as
+    /// recorded).
+    quantize_arrivals_ms: u32,
+    /// Distinct arrival times.
+    instants: usize,
     /// Hit rate of one cache that never evicts.
     infinite_hit: f64,
     /// Hit rate of one LRU cache of floor(cache_frac × D) blocks.
@@ -191,7 +221,7 @@ fn policies(args: &ReplayArgs, capacity: usize) -> anyhow::Result<Vec<PolicyConf
                     capacity_blocks: capacity,
                     ..c
                 }),
-                PolicyConfig::Kvroute(_) => kvroute(capacity, args.latency_slack),
+                PolicyConfig::Kvroute(_) => kvroute(capacity, args),
                 other => other,
             })
         })
@@ -199,12 +229,15 @@ fn policies(args: &ReplayArgs, capacity: usize) -> anyhow::Result<Vec<PolicyConf
 }
 
 /// `kvroute` as the replay runs it: its memory sized like a replica's
-/// cache, with `latency_slack` when given.
-fn kvroute(capacity: usize, latency_slack: Option<f64>) -> PolicyConfig {
+/// cache, with the latency slack and admission tolerance given.
+fn kvroute(capacity: usize, args: &ReplayArgs) -> PolicyConfig {
     let c = KvrouteConfig::default();
     PolicyConfig::Kvroute(KvrouteConfig {
         memory_blocks: capacity,
-        latency_slack: latency_slack.unwrap_or(c.latency_slack),
+        latency_slack: args.latency_slack.unwrap_or(c.latency_slack),
+        admission_tolerance_ms: args
+            .admission_tolerance_ms
+            .map_or(c.admission_tolerance_ms, |t| t.0),
         ..c
     })
 }
@@ -216,7 +249,8 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     if let Some(path) = &args.plot {
         kvroute_plot::format(path)?;
     }
-    let trace = Trace::load(&args.trace)?;
+    let mut trace = Trace::load(&args.trace)?;
+    trace.quantize(args.quantize_arrivals_ms);
     let distinct = trace.distinct_blocks();
     let pooled = (args.cache_frac * distinct as f64).floor() as usize;
     let vllm = (args.engine == "vllm").then(|| {
@@ -262,6 +296,8 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         },
         routers: args.routers,
         report_lag_ms: args.report_lag_ms,
+        quantize_arrivals_ms: args.quantize_arrivals_ms,
+        instants: trace.instants(),
         infinite_hit: run::single_cache_hit(&trace, None, args.block_tokens),
         pooled_hit: run::single_cache_hit(&trace, Some(pooled), args.block_tokens),
         capacities: args
@@ -283,6 +319,13 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         "{} router(s), cache contents and load known {} ms late",
         args.routers, args.report_lag_ms
     )?;
+    if args.quantize_arrivals_ms > 0 {
+        writeln!(
+            out,
+            "arrivals rounded down to {} ms: {} distinct instants",
+            args.quantize_arrivals_ms, meta.instants
+        )?;
+    }
     writeln!(
         out,
         "one cache: infinite hit {:.4}, pooled LRU of {} blocks (cache_frac {}) hit {:.4}",
@@ -336,7 +379,13 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             let sweep = plot::SWEEP
                 .iter()
                 .map(|&slack| {
-                    let config = kvroute(cap.blocks_per_replica, Some(slack));
+                    let config = kvroute(
+                        cap.blocks_per_replica,
+                        &ReplayArgs {
+                            latency_slack: Some(slack),
+                            ..args.clone()
+                        },
+                    );
                     (slack, run::run(&trace, &config, cap.replicas, &setup))
                 })
                 .collect();

@@ -21,10 +21,16 @@
 //!   of `report_lag` ago: cache events reach the shared occupancy index
 //!   that late, and each replica's report (queued prefill tokens, waiting
 //!   and running requests, prefill rate) describes it at `t − lag`.
+//! - Admission checks ([`kvroute_core::admission`]): when the policy
+//!   bounds the wait at its choice and the replica's prefill server would
+//!   make the request wait longer, the replica refuses it; the router takes
+//!   the replica's queue at `t` as a fresh report of it and ranks again.
+//!   Each refusal delays the request by [`REFUSAL_S`].
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use kvroute_core::admission::{self, MAX_REFUSALS, Refusal};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::load::{EngineLoad, Load};
@@ -41,6 +47,9 @@ pub const PREFILL_OVERHEAD_S: f64 = 0.020;
 pub const PREFILL_TOKENS_PER_S: f64 = 10_000.0;
 /// Decode time per output token, seconds.
 pub const DECODE_S_PER_TOKEN: f64 = 0.030;
+/// What an engine's refusal costs a request: a round trip to the engine
+/// and a new decision, seconds.
+pub const REFUSAL_S: f64 = 0.002;
 
 /// The length of the leading run of `ids` present in `cache`.
 pub fn leading_hits(cache: &Lru, ids: &[u64]) -> usize {
@@ -321,8 +330,30 @@ impl Sim {
             now: self.instant(t),
         };
         let router = &mut self.routers[k];
-        let decision = router.policy.rank(&req, &self.endpoints, &cx);
-        let r = decision.ranked[0];
+        let mut refused = Vec::new();
+        let (decision, r) = loop {
+            let decision = router.policy.rank(&req, &self.endpoints, &cx);
+            let r = decision.ranked[0];
+            let replica = &mut self.replicas[r];
+            let wait = (replica.free_at - t).max(0.0);
+            let bound = router.policy.admit_within(Slot(r as u32));
+            match bound.filter(|&b| {
+                !refused.contains(&r)
+                    && refused.len() < MAX_REFUSALS
+                    && admission::refuses(admission::bound_ms(b), wait)
+            }) {
+                None => break (decision, r),
+                Some(_) => {
+                    let report = replica.report(t, cx.now);
+                    let refusal = Refusal {
+                        queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
+                        waiting: report.waiting,
+                    };
+                    self.endpoints[r].load.refused(refusal, cx.now);
+                    refused.push(r);
+                }
+            }
+        };
         router.policy.routed(&req, &self.endpoints[r]);
 
         let replica = &mut self.replicas[r];
@@ -344,7 +375,7 @@ impl Sim {
             removed,
         });
 
-        let start = t.max(replica.free_at);
+        let start = (t + REFUSAL_S * refused.len() as f64).max(replica.free_at);
         let prefill_end =
             start + PREFILL_OVERHEAD_S + uncached_tokens as f64 / PREFILL_TOKENS_PER_S;
         replica.free_at = prefill_end;

@@ -101,6 +101,33 @@ impl Trace {
         Ok(Trace { requests })
     }
 
+    /// Rounds every arrival down to a multiple of `q_ms` milliseconds (0:
+    /// unchanged), turning spread-out arrivals into bursts of requests at
+    /// the same instant. The order stays the trace's.
+    pub fn quantize(&mut self, q_ms: u32) {
+        if q_ms == 0 {
+            return;
+        }
+        let q = f64::from(q_ms) / 1000.0;
+        for r in &mut self.requests {
+            // A little tolerance: 2.0 / 0.001 is 1999.9999999999998.
+            r.arrival_s = ((r.arrival_s / q) + 1e-9).floor() * q;
+        }
+    }
+
+    /// Distinct arrival times.
+    pub fn instants(&self) -> usize {
+        let mut n = 0;
+        let mut last = None;
+        for r in &self.requests {
+            if last != Some(r.arrival_s) {
+                n += 1;
+                last = Some(r.arrival_s);
+            }
+        }
+        n
+    }
+
     /// Distinct block ids (D).
     pub fn distinct_blocks(&self) -> usize {
         self.requests
@@ -129,6 +156,20 @@ mod tests {
         assert_eq!(t.requests[0].session_id.as_deref(), Some("42"));
         assert_eq!(t.requests[1].session_id.as_deref(), Some("s"));
         assert_eq!(t.distinct_blocks(), 3);
+    }
+
+    #[test]
+    fn quantizing_rounds_arrivals_down_to_bursts() {
+        let text = ["0", "999", "1000", "2001", "2999"]
+            .map(|t| format!(r#"{{"timestamp": {t}, "input_length": 1, "output_length": 1, "hash_ids": [1]}}"#))
+            .join("\n");
+        let mut t = Trace::parse(text.as_bytes()).unwrap();
+        t.quantize(0);
+        assert_eq!(t.requests[1].arrival_s, 0.999);
+        t.quantize(1000);
+        let at: Vec<f64> = t.requests.iter().map(|r| r.arrival_s).collect();
+        assert_eq!(at, vec![0.0, 0.0, 1.0, 2.0, 2.0]);
+        assert_eq!(t.instants(), 3);
     }
 
     #[test]

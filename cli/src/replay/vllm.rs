@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_core::admission::{self, MAX_REFUSALS, Refusal};
 use kvroute_core::engine::pool::PoolEvent;
 use kvroute_core::engine::{self as model, Progress};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
@@ -28,7 +29,7 @@ use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::sim::{Outcome, Router};
+use super::sim::{Outcome, REFUSAL_S, Router};
 use super::trace::TraceRequest;
 
 /// The engine-block hash chain of `request`'s prompt: one hash per full
@@ -273,19 +274,23 @@ impl VllmSim {
         let k = self.next_router;
         self.next_router = (k + 1) % self.routers.len();
         let rate = self.config.prefill_tokens_per_s;
-        let endpoints: Vec<Endpoint> = (0..self.engines.len())
+        let itl = self.config.itl;
+        let report = move |engine: model::Load, reported_at| EngineLoad {
+            waiting: engine.waiting,
+            running: engine.running,
+            kv_usage: engine.kv_usage(),
+            queued_prefill_tokens: Some(engine.queued_prefill_tokens),
+            prefill_tokens_per_s: (rate > 0.0).then_some(rate),
+            memory: Some(engine.memory(itl)),
+            reported_at,
+        };
+        let mut endpoints: Vec<Endpoint> = (0..self.engines.len())
             .map(|r| {
                 let mut load = self.own_load(k, r, t, seen);
-                let engine = loads.get(r).copied().unwrap_or_default();
-                load.engine = Some(EngineLoad {
-                    waiting: engine.waiting,
-                    running: engine.running,
-                    kv_usage: engine.kv_usage(),
-                    queued_prefill_tokens: Some(engine.queued_prefill_tokens),
-                    prefill_tokens_per_s: (rate > 0.0).then_some(rate),
-                    memory: Some(engine.memory(self.config.itl)),
+                load.engine = Some(report(
+                    loads.get(r).copied().unwrap_or_default(),
                     reported_at,
-                });
+                ));
                 Endpoint {
                     slot: Slot(r as u32),
                     id: self.ids[r],
@@ -299,21 +304,48 @@ impl VllmSim {
             chain: &hashes[i],
             prompt_tokens: request.input_length,
         };
+        let now = self.epoch + at(t);
+        let block_tokens = self.config.block_size as u64;
         let cx = Context {
             index: Some(&self.index),
-            block_tokens: self.config.block_size as u64,
-            now: self.epoch + at(t),
+            block_tokens,
+            now,
         };
         let router = &mut self.routers[k];
-        let decision = router.policy.rank(&req, &endpoints, &cx);
-        let r = decision.ranked[0];
+        // Admission checks (see `sim`): the engine's own wait at `t`.
+        let mut refused = Vec::new();
+        let (decision, r) = loop {
+            let decision = router.policy.rank(&req, &endpoints, &cx);
+            let r = decision.ranked[0];
+            let fresh = report(self.engines[r].load(at(t)), now);
+            let bound = router.policy.admit_within(Slot(r as u32));
+            match bound.filter(|&b| {
+                !refused.contains(&r)
+                    && refused.len() < MAX_REFUSALS
+                    && admission::refuses(
+                        admission::bound_ms(b),
+                        admission::engine_wait_s(fresh, block_tokens),
+                    )
+            }) {
+                None => break (decision, r),
+                Some(_) => {
+                    let refusal = Refusal {
+                        queued_prefill_tokens: fresh.queued_prefill_tokens.unwrap_or(0),
+                        waiting: fresh.waiting,
+                    };
+                    endpoints[r].load.refused(refusal, now);
+                    refused.push(r);
+                }
+            }
+        };
         router.policy.routed(&req, &endpoints[r]);
         router.own[r].push(i);
         let estimate = (decision.cached_blocks as u64 * self.config.block_size as u64)
             .min(request.input_length);
+        // Each refusal's round trip is charged to the request's TTFT.
         self.records[i] = Record {
             replica: r,
-            arrival: t,
+            arrival: t - REFUSAL_S * refused.len() as f64,
             reason: Some(decision.reason),
             prompt: request.input_length,
             uncached_estimate: request.input_length - estimate,

@@ -43,6 +43,12 @@
 //!    equally fast, and a scale-out moves about 1/(N+1) of the keys.
 //! 5. **The rest is the retry order:** the remaining eligible endpoints in
 //!    the same order, then the others, fastest first.
+//! 6. **The engine has the last word.** Each endpoint is asked to start
+//!    the request within the wait predicted there plus
+//!    `admission_tolerance_ms`, or refuse it at once with its queue
+//!    ([`crate::admission`]); the router then ranks again with that queue.
+//!    Router replicas that share a burst's stale report thus stop queueing
+//!    behind each other at the endpoint that looked fastest.
 //!
 //! With a slack of 0 this is `min-ttft` (lowest prediction; ties to the
 //! longest prefix, then rendezvous); with an infinite slack, longest prefix
@@ -75,6 +81,11 @@ pub struct Config {
     /// blocks of prefixes in flight (sent, not yet reported) over all
     /// endpoints. Default: 32768.
     pub memory_blocks: usize,
+    /// How much longer than predicted an endpoint may make a request wait
+    /// before its prefill starts, in milliseconds, before it refuses it
+    /// ([`crate::admission`]); engines that do not check ignore it. `null`:
+    /// ask for no check. Default: 50.
+    pub admission_tolerance_ms: Option<f64>,
 }
 
 impl Default for Config {
@@ -83,6 +94,7 @@ impl Default for Config {
             latency_slack: 1.0,
             engine: PrefillModel::default(),
             memory_blocks: 32768,
+            admission_tolerance_ms: Some(50.0),
         }
     }
 }
@@ -97,6 +109,13 @@ impl Config {
                 self.latency_slack
             ));
         }
+        if let Some(t) = self.admission_tolerance_ms
+            && !(t.is_finite() && t >= 0.0)
+        {
+            return Err(format!(
+                "admissionToleranceMs must be a number of 0 or more (or null for no check), got {t}"
+            ));
+        }
         self.engine.validate()
     }
 }
@@ -109,11 +128,11 @@ pub struct Kvroute {
     in_flight: InFlight,
     /// Whether the last ranking had an occupancy index.
     exact: bool,
-    /// When the last ranking ran, and per endpoint its predicted TTFT and
+    /// When the last ranking ran, and per endpoint its predictions and
     /// whether only the in-flight memory made it hold more of the prompt
     /// than the index says.
     ranked_at: Option<Instant>,
-    predicted_by_slot: Vec<(Slot, f64, bool)>,
+    predicted_by_slot: Vec<(Slot, Predicted, bool)>,
     by_slot: Vec<u32>,
     indexed: Vec<u32>,
     cached: Vec<u32>,
@@ -231,7 +250,7 @@ impl Policy for Kvroute {
         let indexed = &self.indexed;
         self.predicted_by_slot.extend((0..n).map(|i| {
             let followed = self.exact && cached[i] > indexed.get(i).copied().unwrap_or(0);
-            (endpoints[i].slot, ttft(i), followed)
+            (endpoints[i].slot, self.predicted[i], followed)
         }));
         let choice = ranked[0];
         let reason = match (choice == preferred, cached[choice] > 0) {
@@ -256,7 +275,13 @@ impl Policy for Kvroute {
         // after one still in flight does not renew the claim: an engine
         // that never reports (a broken agent) is followed for one window,
         // not for as long as the prefix keeps coming.
-        let Some(&(_, predicted, followed)) = self
+        let Some(&(
+            _,
+            Predicted {
+                ttft: predicted, ..
+            },
+            followed,
+        )) = self
             .predicted_by_slot
             .iter()
             .find(|(slot, ..)| *slot == endpoint.slot)
@@ -270,6 +295,12 @@ impl Policy for Kvroute {
             self.in_flight
                 .record(endpoint.slot, request.chain, at + until);
         }
+    }
+
+    fn admit_within(&self, slot: Slot) -> Option<f64> {
+        let tolerance_s = self.config.admission_tolerance_ms? / 1000.0;
+        let (_, predicted, _) = self.predicted_by_slot.iter().find(|(s, ..)| *s == slot)?;
+        Some(predicted.queued + tolerance_s)
     }
 
     fn endpoint_removed(&mut self, slot: Slot) {

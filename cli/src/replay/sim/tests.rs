@@ -233,3 +233,44 @@ fn min_ttft_is_the_reference_rule() {
         assert!((got.ttft_s - cost).abs() < 1e-9, "the cost is the TTFT");
     }
 }
+
+/// Two routers, two idle replicas, and two cold requests at the same
+/// instant whose keys rank the same replica first: without admission
+/// checks the second queues behind the first; with them the replica
+/// refuses it and it goes to the other one, a refusal's round trip later.
+#[test]
+fn a_burst_across_routers_is_spread_by_refusals() {
+    use kvroute_core::policy::KvrouteConfig;
+    let run = |tolerance: Option<f64>, keys: (u64, u64)| {
+        let config = PolicyConfig::Kvroute(KvrouteConfig {
+            admission_tolerance_ms: tolerance,
+            ..KvrouteConfig::default()
+        });
+        let mut s = Sim::new(config.build(), 2, 0.1, 2, 100, 16);
+        let a = s.step(&req(1.0, 10_000, 5, &[1]), RoutingKey(keys.0));
+        let b = s.step(&req(1.0, 10_000, 5, &[2]), RoutingKey(keys.1));
+        (a, b)
+    };
+    // Keys whose first choice is the same replica.
+    let key = (1..)
+        .find(|&k| {
+            let (a, b) = run(None, (0, k));
+            a.replica == b.replica
+        })
+        .unwrap();
+    let (a, b) = run(None, (0, key));
+    assert!((a.ttft_s - 1.02).abs() < 1e-9);
+    assert!(
+        (b.ttft_s - 2.04).abs() < 1e-9,
+        "queued behind a: {}",
+        b.ttft_s
+    );
+    let (a, b) = run(Some(50.0), (0, key));
+    assert_ne!(a.replica, b.replica);
+    assert!((a.ttft_s - 1.02).abs() < 1e-9);
+    assert!(
+        (b.ttft_s - (1.02 + REFUSAL_S)).abs() < 1e-9,
+        "refused once: {}",
+        b.ttft_s
+    );
+}

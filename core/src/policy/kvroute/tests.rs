@@ -410,3 +410,39 @@ fn a_prefix_in_flight_counts_at_its_endpoint_until_it_could_have_been_reported()
         (pool.rendezvous_first(other), Reason::Cold)
     );
 }
+
+#[test]
+fn each_endpoint_is_asked_to_start_within_its_predicted_wait_and_the_tolerance() {
+    let mut pool = Pool::test().replicas(2);
+    for i in 0..2 {
+        measured(&mut pool, i, Some(10_000.0));
+    }
+    // Endpoint 1 has a second of prefill queued.
+    pool.endpoints[1]
+        .load
+        .engine
+        .as_mut()
+        .unwrap()
+        .queued_prefill_tokens = Some(10_000);
+    let mut policy = Kvroute::new(Config::default());
+    assert_eq!(
+        policy.admit_within(pool.endpoints[0].slot),
+        None,
+        "nothing ranked yet"
+    );
+    policy.rank(&request(7, &[1, 2]), &pool.endpoints, &pool.cx());
+    let within = |p: &Kvroute, i: usize| p.admit_within(pool.endpoints[i].slot).unwrap();
+    assert!((within(&policy, 0) - 0.05).abs() < 1e-9);
+    assert!((within(&policy, 1) - 1.05).abs() < 1e-9);
+    let mut off = Kvroute::new(Config {
+        admission_tolerance_ms: None,
+        ..Config::default()
+    });
+    off.rank(&request(7, &[1, 2]), &pool.endpoints, &pool.cx());
+    assert_eq!(off.admit_within(pool.endpoints[0].slot), None);
+    let bad = Config {
+        admission_tolerance_ms: Some(-1.0),
+        ..Config::default()
+    };
+    assert!(bad.validate().unwrap_err().contains("admissionToleranceMs"));
+}
