@@ -77,12 +77,15 @@ pub fn bound_ms(bound_s: f64) -> u64 {
 
 /// The wait before prefill an engine predicts for a new request from its
 /// own `report`, taken at the moment it checks: its queued prefill at its
-/// rate (plus the default overhead per waiting request) or the wait for KV
-/// memory of the requests ahead, whichever is longer. It leaves out the
-/// request's own blocks, which the router counts, so it refuses a little
-/// less often than the router's own figures would.
-pub fn engine_wait_s(report: EngineLoad, block_tokens: u64) -> f64 {
-    let model = PrefillModel::default();
+/// rate plus `overhead_ms` per waiting request, or the wait for KV memory
+/// of the requests ahead, whichever is longer. It leaves out the request's
+/// own blocks, which the router counts, so it refuses a little less often
+/// than the router's own figures would.
+pub fn engine_wait_s(report: EngineLoad, overhead_ms: f64, block_tokens: u64) -> f64 {
+    let model = PrefillModel {
+        prefill_overhead_ms: overhead_ms,
+        ..PrefillModel::default()
+    };
     let now = report.reported_at;
     let load = Load {
         engine: Some(report),

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
+use kvroute_core::admission::{self, Refusal};
 use kvroute_core::engine::pool::PoolEvent as ModelEvent;
 use kvroute_core::engine::{self as model, Progress, Refused, RequestId};
 use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig, Lora};
@@ -107,6 +108,19 @@ pub enum EngineError {
     /// The prompt has no tokens.
     #[error("the prompt must contain at least one token")]
     EmptyPrompt,
+    /// The request asked to start its prefill sooner than the queue
+    /// allows ([`kvroute_core::admission`]).
+    #[error(
+        "the engine would not start this request within the {bound_ms} ms it asked for: {} prompt tokens queued, {} requests waiting",
+        refusal.queued_prefill_tokens,
+        refusal.waiting
+    )]
+    Busy {
+        /// The bound the request carried.
+        bound_ms: u64,
+        /// The engine's queue, for the router.
+        refusal: Refusal,
+    },
 }
 
 /// What a request asks the engine for.
@@ -120,6 +134,9 @@ pub struct Job {
     pub cache_salt: Option<String>,
     /// The LoRA adapter the request names, hashed into every block.
     pub lora: Option<Lora>,
+    /// Refuse unless its prefill can start within this many milliseconds
+    /// ([`kvroute_core::admission`]).
+    pub admit_within_ms: Option<u64>,
 }
 
 /// One generated token.
@@ -322,6 +339,30 @@ impl Engine {
         let (tx, tokens) = mpsc::unbounded_channel();
         {
             let mut state = self.lock();
+            // Checked under the lock that admits it: requests arriving at
+            // once are checked in turn, each behind the ones before.
+            if let Some(bound_ms) = job.admit_within_ms {
+                let config = state.model.config();
+                let (overhead, itl) = (config.prefill_overhead, config.itl);
+                let rate = self.config.prefill_tokens_per_s * self.config.time_scale;
+                let report = state.model.load(self.now()).report(
+                    (rate > 0.0).then_some(rate),
+                    itl,
+                    std::time::Instant::now(),
+                );
+                let wait = admission::engine_wait_s(
+                    report,
+                    overhead.as_secs_f64() * 1000.0,
+                    u64::from(self.config.block_size),
+                );
+                if admission::refuses(bound_ms, wait) {
+                    let refusal = Refusal {
+                        queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
+                        waiting: report.waiting,
+                    };
+                    return Err(EngineError::Busy { bound_ms, refusal });
+                }
+            }
             let id = state.next_id;
             let max_tokens = job.max_tokens.max(1) as usize;
             match state.model.add(id, hashes, job.prompt.len(), max_tokens) {

@@ -11,10 +11,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream;
+use kvroute_core::admission;
 use kvroute_core::hash::{Lora, validate_cache_salt};
 use kvroute_core::tokenize::{
     ChatMessage, ChatTemplate, Tokenizer, chat_prompt_tokens, completion_prompt_tokens,
@@ -148,6 +149,8 @@ struct Common {
     stream: bool,
     include_usage: bool,
     cache_salt: Option<String>,
+    /// The router's admission bound, if it sent one.
+    admit_within_ms: Option<u64>,
     /// The model the request named: the base model or an adapter.
     model: String,
     lora: Option<Lora>,
@@ -157,6 +160,7 @@ struct Common {
 /// fields, and applies the fault knobs.
 async fn prologue(
     app: &App,
+    headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<(serde_json::Map<String, Value>, Common), Response> {
     let config = app.engine.config();
@@ -231,9 +235,14 @@ async fn prologue(
             ));
         }
     };
+    // A bound that is not a number asks for no check, as vLLM ignores it.
+    let admit_within_ms = headers
+        .get(admission::ADMIT_WITHIN_HEADER)
+        .and_then(|v| v.to_str().ok()?.trim().parse().ok());
     Ok((
         obj,
         Common {
+            admit_within_ms,
             max_tokens,
             stream,
             include_usage,
@@ -244,8 +253,8 @@ async fn prologue(
     ))
 }
 
-async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let (obj, common) = match prologue(&app, &body).await {
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    let (obj, common) = match prologue(&app, &headers, &body).await {
         Ok(parsed) => parsed,
         Err(response) => return response,
     };
@@ -277,8 +286,12 @@ async fn completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
     respond(&app, prompt, common, Kind::Completion).await
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let (obj, common) = match prologue(&app, &body).await {
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let (obj, common) = match prologue(&app, &headers, &body).await {
         Ok(parsed) => parsed,
         Err(response) => return response,
     };
@@ -331,6 +344,7 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         max_tokens: common.max_tokens,
         cache_salt: common.cache_salt,
         lora: common.lora,
+        admit_within_ms: common.admit_within_ms,
     };
     let generation = match app.engine.generate(job).await {
         Ok(g) => g,
@@ -340,6 +354,20 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
                 "ServiceUnavailableError",
                 e.to_string(),
             );
+        }
+        Err(e @ EngineError::Busy { refusal, .. }) => {
+            let mut response = error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailableError",
+                e.to_string(),
+            );
+            let headers = response.headers_mut();
+            headers.insert(
+                admission::QUEUED_TOKENS_HEADER,
+                refusal.queued_prefill_tokens.into(),
+            );
+            headers.insert(admission::WAITING_HEADER, refusal.waiting.into());
+            return response;
         }
         Err(e) => return bad_request(e.to_string()),
     };

@@ -23,7 +23,7 @@ use kvroute_core::engine::pool::PoolEvent;
 use kvroute_core::engine::{self as model, Progress};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
-use kvroute_core::load::{EngineLoad, Load};
+use kvroute_core::load::Load;
 use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
@@ -274,16 +274,8 @@ impl VllmSim {
         let k = self.next_router;
         self.next_router = (k + 1) % self.routers.len();
         let rate = self.config.prefill_tokens_per_s;
-        let itl = self.config.itl;
-        let report = move |engine: model::Load, reported_at| EngineLoad {
-            waiting: engine.waiting,
-            running: engine.running,
-            kv_usage: engine.kv_usage(),
-            queued_prefill_tokens: Some(engine.queued_prefill_tokens),
-            prefill_tokens_per_s: (rate > 0.0).then_some(rate),
-            memory: Some(engine.memory(itl)),
-            reported_at,
-        };
+        let (itl, rate) = (self.config.itl, (rate > 0.0).then_some(rate));
+        let report = |engine: model::Load, at| engine.report(rate, itl, at);
         let mut endpoints: Vec<Endpoint> = (0..self.engines.len())
             .map(|r| {
                 let mut load = self.own_load(k, r, t, seen);
@@ -311,6 +303,7 @@ impl VllmSim {
             block_tokens,
             now,
         };
+        let overhead_ms = self.config.prefill_overhead.as_secs_f64() * 1000.0;
         let router = &mut self.routers[k];
         // Admission checks (see `sim`): the engine's own wait at `t`.
         let mut refused = Vec::new();
@@ -324,7 +317,7 @@ impl VllmSim {
                     && refused.len() < MAX_REFUSALS
                     && admission::refuses(
                         admission::bound_ms(b),
-                        admission::engine_wait_s(fresh, block_tokens),
+                        admission::engine_wait_s(fresh, overhead_ms, block_tokens),
                     )
             }) {
                 None => break (decision, r),

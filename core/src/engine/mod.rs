@@ -177,6 +177,26 @@ impl Load {
         }
     }
 
+    /// The report a router reads, taken at `at`: with the engine's prefill
+    /// `rate` (tokens per second; `None` when prefill is instant) and
+    /// decode steps of `step`.
+    pub fn report(
+        &self,
+        rate: Option<f64>,
+        step: Duration,
+        at: std::time::Instant,
+    ) -> crate::load::EngineLoad {
+        crate::load::EngineLoad {
+            waiting: self.waiting,
+            running: self.running,
+            kv_usage: self.kv_usage(),
+            queued_prefill_tokens: Some(self.queued_prefill_tokens),
+            prefill_tokens_per_s: rate,
+            memory: Some(self.memory(step)),
+            reported_at: at,
+        }
+    }
+
     /// Share of blocks in use, as vLLM's `kv_cache_usage_perc`.
     pub fn kv_usage(&self) -> f32 {
         if self.num_blocks == 0 {

@@ -36,6 +36,7 @@ async fn run_with(
             max_tokens,
             cache_salt: salt.map(str::to_owned),
             lora,
+            admit_within_ms: None,
         })
         .await
         .unwrap();
@@ -132,6 +133,7 @@ async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests()
             max_tokens: 4,
             cache_salt: None,
             lora: None,
+            admit_within_ms: None,
         })
         .await
         .unwrap();
@@ -167,6 +169,7 @@ async fn rejects_what_can_never_run() {
             max_tokens: 20,
             cache_salt: None,
             lora: None,
+            admit_within_ms: None,
         })
         .await
         .unwrap_err();
@@ -177,6 +180,7 @@ async fn rejects_what_can_never_run() {
             max_tokens: 10,
             cache_salt: None,
             lora: None,
+            admit_within_ms: None,
         })
         .await
         .unwrap_err();
@@ -193,6 +197,7 @@ async fn rejects_what_can_never_run() {
             max_tokens: 1,
             cache_salt: None,
             lora: None,
+            admit_within_ms: None,
         })
         .await
         .unwrap_err(),
@@ -305,6 +310,7 @@ async fn workload(seed: u64) {
                     max_tokens,
                     cache_salt: salt,
                     lora: None,
+                    admit_within_ms: None,
                 })
                 .await
                 .unwrap();
@@ -396,6 +402,7 @@ async fn load_reports_the_memory_a_wait_is_predicted_from() {
             max_tokens: 5,
             cache_salt: None,
             lora: None,
+            admit_within_ms: None,
         })
         .await
         .unwrap();
@@ -420,4 +427,37 @@ async fn load_reports_the_memory_a_wait_is_predicted_from() {
         (proto.free_blocks, proto.waiting_blocks, proto.preemptions),
         (Some(7), Some(10), Some(0))
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_bounded_below_the_queue_is_refused_with_it() {
+    let e = engine(|c| {
+        c.prefill_tokens_per_s = 1000.0;
+        c.prefill_overhead_ms = 0.0;
+    });
+    let job = |first: u32, admit_within_ms| Job {
+        prompt: (first..first + 2000).collect(),
+        max_tokens: 1,
+        cache_salt: None,
+        lora: None,
+        admit_within_ms,
+    };
+    // Idle: any bound is met.
+    let _a = e.generate(job(1, Some(0))).await.unwrap();
+    // Two seconds of A queued ahead: a bound of 1.5 s is refused, with
+    // the queue; 2.5 s is met; no bound is never refused.
+    let refused = e.generate(job(10_000, Some(1500))).await.unwrap_err();
+    assert_eq!(
+        refused,
+        EngineError::Busy {
+            bound_ms: 1500,
+            refusal: Refusal {
+                queued_prefill_tokens: 2000,
+                waiting: 0
+            }
+        }
+    );
+    assert!(refused.to_string().contains("1500 ms"), "{refused}");
+    assert!(e.generate(job(20_000, Some(2500))).await.is_ok());
+    assert!(e.generate(job(30_000, None)).await.is_ok());
 }
