@@ -22,6 +22,7 @@ use bytes::Bytes;
 use futures_util::stream;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
+use kvroute_core::admission::ADMIT_WITHIN_HEADER;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -33,7 +34,7 @@ use crate::config::Config;
 use crate::errors::ApiError;
 use crate::pool::Fault;
 use crate::request::recent::{CACHE_HEADER, REQUEST_ID};
-use crate::request::{Ask, Attempt, Decision, Guard, Payload, RequestId, Service};
+use crate::request::{Ask, Attempt, Decision, Guard, Payload, RequestId, Service, refusal};
 
 /// An attempt's outcome: the response and its first body frame, or why it
 /// failed and whether that is the endpoint's fault.
@@ -103,22 +104,25 @@ impl Forwarder {
         response
     }
 
-    async fn forward(self: &Arc<Self>, parts: &Parts, decision: Decision) -> Response<Body> {
+    async fn forward(self: &Arc<Self>, parts: &Parts, mut decision: Decision) -> Response<Body> {
         let mut last_error = ApiError::Upstream("no attempt was made".into());
         let mut last_response: Option<Response<Incoming>> = None;
         // Fewer targets than attempts (endpoints ejected or full): the
-        // ranking is tried again from the top, as Envoy retries a host.
-        let targets = decision
-            .targets()
-            .iter()
-            .cycle()
-            .take(self.attempts as usize);
-        for (n, target) in targets.enumerate() {
+        // ranking is tried again from the top, as Envoy retries a host. An
+        // engine's admission refusal is not an attempt: the request is
+        // planned again and starts over.
+        let (mut n, mut tried) = (0, 0);
+        while tried < self.attempts as usize {
+            let targets = decision.targets();
+            let target = &targets[n % targets.len()].clone();
+            let bound = decision.admit_within(target);
             // Held until dropped: whether this attempt fails, the client
             // goes away while it waits, or the response ends.
             let attempt = decision.send(n, target);
+            (n, tried) = (n + 1, tried + 1);
             let sent = Instant::now();
-            let upstream = self.upstream_request(parts, decision.body(), target, decision.id());
+            let (body, id) = (decision.body(), decision.id());
+            let upstream = self.upstream_request(parts, body, target, id, bound);
             let (first, attempt) = match upstream {
                 Err(e) => (Err(e), attempt),
                 Ok(upstream) => {
@@ -142,12 +146,19 @@ impl Forwarder {
             let name = attempt.target.name.clone();
             let warnings = &self.service.warnings;
             match first {
+                Ok((response, _))
+                    if let Some(refusal) =
+                        bound.and_then(|_| refusal(response.status(), response.headers())) =>
+                {
+                    decision.refused(attempt, refusal);
+                    (n, tried) = (0, tried - 1);
+                }
                 Ok((response, _)) if retried(response.status()) => {
                     let status = response.status();
                     let fault = status.is_server_error().then_some(Fault::Status);
                     decision.failed(attempt, "status", fault);
                     if let Some(times) = warnings.admit(&name, "status") {
-                        tracing::info!(endpoint = %name, %status, attempt = n, times, "retrying on the next endpoint");
+                        tracing::info!(endpoint = %name, %status, attempt = tried - 1, times, "retrying on the next endpoint");
                     }
                     last_error = ApiError::Upstream(format!("{name} answered {status}"));
                     last_response = Some(response);
@@ -167,7 +178,7 @@ impl Forwarder {
                         decision.failed(attempt, kind, fault);
                     }
                     if let Some(times) = warnings.admit(&name, kind) {
-                        tracing::info!(endpoint = %name, error = %e, attempt = n, times, "attempt failed");
+                        tracing::info!(endpoint = %name, error = %e, attempt = tried - 1, times, "attempt failed");
                     }
                     last_error = e;
                 }
@@ -266,6 +277,7 @@ impl Forwarder {
         bytes: &Bytes,
         target: &crate::pool::Target,
         id: &RequestId,
+        admit_within_ms: Option<u64>,
     ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri: Uri = format!("http://{}{path}", target.http)
@@ -281,6 +293,9 @@ impl Forwarder {
         headers.remove(header::HOST);
         headers.insert(REQUEST_ID, id.header().clone());
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        if let Some(ms) = admit_within_ms {
+            headers.insert(ADMIT_WITHIN_HEADER, HeaderValue::from(ms));
+        }
         // With tracing on, the engine's parent is this router's span; else
         // the client's traceparent passes through as copied.
         crate::telemetry::inject(headers);

@@ -169,6 +169,8 @@ pub struct Metrics {
     pub body_bytes: Gauge,
     /// `kvroute_first_choice_total`.
     pub first_choice: Counter,
+    /// `kvroute_admission_refusals_total`.
+    pub admission_refusals: Counter,
     /// `kvroute_routed_total`.
     pub routed: Counter,
     /// `kvroute_prompt_tokens_total{model,tenant}`.
@@ -231,6 +233,7 @@ impl Default for Metrics {
             bodies_refused: Family::default(),
             body_bytes: Gauge::default(),
             first_choice: Counter::default(),
+            admission_refusals: Counter::default(),
             routed: Counter::default(),
             prompt_tokens: Family::default(),
             expected_cached_tokens: Family::default(),
@@ -307,6 +310,11 @@ impl Default for Metrics {
             "kvroute_first_choice",
             "Requests served by the policy's first choice",
             m.first_choice.clone(),
+        );
+        r.register(
+            "kvroute_admission_refusals",
+            "Attempts an engine refused because it could not start them within the wait the router predicted (the request was decided again)",
+            m.admission_refusals.clone(),
         );
         r.register(
             "kvroute_routed",

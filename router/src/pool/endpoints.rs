@@ -192,6 +192,7 @@ impl Pool {
                 http: m.spec.http,
                 slot: m.slot,
                 id: m.id,
+                admit_within_ms: None,
             })
     }
 

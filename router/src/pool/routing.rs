@@ -10,6 +10,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use kvroute_core::admission;
 use kvroute_core::contract::Contract;
 use kvroute_core::load::Ticket;
 use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
@@ -29,6 +30,9 @@ pub struct Target {
     pub slot: Slot,
     /// Its rendezvous identity.
     pub id: u64,
+    /// The policy's bound on the wait before prefill there, milliseconds
+    /// ([`kvroute_core::admission`]); set in plans only.
+    pub admit_within_ms: Option<u64>,
 }
 
 /// Where a request should go, in order.
@@ -138,7 +142,12 @@ impl Pool {
                 full += usize::from(!under);
                 under
             })
-            .map(|&i| candidates[i].clone())
+            .map(|&i| Target {
+                admit_within_ms: (inner.policy.admit_within(endpoints[i].slot))
+                    .filter(|_| readable)
+                    .map(admission::bound_ms),
+                ..candidates[i].clone()
+            })
             .collect();
         let seen =
             (inner.exact && readable).then(|| inner.seen(request.chain, &targets, now, among));
@@ -221,6 +230,13 @@ impl Pool {
             prefill_tokens_per_second: rate,
             endpoints: explained_endpoints,
         }
+    }
+
+    /// `slot`'s engine refused a request it could not start within the
+    /// bound ([`kvroute_core::admission`]): its queue as it said is the
+    /// endpoint's load from now on, until its next report.
+    pub fn refused(&self, slot: Slot, refusal: admission::Refusal) {
+        self.lock().load.refused(slot, refusal, now());
     }
 
     /// Counts a request sent to `target` and lets the policy learn it.
@@ -380,6 +396,7 @@ impl Inner {
                     http: m.spec.http,
                     slot: m.slot,
                     id: m.id,
+                    admit_within_ms: None,
                 };
                 (endpoint, target)
             })

@@ -11,6 +11,9 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use kvroute_core::admission::{MAX_REFUSALS, Refusal};
+use kvroute_core::slot::Slot;
+
 use super::guard::{Expected, Guard};
 use super::labels::Labels;
 use super::missed::Known;
@@ -36,6 +39,9 @@ pub(crate) struct Decision {
     /// The block where the prompt left a recent one whose later contents
     /// recur.
     diverged: Option<u32>,
+    /// Endpoints whose engine refused the request for its bound
+    /// ([`kvroute_core::admission`]), at most `MAX_REFUSALS`.
+    refused: Vec<Slot>,
 }
 
 /// One attempt at an endpoint: the load it holds there until dropped.
@@ -78,6 +84,7 @@ impl Decision {
             budget,
             id,
             diverged,
+            refused: Vec::new(),
         }
     }
 
@@ -120,6 +127,32 @@ impl Decision {
             learned: true,
             known: self.known(Some(n % self.plan.targets.len())),
             hang: service.hang.of(a.stream, a.max_tokens, ttft),
+        }
+    }
+
+    /// The bound on the wait before prefill to send with an attempt at
+    /// `target`, milliseconds ([`kvroute_core::admission`]): none once its
+    /// engine refused this request, or once `MAX_REFUSALS` did.
+    pub(crate) fn admit_within(&self, target: &Target) -> Option<u64> {
+        let asked = self.refused.len() < MAX_REFUSALS && !self.refused.contains(&target.slot);
+        target.admit_within_ms.filter(|_| asked)
+    }
+
+    /// `attempt`'s engine refused it for its bound and said its queue: that
+    /// becomes the endpoint's load, and the request is planned again with
+    /// it (the old plan stays when every endpoint is now at its limit).
+    /// Attempts start over at the new plan's first target.
+    pub(crate) fn refused(&mut self, attempt: Attempt, refusal: Refusal) {
+        drop(attempt.load);
+        let service = &self.service;
+        service.metrics.admission_refusals.inc();
+        service.pool.refused(attempt.target.slot, refusal);
+        self.refused.push(attempt.target.slot);
+        let a = &self.analysis;
+        let plan = service.pool.plan(&a.request(), a.readable);
+        if !plan.targets.is_empty() {
+            self.cached = a.expected_cached(plan.cached_blocks);
+            self.plan = plan;
         }
     }
 
@@ -287,6 +320,17 @@ impl Decision {
             .get_or_create(&Why { reason })
             .inc();
     }
+}
+
+/// An engine's admission refusal ([`kvroute_core::admission`]): a 503
+/// with its queue in two headers.
+pub(crate) fn refusal(status: StatusCode, headers: &axum::http::HeaderMap) -> Option<Refusal> {
+    use kvroute_core::admission::{QUEUED_TOKENS_HEADER, WAITING_HEADER};
+    if status != StatusCode::SERVICE_UNAVAILABLE {
+        return None;
+    }
+    let value = |name| headers.get(name)?.to_str().ok();
+    Refusal::parse(value(QUEUED_TOKENS_HEADER)?, value(WAITING_HEADER)?)
 }
 
 impl Service {

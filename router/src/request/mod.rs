@@ -41,7 +41,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use self::body::{BodyBudget, Received};
-pub(crate) use self::decision::{Attempt, Decision};
+pub(crate) use self::decision::{Attempt, Decision, refusal};
 pub(crate) use self::guard::Guard;
 pub(crate) use self::labels::Labels;
 pub use self::recent::RequestId;

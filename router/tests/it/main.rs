@@ -1,6 +1,7 @@
 //! kvroute-router's integration tests, one module per area, linked as one test
 //! binary (one link instead of one per file).
 
+mod admission;
 mod cache_watch;
 mod chart_schema;
 mod cli;
