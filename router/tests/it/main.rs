@@ -19,5 +19,6 @@ mod open_files;
 mod prefixes;
 mod proxy;
 mod reliability;
+mod startup;
 mod support;
 mod tls;
