@@ -6,7 +6,9 @@
 //! fixed rate, open loop; every request streams; each is measured as a
 //! client sees it. Requests go to the routers in turn, skipping a router
 //! taken out of rotation, as a Service does with a router that is not
-//! ready.
+//! ready; behind a [`Rotation::retrying`] one, a request that got no
+//! response byte at all is sent once more, to the other router, as a
+//! client behind a Kubernetes Service would.
 //!
 //! The content is deterministic (a seed), so two runs send the same
 //! prompts in the same order.
@@ -69,7 +71,10 @@ pub enum Outcome {
     Ok,
     /// Answered with an error status before any content.
     Refused(u16),
-    /// No answer at all (connection refused or reset before a response).
+    /// No response byte at all: the connection was refused, or reset or
+    /// closed before the status line (safe to send again elsewhere).
+    Unanswered(String),
+    /// A success status, then nothing before the body ended or broke.
     Failed(String),
     /// The stream began, then ended with an error event.
     BrokeWithError,
@@ -80,7 +85,15 @@ pub enum Outcome {
 impl Outcome {
     /// Failed before any content reached the client.
     pub fn failed_unstarted(&self) -> bool {
-        matches!(self, Outcome::Refused(_) | Outcome::Failed(_))
+        matches!(
+            self,
+            Outcome::Refused(_) | Outcome::Unanswered(_) | Outcome::Failed(_)
+        )
+    }
+
+    /// Failed after content had reached the client: the stream broke.
+    pub fn failed_started(&self) -> bool {
+        matches!(self, Outcome::BrokeWithError | Outcome::Truncated(_))
     }
 }
 
@@ -107,17 +120,58 @@ pub struct Rotation {
     routers: Vec<SocketAddr>,
     in_rotation: Vec<AtomicBool>,
     next: AtomicUsize,
+    /// Whether an unanswered request is sent once more, elsewhere.
+    retry: bool,
+    /// Requests sent a second time.
+    retried: AtomicUsize,
 }
 
 impl Rotation {
-    /// Every router in rotation.
+    /// Every router in rotation; a failed request is not sent again.
     pub fn new(routers: Vec<SocketAddr>) -> Arc<Rotation> {
+        Self::build(routers, false)
+    }
+
+    /// Every router in rotation; a request that got no response byte
+    /// ([`Outcome::Unanswered`]) is sent once more, to the next router
+    /// other than the one that failed it, as clients behind a Kubernetes
+    /// Service retry a connection refused or reset.
+    pub fn retrying(routers: Vec<SocketAddr>) -> Arc<Rotation> {
+        Self::build(routers, true)
+    }
+
+    fn build(routers: Vec<SocketAddr>, retry: bool) -> Arc<Rotation> {
         let in_rotation = routers.iter().map(|_| AtomicBool::new(true)).collect();
         Arc::new(Rotation {
             routers,
             in_rotation,
             next: AtomicUsize::new(0),
+            retry,
+            retried: AtomicUsize::new(0),
         })
+    }
+
+    /// Whether router `i` is in rotation.
+    pub fn is_in(&self, i: usize) -> bool {
+        self.in_rotation[i].load(Ordering::SeqCst)
+    }
+
+    /// Requests sent a second time so far.
+    pub fn retried(&self) -> usize {
+        self.retried.load(Ordering::Relaxed)
+    }
+
+    /// Where a request `failed` at goes again: the next router after it,
+    /// in rotation if any is.
+    fn other(&self, failed: SocketAddr) -> SocketAddr {
+        let n = self.routers.len();
+        let at = self.routers.iter().position(|r| *r == failed).unwrap_or(0);
+        let others = (1..n).map(|k| (at + k) % n);
+        others
+            .clone()
+            .find(|i| self.in_rotation[*i].load(Ordering::SeqCst))
+            .or_else(|| others.clone().next())
+            .map_or(failed, |i| self.routers[i])
     }
 
     /// Takes router `i` out of rotation or puts it back.
@@ -260,8 +314,7 @@ async fn session(
         if turns > 1 {
             body["prompt_cache_key"] = json!(format!("conversation-{}-{i}", shape.seed));
         }
-        let addr = rotation.pick();
-        let (sample, reply) = chat(client, addr, &body, &[], t0).await;
+        let (sample, reply) = send(client, rotation, &body, t0).await;
         let ok = sample.outcome == Outcome::Ok;
         samples
             .lock()
@@ -272,6 +325,28 @@ async fn session(
         }
         messages.push(json!({"role": "assistant", "content": reply}));
     }
+}
+
+/// Sends `body` to the next router in `rotation`, and once more to another
+/// when the rotation retries and no response byte came: one measurement,
+/// from when it was first sent.
+async fn send(
+    client: &reqwest::Client,
+    rotation: &Rotation,
+    body: &Value,
+    t0: Instant,
+) -> (Sample, String) {
+    let addr = rotation.pick();
+    let (first, reply) = chat(client, addr, body, &[], t0).await;
+    if !(rotation.retry && matches!(first.outcome, Outcome::Unanswered(_))) {
+        return (first, reply);
+    }
+    rotation.retried.fetch_add(1, Ordering::Relaxed);
+    let (mut again, reply) = chat(client, rotation.other(addr), body, &[], t0).await;
+    // The client waited for both attempts.
+    again.ttft = again.ttft.map(|ttft| ttft + (again.t - first.t));
+    again.t = first.t;
+    (again, reply)
 }
 
 /// Sends one streaming chat completion to `addr` with `headers` and reads
@@ -313,7 +388,13 @@ pub async fn stream(
     let response = match request.send().await {
         Ok(r) => r,
         Err(e) => {
-            sample.outcome = Outcome::Failed(e.to_string());
+            let mut why = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                why = format!("{why}: {cause}");
+                source = cause.source();
+            }
+            sample.outcome = Outcome::Unanswered(why);
             return (sample, String::new());
         }
     };
@@ -430,6 +511,24 @@ mod tests {
         e.feed(format!("{token}\n\n{usage}\n\n").as_bytes(), sent);
         assert!(e.ttft.is_some() && !e.error);
         assert_eq!((e.reply.as_str(), e.usage), (" the", Some((512, 496))));
+    }
+
+    #[test]
+    fn a_retry_goes_to_another_router_in_rotation_if_any() {
+        let routers: Vec<SocketAddr> = (1..=3)
+            .map(|p| SocketAddr::from(([127, 0, 0, 1], p)))
+            .collect();
+        let r = Rotation::retrying(routers.clone());
+        assert_eq!(r.other(routers[0]), routers[1]);
+        assert_eq!(r.other(routers[2]), routers[0]);
+        r.set(1, false);
+        assert_eq!(r.other(routers[0]), routers[2]);
+        r.set(2, false);
+        r.set(0, false);
+        // None in rotation: still another router.
+        assert_eq!(r.other(routers[0]), routers[1]);
+        let one = Rotation::retrying(routers[..1].to_vec());
+        assert_eq!(one.other(routers[0]), routers[0]);
     }
 
     #[test]

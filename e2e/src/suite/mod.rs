@@ -8,5 +8,6 @@ pub mod missed_causes;
 pub mod procs;
 pub mod repeat;
 pub mod report;
+pub mod router_killed;
 pub mod scenarios;
 pub mod system;

@@ -11,7 +11,12 @@
 //!    it held in every run that reached it, and says in how many it held.
 //!    Its text is the first failing run's (with that run's values), else
 //!    the first run's.
-//! 3. **The scenario** passes when every run passed; errors and notes
+//! 3. **Interval goals** ([`IntervalGoal`]) are judged here, after the
+//!    figures: met when the mean of the figure over the runs is not below
+//!    the lower end of the reference figure's 95 % interval
+//!    (`mean − ci95`); added to the goals with both values. One run has no
+//!    interval: it says so in a note, with its two values.
+//! 4. **The scenario** passes when every run passed; errors and notes
 //!    are kept, each error with its run's number; the plot is the first
 //!    run's. Every run's own result stays in `runs`.
 //!
@@ -19,7 +24,7 @@
 
 use std::collections::BTreeMap;
 
-use super::report::{Check, Scenario};
+use super::report::{Check, IntervalGoal, Scenario};
 
 /// Median, mean and 95 % interval of some runs' values of one figure.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -81,7 +86,20 @@ fn t975(df: usize) -> f64 {
 pub fn combine(mut runs: Vec<Scenario>) -> Scenario {
     assert!(!runs.is_empty(), "a scenario runs at least once");
     if runs.len() == 1 {
-        return runs.pop().expect("one run");
+        let mut run = runs.pop().expect("one run");
+        for g in run.interval_goals.clone() {
+            let value = |name: &str| run.figures.get(name).copied().unwrap_or(f64::NAN);
+            let note = format!(
+                "goal {}: judged under --repeat 2 or more (one run has no interval); {} {:.3}, {} {:.3}",
+                g.what,
+                g.figure,
+                value(&g.figure),
+                g.reference,
+                value(&g.reference)
+            );
+            run.notes.push(note);
+        }
+        return run;
     }
     let first = &runs[0];
     let mut names: Vec<&String> = runs.iter().flat_map(|r| r.figures.keys()).collect();
@@ -119,18 +137,43 @@ pub fn combine(mut runs: Vec<Scenario>) -> Scenario {
         }
     }
     let skipped = runs.iter().all(|r| r.skipped.is_some());
+    let mut goals = merge_checks(&runs, |r| &r.goals);
+    goals.extend(
+        first
+            .interval_goals
+            .iter()
+            .map(|g| judge(g, &figures, runs.len())),
+    );
     Scenario {
         name: first.name.clone(),
         passed: runs.iter().all(|r| r.passed),
         figures,
         checks: merge_checks(&runs, |r| &r.checks),
-        goals: merge_checks(&runs, |r| &r.goals),
+        goals,
+        interval_goals: first.interval_goals.clone(),
         notes,
         text: first.text.clone(),
         error: (!errors.is_empty()).then(|| errors.join("; ")),
         skipped: if skipped { first.skipped.clone() } else { None },
         plot: first.plot.clone(),
         runs,
+    }
+}
+
+/// Interval goal `g` on the combined `figures` of `n` runs (rule 3).
+fn judge(g: &IntervalGoal, figures: &BTreeMap<String, f64>, n: usize) -> Check {
+    let get = |name: &str| figures.get(name).copied().unwrap_or(f64::NAN);
+    let mean = get(&format!("{}_mean", g.figure));
+    let (reference, ci95) = (
+        get(&format!("{}_mean", g.reference)),
+        get(&format!("{}_ci95", g.reference)),
+    );
+    Check {
+        what: format!(
+            "{}: {} {mean:.3} vs {} {reference:.3} ± {ci95:.3} (means of {n} runs)",
+            g.what, g.figure, g.reference
+        ),
+        passed: mean >= reference - ci95,
     }
 }
 
@@ -231,6 +274,60 @@ mod tests {
         assert_eq!(
             s.checks[0].what,
             "the new pod serves: true [held in 2 of 2 runs]"
+        );
+    }
+
+    fn killed(after: f64, undisturbed: f64) -> Scenario {
+        let mut s = Scenario::new("router_killed");
+        s.figure("after", after);
+        s.figure("undisturbed", undisturbed);
+        s.interval_goal("after", "undisturbed", "the ratio after the kill");
+        s.passed = true;
+        s
+    }
+
+    #[test]
+    fn interval_goals_hold_a_figures_mean_to_a_references_interval() {
+        // Undisturbed 0.60, 0.64, 0.62: mean 0.62, sd 0.02, ci95 0.0497.
+        let s = combine(vec![
+            killed(0.58, 0.60),
+            killed(0.57, 0.64),
+            killed(0.59, 0.62),
+        ]);
+        assert_eq!(s.goals.len(), 1);
+        assert!(
+            s.goals[0].passed,
+            "0.58 ≥ 0.62 − 0.0497: {}",
+            s.goals[0].what
+        );
+        assert_eq!(
+            s.goals[0].what,
+            "the ratio after the kill: after 0.580 vs undisturbed 0.620 ± 0.050 (means of 3 runs)"
+        );
+        let s = combine(vec![
+            killed(0.50, 0.60),
+            killed(0.55, 0.64),
+            killed(0.54, 0.62),
+        ]);
+        assert!(!s.goals[0].passed, "{}", s.goals[0].what);
+        // Above the interval is no loss.
+        let s = combine(vec![killed(0.9, 0.60), killed(0.9, 0.64)]);
+        assert!(s.goals[0].passed);
+        // A figure no run measured misses it.
+        let mut unmeasured = killed(0.0, 0.6);
+        unmeasured.figures.remove("after");
+        assert!(!combine(vec![unmeasured, killed(f64::NAN, 0.6)]).goals[0].passed);
+    }
+
+    #[test]
+    fn one_run_notes_an_interval_goal_it_cannot_judge() {
+        let s = combine(vec![killed(0.58, 0.60)]);
+        assert!(s.goals.is_empty());
+        assert_eq!(
+            s.notes,
+            vec![
+                "goal the ratio after the kill: judged under --repeat 2 or more (one run has no interval); after 0.580, undisturbed 0.600"
+            ]
         );
     }
 

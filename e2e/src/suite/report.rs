@@ -40,6 +40,11 @@ pub struct Scenario {
     /// not asserted (the checks hold the same figures to looser bounds a
     /// loaded machine meets every time).
     pub goals: Vec<Check>,
+    /// Goals on a figure against the interval of another, judged only
+    /// across runs (`--repeat N`, N ≥ 2; see [`super::repeat`]), then
+    /// added to `goals`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub interval_goals: Vec<IntervalGoal>,
     /// What was not done, and why.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
@@ -59,6 +64,19 @@ pub struct Scenario {
     /// fields above sum them up (see [`super::repeat`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<Scenario>,
+}
+
+/// A goal judged across runs: the mean of `figure` is not below the 95 %
+/// interval of the mean of `reference` (above it is no loss).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IntervalGoal {
+    /// The figure judged, e.g. `cached_ratio_after_kill`.
+    pub figure: String,
+    /// The figure whose interval it must reach, e.g. the undisturbed
+    /// run's ratio in the same window.
+    pub reference: String,
+    /// What the goal says, without values.
+    pub what: String,
 }
 
 /// One assertion.
@@ -92,6 +110,16 @@ impl Scenario {
     /// Records a goal.
     pub fn goal(&mut self, passed: bool, what: String) {
         self.goals.push(Check { what, passed });
+    }
+
+    /// Records a goal on `figure` against `reference`'s interval, judged
+    /// across runs ([`IntervalGoal`]).
+    pub fn interval_goal(&mut self, figure: &str, reference: &str, what: &str) {
+        self.interval_goals.push(IntervalGoal {
+            figure: figure.to_owned(),
+            reference: reference.to_owned(),
+            what: what.to_owned(),
+        });
     }
 }
 

@@ -22,7 +22,7 @@ use super::system::{MODEL, Setup, System, TENANT_HEADER};
 /// product's 2 s.
 const BOUND_S: f64 = 10.0;
 /// When the scenario's event happens, seconds into the load.
-const EVENT_AT: f64 = 8.0;
+pub(super) const EVENT_AT: f64 = 8.0;
 /// Pods in the steady state: enough that one engine holds a small share
 /// of the working set (a sixth), as in a fleet.
 const STEADY_PODS: usize = 8;
@@ -56,7 +56,7 @@ pub struct Ctx {
 impl Ctx {
     /// The undisturbed run: 4 pods under the standard load, nothing
     /// happening; run once, when a scenario first needs it.
-    async fn baseline(&self) -> anyhow::Result<Arc<Vec<Sample>>> {
+    pub(super) async fn baseline(&self) -> anyhow::Result<Arc<Vec<Sample>>> {
         let run = async || {
             let system = self.system("undisturbed", Setup::new(4)).await?;
             let (_, load) = start_load(self, &system);
@@ -69,11 +69,11 @@ impl Ctx {
         System::start(&self.bins, &self.out.join("logs").join(name), setup).await
     }
 
-    fn shape(&self, pods: usize) -> Shape {
+    pub(super) fn shape(&self, pods: usize) -> Shape {
         Shape::standard(pods, self.duration)
     }
 
-    fn plot(
+    pub(super) fn plot(
         &self,
         scenario: &mut Scenario,
         title: &str,
@@ -93,13 +93,14 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 11] = [
     "steady_state",
     "inference_perf",
     "scale_out",
     "pod_killed",
     "operator_killed",
     "router_restarted",
+    "router_killed",
     "agent_restarted",
     "tenants",
     "contract_mismatch",
@@ -115,6 +116,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "pod_killed" => pod_killed(ctx, s).await,
         "operator_killed" => operator_killed(ctx, s).await,
         "router_restarted" => router_restarted(ctx, s).await,
+        "router_killed" => super::router_killed::run(ctx, s).await,
         "agent_restarted" => agent_restarted(ctx, s).await,
         "tenants" => tenants(ctx, s).await,
         "contract_mismatch" => contract_mismatch(ctx, s).await,
@@ -132,7 +134,7 @@ fn start_load(ctx: &Ctx, system: &System) -> (Arc<Rotation>, tokio::task::JoinHa
 }
 
 /// Sleeps until `t` seconds after the system's start.
-async fn at(system: &System, t: f64) {
+pub(super) async fn at(system: &System, t: f64) {
     let left = t - system.now();
     if left > 0.0 {
         tokio::time::sleep(Duration::from_secs_f64(left)).await;
@@ -173,7 +175,7 @@ fn no_failures(s: &mut Scenario, samples: &[Sample]) {
 }
 
 /// Records the hit ratio and TTFT of `samples` under `prefix`.
-fn latency_figures(s: &mut Scenario, prefix: &str, samples: &[Sample]) {
+pub(super) fn latency_figures(s: &mut Scenario, prefix: &str, samples: &[Sample]) {
     let mut ttfts: Vec<f64> = samples.iter().filter_map(|x| x.ttft).collect();
     s.figure(&format!("{prefix}cached_ratio"), report::hit_ratio(samples));
     s.figure(

@@ -684,6 +684,27 @@ spec:
         }
     }
 
+    /// SIGKILLs router `i`, as a node failure or the OOM killer does: what
+    /// it had in flight is cut.
+    pub fn kill_router(&mut self, i: usize) {
+        if let Some(proc) = self.routers[i].proc.take() {
+            proc.kill();
+        }
+    }
+
+    /// Whether router `i` answers 200 on its admin port's `/readyz`, as a
+    /// readiness probe asks.
+    pub async fn router_ready(&self, i: usize) -> bool {
+        let url = format!("http://{}/readyz", self.routers[i].admin);
+        let answer = self.http.get(&url).timeout(Duration::from_secs(1)).send();
+        answer.await.is_ok_and(|r| r.status().is_success())
+    }
+
+    /// The routers' admin addresses (`/readyz`, `/metrics`, `/debug`).
+    pub fn router_admins(&self) -> Vec<SocketAddr> {
+        self.routers.iter().map(|r| r.admin).collect()
+    }
+
     /// Router `i`'s `/debug/pool`.
     pub async fn endpoints(&self, i: usize) -> anyhow::Result<Vec<Endpoint>> {
         let url = format!("http://{}/debug/pool", self.routers[i].admin);

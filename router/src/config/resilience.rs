@@ -36,6 +36,12 @@ pub struct Resilience {
     /// See `hungAfterMs`: the time allowed per requested output token of a
     /// non-streaming request, milliseconds. Default: 100.
     pub hung_ms_per_token: u64,
+    /// How long a starting router waits for the first WatchCache snapshot
+    /// of every ready engine before `/readyz` says ready anyway (logged
+    /// and counted), milliseconds from when it first knows its endpoints;
+    /// 0: no wait. Until then a Service sends it nothing it would route
+    /// cold. Default: 15000.
+    pub snapshot_wait_ms: u64,
 }
 
 impl Default for Resilience {
@@ -50,6 +56,7 @@ impl Default for Resilience {
             hung_after_ms: 10_000,
             hung_ttft_multiple: 4.0,
             hung_ms_per_token: 100,
+            snapshot_wait_ms: 15_000,
         }
     }
 }

@@ -132,7 +132,8 @@ impl Config {
     }
 
     /// Every duration: at most [`MAX_DURATION_MS`], and at least 1 ms
-    /// except where 0 has a meaning (no queueing; retry at once).
+    /// except where 0 has a meaning (no queueing; retry at once; no wait
+    /// for snapshots).
     fn validate_durations(&self) -> Result<(), ConfigError> {
         let l = &self.limits;
         let r = &self.resilience;
@@ -164,6 +165,7 @@ impl Config {
         }
         for (field, ms) in [
             ("limits.queueTimeoutMs", l.queue_timeout_ms),
+            ("resilience.snapshotWaitMs", r.snapshot_wait_ms),
             ("limits.retryAfterS", l.retry_after_s.saturating_mul(1000)),
         ] {
             if ms > MAX_DURATION_MS {

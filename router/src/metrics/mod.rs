@@ -199,6 +199,8 @@ pub struct Metrics {
     pub conversation_prompts: Family<Outcome, Counter>,
     /// `kvroute_conversation_evictions_total`.
     pub conversation_evictions: Counter,
+    /// `kvroute_snapshot_waits_expired_total`.
+    pub snapshot_waits_expired: Counter,
     /// `kvroute_upstream_failures_total{endpoint,kind}`; use
     /// [`Metrics::upstream_failure`], which keeps the series bounded.
     upstream_failures: Family<EndpointKind, Counter>,
@@ -248,6 +250,7 @@ impl Default for Metrics {
             cache_pressure: Family::default(),
             conversation_prompts: Family::default(),
             conversation_evictions: Counter::default(),
+            snapshot_waits_expired: Counter::default(),
             upstream_failures: Family::default(),
             failed_endpoints: Mutex::default(),
             refused_ejections: Warnings::default(),
@@ -305,6 +308,11 @@ impl Default for Metrics {
             "kvroute_request_body_bytes",
             "Bytes of request bodies held in memory (counted by the KiB as they arrive)",
             m.body_bytes.clone(),
+        );
+        r.register(
+            "kvroute_snapshot_waits_expired",
+            "Starts after which the router reported ready without every ready engine's first WatchCache snapshot, because resilience.snapshotWaitMs passed",
+            m.snapshot_waits_expired.clone(),
         );
         r.register(
             "kvroute_first_choice",

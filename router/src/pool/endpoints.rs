@@ -70,6 +70,8 @@ pub(super) struct Member {
     /// Those checked against the routing settings; a mismatched engine
     /// gets no cache credit (its updates are not indexed).
     pub(super) contract: Contract,
+    /// Its stream has delivered a snapshot (been live) at least once.
+    pub(super) snapshotted: bool,
 }
 
 /// The WatchCache streams a change starts and stops.
@@ -150,10 +152,14 @@ impl Pool {
                     generation,
                     engine: None,
                     contract: Contract::Unknown,
+                    snapshotted: false,
                 },
             );
         }
         inner.exact = inner.members.values().any(|m| m.spec.cache.is_some());
+        if !inner.members.is_empty() {
+            inner.startup.start(super::now());
+        }
         let Inner {
             members, outlier, ..
         } = &mut *inner;

@@ -196,6 +196,7 @@ impl Pool {
             return;
         };
         m.stream = state;
+        m.snapshotted |= state == StreamState::Live;
         let slot = m.slot;
         if state != StreamState::Live {
             inner.index.begin_remove_endpoint(slot);

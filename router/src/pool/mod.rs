@@ -21,8 +21,9 @@
 //! file: `endpoints` (the endpoint table and the streams it asks for),
 //! `engines` (what the engines report: contracts, snapshots, changes,
 //! load), `routing` (plans, explanations, in-flight requests), `health`
-//! (outcomes into the [`outliers`] state machine), `status` (snapshots for
-//! metrics and `/debug/pool`). The tasks that keep a pool current from the
+//! (outcomes into the [`outliers`] state machine), `startup` (whether a
+//! starting router has every engine's first snapshot), `status` (snapshots
+//! for metrics and `/debug/pool`). The tasks that keep a pool current from the
 //! engines are here too: [`cache_watch`] and [`health_checks`].
 
 pub mod cache_watch;
@@ -32,6 +33,7 @@ mod health;
 pub mod health_checks;
 pub mod outliers;
 mod routing;
+mod startup;
 mod status;
 
 pub use cache_watch::Watchers;
@@ -40,6 +42,7 @@ pub use engines::SNAPSHOT_CHUNK;
 pub use health::HealthEvents;
 pub use outliers::{Event, Fault, Restore};
 pub use routing::{InFlight, Lost, Plan, Seen, Target};
+pub use startup::{GaveUp, Waiting};
 pub use status::{EndpointStatus, TierStats};
 
 use std::collections::BTreeMap;
@@ -54,6 +57,7 @@ use tokio::sync::{Notify, watch};
 
 use self::endpoints::Member;
 use self::outliers::Outlier;
+use self::startup::{Engine, Startup};
 use crate::config::Resilience;
 use crate::settings::Settings;
 
@@ -79,6 +83,8 @@ struct Inner {
     generations: u64,
     /// Whether any endpoint reports its cache: routing is then exact.
     exact: bool,
+    /// Whether the router holds every engine's first snapshot yet.
+    startup: Startup,
 }
 
 /// A pool. See the module docs.
@@ -124,6 +130,9 @@ impl Pool {
                 least_loaded: LeastLoaded::default(),
                 generations: 0,
                 exact: false,
+                startup: Startup::new(std::time::Duration::from_millis(
+                    resilience.snapshot_wait_ms,
+                )),
             }),
             concurrency,
             ready: watch::channel(0).0,
@@ -156,6 +165,21 @@ impl Pool {
             .values()
             .filter(|m| inner.is_routable(m, now))
             .count()
+    }
+
+    /// Whether a starting router has its engines' first snapshots (see
+    /// `startup.rs`'s rules); the [`GaveUp`] the moment its bounded wait
+    /// runs out, for the caller to log and count.
+    pub fn startup(&self) -> (Result<(), Waiting>, Option<GaveUp>) {
+        let Inner {
+            members, startup, ..
+        } = &mut *self.lock();
+        let engines = members.values().map(|m| Engine {
+            name: &m.spec.name,
+            wanted: m.spec.ready && !m.spec.draining && m.spec.cache.is_some(),
+            delivered: m.snapshotted,
+        });
+        startup.check(now(), engines)
     }
 
     /// The routing settings now.

@@ -27,6 +27,7 @@ mod labels;
 pub mod missed;
 mod observed;
 mod queue;
+mod readiness;
 pub mod recent;
 
 use std::collections::HashSet;
@@ -230,17 +231,6 @@ impl Service {
     /// Checks a request's credentials as the proxied paths do.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         self.tenancy().tenant(headers).map(drop)
-    }
-
-    /// Whether the router can serve: routable endpoints (their number),
-    /// and the tenancy the pool's policy asks for; else why not.
-    pub fn readiness(&self) -> Result<usize, String> {
-        self.tenancy_check(&self.pool.settings())
-            .map_err(|e| e.to_string())?;
-        match self.pool.routable() {
-            0 => Err("no routable endpoint".into()),
-            n => Ok(n),
-        }
     }
 
     /// Refuses every request while the pool's policy (in `settings`) asks

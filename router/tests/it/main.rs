@@ -20,5 +20,6 @@ mod open_files;
 mod prefixes;
 mod proxy;
 mod reliability;
+mod startup;
 mod support;
 mod tls;
