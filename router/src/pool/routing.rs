@@ -355,6 +355,8 @@ impl Inner {
             slot: target.slot,
             id: target.id,
             load: self.load.load(target.slot),
+            // Learning reads no weight: it only ranks.
+            weight: 1.0,
         };
         self.policy.routed(request, &endpoint);
     }
@@ -366,6 +368,7 @@ impl Inner {
         now: std::time::Instant,
         among: &dyn Fn(&SocketAddr) -> bool,
     ) -> (Vec<Endpoint>, Vec<Target>) {
+        let now_ms = super::wall_ms();
         self.members
             .values()
             .filter(|m| self.is_routable(m, now) && among(&m.spec.http))
@@ -374,6 +377,7 @@ impl Inner {
                     slot: m.slot,
                     id: m.id,
                     load: self.load.load(m.slot),
+                    weight: self.weight(m, now_ms),
                 };
                 let target = Target {
                     name: m.name.clone(),
