@@ -128,6 +128,7 @@ fn index(c: &mut Criterion) {
                 prefill_tokens: u64::from(i) * 300,
                 ..Load::default()
             },
+            weight: 1.0,
         })
         .collect();
     let mut policy = PolicyConfig::Kvroute(KvrouteConfig::default()).build();

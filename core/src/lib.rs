@@ -2,8 +2,9 @@
 //!
 //! Everything that decides where a request goes lives here: vLLM-exact block
 //! hashing ([`hash`]), routing keys ([`keys`]), rendezvous ranking
-//! ([`rendezvous`]), the per-pool occupancy index ([`index`]), load accounting
-//! ([`load`]), the routing policies ([`policy`]) and what a routing policy
+//! ([`rendezvous`]) and a new endpoint's ramp in it ([`slow_start`]), the
+//! per-pool occupancy index ([`index`]), load accounting ([`load`]), the
+//! routing policies ([`policy`]) and what a routing policy
 //! says of a pool, with its defaults ([`spec`]); and the one model of an
 //! engine's scheduler ([`engine`]) that the simulator and the replay run.
 //! The router, the replay benchmark and the engine simulator all call this
@@ -24,5 +25,6 @@ pub mod policy;
 pub mod rendezvous;
 pub mod rng;
 pub mod slot;
+pub mod slow_start;
 pub mod spec;
 pub mod tokenize;

@@ -47,6 +47,10 @@ pub struct RoutingSpec {
     pub offload_weight: f32,
     /// Whether tenants share cached blocks. Default: shared.
     pub tenancy: TenancyMode,
+    /// Seconds over which an endpoint that became ready ramps up to its
+    /// full share of new keys ([`crate::slow_start`]); 0: off, at most
+    /// [`crate::slow_start::MAX_WINDOW_SECONDS`]. Default: 30.
+    pub slow_start_seconds: u32,
 }
 
 impl Default for RoutingSpec {
@@ -58,6 +62,7 @@ impl Default for RoutingSpec {
             hash: HashConfig::default(),
             offload_weight: crate::index::DEFAULT_OFFLOAD_WEIGHT,
             tenancy: TenancyMode::default(),
+            slow_start_seconds: crate::slow_start::DEFAULT_WINDOW.as_secs() as u32,
         }
     }
 }
@@ -109,6 +114,7 @@ mod tests {
         assert_eq!(spec.hash.seed, None);
         assert_eq!(spec.offload_weight, 0.5);
         assert_eq!(spec.tenancy, TenancyMode::Shared);
+        assert_eq!(spec.slow_start_seconds, 30);
     }
 
     #[test]

@@ -75,7 +75,9 @@ pub fn service(service: &Service) -> Option<ServiceInfo> {
 /// The index's view of `pod`; `None` if it has no namespace or name.
 ///
 /// An absent or unparsable `status.podIP` gives no IP (the pod then has no
-/// endpoint); a missing status reads as not running and not ready.
+/// endpoint); a missing status reads as not running and not ready. A
+/// `Ready` condition that is `True` gives its `lastTransitionTime` as the
+/// time the pod became ready (none when the condition has none).
 pub fn pod(pod: &Pod) -> Option<PodInfo> {
     let (namespace, name) = namespace_name(&pod.metadata)?;
     let status = pod.status.as_ref();
@@ -83,9 +85,14 @@ pub fn pod(pod: &Pod) -> Option<PodInfo> {
         .and_then(|s| s.pod_ip.as_deref())
         .and_then(|ip| ip.parse::<IpAddr>().ok());
     let phase_running = status.and_then(|s| s.phase.as_deref()) == Some("Running");
-    let ready = status
+    let ready_condition = status
         .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    let ready = ready_condition.is_some_and(|c| c.status == "True");
+    let ready_since_ms = ready_condition
+        .filter(|_| ready)
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0.as_millisecond());
     Some(PodInfo {
         namespace,
         name,
@@ -94,6 +101,7 @@ pub fn pod(pod: &Pod) -> Option<PodInfo> {
         phase_running,
         ready,
         deleting: pod.metadata.deletion_timestamp.is_some(),
+        ready_since_ms,
     })
 }
 
@@ -109,7 +117,8 @@ pub fn pod(pod: &Pod) -> Option<PodInfo> {
 ///   `TargetNotFound` naming it.
 /// - Every spec field is mapped, as `Some` (the CRD's defaults fill them
 ///   in). A number the index's type cannot hold (negative, or a cache port
-///   above 65535) becomes `Some(0)`, which [`PolicySpec::validate`] rejects,
+///   above 65535) becomes `Some(0)` (a negative `slowStartSeconds`, where 0
+///   means off: `Some(u32::MAX)`), which [`PolicySpec::validate`] rejects,
 ///   so the policy is reported `Invalid` instead of taking effect with a
 ///   different value.
 pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
@@ -147,6 +156,7 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
             .cache_port
             .map(|p| u16::try_from(p).unwrap_or(0)),
         tenancy_mode: Some(spec.tenancy.mode),
+        slow_start_seconds: Some(u32::try_from(spec.slow_start_seconds).unwrap_or(u32::MAX)),
         tenant_header: spec.tenancy.tenant_header.clone(),
         observed: observed(&policy.metadata, policy.status.as_ref()),
     })

@@ -19,6 +19,8 @@
 //! 4. The offload weight; absent is the default, outside 0 to 1 keeps the
 //!    current weight.
 //! 5. Tenancy salted when the wire says so; shared otherwise.
+//! 6. The slow-start window; absent is the default, over the maximum keeps
+//!    the current window.
 //!
 //! The key's `scope_by_tenant` is the router's own and kept from the
 //! current spec. The wire's `cache_port` and `tenant_header` are not part
@@ -28,6 +30,7 @@
 use kvroute_core::hash::{BlockHasher, HashConfig};
 use kvroute_core::keys::KeyMode;
 use kvroute_core::policy::{PolicyConfig, PolicyParameters};
+use kvroute_core::slow_start::MAX_WINDOW_SECONDS;
 use kvroute_core::spec::{RoutingSpec, TenancyMode};
 
 use crate::hash_algo_from_i32;
@@ -52,6 +55,7 @@ impl From<&RoutingSpec> for v1::RoutingPolicy {
             cache_port: 0,
             tenancy: v1::TenancyMode::from(spec.tenancy).into(),
             tenant_header: String::new(),
+            slow_start_seconds: Some(spec.slow_start_seconds),
         }
     }
 }
@@ -80,6 +84,9 @@ pub enum Unusable {
     },
     /// An offload weight outside 0 to 1.
     OffloadWeight(f64),
+    /// A slow-start window over
+    /// [`kvroute_core::slow_start::MAX_WINDOW_SECONDS`].
+    SlowStartSeconds(u32),
 }
 
 impl v1::RoutingPolicy {
@@ -123,12 +130,21 @@ impl v1::RoutingPolicy {
         } else {
             TenancyMode::Shared
         };
+        let slow_start_seconds = match self.slow_start_seconds {
+            Some(s) if s <= MAX_WINDOW_SECONDS => s,
+            Some(s) => {
+                unusable.push(Unusable::SlowStartSeconds(s));
+                current.slow_start_seconds
+            }
+            None => RoutingSpec::default().slow_start_seconds,
+        };
         let spec = RoutingSpec {
             policy,
             key,
             hash,
             offload_weight,
             tenancy,
+            slow_start_seconds,
         };
         (spec, unusable)
     }

@@ -141,6 +141,7 @@ impl Setup {
                 cache: exact.then(|| SocketAddr::from(([127, 0, 0, 1], 9))),
                 ready: true,
                 draining: false,
+                ready_since_ms: None,
             })
             .collect();
         let streams = pool.set_endpoints(specs);

@@ -37,6 +37,9 @@ pub struct Settings {
     pub lora_adapters: BTreeMap<String, Lora>,
     /// An offloaded block's worth against a GPU block, 0 to 1.
     pub offload_weight: f32,
+    /// The slow-start window: a newly ready endpoint's share of new keys
+    /// ramps up over it (`ZERO`: off).
+    pub slow_start: std::time::Duration,
     /// The spec's tenancy is salted: the configuration's own (which salts)
     /// or the operator's policy's, which a router that does not salt
     /// answers by refusing requests.
@@ -62,6 +65,7 @@ impl Settings {
             policy: spec.policy.clone(),
             lora_adapters,
             offload_weight: spec.offload_weight,
+            slow_start: std::time::Duration::ZERO,
             salting_required: false,
         }
         .routing_by(spec)
@@ -83,6 +87,7 @@ impl Settings {
         self.key = spec.key.clone();
         self.policy = spec.policy.clone();
         self.offload_weight = spec.offload_weight;
+        self.slow_start = std::time::Duration::from_secs(spec.slow_start_seconds.into());
         self.salting_required = spec.tenancy == TenancyMode::Salted;
         Ok(self)
     }
@@ -99,6 +104,7 @@ impl Settings {
             } else {
                 TenancyMode::Shared
             },
+            slow_start_seconds: self.slow_start.as_secs() as u32,
         }
     }
 
@@ -140,6 +146,7 @@ mod tests {
             policy: PolicyConfig::RoundRobin,
             tenancy: TenancyMode::Salted,
             offload_weight: 0.25,
+            slow_start_seconds: 5,
             ..RoutingSpec::default()
         };
         let settings = builtin.with_spec(&spec).unwrap();

@@ -317,6 +317,7 @@ impl Sim {
                 slot: Slot(i as u32),
                 id: self.ids[i],
                 load,
+                weight: 1.0,
             });
         }
         let req = Request {

@@ -287,6 +287,7 @@ impl VllmSim {
                     slot: Slot(r as u32),
                     id: self.ids[r],
                     load,
+                    weight: 1.0,
                 }
             })
             .collect();

@@ -40,7 +40,10 @@
 //! 4. **Cold keys are deterministic.** Equal prefixes (no prefix at all, in
 //!    particular) are ordered by the rendezvous score of the routing key, so
 //!    every router replica makes the same choice among endpoints that are
-//!    equally fast, and a scale-out moves about 1/(N+1) of the keys.
+//!    equally fast, and a scale-out moves about 1/(N+1) of the keys. The
+//!    score is weighted by each endpoint's slow-start ramp
+//!    ([`Endpoint::weight`]): a new endpoint's share of cold keys grows
+//!    over the window; warm prefixes are not affected.
 //! 5. **The rest is the retry order:** the remaining eligible endpoints in
 //!    the same order, then the others, fastest first.
 //! 6. **The engine has the last word.** Each endpoint is asked to start

@@ -55,6 +55,11 @@ pub struct Endpoint {
     pub id: u64,
     /// Its current load.
     pub load: Load,
+    /// Its share of new keys, 0 to 1: 1, less while it ramps up after
+    /// becoming ready ([`crate::slow_start`]). Cold keys and ties are ranked
+    /// by the weighted rendezvous score ([`scores`]); warm prefixes ignore
+    /// it. The caller computes it for the moment of the decision.
+    pub weight: f64,
 }
 
 /// What a policy knows about a request.
@@ -369,14 +374,27 @@ impl PolicyConfig {
     }
 }
 
-/// Rendezvous scores of `endpoints` for `key`, by candidate position.
+/// Rendezvous scores of `endpoints` for `key`, by candidate position,
+/// weighted by each endpoint's [`Endpoint::weight`]: higher wins. With
+/// every weight 1 (no endpoint ramping up) the plain scores, so the order
+/// is exactly the unweighted one; else the IEEE bits of the weighted
+/// scores ([`crate::rendezvous::weighted_score`], never negative, so the
+/// bits order as the values do), in which a ramping endpoint is first for
+/// its share of keys and the others keep their order among themselves.
 fn scores(key: RoutingKey, endpoints: &[Endpoint], out: &mut Vec<u64>) {
+    use crate::rendezvous::{score, weighted_score};
     out.clear();
-    out.extend(
-        endpoints
-            .iter()
-            .map(|e| crate::rendezvous::score(key.0, e.id)),
-    );
+    let plain = endpoints.iter().map(|e| score(key.0, e.id));
+    if endpoints.iter().all(|e| e.weight >= 1.0) {
+        out.extend(plain);
+    } else {
+        let weights = endpoints.iter().map(|e| e.weight);
+        out.extend(
+            plain
+                .zip(weights)
+                .map(|(s, w)| weighted_score(s, w).to_bits()),
+        );
+    }
 }
 
 /// `request`'s leading blocks each candidate holds per the engines' index,

@@ -27,6 +27,7 @@ impl Pool {
                 slot: Slot(i),
                 id: endpoint_id(&format!("10.0.0.{i}:8000")),
                 load: Load::default(),
+                weight: 1.0,
             })
             .collect();
         self
@@ -34,6 +35,12 @@ impl Pool {
 
     pub fn in_flight(mut self, i: usize, n: u32) -> Self {
         self.endpoints[i].load.in_flight = n;
+        self
+    }
+
+    /// Endpoint `i` ramping up at weight `w` (slow start).
+    pub fn weight(mut self, i: usize, w: f64) -> Self {
+        self.endpoints[i].weight = w;
         self
     }
 

@@ -125,3 +125,68 @@ fn every_policy_round_trips_and_refuses_unknown_parameters() {
         serde_json::from_value(serde_json::json!({"name": "round-robin"})).unwrap();
     assert_eq!(bare, PolicyConfig::RoundRobin);
 }
+
+/// The policies that order cold keys by rendezvous.
+const RENDEZVOUS_ORDERED: [&str; 5] = [
+    "kvroute",
+    "rendezvous",
+    "rendezvous-bounded",
+    "min-ttft",
+    "exact-prefix-load",
+];
+
+#[test]
+fn a_ramping_endpoint_is_first_for_its_weights_share_of_cold_keys() {
+    // Four at 1, the fifth at 0.25: it is first for 0.25 / 4.25 of the keys.
+    let pool = Pool::test().replicas(5).weight(4, 0.25);
+    let keys = 20_000u64;
+    for name in RENDEZVOUS_ORDERED {
+        let mut p = PolicyConfig::by_name(name).unwrap().build();
+        let firsts = (0..keys)
+            .filter(|&k| p.rank(&request(k, &[]), &pool.endpoints, &pool.cx()).ranked[0] == 4)
+            .count();
+        let share = firsts as f64 / keys as f64;
+        assert!((share - 0.25 / 4.25).abs() < 0.01, "{name}: {share}");
+    }
+}
+
+#[test]
+fn full_weights_rank_as_plain_rendezvous_and_a_ramp_moves_keys_only_to_its_endpoint() {
+    let full = Pool::test().replicas(5);
+    let ids: Vec<u64> = full.endpoints.iter().map(|e| e.id).collect();
+    for name in RENDEZVOUS_ORDERED {
+        let mut p = PolicyConfig::by_name(name).unwrap().build();
+        let mut first: Vec<usize> = (0..2_000u64)
+            .map(|k| p.rank(&request(k, &[]), &full.endpoints, &full.cx()).ranked[0])
+            .collect();
+        for (k, &f) in first.iter().enumerate() {
+            assert_eq!(f, crate::rendezvous::rank(k as u64, &ids)[0], "{name}");
+        }
+        for w in [1.0, 0.6, 0.2, 0.01] {
+            let ramping = Pool::test().replicas(5).weight(4, w);
+            for (k, was) in first.iter_mut().enumerate() {
+                let d = p.rank(&request(k as u64, &[]), &ramping.endpoints, &ramping.cx());
+                assert!(
+                    d.ranked[0] == *was || *was == 4,
+                    "{name}: key {k} moved from {was} to {} at weight {w}",
+                    d.ranked[0]
+                );
+                *was = d.ranked[0];
+            }
+        }
+    }
+}
+
+#[test]
+fn a_warm_prefix_stays_on_a_ramping_holder() {
+    let chain: Vec<u64> = (1..=8).collect();
+    let pool = Pool::test()
+        .replicas(4)
+        .holds(3, &chain)
+        .weight(3, crate::slow_start::MIN_WEIGHT);
+    let mut p = PolicyConfig::default().build();
+    for key in 0..50 {
+        let d = p.rank(&request(key, &chain), &pool.endpoints, &pool.cx());
+        assert_eq!((d.ranked[0], d.reason), (3, Reason::Warm));
+    }
+}

@@ -464,16 +464,57 @@ async fn cold_key_agreement(system: &System, n: usize) -> anyhow::Result<f64> {
     Ok(agree as f64 / n as f64)
 }
 
+/// The slow-start window `scale_out` sets: the ramp spans exactly the new
+/// pod's first [`NEW_POD_WINDOW_S`], so its TTFT there is measured over a
+/// whole ramp (from nothing to a full share), and its share of new keys
+/// can be measured soon after (the default 30 s would add 20 s of waiting
+/// to a run).
+const SCALE_OUT_SLOW_START_S: u32 = 10;
+/// The new pod's first seconds after it becomes routable, whose TTFT
+/// `scale_out` compares with the pool's.
+const NEW_POD_WINDOW_S: f64 = 10.0;
+
 async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let baseline = ctx.baseline().await?;
-    let mut system = ctx.system("scale_out", Setup::new(4)).await?;
+    let setup = Setup {
+        slow_start_seconds: Some(SCALE_OUT_SLOW_START_S),
+        ..Setup::new(4)
+    };
+    let mut system = ctx.system("scale_out", setup).await?;
     let missed_at_start = Missed::read(&system).await?;
-    let (_, load) = start_load(ctx, &system);
+    // The load keeps coming for the new pod's first seconds: the pod joins
+    // at most BOUND_S after the event.
+    let lasting = Duration::from_secs_f64(EVENT_AT + BOUND_S + NEW_POD_WINDOW_S);
+    let rotation = Rotation::new(system.router_addrs());
+    let shape = Shape::standard(system.pods.len(), ctx.duration.max(lasting));
+    let load = tokio::spawn(load::run(shape, rotation, system.t0));
     at(&system, EVENT_AT).await;
     let k = system.add_pod().await?;
     system.mark("pod-4 added");
     let added = system.now();
     let name = system.pods[k].name.clone();
+    // Its weight when first routable: the start of its ramp.
+    let (weight, routable_s) = system
+        .wait_for(
+            "a router to route to the new pod",
+            dur(BOUND_S),
+            async || {
+                for i in 0..system.router_addrs().len() {
+                    let endpoints = system.endpoints(i).await.unwrap_or_default();
+                    if let Some(e) = endpoints.iter().find(|e| e.name == name && e.ready) {
+                        return Some(e.weight);
+                    }
+                }
+                None
+            },
+        )
+        .await?;
+    let routable = added + routable_s;
+    s.figure("new_pod_weight_when_routable", weight);
+    s.check(
+        weight < 0.5,
+        format!("the new pod starts its ramp low: weight {weight:.2} when routable"),
+    );
     let (_, joined_s) = system
         .wait_for(
             "both routers to follow the new pod",
@@ -488,14 +529,17 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
             },
         )
         .await?;
-    // New conversations arrive as the pod joins: 40 of them, beside the
-    // load (and apart from its figures). Rendezvous gives the new pod a
-    // fifth of new keys; under this light load the load's own few new
-    // sessions may all rank other pods first.
+    // New conversations arrive as the pod joins: 40 of them over its ramp,
+    // beside the load (and apart from its figures). The ramp gives the new
+    // pod a growing share of new keys, up to a fifth; under this light load
+    // the load's own few new sessions may all rank other pods first.
     let client = reqwest::Client::new();
     let routers = system.router_addrs();
     let mut arrivals = Vec::new();
-    for (i, mut body) in labelled_cold_bodies("New", 40).into_iter().enumerate() {
+    let bodies = labelled_cold_bodies("New", 40);
+    let pace = NEW_POD_WINDOW_S / bodies.len() as f64;
+    for (i, mut body) in bodies.into_iter().enumerate() {
+        at(&system, routable + i as f64 * pace).await;
         body["stream"] = json!(true);
         // With usage, as the load's: the routers attribute their missed
         // tokens too.
@@ -506,11 +550,38 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let samples = load.await?;
     let missed = Missed::read(&system).await?.since(&missed_at_start);
     missed_figures(s, "", &missed);
-    // New keys, once the load is over (under load the fastest endpoints
-    // are preferred): the share of cold prompts the routers would send it.
-    // The pods are compared at the pool's one prefill rate, so their
-    // agents' differently measured rates (and the new pod's, not measured
-    // yet) do not decide: rendezvous does.
+    let last_sent = samples.iter().map(|x| x.t).fold(f64::NAN, f64::max);
+    s.check(
+        last_sent >= routable + NEW_POD_WINDOW_S,
+        format!(
+            "the load runs {NEW_POD_WINDOW_S} s past the new pod becoming routable: {:.1} s",
+            last_sent - routable
+        ),
+    );
+    // The new pod's first seconds: its requests' TTFT against the pool's
+    // (every pod's, its own included), load and arrivals alike.
+    let all: Vec<&Sample> = samples.iter().chain(&arrivals).collect();
+    let (ratio, covered) = ttft_ratio(&all, &name, routable, routable + NEW_POD_WINDOW_S);
+    s.figure("new_pod_ttft_ratio", ratio);
+    s.figure("new_pod_requests_10s", covered as f64);
+    s.goal(
+        ratio <= 1.2,
+        format!(
+            "the new pod's mean TTFT in its first {NEW_POD_WINDOW_S} s is at most 1.2 × the pool's (slow start over {SCALE_OUT_SLOW_START_S} s): {ratio:.2} × over {covered} requests"
+        ),
+    );
+    // New keys after the ramp: the share of cold prompts the routers would
+    // send it. The load is over (under load the fastest endpoints are
+    // preferred). The pods are compared at the pool's one prefill rate, so
+    // their agents' differently measured rates (and the new pod's, not
+    // measured yet) do not decide: rendezvous does.
+    system
+        .wait_for("the new pod's ramp to end", dur(BOUND_S), async || {
+            system
+                .on_both_routers(|e| e.iter().any(|e| e.name == name && e.weight >= 1.0))
+                .await
+        })
+        .await?;
     let mut firsts = 0;
     for body in cold_bodies(COLD_KEYS) {
         let explained = system.explain(0, &body, &[]).await?;
@@ -522,13 +593,14 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     s.goal(
         cold_share >= 0.15,
         format!(
-            "the new pod is first for its share of {COLD_KEYS} new keys (1/5 by rendezvous; ≥ 15 %): {:.1} %",
+            "after its ramp, the new pod is first for its share of {COLD_KEYS} new keys (1/5 by rendezvous; ≥ 15 %): {:.1} %",
             cold_share * 100.0
         ),
     );
     let dip = dip_vs(&baseline, &samples, added);
     s.figure("hit_dip", dip);
     s.figure("new_pod_joined_s", joined_s);
+    s.figure("new_pod_routable_s", routable_s);
     within(s, joined_s, "both routers follow the new pod");
     dip_goal(s, dip, "the new pod joins");
     let served = |x: &&Sample| x.endpoint.as_deref() == Some(name.as_str());
@@ -549,6 +621,9 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let after: Vec<&Sample> = report::between(&samples, added, f64::MAX).collect();
     let share = after.iter().copied().filter(served).count() as f64 / after.len().max(1) as f64;
     s.figure("new_pod_share", share);
+    let ramp: Vec<&Sample> = arrivals.iter().collect();
+    let ramp_share = ramp.iter().copied().filter(served).count() as f64 / ramp.len().max(1) as f64;
+    s.figure("new_pod_ramp_arrivals_share", ramp_share);
     finish(
         ctx,
         s,
@@ -557,6 +632,27 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         &samples,
         &system.marks,
     )
+}
+
+/// The mean TTFT of the requests `pod` served that were sent in `[from,
+/// to)`, over the mean TTFT of every request sent then, and how many
+/// requests `pod` served then. NaN when either has none; a request without
+/// a TTFT (failed) counts in neither.
+fn ttft_ratio(samples: &[&Sample], pod: &str, from: f64, to: f64) -> (f64, usize) {
+    let window = || {
+        samples
+            .iter()
+            .filter(move |x| (from..to).contains(&x.t))
+            .filter_map(|x| Some((x.endpoint.as_deref(), x.ttft?)))
+    };
+    let mean = |v: Vec<f64>| v.iter().sum::<f64>() / v.len() as f64;
+    let own: Vec<f64> = window()
+        .filter(|(e, _)| *e == Some(pod))
+        .map(|(_, t)| t)
+        .collect();
+    let covered = own.len();
+    let pool: Vec<f64> = window().map(|(_, t)| t).collect();
+    (mean(own) / mean(pool), covered)
 }
 
 async fn pod_killed(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {

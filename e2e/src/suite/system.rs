@@ -23,7 +23,7 @@
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
 use kvroute_testkit::FakeApiServer;
@@ -111,6 +111,8 @@ pub struct Setup {
     /// prefill) instead of the agents' (vLLM's metrics, as with a real
     /// vLLM); the agents still run.
     pub watch_engines: bool,
+    /// The policy's `slowStartSeconds`; `None` leaves the default (30).
+    pub slow_start_seconds: Option<u32>,
 }
 
 impl Setup {
@@ -127,6 +129,7 @@ impl Setup {
             prefix_tokens: None,
             load_interval_ms: 100,
             watch_engines: false,
+            slow_start_seconds: None,
         }
     }
 }
@@ -226,6 +229,8 @@ pub struct Endpoint {
     pub cached_blocks: u64,
     /// Its engine contract: `unknown`, `match` or `mismatch`.
     pub contract: String,
+    /// Its slow-start weight: its share of new keys, 1 once ramped up.
+    pub weight: f64,
 }
 
 /// The running system; everything it started stops when it is dropped.
@@ -337,8 +342,11 @@ impl System {
         };
         system.apply_yaml(&system.pool_yaml())?;
         system.apply_yaml(&system.policy_yaml())?;
+        // The pool's first pods have been ready a while: they do not ramp up.
+        let an_hour_ago = SystemTime::now() - Duration::from_secs(3600);
         for _ in 0..setup.pods {
-            system.add_pod().await?;
+            let k = system.start_pod().await?;
+            system.write_pod_since(k, true, an_hour_ago)?;
         }
         for i in 0..2 {
             let operator = Operator {
@@ -434,6 +442,10 @@ spec:
             Some(k) => format!("  routingKey: {{mode: Prefix, prefixTokens: {k}}}\n"),
             None => String::new(),
         };
+        let slow_start = match self.setup.slow_start_seconds {
+            Some(s) => format!("  slowStartSeconds: {s}\n"),
+            None => String::new(),
+        };
         // The policy predicts in real time: the engines' rate and overhead
         // as a router sees them, `time_scale` times faster.
         format!(
@@ -449,7 +461,7 @@ spec:
     prefillTokensPerSecond: {rate}
     prefillOverheadMs: {overhead}
   tenancy: {{mode: {mode}, tenantHeader: {TENANT_HEADER}}}
-",
+{slow_start}",
             policy = self.setup.policy,
             block_size = e.block_size,
             rate = f64::from(e.prefill_tokens_per_s) * e.time_scale,
@@ -583,9 +595,18 @@ spec:
         }
     }
 
-    /// Writes pod `k`'s Pod object, Running, Ready or not.
+    /// Writes pod `k`'s Pod object, Running, Ready or not, its Ready
+    /// condition changed now.
     pub fn write_pod(&self, k: usize, ready: bool) -> anyhow::Result<()> {
+        self.write_pod_since(k, ready, SystemTime::now())
+    }
+
+    /// [`write_pod`](Self::write_pod) with the Ready condition changed at
+    /// `since` (its `lastTransitionTime`: where routers start a ready pod's
+    /// slow-start ramp).
+    pub fn write_pod_since(&self, k: usize, ready: bool, since: SystemTime) -> anyhow::Result<()> {
         let pod = &self.pods[k];
+        let since = jiff::Timestamp::try_from(since).context("a time after 1970")?;
         let object = json!({
             "apiVersion": "v1",
             "kind": "Pod",
@@ -594,7 +615,11 @@ spec:
             "status": {
                 "phase": "Running",
                 "podIP": pod.ip.to_string(),
-                "conditions": [{ "type": "Ready", "status": if ready { "True" } else { "False" } }],
+                "conditions": [{
+                    "type": "Ready",
+                    "status": if ready { "True" } else { "False" },
+                    "lastTransitionTime": since.to_string(),
+                }],
             },
         });
         self.api

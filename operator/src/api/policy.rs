@@ -153,6 +153,19 @@ pub struct CacheRoutingPolicySpec {
     /// Whether tenants share cached prefixes.
     #[serde(default)]
     pub tenancy: Tenancy,
+
+    /// Slow start: seconds over which a pod that became ready (its Ready
+    /// condition's lastTransitionTime) ramps up to its full share of new
+    /// keys, so a scale-out sends no burst to an empty cache; warm prefixes
+    /// stay where they are cached. 0 turns it off; 0 to 3600; default 30.
+    #[serde(default = "default_slow_start_seconds")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub slow_start_seconds: i32,
+}
+
+/// The core's default window ([`RoutingSpec::default`]).
+fn default_slow_start_seconds() -> i32 {
+    i32::try_from(RoutingSpec::default().slow_start_seconds).expect("the default fits the CRD")
 }
 
 /// The kvroute policy's own default ([`kvroute_core::policy::KvrouteConfig`]).
@@ -538,6 +551,12 @@ impl CacheRoutingPolicySpec {
             check_range("spec.offloadWeight", weight, 0.0, 1.0)?;
         }
         check_range(
+            "spec.slowStartSeconds",
+            self.slow_start_seconds,
+            0,
+            kvroute_core::slow_start::MAX_WINDOW_SECONDS as i32,
+        )?;
+        check_range(
             "spec.engine.prefillTokensPerSecond",
             self.engine.prefill_tokens_per_second,
             1.0,
@@ -618,6 +637,7 @@ mod tests {
         assert_eq!(spec.engine, Engine::default());
         assert_eq!(spec.engine.block_size, 16);
         assert_eq!(spec.tenancy, Tenancy::default());
+        assert_eq!(spec.slow_start_seconds, 30);
         assert_eq!(spec.validate(), Ok(()));
     }
 
@@ -632,6 +652,14 @@ mod tests {
             ("spec.loadBound", "11")
         );
         spec.load_bound = None;
+        spec.slow_start_seconds = 3601;
+        let err = spec.validate().unwrap_err();
+        assert_eq!(
+            (err.field.as_str(), err.value.as_str()),
+            ("spec.slowStartSeconds", "3601")
+        );
+        spec.slow_start_seconds = 0;
+        assert_eq!(spec.validate(), Ok(()), "0 turns slow start off");
         spec.latency_slack = f64::NAN;
         let err = spec.validate().unwrap_err();
         assert_eq!(err.field, "spec.latencySlack");

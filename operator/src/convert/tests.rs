@@ -103,9 +103,23 @@ fn a_running_ready_pod_serves() {
             phase_running: true,
             ready: true,
             deleting: false,
+            ready_since_ms: None,
         }
     );
     assert!(info.serves());
+}
+
+#[test]
+fn a_ready_pod_is_ready_since_its_conditions_last_transition() {
+    let mut status = serving_status();
+    status["conditions"][1]["lastTransitionTime"] = json!("2025-01-02T03:04:05Z");
+    let info = pod(&pod_object(json!({}), status.clone())).unwrap();
+    assert_eq!(info.ready_since_ms, Some(1_735_787_045_000));
+
+    // Not ready since then: unready since then.
+    status["conditions"][1]["status"] = json!("False");
+    let info = pod(&pod_object(json!({}), status)).unwrap();
+    assert_eq!(info.ready_since_ms, None);
 }
 
 #[test]
@@ -183,6 +197,7 @@ fn a_policy_maps_every_field() {
             "prefillOverheadMs": 8.0,
         },
         "tenancy": {"mode": "Salted", "tenantHeader": "x-tenant"},
+        "slowStartSeconds": 5,
     }));
     let spec = policy(&object).unwrap();
     assert_eq!(
@@ -206,6 +221,7 @@ fn a_policy_maps_every_field() {
             cache_port: Some(5557),
             tenancy_mode: Some(TenancyMode::Salted),
             tenant_header: Some("x-tenant".into()),
+            slow_start_seconds: Some(5),
             ..PolicySpec::default()
         }
     );
@@ -275,4 +291,9 @@ fn out_of_range_policy_numbers_are_rejected_by_the_index() {
         assert_eq!(spec.cache_port, Some(0));
         assert!(spec.validate().is_err());
     }
+
+    let object = policy_object(json!({"targetRef": {"name": "llama"}, "slowStartSeconds": -1}));
+    let spec = policy(&object).unwrap();
+    assert_eq!(spec.slow_start_seconds, Some(u32::MAX));
+    assert!(spec.validate().unwrap_err().contains("slow start seconds"));
 }

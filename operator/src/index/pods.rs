@@ -28,6 +28,10 @@ pub struct PodInfo {
     pub ready: bool,
     /// `metadata.deletionTimestamp` is set: the pod is terminating.
     pub deleting: bool,
+    /// When the `Ready` condition last changed (`lastTransitionTime`), Unix
+    /// milliseconds, while it is `True`: when the pod became ready, the
+    /// start of its slow-start ramp on every router.
+    pub ready_since_ms: Option<i64>,
 }
 
 impl PodInfo {
@@ -65,6 +69,7 @@ pub(super) fn endpoints<'a>(
                 cache_port,
                 ready: pod.serves(),
                 draining: pod.deleting,
+                ready_since_unix_ms: pod.ready_since_ms.filter(|_| pod.serves()),
             });
         }
     }

@@ -68,6 +68,9 @@ pub struct PolicySpec {
     pub cache_port: Option<u16>,
     /// Whether tenants share cached blocks.
     pub tenancy_mode: Option<TenancyMode>,
+    /// The slow-start window, seconds; at most
+    /// [`kvroute_core::slow_start::MAX_WINDOW_SECONDS`].
+    pub slow_start_seconds: Option<u32>,
     /// The header carrying the authenticated tenant; not empty when set.
     pub tenant_header: Option<String>,
     /// The object as last watched, for the status writer.
@@ -146,6 +149,11 @@ impl PolicySpec {
         if self.tenant_header.as_deref() == Some("") {
             return Err("tenant header \"\": must not be empty (omit it for none)".to_owned());
         }
+        if let Some(s) = self.slow_start_seconds
+            && s > kvroute_core::slow_start::MAX_WINDOW_SECONDS
+        {
+            return Err(format!("slow start seconds {s}: must be 0 to 3600"));
+        }
         Ok(())
     }
 
@@ -169,6 +177,9 @@ impl PolicySpec {
                 .offload_weight
                 .map_or(default.offload_weight, |w| w as f32),
             tenancy: self.tenancy_mode.unwrap_or(default.tenancy),
+            slow_start_seconds: self
+                .slow_start_seconds
+                .unwrap_or(default.slow_start_seconds),
         }
     }
 

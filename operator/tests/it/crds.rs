@@ -242,7 +242,14 @@ fn schema_defaults_equal_the_rust_defaults() {
     let spec = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"];
     let (minimal, _): (CacheRoutingPolicy, Value) = parse("cacheroutingpolicy-minimal.yaml");
     let rust = serde_json::to_value(&minimal.spec).unwrap();
-    for field in ["routingKey", "policy", "latencySlack", "engine", "tenancy"] {
+    for field in [
+        "routingKey",
+        "policy",
+        "latencySlack",
+        "engine",
+        "tenancy",
+        "slowStartSeconds",
+    ] {
         assert_eq!(spec[field]["default"], rust[field], "spec.{field}");
     }
 }

@@ -17,6 +17,7 @@ fn pod(name: &str, ip: &str) -> PodInfo {
         phase_running: true,
         ready: true,
         deleting: false,
+        ready_since_ms: None,
     }
 }
 

@@ -63,6 +63,7 @@ fn ready_pod() -> PodInfo {
         phase_running: true,
         ready: true,
         deleting: false,
+        ready_since_ms: None,
     }
 }
 

@@ -114,6 +114,7 @@ fn pod(name: &str, ip: &str, ready: bool) -> PodInfo {
         phase_running: true,
         ready,
         deleting: false,
+        ready_since_ms: None,
     }
 }
 

@@ -154,3 +154,63 @@ async fn a_pools_picker_reference_follows_its_service() {
     .await;
     watchers.abort();
 }
+
+#[tokio::test]
+async fn a_pod_is_ready_since_its_ready_conditions_last_transition() {
+    let api = FakeApiServer::start().await;
+    api.put(pool("llama", "http", 8000)).unwrap();
+    let pod = |ready: &str, since: &str| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "llama-0", "namespace": "ml", "labels": {"app": "llama"}},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.0.7",
+                "conditions": [{"type": "Ready", "status": ready, "lastTransitionTime": since}],
+            },
+        })
+    };
+    api.put(pod("True", "2026-01-02T03:04:05Z")).unwrap();
+
+    let index = Arc::new(Mutex::new(Index::new()));
+    let (ready_tx, mut ready) = watch::channel(false);
+    let watchers = tokio::spawn(run_watchers(
+        client(&api).await,
+        Scope::All,
+        index.clone(),
+        Arc::new(Metrics::default()),
+        ready_tx,
+    ));
+    tokio::time::timeout(Duration::from_secs(5), ready.wait_for(|r| *r))
+        .await
+        .expect("ready within 5 s")
+        .unwrap();
+    let states = index.lock().unwrap().watch_pool("ml", "llama");
+    let since = |states: &watch::Receiver<kvroute_proto::v1::PoolState>| {
+        let state = states.borrow();
+        state
+            .endpoints
+            .iter()
+            .map(|e| (e.ready, e.ready_since_unix_ms))
+            .collect::<Vec<_>>()
+    };
+    let poll = |want: Vec<(bool, Option<i64>)>| {
+        let states = states.clone();
+        async move {
+            kvroute_testkit::eventually("the pod's ready time", Duration::from_secs(5), || {
+                let holds = since(&states) == want;
+                async move { holds.then_some(()) }
+            })
+            .await;
+        }
+    };
+    poll(vec![(true, Some(1_767_323_045_000))]).await;
+
+    // Unready: no ready time; ready again: the new transition's.
+    api.put(pod("False", "2026-01-02T03:05:00Z")).unwrap();
+    poll(vec![(false, None)]).await;
+    api.put(pod("True", "2026-01-02T03:06:00Z")).unwrap();
+    poll(vec![(true, Some(1_767_323_160_000))]).await;
+    watchers.abort();
+}

@@ -661,6 +661,13 @@ pub struct Endpoint {
     /// requests; requests in flight finish.
     #[prost(bool, tag = "6")]
     pub draining: bool,
+    /// When the pod last became ready (its Ready condition's
+    /// `lastTransitionTime`), Unix milliseconds; absent when unknown. Routers
+    /// ramp a new endpoint's share of new keys up over
+    /// `RoutingPolicy.slow_start_seconds` from this moment: one wall-clock
+    /// time for every router replica, so they agree on the ramp.
+    #[prost(int64, optional, tag = "7")]
+    pub ready_since_unix_ms: ::core::option::Option<i64>,
 }
 /// How routers route the pool's requests. Set by the operator from the pool's
 /// configuration, with defaults filled in.
@@ -724,6 +731,11 @@ pub struct RoutingPolicy {
     /// Absent: the default (0.5).
     #[prost(double, optional, tag = "14")]
     pub offload_weight: ::core::option::Option<f64>,
+    /// Seconds over which an endpoint that became ready (see
+    /// `Endpoint.ready_since_unix_ms`) ramps up to its full share of new keys;
+    /// 0 turns slow start off, at most 3600. Absent: the default (30).
+    #[prost(uint32, optional, tag = "15")]
+    pub slow_start_seconds: ::core::option::Option<u32>,
 }
 /// What a routing key is derived from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]

@@ -21,6 +21,7 @@ fn policy() -> v1::RoutingPolicy {
         prefill_tokens_per_second: None,
         prefill_overhead_ms: None,
         offload_weight: None,
+        slow_start_seconds: None,
     }
 }
 
@@ -40,6 +41,7 @@ fn the_default_spec_is_the_documented_wire_policy() {
             prefill_tokens_per_second: Some(10_000.0),
             prefill_overhead_ms: Some(20.0),
             offload_weight: Some(0.5),
+            slow_start_seconds: Some(30),
             ..policy()
         }
     );
@@ -103,6 +105,12 @@ fn every_spec_round_trips() {
     for tenancy in TenancyMode::ALL {
         specs.push(RoutingSpec {
             tenancy,
+            ..RoutingSpec::default()
+        });
+    }
+    for slow_start_seconds in [0, 5, 3600] {
+        specs.push(RoutingSpec {
+            slow_start_seconds,
             ..RoutingSpec::default()
         });
     }
@@ -240,4 +248,23 @@ fn offload_weight_and_tenancy() {
         p.tenancy = wire;
         assert_eq!(p.to_spec(&current).0.tenancy, mode, "{wire}");
     }
+}
+
+#[test]
+fn a_slow_start_window_over_the_maximum_keeps_the_current_one() {
+    let current = RoutingSpec {
+        slow_start_seconds: 7,
+        ..RoutingSpec::default()
+    };
+    let mut p = policy();
+    p.slow_start_seconds = Some(3601);
+    let (spec, unusable) = p.to_spec(&current);
+    assert_eq!(spec.slow_start_seconds, 7);
+    assert_eq!(unusable, [Unusable::SlowStartSeconds(3601)]);
+    p.slow_start_seconds = None;
+    assert_eq!(
+        p.to_spec(&current).0.slow_start_seconds,
+        30,
+        "absent: the default"
+    );
 }

@@ -55,6 +55,11 @@ pub struct Routing {
     /// or disk) is worth in a cached prefix, as a share of a GPU block,
     /// 0 to 1. Default: 0.5.
     pub offload_weight: f32,
+    /// Seconds over which an endpoint that became ready ramps up to its
+    /// full share of new keys (slow start), 0 (off) to 3600. When it became
+    /// ready: the static endpoints file's `readySince`, else when this
+    /// router saw it turn ready (see `docs/routing.md`). Default: 30.
+    pub slow_start_seconds: u32,
 }
 
 /// `routing.loraAdapters` as written: every path a YAML string. YAML would
@@ -99,6 +104,7 @@ impl Default for Routing {
             tokenizer_config: None,
             lora_adapters: BTreeMap::new(),
             offload_weight: spec.offload_weight,
+            slow_start_seconds: spec.slow_start_seconds,
         }
     }
 }
@@ -124,6 +130,7 @@ impl Config {
             },
             offload_weight: r.offload_weight,
             tenancy: self.tenancy.mode,
+            slow_start_seconds: r.slow_start_seconds,
         }
     }
 }

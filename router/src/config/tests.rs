@@ -151,6 +151,10 @@ fn errors_name_the_field_and_value() {
         err,
         "routing.policy: latencySlack must be 0 or more, got -1"
     );
+    let c: Config = serde_yaml::from_str("routing: {slowStartSeconds: 3601}").unwrap();
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.starts_with("routing.slowStartSeconds"), "{err}");
+    assert!(err.contains("3601"), "{err}");
     let err = serde_yaml::from_str::<Config>("telemetry: {endpointHeader: 'bad header'}")
         .unwrap_err()
         .to_string();
@@ -352,7 +356,7 @@ fn the_routing_spec_is_the_cores_by_default_and_read_in_one_place() {
     use kvroute_core::spec::RoutingSpec;
     assert_eq!(Config::default().routing_spec(), RoutingSpec::default());
     let c: Config = serde_yaml::from_str(
-        "routing: {policy: {name: round-robin}, blockSize: 32, hashSeed: '0', offloadWeight: 0.25}\ntenancy: {mode: salted, tenantHeader: x-t, secretFile: s}",
+        "routing: {policy: {name: round-robin}, blockSize: 32, hashSeed: '0', offloadWeight: 0.25, slowStartSeconds: 5}\ntenancy: {mode: salted, tenantHeader: x-t, secretFile: s}",
     )
     .unwrap();
     let spec = c.routing_spec();
@@ -362,6 +366,7 @@ fn the_routing_spec_is_the_cores_by_default_and_read_in_one_place() {
         (32, Some("0"))
     );
     assert_eq!(spec.offload_weight, 0.25);
+    assert_eq!(spec.slow_start_seconds, 5);
     assert_eq!(spec.tenancy, TenancyMode::Salted);
     assert!(spec.key.scope_by_tenant, "salted tenancy scopes keys");
 }

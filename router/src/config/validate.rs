@@ -128,6 +128,14 @@ impl Config {
                 "must be within 0..=1",
             ));
         }
+        let slow_start = self.routing.slow_start_seconds;
+        if slow_start > kvroute_core::slow_start::MAX_WINDOW_SECONDS {
+            return Err(invalid(
+                "routing.slowStartSeconds",
+                &slow_start.to_string(),
+                "must be within 0..=3600",
+            ));
+        }
         Ok(())
     }
 

@@ -252,6 +252,7 @@ fn endpoint(e: &v1::Endpoint, default_cache_port: u32) -> Result<EndpointSpec, &
         cache: cache.map(|p| SocketAddr::new(ip, p)),
         ready: e.ready,
         draining: e.draining,
+        ready_since_ms: e.ready_since_unix_ms,
     })
 }
 
@@ -269,7 +270,8 @@ fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
     }
     let hashing = (spec.hash != current.hash).then_some(&spec.hash);
     tracing::info!(policy = ?spec.policy, key = ?spec.key, hashing = ?hashing,
-        offload_weight = spec.offload_weight, "routing settings from the operator");
+        offload_weight = spec.offload_weight, slow_start_seconds = spec.slow_start_seconds,
+        "routing settings from the operator");
     if spec.tenancy == TenancyMode::Salted {
         tracing::info!(
             "the pool's policy sets tenancy Salted: requests are refused unless this router salts (tenancy.mode: salted)"
@@ -302,6 +304,10 @@ fn warn_unusable(part: &Unusable) {
         Unusable::OffloadWeight(w) => tracing::warn!(
             offload_weight = w,
             "invalid offload weight from the operator; keeping the current one"
+        ),
+        Unusable::SlowStartSeconds(s) => tracing::warn!(
+            slow_start_seconds = s,
+            "slow-start window over 3600 s from the operator; keeping the current one"
         ),
     }
 }

@@ -8,7 +8,14 @@
 //!     cachePort: 50051          # WatchCache port on the same host; default: none
 //!     ready: true               # default: true
 //!     draining: false           # default: false
+//!     readySince: 2026-01-02T03:04:05Z  # RFC 3339; default: none
 //! ```
+//!
+//! `readySince` starts the endpoint's slow-start ramp (`routing.slowStartSeconds`)
+//! at one wall-clock time for every router that reads the file. Without
+//! it, an endpoint listed ready when the router starts does not ramp, and
+//! one added (or turned ready) later ramps from when this router read the
+//! change: routers that read it at different moments ramp it apart.
 //!
 //! [`load`] parses and validates the file; [`run`] applies it to a pool and
 //! re-applies it whenever its content changes, keeping the last good set
@@ -58,6 +65,10 @@ pub struct StaticEndpoint {
     /// Whether it is shutting down (no new requests). Default: false.
     #[serde(default)]
     pub draining: bool,
+    /// When it became ready, RFC 3339 (`2026-01-02T03:04:05Z`): the start
+    /// of its slow-start ramp. Default: none (see the module docs).
+    #[serde(default)]
+    pub ready_since: Option<String>,
 }
 
 fn yes() -> bool {
@@ -117,6 +128,20 @@ fn parse(path: &Path, text: &[u8]) -> Result<Vec<EndpointSpec>, DiscoveryError> 
                 second: index,
             });
         }
+        let ready_since_ms = match &e.ready_since {
+            Some(text) => Some(
+                text.parse::<jiff::Timestamp>()
+                    .map_err(|err| {
+                        invalid(
+                            "readySince",
+                            text,
+                            format!("is not an RFC 3339 time ({err})"),
+                        )
+                    })?
+                    .as_millisecond(),
+            ),
+            None => None,
+        };
         seen.insert(name.clone(), index);
         specs.push(EndpointSpec {
             name,
@@ -124,6 +149,7 @@ fn parse(path: &Path, text: &[u8]) -> Result<Vec<EndpointSpec>, DiscoveryError> 
             cache,
             ready: e.ready,
             draining: e.draining,
+            ready_since_ms,
         });
     }
     Ok(specs)
@@ -214,7 +240,24 @@ mod tests {
                 cache: None,
                 ready: true,
                 draining: false,
+                ready_since_ms: None,
             }]
+        );
+    }
+
+    #[test]
+    fn ready_since_is_an_rfc_3339_time() {
+        let specs = parse_str(
+            "endpoints:\n  - {address: 127.0.0.1:8001, readySince: '2026-01-02T03:04:05.5Z'}\n",
+        )
+        .unwrap();
+        assert_eq!(specs[0].ready_since_ms, Some(1_767_323_045_500));
+        let e = parse_str("endpoints:\n  - {address: 127.0.0.1:8001, readySince: yesterday}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("endpoints[0].readySince") && e.contains("yesterday"),
+            "{e}"
         );
     }
 

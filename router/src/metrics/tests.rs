@@ -20,6 +20,7 @@ fn spec(name: &str) -> crate::pool::EndpointSpec {
         cache: None,
         ready: true,
         draining: false,
+        ready_since_ms: None,
     }
 }
 

@@ -1,6 +1,23 @@
 //! The pool's endpoint table: discovery's endpoint set, each member's
-//! slot, rendezvous identity and watcher generation, and the WatchCache
-//! streams a change of the set starts and stops ([`Streams`]).
+//! slot, rendezvous identity, watcher generation and slow-start ramp, and
+//! the WatchCache streams a change of the set starts and stops
+//! ([`Streams`]).
+//!
+//! When a member's slow-start ramp starts ([`ramp_from`]), in wall-clock
+//! Unix milliseconds:
+//! 1. Discovery's ready time when it gives one (the operator's, from the
+//!    pod's Ready condition; the static file's `readySince`): one time for
+//!    every router replica, so they agree on the ramp.
+//! 2. Else, when this router saw it turn ready: it was not ready, or not
+//!    listed, in an earlier endpoint set. Replicas that saw it at
+//!    different moments ramp it a little apart.
+//! 3. Else (ready in the first endpoint set this router applied, with no
+//!    ready time) it does not ramp: it was ready before this router
+//!    started, and a restarted router must not take a warm pod's keys
+//!    away for a window.
+//!
+//! A member that stops being ready loses its ramp; it ramps again when it
+//! is ready again.
 //!
 //! Not here: what a member's engine reports (`engines`), routing among
 //! the members (`routing`), their health (`health`).
@@ -29,6 +46,9 @@ pub struct EndpointSpec {
     pub ready: bool,
     /// Terminating: no new requests.
     pub draining: bool,
+    /// When it last became ready, wall-clock Unix milliseconds, if
+    /// discovery knows: the start of its slow-start ramp.
+    pub ready_since_ms: Option<i64>,
 }
 
 /// A WatchCache stream's state, for metrics and debugging.
@@ -72,6 +92,31 @@ pub(super) struct Member {
     pub(super) contract: Contract,
     /// Its stream has delivered a snapshot (been live) at least once.
     pub(super) snapshotted: bool,
+    /// When its slow-start ramp started, wall-clock Unix milliseconds;
+    /// `None`: not ramping (see the module docs).
+    pub(super) ramp_from_ms: Option<i64>,
+}
+
+/// When `spec`'s ramp starts, given the member it replaces (`was`),
+/// whether an endpoint set was applied before this one (`watching`) and
+/// the wall clock now (`now_ms`). See the module docs.
+fn ramp_from(
+    spec: &EndpointSpec,
+    was: Option<(bool, Option<i64>)>,
+    watching: bool,
+    now_ms: i64,
+) -> Option<i64> {
+    if !spec.ready {
+        return None;
+    }
+    if let Some(t) = spec.ready_since_ms {
+        return Some(t);
+    }
+    match was {
+        Some((true, from)) => from,
+        _ if watching => Some(now_ms),
+        _ => None,
+    }
 }
 
 /// The WatchCache streams a change starts and stops.
@@ -100,6 +145,8 @@ impl Pool {
     /// forgotten everywhere (their streams in [`Streams::stop`]).
     pub fn set_endpoints(&self, specs: Vec<EndpointSpec>) -> Streams {
         let mut inner = self.lock();
+        let (watching, now_ms) = (inner.watching, super::wall_ms());
+        inner.watching = true;
         let mut streams = Streams::default();
         let wanted: BTreeMap<String, EndpointSpec> =
             specs.into_iter().map(|s| (s.name.clone(), s)).collect();
@@ -114,10 +161,13 @@ impl Pool {
             streams.stop.push(name);
         }
         for (name, spec) in wanted {
+            let was = (inner.members.get(&name)).map(|m| (m.spec.ready, m.ramp_from_ms));
+            let ramp_from_ms = ramp_from(&spec, was, watching, now_ms);
             // Same addresses: only readiness changed. Else (re)start it.
             match inner.members.get_mut(&name) {
                 Some(m) if m.spec.cache == spec.cache && m.spec.http == spec.http => {
                     m.spec = spec;
+                    m.ramp_from_ms = ramp_from_ms;
                     continue;
                 }
                 Some(_) => {
@@ -153,6 +203,7 @@ impl Pool {
                     engine: None,
                     contract: Contract::Unknown,
                     snapshotted: false,
+                    ramp_from_ms,
                 },
             );
         }

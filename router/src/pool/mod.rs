@@ -67,6 +67,14 @@ fn now() -> std::time::Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// The wall clock, Unix milliseconds: slow-start ramps are timed by it,
+/// because the ready times discovery gives are wall-clock times that every
+/// router replica shares.
+fn wall_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
 /// The pool's state, under its one lock.
 #[derive(Debug)]
 struct Inner {
@@ -85,6 +93,10 @@ struct Inner {
     exact: bool,
     /// Whether the router holds every engine's first snapshot yet.
     startup: Startup,
+    /// Whether an endpoint set was applied: endpoints that turn ready
+    /// after it ramp up from this router's clock when discovery gives no
+    /// ready time (`endpoints`' module docs).
+    watching: bool,
 }
 
 /// A pool. See the module docs.
@@ -133,6 +145,7 @@ impl Pool {
                 startup: Startup::new(std::time::Duration::from_millis(
                     resilience.snapshot_wait_ms,
                 )),
+                watching: false,
             }),
             concurrency,
             ready: watch::channel(0).0,
@@ -226,6 +239,14 @@ impl Pool {
 impl Inner {
     fn is_routable(&self, m: &Member, now: std::time::Instant) -> bool {
         m.spec.ready && !m.spec.draining && self.outlier.admits(&m.spec.name, now)
+    }
+
+    /// `m`'s slow-start weight at wall-clock time `now_ms`: its share of
+    /// new keys, 0 to 1 ([`kvroute_core::slow_start`]).
+    fn weight(&self, m: &Member, now_ms: i64) -> f64 {
+        use kvroute_core::slow_start::{ready_for, weight};
+        let elapsed = m.ramp_from_ms.map(|t| ready_for(t, now_ms));
+        weight(elapsed, self.settings.slow_start)
     }
 }
 

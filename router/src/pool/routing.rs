@@ -371,6 +371,8 @@ impl Inner {
             slot: target.slot,
             id: target.id,
             load: self.load.load(target.slot),
+            // Learning reads no weight: it only ranks.
+            weight: 1.0,
         };
         self.policy.routed(request, &endpoint);
     }
@@ -382,6 +384,7 @@ impl Inner {
         now: std::time::Instant,
         among: &dyn Fn(&SocketAddr) -> bool,
     ) -> (Vec<Endpoint>, Vec<Target>) {
+        let now_ms = super::wall_ms();
         self.members
             .values()
             .filter(|m| self.is_routable(m, now) && among(&m.spec.http))
@@ -390,6 +393,7 @@ impl Inner {
                     slot: m.slot,
                     id: m.id,
                     load: self.load.load(m.slot),
+                    weight: self.weight(m, now_ms),
                 };
                 let target = Target {
                     name: m.name.clone(),

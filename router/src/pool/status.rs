@@ -43,11 +43,23 @@ pub struct EndpointStatus {
     pub load_report_age_seconds: Option<f64>,
     /// Blocks the index holds for it.
     pub cached_blocks: usize,
+    /// Its slow-start weight now: its share of new keys, 0.01 to 1 (1 when
+    /// not ramping up).
+    pub weight: f64,
+    /// When its slow-start ramp started (it became ready), RFC 3339; `None`
+    /// when it is not ramping (see `docs/routing.md`, slow start).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ramp_started: Option<String>,
     /// Its engine contract: `unknown`, `match` or `mismatch`.
     pub contract: &'static str,
     /// The fields on which its engine differs from the routing settings.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub contract_mismatches: Vec<Mismatch>,
+}
+
+/// Unix milliseconds as RFC 3339 UTC, to the millisecond.
+fn rfc3339(ms: i64) -> String {
+    jiff::Timestamp::from_millisecond(ms).map_or_else(|_| ms.to_string(), |t| t.to_string())
 }
 
 impl Pool {
@@ -56,6 +68,7 @@ impl Pool {
         let inner = self.lock();
         let now = now();
         let model = inner.settings.policy.prefill_model();
+        let now_ms = super::wall_ms();
         inner
             .members
             .values()
@@ -73,6 +86,10 @@ impl Pool {
                     queue_seconds: model.queued_s(&load, now),
                     load_report_age_seconds: load.engine.map(|e| e.age(now).as_secs_f64()),
                     cached_blocks: inner.index.usage(m.slot).map_or(0, |(used, _)| used),
+                    weight: inner.weight(m, now_ms),
+                    ramp_started: (m.ramp_from_ms)
+                        .filter(|_| inner.weight(m, now_ms) < 1.0)
+                        .map(rfc3339),
                     contract: m.contract.as_str(),
                     contract_mismatches: m.contract.mismatches().to_vec(),
                 }

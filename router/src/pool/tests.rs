@@ -14,6 +14,7 @@ fn spec(name: &str, port: u16) -> EndpointSpec {
         cache: None,
         ready: true,
         draining: false,
+        ready_since_ms: None,
     }
 }
 
@@ -303,4 +304,85 @@ async fn a_plan_says_who_held_the_prefix_and_why_they_lost() {
     assert_eq!(seen(&p.plan(&r, true)).outside, Some((3, Lost::Queue)));
     // Unreadable prompts say nothing.
     assert_eq!(p.plan(&r, false).seen, None);
+}
+
+/// Each endpoint's slow-start weight, by name.
+fn weights(p: &Pool) -> Vec<(String, f64)> {
+    p.status().into_iter().map(|s| (s.name, s.weight)).collect()
+}
+
+#[tokio::test]
+async fn endpoints_ready_before_the_router_started_do_not_ramp_and_later_ones_do() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    assert_eq!(weights(&p), [("a".into(), 1.0), ("b".into(), 1.0)]);
+
+    // Listed later, with no ready time: from this router's clock, so at the
+    // start of its 30 s ramp.
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2), spec("c", 3)]);
+    let c = p.status().into_iter().find(|s| s.name == "c").unwrap();
+    assert!(c.weight < 0.1, "{}", c.weight);
+    assert!(c.ramp_started.is_some());
+    // Still ramping in the next set; `a` turning unready and ready again
+    // ramps it again.
+    let mut unready = spec("a", 1);
+    unready.ready = false;
+    p.set_endpoints(vec![unready, spec("b", 2), spec("c", 3)]);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2), spec("c", 3)]);
+    let w = weights(&p);
+    assert!(w[0].1 < 0.1 && w[1].1 == 1.0 && w[2].1 < 0.1, "{w:?}");
+}
+
+#[tokio::test]
+async fn discoverys_ready_time_sets_the_ramp_for_every_router() {
+    let p = pool(8);
+    let now_ms = super::wall_ms();
+    let since = |name, port, ago_ms: i64| EndpointSpec {
+        ready_since_ms: Some(now_ms - ago_ms),
+        ..spec(name, port)
+    };
+    // Given in the first set too: a ready time is a ready time.
+    p.set_endpoints(vec![since("a", 1, 3_600_000), since("b", 2, 15_000)]);
+    let w = weights(&p);
+    assert_eq!(w[0].1, 1.0);
+    assert!((w[1].1 - 0.5).abs() < 0.02, "{w:?}");
+    // Slow start off: everything at 1.
+    p.update_settings(|s| {
+        let mut s = s.clone();
+        s.slow_start = Duration::ZERO;
+        s
+    });
+    assert!(weights(&p).iter().all(|(_, w)| *w == 1.0));
+}
+
+#[tokio::test]
+async fn a_ramping_endpoint_is_first_for_its_share_of_cold_keys() {
+    let p = Pool::new(
+        Settings::builtin(PolicyConfig::default()),
+        &Resilience::default(),
+        64,
+    );
+    let now_ms = super::wall_ms();
+    let mut ramping = spec("e", 5);
+    // A quarter into a 30 s ramp: weight 0.25, first for 0.25 / 4.25.
+    ramping.ready_since_ms = Some(now_ms - 7_500);
+    p.set_endpoints(vec![
+        spec("a", 1),
+        spec("b", 2),
+        spec("c", 3),
+        spec("d", 4),
+        ramping,
+    ]);
+    let keys = 4_000u64;
+    let firsts = (0..keys)
+        .filter(|&k| {
+            let request = Request {
+                key: RoutingKey(k),
+                ..request()
+            };
+            &*p.plan(&request, true).targets[0].name == "e"
+        })
+        .count();
+    let share = firsts as f64 / keys as f64;
+    assert!((share - 0.25 / 4.25).abs() < 0.02, "{share}");
 }

@@ -28,6 +28,7 @@ fn reporting(names: &[&str]) -> Vec<crate::pool::EndpointSpec> {
             cache: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
             ready: true,
             draining: false,
+            ready_since_ms: None,
         })
         .collect()
 }

@@ -30,6 +30,7 @@ fn spec(name: &str, sim: &Sim) -> EndpointSpec {
         cache: Some(sim.cache_addr),
         ready: true,
         draining: false,
+        ready_since_ms: None,
     }
 }
 

@@ -265,6 +265,7 @@ fn policy(name: &str) -> RoutingPolicy {
         prefill_tokens_per_second: None,
         prefill_overhead_ms: None,
         offload_weight: None,
+        slow_start_seconds: None,
     }
 }
 
@@ -276,6 +277,7 @@ fn endpoint(name: &str, ip: &str, draining: bool) -> v1::Endpoint {
         cache_port: 0,
         ready: true,
         draining,
+        ready_since_unix_ms: None,
     }
 }
 

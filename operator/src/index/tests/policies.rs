@@ -28,6 +28,7 @@ fn a_pool_without_a_policy_gets_the_documented_defaults() {
             prefill_tokens_per_second: Some(10_000.0),
             prefill_overhead_ms: Some(20.0),
             offload_weight: Some(0.5),
+            slow_start_seconds: Some(30),
         }
     );
 }
@@ -219,6 +220,7 @@ fn a_policy_may_set_every_field() {
         cache_port: Some(9000),
         tenancy_mode: Some(TenancyMode::Salted),
         tenant_header: Some("x-tenant".into()),
+        slow_start_seconds: Some(5),
         ..PolicySpec::test("p", "llama")
     };
     assert_eq!(policy.validate(), Ok(()));
@@ -239,6 +241,7 @@ fn a_policy_may_set_every_field() {
             prefill_tokens_per_second: Some(40_000.0),
             prefill_overhead_ms: Some(5.0),
             offload_weight: Some(0.25),
+            slow_start_seconds: Some(5),
         }
     );
     // The parameters a policy does not have are not sent; each policy gets

@@ -16,6 +16,7 @@ fn policy() -> RoutingPolicy {
         prefill_tokens_per_second: None,
         prefill_overhead_ms: None,
         offload_weight: None,
+        slow_start_seconds: None,
     }
 }
 
@@ -27,6 +28,7 @@ fn ep(name: &str, address: &str, http_port: u32, cache_port: u32) -> v1::Endpoin
         cache_port,
         ready: true,
         draining: false,
+        ready_since_unix_ms: None,
     }
 }
 
@@ -48,6 +50,19 @@ fn endpoints_take_the_policy_cache_port_when_they_have_none() {
     let specs = endpoints(&state, &p);
     assert_eq!(specs[0].cache, Some("10.0.0.1:50051".parse().unwrap()));
     assert_eq!(specs[1].cache, Some("[fd00::2]:7000".parse().unwrap()));
+}
+
+#[test]
+fn an_endpoints_ready_time_is_the_operators() {
+    let mut e = ep("a:8000", "10.0.0.1", 8000, 0);
+    e.ready_since_unix_ms = Some(1_767_323_045_000);
+    let state = PoolState {
+        endpoints: vec![e, ep("b:8000", "10.0.0.2", 8000, 0)],
+        ..Default::default()
+    };
+    let specs = endpoints(&state, &policy());
+    assert_eq!(specs[0].ready_since_ms, Some(1_767_323_045_000));
+    assert_eq!(specs[1].ready_since_ms, None);
 }
 
 #[test]
