@@ -71,6 +71,7 @@ async fn generate(sim: &Sim, prompt: Vec<u32>) {
         max_tokens: 3,
         cache_salt: None,
         lora: None,
+        admit_within_ms: None,
     };
     let mut g = sim.engine.generate(job).await.unwrap();
     while g.tokens.recv().await.is_some() {}
