@@ -105,18 +105,12 @@ async fn an_unreadable_pool_stalls_nothing_and_keeps_its_last_readable_spec() {
     watchers.abort();
 }
 
-#[tokio::test]
-async fn a_pools_picker_reference_follows_its_service() {
-    let api = FakeApiServer::start().await;
-    let mut with_picker = pool("llama", "http", 8000);
-    with_picker["spec"]["endpointPickerRef"] =
-        json!({"name": "llama-picker", "port": {"number": 9002}, "failureMode": "FailOpen"});
-    api.put(with_picker).unwrap();
-
-    let index = Arc::new(Mutex::new(Index::new()));
+/// The watchers over every namespace of `api`, feeding `index`, once
+/// ready.
+async fn watch_all(api: &FakeApiServer, index: &Arc<Mutex<Index>>) -> tokio::task::JoinHandle<()> {
     let (ready_tx, mut ready) = watch::channel(false);
     let watchers = tokio::spawn(run_watchers(
-        client(&api).await,
+        client(api).await,
         Scope::All,
         index.clone(),
         Arc::new(Metrics::default()),
@@ -126,6 +120,19 @@ async fn a_pools_picker_reference_follows_its_service() {
         .await
         .expect("ready within 5 s")
         .unwrap();
+    watchers
+}
+
+#[tokio::test]
+async fn a_pools_picker_reference_follows_its_service() {
+    let api = FakeApiServer::start().await;
+    let mut with_picker = pool("llama", "http", 8000);
+    with_picker["spec"]["endpointPickerRef"] =
+        json!({"name": "llama-picker", "port": {"number": 9002}, "failureMode": "FailOpen"});
+    api.put(with_picker).unwrap();
+
+    let index = Arc::new(Mutex::new(Index::new()));
+    let watchers = watch_all(&api, &index).await;
     let resolved = |i: &Index| {
         let c = i.pool_status("ml", "llama").unwrap().resolved_refs;
         (c.status, c.reason.as_str())
@@ -174,18 +181,7 @@ async fn a_pod_is_ready_since_its_ready_conditions_last_transition() {
     api.put(pod("True", "2026-01-02T03:04:05Z")).unwrap();
 
     let index = Arc::new(Mutex::new(Index::new()));
-    let (ready_tx, mut ready) = watch::channel(false);
-    let watchers = tokio::spawn(run_watchers(
-        client(&api).await,
-        Scope::All,
-        index.clone(),
-        Arc::new(Metrics::default()),
-        ready_tx,
-    ));
-    tokio::time::timeout(Duration::from_secs(5), ready.wait_for(|r| *r))
-        .await
-        .expect("ready within 5 s")
-        .unwrap();
+    let watchers = watch_all(&api, &index).await;
     let states = index.lock().unwrap().watch_pool("ml", "llama");
     let since = |states: &watch::Receiver<kvroute_proto::v1::PoolState>| {
         let state = states.borrow();
