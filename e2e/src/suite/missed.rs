@@ -73,6 +73,9 @@ pub struct Missed {
     pub elsewhere_by_reason: BTreeMap<String, f64>,
     /// Prompt tokens of responses without usage: not attributed.
     pub unreported: f64,
+    /// Attempts an engine refused for the router's admission bound (each
+    /// decided again): how often the routers' view of a queue was wrong.
+    pub refusals: f64,
 }
 
 impl Missed {
@@ -82,6 +85,7 @@ impl Missed {
             by_cause: sum_by(text, MISSED, "cause"),
             elsewhere_by_reason: sum_by(text, ELSEWHERE, "reason"),
             unreported: sum(text, UNREPORTED),
+            refusals: sum(text, "kvroute_admission_refusals_total"),
         }
     }
 
@@ -117,6 +121,7 @@ impl Missed {
             by_cause: merge(&self.by_cause, &other.by_cause),
             elsewhere_by_reason: merge(&self.elsewhere_by_reason, &other.elsewhere_by_reason),
             unreported: self.unreported + sign * other.unreported,
+            refusals: self.refusals + sign * other.refusals,
         }
     }
 
@@ -147,7 +152,8 @@ impl Missed {
     }
 
     /// Records `<prefix>missed_<cause>_share` for every cause,
-    /// `<prefix>missed_tokens`, `<prefix>unreported_tokens` and
+    /// `<prefix>missed_tokens`, `<prefix>unreported_tokens`,
+    /// `<prefix>admission_refusals` and
     /// `<prefix>routed_elsewhere_<reason>_tokens` for every reason.
     pub fn figures(&self, s: &mut super::report::Scenario, prefix: &str) {
         for cause in CAUSES {
@@ -155,6 +161,7 @@ impl Missed {
         }
         s.figure(&format!("{prefix}missed_tokens"), self.total());
         s.figure(&format!("{prefix}unreported_tokens"), self.unreported);
+        s.figure(&format!("{prefix}admission_refusals"), self.refusals);
         for reason in REASONS {
             let tokens = self.elsewhere_by_reason.get(reason).copied();
             s.figure(
