@@ -35,7 +35,7 @@ use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::load::{EngineLoad, Load};
 use kvroute_core::lru::Lru;
-use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
+use kvroute_core::policy::{Context, Decision, Endpoint, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
 
@@ -112,10 +112,17 @@ impl Replica {
     /// The replica's own load report, describing it at `at`: requests not
     /// started are waiting, with their uncached tokens queued; a prefill in
     /// progress counts its time left.
+    /// Requests complete before `at` are dropped: reports only move
+    /// forward ([`Self::queue_at`] looks without dropping).
     fn report(&mut self, at: f64, reported_at: Instant) -> EngineLoad {
         while self.served.front().is_some_and(|s| s.completion <= at) {
             self.served.pop_front();
         }
+        self.queue_at(at, reported_at)
+    }
+
+    /// [`Self::report`] at `at`, changing nothing.
+    fn queue_at(&self, at: f64, reported_at: Instant) -> EngineLoad {
         let (mut queued, mut waiting, mut running) = (0.0, 0u32, 0u32);
         for s in self.served.iter().take_while(|s| s.arrival <= at) {
             if s.start > at {
@@ -183,6 +190,36 @@ impl Router<VecDeque<Served>> {
             }
         }
         load
+    }
+}
+
+/// `policy`'s decision for `request` with admission checks (see the
+/// module docs): `engine(r)` is replica `r`'s own wait before prefill now,
+/// in seconds, and what it says when it refuses. Returns the decision, the
+/// replica it went to and how many times it was refused.
+pub(super) fn decide(
+    policy: &mut dyn Policy,
+    request: &Request<'_>,
+    endpoints: &mut [Endpoint],
+    cx: &Context<'_>,
+    mut engine: impl FnMut(usize) -> (f64, Refusal),
+) -> (Decision, usize, usize) {
+    let mut refused = Vec::new();
+    loop {
+        let decision = policy.rank(request, endpoints, cx);
+        let r = decision.ranked[0];
+        let bound = policy
+            .admit_within(endpoints[r].slot)
+            .filter(|_| !refused.contains(&r) && refused.len() < MAX_REFUSALS);
+        let Some(bound) = bound else {
+            return (decision, r, refused.len());
+        };
+        let (wait, refusal) = engine(r);
+        if !admission::refuses(admission::bound_ms(bound), wait) {
+            return (decision, r, refused.len());
+        }
+        endpoints[r].load.refused(refusal, cx.now);
+        refused.push(r);
     }
 }
 
@@ -331,30 +368,17 @@ impl Sim {
             now: self.instant(t),
         };
         let router = &mut self.routers[k];
-        let mut refused = Vec::new();
-        let (decision, r) = loop {
-            let decision = router.policy.rank(&req, &self.endpoints, &cx);
-            let r = decision.ranked[0];
-            let replica = &mut self.replicas[r];
-            let wait = (replica.free_at - t).max(0.0);
-            let bound = router.policy.admit_within(Slot(r as u32));
-            match bound.filter(|&b| {
-                !refused.contains(&r)
-                    && refused.len() < MAX_REFUSALS
-                    && admission::refuses(admission::bound_ms(b), wait)
-            }) {
-                None => break (decision, r),
-                Some(_) => {
-                    let report = replica.report(t, cx.now);
-                    let refusal = Refusal {
-                        queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
-                        waiting: report.waiting,
-                    };
-                    self.endpoints[r].load.refused(refusal, cx.now);
-                    refused.push(r);
-                }
-            }
-        };
+        let replicas = &mut self.replicas;
+        let (decision, r, refused) =
+            decide(&mut *router.policy, &req, &mut self.endpoints, &cx, |r| {
+                let wait = (replicas[r].free_at - t).max(0.0);
+                let report = replicas[r].queue_at(t, cx.now);
+                let refusal = Refusal {
+                    queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
+                    waiting: report.waiting,
+                };
+                (wait, refusal)
+            });
         router.policy.routed(&req, &self.endpoints[r]);
 
         let replica = &mut self.replicas[r];
@@ -376,7 +400,7 @@ impl Sim {
             removed,
         });
 
-        let start = (t + REFUSAL_S * refused.len() as f64).max(replica.free_at);
+        let start = (t + REFUSAL_S * refused as f64).max(replica.free_at);
         let prefill_end =
             start + PREFILL_OVERHEAD_S + uncached_tokens as f64 / PREFILL_TOKENS_PER_S;
         replica.free_at = prefill_end;

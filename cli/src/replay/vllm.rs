@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::admission::{self, MAX_REFUSALS, Refusal};
+use kvroute_core::admission::{self, Refusal};
 use kvroute_core::engine::pool::PoolEvent;
 use kvroute_core::engine::{self as model, Progress};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
@@ -29,7 +29,7 @@ use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::sim::{Outcome, REFUSAL_S, Router};
+use super::sim::{Outcome, REFUSAL_S, Router, decide};
 use super::trace::TraceRequest;
 
 /// The engine-block hash chain of `request`'s prompt: one hash per full
@@ -306,32 +306,16 @@ impl VllmSim {
         };
         let overhead_ms = self.config.prefill_overhead.as_secs_f64() * 1000.0;
         let router = &mut self.routers[k];
-        // Admission checks (see `sim`): the engine's own wait at `t`.
-        let mut refused = Vec::new();
-        let (decision, r) = loop {
-            let decision = router.policy.rank(&req, &endpoints, &cx);
-            let r = decision.ranked[0];
-            let fresh = report(self.engines[r].load(at(t)), now);
-            let bound = router.policy.admit_within(Slot(r as u32));
-            match bound.filter(|&b| {
-                !refused.contains(&r)
-                    && refused.len() < MAX_REFUSALS
-                    && admission::refuses(
-                        admission::bound_ms(b),
-                        admission::engine_wait_s(fresh, overhead_ms, block_tokens),
-                    )
-            }) {
-                None => break (decision, r),
-                Some(_) => {
-                    let refusal = Refusal {
-                        queued_prefill_tokens: fresh.queued_prefill_tokens.unwrap_or(0),
-                        waiting: fresh.waiting,
-                    };
-                    endpoints[r].load.refused(refusal, now);
-                    refused.push(r);
-                }
-            }
-        };
+        let engines = &self.engines;
+        let (decision, r, refused) = decide(&mut *router.policy, &req, &mut endpoints, &cx, |r| {
+            let fresh = report(engines[r].load(at(t)), now);
+            let wait = admission::engine_wait_s(fresh, overhead_ms, block_tokens);
+            let refusal = Refusal {
+                queued_prefill_tokens: fresh.queued_prefill_tokens.unwrap_or(0),
+                waiting: fresh.waiting,
+            };
+            (wait, refusal)
+        });
         router.policy.routed(&req, &endpoints[r]);
         router.own[r].push(i);
         let estimate = (decision.cached_blocks as u64 * self.config.block_size as u64)
@@ -339,7 +323,7 @@ impl VllmSim {
         // Each refusal's round trip is charged to the request's TTFT.
         self.records[i] = Record {
             replica: r,
-            arrival: t - REFUSAL_S * refused.len() as f64,
+            arrival: t - REFUSAL_S * refused as f64,
             reason: Some(decision.reason),
             prompt: request.input_length,
             uncached_estimate: request.input_length - estimate,
