@@ -209,7 +209,7 @@ pub(super) fn decide(
         let decision = policy.rank(request, endpoints, cx);
         let r = decision.ranked[0];
         let bound = policy
-            .admit_within(endpoints[r].slot)
+            .admit_within(r)
             .filter(|_| !refused.contains(&r) && refused.len() < MAX_REFUSALS);
         let Some(bound) = bound else {
             return (decision, r, refused.len());

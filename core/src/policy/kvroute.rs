@@ -300,9 +300,9 @@ impl Policy for Kvroute {
         }
     }
 
-    fn admit_within(&self, slot: Slot) -> Option<f64> {
+    fn admit_within(&self, candidate: usize) -> Option<f64> {
         let tolerance_s = self.config.admission_tolerance_ms? / 1000.0;
-        let (_, predicted, _) = self.predicted_by_slot.iter().find(|(s, ..)| *s == slot)?;
+        let (_, predicted, _) = self.predicted_by_slot.get(candidate)?;
         Some(predicted.queued + tolerance_s)
     }
 

@@ -166,10 +166,11 @@ pub trait Policy: Send + std::fmt::Debug {
     /// The request was sent to `endpoint`. Policies with memory learn here.
     fn routed(&mut self, _request: &Request<'_>, _endpoint: &Endpoint) {}
 
-    /// How long the endpoint at `slot` may make the request last ranked
-    /// wait before its prefill starts, in seconds, before it should refuse
-    /// it ([`crate::admission`]). `None`: no bound (the default).
-    fn admit_within(&self, _slot: Slot) -> Option<f64> {
+    /// How long the candidate at position `candidate` of the last ranking
+    /// may make that request wait before its prefill starts, in seconds,
+    /// before it should refuse it ([`crate::admission`]). `None`: no bound
+    /// (the default).
+    fn admit_within(&self, _candidate: usize) -> Option<f64> {
         None
     }
 

@@ -143,7 +143,7 @@ impl Pool {
                 under
             })
             .map(|&i| Target {
-                admit_within_ms: (inner.policy.admit_within(endpoints[i].slot))
+                admit_within_ms: (inner.policy.admit_within(i))
                     .filter(|_| readable)
                     .map(admission::bound_ms),
                 ..candidates[i].clone()

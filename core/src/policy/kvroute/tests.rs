@@ -425,13 +425,9 @@ fn each_endpoint_is_asked_to_start_within_its_predicted_wait_and_the_tolerance()
         .unwrap()
         .queued_prefill_tokens = Some(10_000);
     let mut policy = Kvroute::new(Config::default());
-    assert_eq!(
-        policy.admit_within(pool.endpoints[0].slot),
-        None,
-        "nothing ranked yet"
-    );
+    assert_eq!(policy.admit_within(0), None, "nothing ranked yet");
     policy.rank(&request(7, &[1, 2]), &pool.endpoints, &pool.cx());
-    let within = |p: &Kvroute, i: usize| p.admit_within(pool.endpoints[i].slot).unwrap();
+    let within = |p: &Kvroute, i: usize| p.admit_within(i).unwrap();
     assert!((within(&policy, 0) - 0.05).abs() < 1e-9);
     assert!((within(&policy, 1) - 1.05).abs() < 1e-9);
     let mut off = Kvroute::new(Config {
@@ -439,7 +435,7 @@ fn each_endpoint_is_asked_to_start_within_its_predicted_wait_and_the_tolerance()
         ..Config::default()
     });
     off.rank(&request(7, &[1, 2]), &pool.endpoints, &pool.cx());
-    assert_eq!(off.admit_within(pool.endpoints[0].slot), None);
+    assert_eq!(off.admit_within(0), None);
     let bad = Config {
         admission_tolerance_ms: Some(-1.0),
         ..Config::default()
