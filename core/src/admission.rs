@@ -63,10 +63,33 @@ impl Refusal {
     }
 }
 
+impl Refusal {
+    /// What an engine whose load is `report` says when it refuses.
+    pub fn of(report: &EngineLoad) -> Self {
+        Refusal {
+            queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
+            waiting: report.waiting,
+        }
+    }
+}
+
 /// Whether an engine whose request would wait `wait_s` before its prefill
 /// starts refuses one that asked to start within `bound_ms`.
 pub fn refuses(bound_ms: u64, wait_s: f64) -> bool {
     wait_s * 1000.0 > bound_ms as f64
+}
+
+/// An engine's check of a request that asked to start within `bound_ms`,
+/// against its own `report` taken at that moment (`engine_wait_s`): the
+/// refusal to answer with, or `None` to admit it.
+pub fn check(
+    bound_ms: u64,
+    report: EngineLoad,
+    overhead_ms: f64,
+    block_tokens: u64,
+) -> Option<Refusal> {
+    let wait = engine_wait_s(report, overhead_ms, block_tokens);
+    refuses(bound_ms, wait).then(|| Refusal::of(&report))
 }
 
 /// The header value for a bound of `bound_s` seconds: whole milliseconds,
@@ -81,7 +104,7 @@ pub fn bound_ms(bound_s: f64) -> u64 {
 /// of the requests ahead, whichever is longer. It leaves out the request's
 /// own blocks, which the router counts, so it refuses a little less often
 /// than the router's own figures would.
-pub fn engine_wait_s(report: EngineLoad, overhead_ms: f64, block_tokens: u64) -> f64 {
+fn engine_wait_s(report: EngineLoad, overhead_ms: f64, block_tokens: u64) -> f64 {
     let model = PrefillModel {
         prefill_overhead_ms: overhead_ms,
         ..PrefillModel::default()

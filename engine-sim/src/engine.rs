@@ -350,16 +350,10 @@ impl Engine {
                     itl,
                     std::time::Instant::now(),
                 );
-                let wait = admission::engine_wait_s(
-                    report,
-                    overhead.as_secs_f64() * 1000.0,
-                    u64::from(self.config.block_size),
-                );
-                if admission::refuses(bound_ms, wait) {
-                    let refusal = Refusal {
-                        queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
-                        waiting: report.waiting,
-                    };
+                let overhead_ms = overhead.as_secs_f64() * 1000.0;
+                let block_tokens = u64::from(self.config.block_size);
+                if let Some(refusal) = admission::check(bound_ms, report, overhead_ms, block_tokens)
+                {
                     return Err(EngineError::Busy { bound_ms, refusal });
                 }
             }

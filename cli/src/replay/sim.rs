@@ -194,15 +194,16 @@ impl Router<VecDeque<Served>> {
 }
 
 /// `policy`'s decision for `request` with admission checks (see the
-/// module docs): `engine(r)` is replica `r`'s own wait before prefill now,
-/// in seconds, and what it says when it refuses. Returns the decision, the
-/// replica it went to and how many times it was refused.
+/// module docs): `engine(r, bound_ms)` is replica `r`'s answer to a
+/// request that asks to start within `bound_ms`, a refusal or `None`.
+/// Returns the decision, the replica it went to and how many times it was
+/// refused.
 pub(super) fn decide(
     policy: &mut dyn Policy,
     request: &Request<'_>,
     endpoints: &mut [Endpoint],
     cx: &Context<'_>,
-    mut engine: impl FnMut(usize) -> (f64, Refusal),
+    mut engine: impl FnMut(usize, u64) -> Option<Refusal>,
 ) -> (Decision, usize, usize) {
     let mut refused = Vec::new();
     loop {
@@ -214,10 +215,9 @@ pub(super) fn decide(
         let Some(bound) = bound else {
             return (decision, r, refused.len());
         };
-        let (wait, refusal) = engine(r);
-        if !admission::refuses(admission::bound_ms(bound), wait) {
+        let Some(refusal) = engine(r, admission::bound_ms(bound)) else {
             return (decision, r, refused.len());
-        }
+        };
         endpoints[r].load.refused(refusal, cx.now);
         refused.push(r);
     }
@@ -369,16 +369,17 @@ impl Sim {
         };
         let router = &mut self.routers[k];
         let replicas = &mut self.replicas;
-        let (decision, r, refused) =
-            decide(&mut *router.policy, &req, &mut self.endpoints, &cx, |r| {
+        let (decision, r, refused) = decide(
+            &mut *router.policy,
+            &req,
+            &mut self.endpoints,
+            &cx,
+            |r, bound_ms| {
                 let wait = (replicas[r].free_at - t).max(0.0);
-                let report = replicas[r].queue_at(t, cx.now);
-                let refusal = Refusal {
-                    queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
-                    waiting: report.waiting,
-                };
-                (wait, refusal)
-            });
+                admission::refuses(bound_ms, wait)
+                    .then(|| Refusal::of(&replicas[r].queue_at(t, cx.now)))
+            },
+        );
         router.policy.routed(&req, &self.endpoints[r]);
 
         let replica = &mut self.replicas[r];

@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::admission::{self, Refusal};
+use kvroute_core::admission;
 use kvroute_core::engine::pool::PoolEvent;
 use kvroute_core::engine::{self as model, Progress};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
@@ -307,15 +307,16 @@ impl VllmSim {
         let overhead_ms = self.config.prefill_overhead.as_secs_f64() * 1000.0;
         let router = &mut self.routers[k];
         let engines = &self.engines;
-        let (decision, r, refused) = decide(&mut *router.policy, &req, &mut endpoints, &cx, |r| {
-            let fresh = report(engines[r].load(at(t)), now);
-            let wait = admission::engine_wait_s(fresh, overhead_ms, block_tokens);
-            let refusal = Refusal {
-                queued_prefill_tokens: fresh.queued_prefill_tokens.unwrap_or(0),
-                waiting: fresh.waiting,
-            };
-            (wait, refusal)
-        });
+        let (decision, r, refused) = decide(
+            &mut *router.policy,
+            &req,
+            &mut endpoints,
+            &cx,
+            |r, bound_ms| {
+                let fresh = report(engines[r].load(at(t)), now);
+                admission::check(bound_ms, fresh, overhead_ms, block_tokens)
+            },
+        );
         router.policy.routed(&req, &endpoints[r]);
         router.own[r].push(i);
         let estimate = (decision.cached_blocks as u64 * self.config.block_size as u64)
