@@ -22,6 +22,7 @@ pub mod pool;
 pub mod prompt;
 pub mod reconnect;
 pub mod request;
+pub mod response_cache;
 pub mod server;
 pub mod settings;
 pub mod tasks;

@@ -117,6 +117,11 @@ impl Tenancy {
         self.api_keys.iter().map(|(_, tenant)| tenant.clone())
     }
 
+    /// The key material of `tenancy.secretFile` (empty without one).
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
+    }
+
     /// Whether tenants are salted apart.
     pub fn salted(&self) -> bool {
         self.mode == TenancyMode::Salted

@@ -15,6 +15,7 @@ mod limits;
 mod listeners;
 mod proxy;
 mod resilience;
+mod response_cache;
 mod routing;
 mod telemetry;
 mod tenancy;
@@ -31,6 +32,7 @@ pub use self::limits::Limits;
 pub use self::listeners::{DebugEndpoints, ExtProc, GrpcTls, Tls};
 pub use self::proxy::{DEFAULT_ALLOWED_PATHS, Proxy};
 pub use self::resilience::{HealthCheck, Resilience};
+pub use self::response_cache::{Backend, ResponseCache};
 pub use self::routing::{DEFAULT_CONVERSATION_HEADER, Routing};
 pub use self::telemetry::{LogFormat, Telemetry};
 pub use self::tenancy::{ClientSalt, Tenancy, TenancyMode};
@@ -67,6 +69,8 @@ pub struct Config {
     pub resilience: Resilience,
     /// Logs, traces and headers.
     pub telemetry: Telemetry,
+    /// The exact response cache ([`crate::response_cache`]); unset: off.
+    pub response_cache: Option<ResponseCache>,
     /// TLS on the API listener; unset: plaintext.
     pub tls: Option<Tls>,
     /// A file holding a bearer token that `/debug/*` on the admin port
@@ -94,6 +98,7 @@ impl Default for Config {
             proxy: Proxy::default(),
             resilience: Resilience::default(),
             telemetry: Telemetry::default(),
+            response_cache: None,
             tls: None,
             admin_token_file: None,
             debug: DebugEndpoints::default(),

@@ -15,6 +15,9 @@ impl Config {
         self.validate_durations()?;
         self.validate_counts()?;
         self.validate_urls()?;
+        if let Some(cache) = &self.response_cache {
+            cache.validate()?;
+        }
         if let Some(e) = &self.ext_proc
             && self.tenancy.mode == TenancyMode::Salted
             && self.tenancy.api_keys_file.is_none()
@@ -314,7 +317,7 @@ impl Config {
     }
 }
 
-fn invalid(
+pub(super) fn invalid(
     field: &'static str,
     value: &dyn std::fmt::Display,
     reason: &'static str,

@@ -212,6 +212,8 @@ pub struct Metrics {
     pub decision_seconds: Histogram,
     /// `kvroute_upstream_ttft_seconds`.
     pub upstream_ttft_seconds: Histogram,
+    /// The response cache's.
+    pub response_cache: std::sync::Arc<crate::response_cache::metrics::CacheMetrics>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -256,6 +258,7 @@ impl Default for Metrics {
             refused_ejections: Warnings::default(),
             decision_seconds: Histogram::new(BUCKETS.iter().copied()),
             upstream_ttft_seconds: Histogram::new(BUCKETS.iter().copied()),
+            response_cache: std::sync::Arc::default(),
         };
         let r = &mut m.registry;
         // Counters are registered without `_total`, which the encoder adds.
@@ -413,6 +416,7 @@ impl Default for Metrics {
             "From sending a request to the engine to its first response body byte",
             m.upstream_ttft_seconds.clone(),
         );
+        m.response_cache.register(r);
         m
     }
 }

@@ -1,0 +1,159 @@
+//! `responseCache`: the exact response cache (absent: off).
+//!
+//! Owned by the router's YAML alone, never a custom resource: the Redis
+//! password and the key material stay in mounted files.
+//!
+//! Not here: what is cacheable, the key and the stores
+//! ([`crate::response_cache`]).
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::validate::invalid;
+use super::{ConfigError, MAX_DURATION_MS};
+
+/// Where answers are kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// In this router's memory (the default): nothing else to run.
+    #[default]
+    Embedded,
+    /// A Redis server shared by every router of the pool.
+    Redis,
+}
+
+/// The exact response cache. `responseCache: {backend: embedded}` alone is
+/// a complete configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResponseCache {
+    /// `embedded` or `redis`. Default: embedded.
+    pub backend: Backend,
+    /// The Redis server, `redis://host:port[/db]` or `rediss://` (TLS,
+    /// verified against the system's roots). Required with `backend:
+    /// redis`, refused otherwise.
+    pub url: Option<String>,
+    /// A file holding the Redis password (a mounted Secret); its trailing
+    /// newline is ignored. Default: none, or the URL's.
+    pub password_file: Option<PathBuf>,
+    /// How long an answer is served, seconds. Default: 3600.
+    pub ttl_s: u64,
+    /// The embedded store's size bound, bytes of stored answers (keys and
+    /// bookkeeping included). Default: 256 MiB.
+    pub max_bytes: u64,
+    /// The largest answer stored, bytes; larger ones are served but not
+    /// stored. Default: 1 MiB.
+    pub max_entry_bytes: usize,
+    /// Part of every key: bump it to drop every answer at once, e.g. on a
+    /// model rollout that keeps the model's name. Default: empty.
+    pub version: String,
+    /// A file holding the key material entries are keyed with
+    /// (HMAC-SHA256). Default: `tenancy.secretFile`, else plain SHA-256.
+    /// Routers sharing a Redis store must share it.
+    pub secret_file: Option<PathBuf>,
+    /// The longest a request waits on Redis for one lookup or store,
+    /// milliseconds; past it the request goes on uncached. Default: 50.
+    pub timeout_ms: u64,
+    /// How long identical requests wait for the first one's answer
+    /// before going to an engine themselves, milliseconds; 0: no
+    /// coalescing. Default: 30000.
+    pub coalesce_wait_ms: u64,
+    /// Send the standard `Age` header on a hit. In shared tenancy without
+    /// API keys it tells a client when someone else sent the same request.
+    /// Default: true.
+    pub age_header: bool,
+    /// The prefix of every Redis key. Default: `kvroute:response:`.
+    pub key_prefix: String,
+}
+
+impl Default for ResponseCache {
+    fn default() -> Self {
+        ResponseCache {
+            backend: Backend::Embedded,
+            url: None,
+            password_file: None,
+            ttl_s: 3600,
+            max_bytes: 256 << 20,
+            max_entry_bytes: 1 << 20,
+            version: String::new(),
+            secret_file: None,
+            timeout_ms: 50,
+            coalesce_wait_ms: 30_000,
+            age_header: true,
+            key_prefix: "kvroute:response:".into(),
+        }
+    }
+}
+
+impl ResponseCache {
+    /// Checks the section, naming the field and the value.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match (self.backend, &self.url) {
+            (Backend::Redis, None) => {
+                return Err(invalid(
+                    "responseCache.url",
+                    &"",
+                    "is required with backend: redis",
+                ));
+            }
+            (Backend::Redis, Some(url))
+                if !(url.starts_with("redis://") || url.starts_with("rediss://"))
+                    || url
+                        .split_once("://")
+                        .is_none_or(|(_, rest)| rest.is_empty()) =>
+            {
+                return Err(invalid(
+                    "responseCache.url",
+                    url,
+                    "must be redis://host:port or rediss://host:port",
+                ));
+            }
+            (Backend::Embedded, Some(url)) => {
+                return Err(invalid(
+                    "responseCache.url",
+                    url,
+                    "is only for backend: redis",
+                ));
+            }
+            _ => {}
+        }
+        if !(1..=MAX_DURATION_MS / 1000 * 365).contains(&self.ttl_s) {
+            return Err(invalid(
+                "responseCache.ttlS",
+                &self.ttl_s,
+                "must be 1 to 31536000 (a year)",
+            ));
+        }
+        if !(1..=MAX_DURATION_MS).contains(&self.timeout_ms) {
+            return Err(invalid(
+                "responseCache.timeoutMs",
+                &self.timeout_ms,
+                "must be 1 to 86400000 (one day)",
+            ));
+        }
+        if self.coalesce_wait_ms > MAX_DURATION_MS {
+            return Err(invalid(
+                "responseCache.coalesceWaitMs",
+                &self.coalesce_wait_ms,
+                "must be at most one day",
+            ));
+        }
+        if self.max_entry_bytes == 0 || self.max_entry_bytes as u64 > self.max_bytes {
+            return Err(invalid(
+                "responseCache.maxEntryBytes",
+                &self.max_entry_bytes,
+                "must be at least 1 and at most maxBytes",
+            ));
+        }
+        if self.backend == Backend::Redis && self.key_prefix.is_empty() {
+            return Err(invalid(
+                "responseCache.keyPrefix",
+                &"",
+                "must not be empty: a purge deletes the keys under it",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,183 @@
+use axum::http::{HeaderMap, HeaderValue};
+use proptest::prelude::*;
+
+use super::*;
+
+fn keying() -> Keying {
+    Keying {
+        secret: b"s3cret".to_vec(),
+        version: "v1".into(),
+    }
+}
+
+fn no_roots(_: &str) -> Vec<String> {
+    Vec::new()
+}
+
+fn classify_body(tenant: Option<&str>, headers: &HeaderMap, body: &str) -> Classified {
+    classify(
+        &keying(),
+        "/v1/chat/completions",
+        headers,
+        tenant,
+        body.as_bytes(),
+        no_roots,
+    )
+}
+
+fn key(tenant: Option<&str>, body: &str) -> Key {
+    match classify_body(tenant, &HeaderMap::new(), body) {
+        Classified::Cacheable(c) => c.key,
+        Classified::Bypass(r) => panic!("bypassed ({r}): {body}"),
+    }
+}
+
+fn bypass(headers: &HeaderMap, body: &str) -> Option<&'static str> {
+    match classify_body(Some("t"), headers, body) {
+        Classified::Bypass(r) => Some(r),
+        Classified::Cacheable(_) => None,
+    }
+}
+
+const CHAT: &str = r#"{"model":"m","temperature":0,"messages":[{"role":"user","content":"hi"}]}"#;
+
+#[test]
+fn only_deterministic_requests_are_cacheable() {
+    let none = HeaderMap::new();
+    assert_eq!(bypass(&none, CHAT), None);
+    let sampled = r#"{"model":"m","messages":[]}"#;
+    assert_eq!(bypass(&none, sampled), Some("sampled"), "absent is 1");
+    let warm = r#"{"model":"m","temperature":0.7,"messages":[]}"#;
+    assert_eq!(bypass(&none, warm), Some("sampled"));
+    let mut opted = HeaderMap::new();
+    opted.insert(SAMPLED_HEADER, HeaderValue::from_static("1"));
+    assert_eq!(bypass(&opted, warm), None, "a client may opt in");
+    let n2 = r#"{"model":"m","temperature":0,"n":2,"messages":[]}"#;
+    assert_eq!(bypass(&opted, n2), Some("n"));
+    let n1 = r#"{"model":"m","temperature":0,"n":1,"messages":[]}"#;
+    assert_eq!(bypass(&none, n1), None);
+    let lp = r#"{"model":"m","temperature":0,"logprobs":true,"messages":[]}"#;
+    assert_eq!(bypass(&opted, lp), Some("logprobs"));
+    let no_lp = r#"{"model":"m","temperature":0,"logprobs":false,"messages":[]}"#;
+    assert_eq!(bypass(&none, no_lp), None);
+    assert_eq!(bypass(&none, "not json"), Some("body"));
+    assert_eq!(bypass(&none, r#"{"temperature":0}"#), Some("body"));
+    let completion = classify(
+        &keying(),
+        "/v1/completions",
+        &none,
+        None,
+        br#"{"model":"m","temperature":0,"prompt":"x","logprobs":1}"#,
+        no_roots,
+    );
+    assert!(matches!(completion, Classified::Bypass("logprobs")));
+    let other = classify(
+        &keying(),
+        "/v1/embeddings",
+        &none,
+        None,
+        CHAT.as_bytes(),
+        no_roots,
+    );
+    assert!(matches!(other, Classified::Bypass("path")));
+}
+
+#[test]
+fn cache_control_no_store_and_no_cache() {
+    let mut h = HeaderMap::new();
+    h.insert(
+        "cache-control",
+        HeaderValue::from_static("max-age=0, No-Store"),
+    );
+    assert_eq!(bypass(&h, CHAT), Some("no_store"));
+    h.insert("cache-control", HeaderValue::from_static("no-cache"));
+    let Classified::Cacheable(c) = classify_body(None, &h, CHAT) else {
+        panic!("no-cache still stores")
+    };
+    assert!(!c.read, "no-cache is not served from the cache");
+    let Classified::Cacheable(c) = classify_body(None, &HeaderMap::new(), CHAT) else {
+        panic!()
+    };
+    assert!(c.read);
+}
+
+#[test]
+fn delivery_fields_are_not_part_of_the_key_and_the_rest_is() {
+    let base = key(Some("t"), CHAT);
+    let streamed = r#"{"stream":true,"stream_options":{"include_usage":true},"user":"u","model":"m","temperature":0,"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(key(Some("t"), streamed), base, "stream, options and user");
+    let reordered = r#"{"messages":[{"content":"hi","role":"user"}],"temperature":0,"model":"m"}"#;
+    assert_eq!(key(Some("t"), reordered), base, "key order does not matter");
+    let other = r#"{"model":"m","temperature":0,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_ne!(key(Some("t"), other), base, "max_tokens changes the answer");
+    assert_ne!(key(None, CHAT), base);
+    assert_ne!(
+        key(Some(""), CHAT),
+        key(None, CHAT),
+        "no tenant is not an empty one"
+    );
+    let v2 = Keying {
+        version: "v2".into(),
+        ..keying()
+    };
+    let with = |keying: &Keying, roots: fn(&str) -> Vec<String>| match classify(
+        keying,
+        "/v1/chat/completions",
+        &HeaderMap::new(),
+        Some("t"),
+        CHAT.as_bytes(),
+        roots,
+    ) {
+        Classified::Cacheable(c) => c.key,
+        Classified::Bypass(r) => panic!("{r}"),
+    };
+    assert_ne!(with(&v2, no_roots), base, "the version");
+    assert_ne!(
+        with(&keying(), |_| vec!["/models/m-2".into()]),
+        base,
+        "the root"
+    );
+    let unkeyed = Keying::default();
+    assert_ne!(with(&unkeyed, no_roots), base, "the key material");
+}
+
+#[test]
+fn a_stream_without_usage_is_forwarded_asking_for_it() {
+    let body = r#"{"model":"m","temperature":0,"stream":true,"messages":[]}"#;
+    let Classified::Cacheable(c) = classify_body(None, &HeaderMap::new(), body) else {
+        panic!()
+    };
+    assert!(c.form.stream && !c.form.include_usage);
+    let forward: serde_json::Value = serde_json::from_slice(&c.forward.unwrap()).unwrap();
+    assert_eq!(forward["stream_options"]["include_usage"], true);
+    assert_eq!(forward["messages"], serde_json::json!([]));
+    let Classified::Cacheable(c) = classify_body(None, &HeaderMap::new(), CHAT) else {
+        panic!()
+    };
+    assert!(c.forward.is_none(), "nothing to add");
+}
+
+proptest! {
+    /// Two requests from different tenants never share a key, whatever
+    /// their bodies; the same request from the same tenant always does.
+    #[test]
+    fn tenants_never_share_a_key(
+        a in proptest::option::of("[a-z0-9,;:=-]{0,12}"),
+        b in proptest::option::of("[a-z0-9,;:=-]{0,12}"),
+        model in "[a-zA-Z0-9/:.-]{1,20}",
+        content in ".{0,40}",
+        other in ".{0,40}",
+        secret in proptest::collection::vec(any::<u8>(), 0..16),
+    ) {
+        let k = Keying { secret, version: String::new() };
+        let body = |c: &str| serde_json::json!({"model": model, "temperature": 0, "messages": [{"role": "user", "content": c}]}).to_string();
+        let key = |t: Option<&str>, c: &str| match classify(&k, "/v1/chat/completions", &HeaderMap::new(), t, body(c).as_bytes(), no_roots) {
+            Classified::Cacheable(c) => c.key,
+            Classified::Bypass(r) => panic!("{r}"),
+        };
+        prop_assert_eq!(key(a.as_deref(), &content), key(a.as_deref(), &content));
+        if a != b {
+            prop_assert_ne!(key(a.as_deref(), &content), key(b.as_deref(), &other));
+        }
+    }
+}

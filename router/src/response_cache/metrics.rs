@@ -1,0 +1,85 @@
+//! The response cache's metrics, registered with the router's.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::metrics::Why;
+
+/// `{model, result}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelResult {
+    /// A served model, or `unknown`.
+    pub model: String,
+    /// `hit`, `miss`, `bypass` or `error`.
+    pub result: &'static str,
+}
+
+/// The response cache's counters and gauges.
+#[derive(Debug, Default)]
+pub struct CacheMetrics {
+    /// `kvroute_response_cache_requests_total{model,result}`.
+    pub requests: Family<ModelResult, Counter>,
+    /// `kvroute_response_cache_bytes`, set at each scrape.
+    pub bytes: Gauge,
+    /// `kvroute_response_cache_evictions_total{reason}`.
+    pub evictions: Family<Why, Counter>,
+    /// `kvroute_response_cache_coalesced_total`.
+    pub coalesced: Counter,
+    /// `kvroute_response_cache_stores_total{result}`.
+    pub stores: Family<Why, Counter>,
+    /// `kvroute_response_cache_store_errors_total{reason}`.
+    pub store_errors: Family<Why, Counter>,
+    /// `kvroute_response_cache_breaker_opened_total`.
+    pub breaker_opened: Counter,
+    /// `kvroute_response_cache_purged_total`.
+    pub purged: Counter,
+}
+
+impl CacheMetrics {
+    /// Registers every metric with `r`.
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvroute_response_cache_requests",
+            "Requests to the cached APIs while responseCache is on, by model and result: hit (answered from the cache, coalesced ones included), miss (sent to an engine), bypass (not cacheable: sampled, n, logprobs, no-store, another path), error (the store failed or timed out: sent to an engine)",
+            self.requests.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_bytes",
+            "Bytes of answers in the embedded store, as weighed (0 with Redis)",
+            self.bytes.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_evictions",
+            "Answers the embedded store dropped, by reason: size (responseCache.maxBytes) or expired (responseCache.ttlS)",
+            self.evictions.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_coalesced",
+            "Requests answered with an identical request's answer while it was in flight (also counted as hits)",
+            self.coalesced.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_stores",
+            "Answers offered to the store, by result: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), error (the store failed)",
+            self.stores.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_store_errors",
+            "Redis operations that failed, by reason: timeout (responseCache.timeoutMs), error, breaker_open (skipped while the circuit breaker is open)",
+            self.store_errors.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_breaker_opened",
+            "Times the Redis circuit breaker opened after consecutive failures",
+            self.breaker_opened.clone(),
+        );
+        r.register(
+            "kvroute_response_cache_purged",
+            "Answers purged through the admin port",
+            self.purged.clone(),
+        );
+    }
+}
