@@ -34,6 +34,9 @@ pub struct ModelList {
     pub ids: BTreeSet<String>,
     /// The LoRA adapters, by served name, with their base model.
     pub adapters: BTreeMap<String, Adapter>,
+    /// Each model's `root` (vLLM: the path or repository it was loaded
+    /// from), as the endpoints list it; part of a response cache key.
+    pub roots: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// A LoRA adapter an endpoint serves.
@@ -58,6 +61,10 @@ impl ModelList {
                 continue;
             };
             self.ids.insert(id.to_owned());
+            if let Some(root) = card["root"].as_str() {
+                let roots = self.roots.entry(id.to_owned()).or_default();
+                roots.insert(root.to_owned());
+            }
             if let (Some(root), Some(parent)) = (card["root"].as_str(), card["parent"].as_str()) {
                 self.adapters.insert(
                     id.to_owned(),

@@ -19,6 +19,8 @@ use crate::metrics::Metrics;
 use crate::pool::Pool;
 use crate::pool::Watchers;
 use crate::request::Service;
+use crate::response_cache::ResponseCache;
+use crate::response_cache::metrics::CacheMetrics;
 use crate::settings::Settings;
 use crate::tasks::{Stop, TaskDied, Tasks};
 use crate::tenancy::Tenancy;
@@ -145,6 +147,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .collect(),
     )?;
     let tenancy = Tenancy::load(&config.tenancy)?;
+    let cache_metrics = Arc::new(CacheMetrics::default());
+    let response_cache = (config.response_cache.as_ref())
+        .map(|c| ResponseCache::new(c, &tenancy, cache_metrics.clone()))
+        .transpose()?;
     let tls = config
         .tls
         .as_ref()
@@ -195,7 +201,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         None => None,
     };
     let (admin, admin_addr) = kvroute_telemetry::listen(config.admin_listen).await?;
-    let metrics = Arc::new(Metrics::default());
+    let metrics = Arc::new(Metrics::new(cache_metrics));
     let pool = Pool::new(
         settings,
         &config.resilience,
@@ -243,12 +249,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             config.resilience.health_check.clone(),
         ),
     );
-    let service = Arc::new(Service::new(
-        pool.clone(),
-        metrics.clone(),
-        tenancy,
-        &config,
-    ));
+    let mut service = Service::new(pool.clone(), metrics.clone(), tenancy, &config);
+    if let Some(cache) = response_cache {
+        service = service.with_response_cache(cache);
+    }
+    let service = Arc::new(service);
 
     let (stop, stopped) = watch::channel(false);
     let caps = listener::fit_to_open_files(

@@ -64,6 +64,10 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
             ),
         )
         .route(
+            "/admin/response-cache/purge",
+            axum::routing::post(purge_response_cache),
+        )
+        .route(
             "/debug/prefixes",
             get(|State(p): State<Arc<Service>>| async move { axum::Json(p.volatile_prefixes()) }),
         )
@@ -104,6 +108,22 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
             get(|State(p): State<Arc<Service>>| async move { readyz(&p) }),
         )
         .with_state(service)
+}
+
+/// `POST /admin/response-cache/purge[?model=M]`: drops every stored
+/// answer, or those of model `M`; answers `{"purged": n}`.
+async fn purge_response_cache(
+    State(p): State<Arc<Service>>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    let Some(cache) = &p.response_cache else {
+        return ApiError::NotFound("the response cache is off: set responseCache".into())
+            .into_response();
+    };
+    match cache.purge(q.get("model").map(String::as_str)).await {
+        Ok(n) => axum::Json(json!({"purged": n})).into_response(),
+        Err(e) => ApiError::Upstream(format!("purging the response cache: {e}")).into_response(),
+    }
 }
 
 /// Whether `headers` carry `Authorization: Bearer <token>`, compared in

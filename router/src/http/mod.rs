@@ -3,32 +3,34 @@
 //! the first target, retrying on the next ones while no response byte has
 //! been received, commits the attempt whose response begins
 //! ([`Decision::commit`]) and streams that response back frame by frame as
-//! the engine sends it.
+//! the engine sends it. With the response cache on, a request goes
+//! through it first ([`cached`]).
 //!
 //! Not here: admission, reading the prompt, the plan and every count
 //! ([`crate::request`]); the listeners' limits ([`crate::listener`]).
 
+mod cached;
 mod clients;
 mod headers;
 mod routes;
+mod upstream;
 
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::header::{self, HeaderName, HeaderValue};
 use axum::http::request::Parts;
-use axum::http::{Request, Response, StatusCode, Uri};
+use axum::http::{Request, Response, StatusCode};
 use bytes::Bytes;
 use futures_util::stream;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
-use kvroute_core::admission::ADMIT_WITHIN_HEADER;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use self::clients::Clients;
 pub use self::clients::on_api_thread;
-use self::headers::{copy_headers, end_to_end};
+use self::headers::end_to_end;
 pub(crate) use self::routes::routes;
 use crate::config::Config;
 use crate::errors::ApiError;
@@ -81,16 +83,14 @@ impl Forwarder {
         let (parts, body) = request.into_parts();
         let span = crate::telemetry::request_span(parts.uri.path(), &parts.headers);
         let id = RequestId::of(&parts.headers);
-        let ask = Ask {
-            path: parts.uri.path(),
-            headers: &parts.headers,
-            body: Payload::Stream(body),
-            among: &|_| true,
-            id: id.clone(),
-        };
+        let mut result = None;
         let served = async {
-            let decision = self.service.decide(ask).await?;
-            Ok::<_, ApiError>(self.forward(&parts, decision).await)
+            let Some(cache) = &self.service.response_cache else {
+                return self.routed(&parts, Payload::Stream(body), &id).await;
+            };
+            let (served, r) = self.cached(cache, &parts, body, &id).await;
+            result = Some(r);
+            served
         };
         let mut response = match served.instrument(span).await {
             Ok(response) => response,
@@ -99,9 +99,30 @@ impl Forwarder {
                 axum::response::IntoResponse::into_response(e)
             }
         };
+        if let Some(r) = result {
+            cached::mark(&mut response, r);
+        }
         let headers = response.headers_mut();
         headers.insert(REQUEST_ID, id.header().clone());
         response
+    }
+
+    /// Decides a request with `body` and forwards it.
+    async fn routed(
+        self: &Arc<Self>,
+        parts: &Parts,
+        body: Payload,
+        id: &RequestId,
+    ) -> Result<Response<Body>, ApiError> {
+        let ask = Ask {
+            path: parts.uri.path(),
+            headers: &parts.headers,
+            body,
+            among: &|_| true,
+            id: id.clone(),
+        };
+        let decision = self.service.decide(ask).await?;
+        Ok(self.forward(parts, decision).await)
     }
 
     async fn forward(self: &Arc<Self>, parts: &Parts, mut decision: Decision) -> Response<Body> {
@@ -122,7 +143,7 @@ impl Forwarder {
             (n, tried) = (n + 1, tried + 1);
             let sent = Instant::now();
             let (body, id) = (decision.body(), decision.id());
-            let upstream = self.upstream_request(parts, body, target, id, bound);
+            let upstream = upstream::request(parts, body, target, id, bound, &self.private_headers);
             let (first, attempt) = match upstream {
                 Err(e) => (Err(e), attempt),
                 Ok(upstream) => {
@@ -268,38 +289,6 @@ impl Forwarder {
                 .failure(&attempt.target, Fault::Timeout.as_str(), fault);
         }
         (outcome, attempt)
-    }
-
-    /// The request to send to `target`.
-    fn upstream_request(
-        &self,
-        parts: &Parts,
-        bytes: &Bytes,
-        target: &crate::pool::Target,
-        id: &RequestId,
-        admit_within_ms: Option<u64>,
-    ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        let uri: Uri = format!("http://{}{path}", target.http)
-            .parse()
-            .map_err(|e| (ApiError::Upstream(format!("bad upstream URI: {e}")), None))?;
-        let mut request = Request::builder()
-            .method(parts.method.clone())
-            .uri(uri)
-            .body(Full::new(bytes.clone()))
-            .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
-        let headers = request.headers_mut();
-        copy_headers(&parts.headers, headers, &self.private_headers);
-        headers.remove(header::HOST);
-        headers.insert(REQUEST_ID, id.header().clone());
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-        if let Some(ms) = admit_within_ms {
-            headers.insert(ADMIT_WITHIN_HEADER, HeaderValue::from(ms));
-        }
-        // With tracing on, the engine's parent is this router's span; else
-        // the client's traceparent passes through as copied.
-        crate::telemetry::inject(headers);
-        Ok(request)
     }
 
     /// Streams the engine's response back frame by frame, `first` first.

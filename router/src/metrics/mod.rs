@@ -224,6 +224,16 @@ impl std::fmt::Debug for Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
+        Metrics::new(std::sync::Arc::default())
+    }
+}
+
+impl Metrics {
+    /// The router's metrics, the response cache's `response_cache` among
+    /// them.
+    pub fn new(
+        response_cache: std::sync::Arc<crate::response_cache::metrics::CacheMetrics>,
+    ) -> Self {
         let mut m = Metrics {
             registry: Registry::default(),
             requests: Family::default(),
@@ -258,7 +268,7 @@ impl Default for Metrics {
             refused_ejections: Warnings::default(),
             decision_seconds: Histogram::new(BUCKETS.iter().copied()),
             upstream_ttft_seconds: Histogram::new(BUCKETS.iter().copied()),
-            response_cache: std::sync::Arc::default(),
+            response_cache,
         };
         let r = &mut m.registry;
         // Counters are registered without `_total`, which the encoder adds.

@@ -248,6 +248,26 @@ impl Received {
         self.held.budget.refuse(reason, error)
     }
 
+    /// The body so far, made one piece (a view, not a copy, once it is).
+    pub fn bytes(&mut self) -> Bytes {
+        if self.first.is_none() {
+            self.first = Some(std::mem::take(&mut self.buf).freeze());
+        }
+        self.first.clone().unwrap_or_default()
+    }
+
+    /// Replaces the body with `body` (the router's rewrite of it),
+    /// reserving the budget for any growth.
+    pub fn replace(&mut self, body: Bytes) -> Result<(), ApiError> {
+        let more = body.len().div_ceil(1024).saturating_sub(self.held.kib);
+        if more > 0 {
+            self.held.reserve(more)?;
+        }
+        self.buf = BytesMut::new();
+        self.first = Some(body);
+        Ok(())
+    }
+
     /// The whole body and its share of the budget.
     pub fn finish(self) -> (Bytes, Held) {
         let body = self.first.unwrap_or_else(|| self.buf.freeze());

@@ -104,6 +104,8 @@ pub struct Service {
     hang: hang::Deadline,
     /// Per-request warnings, throttled per endpoint and reason.
     pub(crate) warnings: Warnings,
+    /// The exact response cache, when on (the HTTP front end's).
+    pub response_cache: Option<Arc<crate::response_cache::ResponseCache>>,
 }
 
 /// A request as a front end hands it over.
@@ -170,8 +172,20 @@ impl Admitted {
         error
     }
 
+    /// The tenant its credentials name.
+    pub(crate) fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+
+    /// Counts it answered 200 by the router itself (a response cache
+    /// hit), under `model`, a metric label.
+    pub(crate) fn answered(mut self, model: &str) {
+        model.clone_into(&mut self.labels.model);
+        self.labels.count("200");
+    }
+
     /// Reads `body` into it within its limits.
-    async fn read(&mut self, mut body: axum::body::Body) -> Result<(), ApiError> {
+    pub(crate) async fn read(&mut self, mut body: axum::body::Body) -> Result<(), ApiError> {
         use http_body_util::BodyExt;
         loop {
             let (deadline, _) = self.received.deadline();
@@ -218,9 +232,16 @@ impl Service {
             cache_header: config.telemetry.cache_header,
             hang: hang::Deadline::new(&config.resilience, &config.limits),
             warnings: Warnings::default(),
+            response_cache: None,
             limits,
             metrics,
         }
+    }
+
+    /// The service with `cache` answering what it can.
+    pub fn with_response_cache(mut self, cache: crate::response_cache::ResponseCache) -> Self {
+        self.response_cache = Some(Arc::new(cache));
+        self
     }
 
     /// The tenancy requests are admitted and read with.

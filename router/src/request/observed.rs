@@ -97,6 +97,9 @@ impl Service {
                 .set(window.share(now));
         }
         drop(p);
+        if let Some(cache) = &self.response_cache {
+            cache.refresh_gauges();
+        }
         self.metrics.render(&self.pool)
     }
 

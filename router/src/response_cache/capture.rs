@@ -41,6 +41,8 @@ pub struct Capture {
     done: bool,
     /// Not storable: too large, an error, more than one choice.
     spoiled: bool,
+    /// Over the bound.
+    too_large: bool,
     /// Passing bytes as they come (a stream's event outgrew the bound).
     passing: bool,
 }
@@ -62,6 +64,7 @@ impl Capture {
             finished: false,
             done: false,
             spoiled: length.is_some_and(|n| n > max),
+            too_large: length.is_some_and(|n| n > max),
             passing: false,
         }
     }
@@ -73,6 +76,7 @@ impl Capture {
             if !self.spoiled {
                 if self.pending.len() + data.len() > self.max {
                     self.spoiled = true;
+                    self.too_large = true;
                     self.pending = BytesMut::new();
                 } else {
                     self.pending.extend_from_slice(&data);
@@ -94,6 +98,7 @@ impl Capture {
         if self.pending.len() > self.max {
             // An event without end: stop reading, pass what is held.
             self.spoiled = true;
+            self.too_large = true;
             self.passing = true;
             out.extend_from_slice(&self.pending.split());
         }
@@ -120,21 +125,22 @@ impl Capture {
         }
     }
 
-    /// The answer, if the body ended complete and storable.
-    pub fn answer(&mut self, stored_unix_ms: u64) -> Option<Answer> {
-        if self.spoiled {
-            return None;
+    /// The answer, if the body ended complete and storable; else why
+    /// not: `too_large` or `incomplete`.
+    pub fn answer(&mut self, stored_unix_ms: u64) -> Result<Answer, &'static str> {
+        if self.too_large {
+            return Err("too_large");
         }
-        let mut answer = if self.sse {
-            if !(self.done && self.finished && self.usage) {
-                return None;
-            }
-            std::mem::take(&mut self.answer)
+        let answer = if self.spoiled {
+            None
+        } else if self.sse {
+            (self.done && self.finished && self.usage).then(|| std::mem::take(&mut self.answer))
         } else {
-            Answer::of_json(self.api, &self.pending)?
+            Answer::of_json(self.api, &self.pending)
         };
+        let mut answer = answer.ok_or("incomplete")?;
         answer.stored_unix_ms = stored_unix_ms;
-        Some(answer)
+        Ok(answer)
     }
 
     /// Reads one event (without its blank line); returns whether the
@@ -173,7 +179,7 @@ impl Capture {
         }
         let choices = chunk["choices"].as_array().map_or(&[][..], Vec::as_slice);
         match choices {
-            [] => !(self.strip_usage && !usage.is_null()),
+            [] => !self.strip_usage || usage.is_null(),
             [choice] if choice["index"].as_u64().unwrap_or(0) == 0 => {
                 self.choice(choice);
                 true
@@ -230,6 +236,7 @@ impl Capture {
                 .sum::<usize>();
         if size > self.max {
             self.spoiled = true;
+            self.too_large = true;
             self.answer = Answer::default();
         }
     }
@@ -260,4 +267,126 @@ fn data(event: &[u8]) -> Option<Vec<u8>> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(delta: &str, finish: Option<&str>) -> String {
+        let v = serde_json::json!({"id": "c1", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}]});
+        format!("data: {v}\n\n")
+    }
+
+    const USAGE: &str = "data: {\"id\":\"c1\",\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2,\"total_tokens\":9}}\n\n";
+
+    fn stream(parts: &[&str]) -> String {
+        parts.concat()
+    }
+
+    /// Feeds `body` cut into pieces of `step` bytes; returns what the
+    /// client got and the capture.
+    fn feed(body: &str, step: usize, strip: bool, max: usize) -> (String, Capture) {
+        let mut c = Capture::new(Api::Chat, true, strip, max, None);
+        let mut out = Vec::new();
+        for piece in body.as_bytes().chunks(step) {
+            out.extend_from_slice(&c.push(Bytes::copy_from_slice(piece)));
+        }
+        out.extend_from_slice(&c.rest());
+        (String::from_utf8(out).unwrap(), c)
+    }
+
+    #[test]
+    fn a_complete_stream_is_read_whatever_its_framing() {
+        let body = stream(&[
+            &chunk("Hel", None),
+            &chunk("lo", Some("stop")),
+            USAGE,
+            "data: [DONE]\n\n",
+        ]);
+        for step in [1, 3, 7, body.len()] {
+            let (out, mut c) = feed(&body, step, false, 1 << 20);
+            assert_eq!(out, body, "passed on unchanged");
+            assert!(c.complete());
+            let a = c.answer(5).unwrap();
+            assert_eq!(
+                (a.content.as_str(), a.finish_reason.as_str()),
+                ("Hello", "stop")
+            );
+            assert_eq!(
+                (a.prompt_tokens, a.completion_tokens, a.stored_unix_ms),
+                (7, 2, 5)
+            );
+        }
+        let crlf = body.replace("\n\n", "\r\n\r\n");
+        let (out, mut c) = feed(&crlf, 5, false, 1 << 20);
+        assert_eq!(out, crlf);
+        assert_eq!(c.answer(0).unwrap().content, "Hello");
+    }
+
+    #[test]
+    fn the_usage_the_router_asked_for_is_taken_out() {
+        let body = stream(&[&chunk("Hi", Some("stop")), USAGE, "data: [DONE]\n\n"]);
+        let (out, mut c) = feed(&body, 4, true, 1 << 20);
+        assert_eq!(
+            out,
+            stream(&[&chunk("Hi", Some("stop")), "data: [DONE]\n\n"])
+        );
+        assert_eq!(c.answer(0).unwrap().prompt_tokens, 7);
+    }
+
+    #[test]
+    fn only_complete_successful_answers_come_out() {
+        let truncated = stream(&[&chunk("Hel", None), &chunk("lo", Some("stop")), USAGE]);
+        assert_eq!(
+            feed(&truncated, 8, false, 1 << 20).1.answer(0),
+            Err("incomplete")
+        );
+        let no_usage = stream(&[&chunk("Hi", Some("stop")), "data: [DONE]\n\n"]);
+        assert_eq!(
+            feed(&no_usage, 8, false, 1 << 20).1.answer(0),
+            Err("incomplete")
+        );
+        let error = stream(&[
+            &chunk("Hi", None),
+            "data: {\"error\":{\"message\":\"broke\"}}\n\n",
+            USAGE,
+            "data: [DONE]\n\n",
+        ]);
+        assert_eq!(
+            feed(&error, 8, false, 1 << 20).1.answer(0),
+            Err("incomplete")
+        );
+        let two = "data: {\"choices\":[{\"index\":0,\"delta\":{}},{\"index\":1,\"delta\":{}}]}\n\n";
+        let body = stream(&[two, &chunk("Hi", Some("stop")), USAGE, "data: [DONE]\n\n"]);
+        assert_eq!(
+            feed(&body, 8, false, 1 << 20).1.answer(0),
+            Err("incomplete")
+        );
+        let long = stream(&[
+            &chunk(&"x".repeat(300), Some("stop")),
+            USAGE,
+            "data: [DONE]\n\n",
+        ]);
+        let (out, mut c) = feed(&long, 64, false, 200);
+        assert_eq!(out, long, "a large answer is passed on whole");
+        assert_eq!(c.answer(0), Err("too_large"));
+    }
+
+    #[test]
+    fn a_json_answer_is_complete_at_its_declared_length() {
+        let body = br#"{"id":"x","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Hi","tool_calls":[{"id":"t1","type":"function","function":{"name":"f","arguments":"{}"}}]},"logprobs":null,"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+        let mut c = Capture::new(Api::Chat, false, false, 1 << 20, Some(body.len()));
+        assert_eq!(c.push(Bytes::from_static(&body[..10])), &body[..10]);
+        assert!(!c.complete());
+        c.push(Bytes::from_static(&body[10..]));
+        assert!(c.complete());
+        let a = c.answer(0).unwrap();
+        assert_eq!(a.tool_calls[0].name, "f");
+        assert_eq!(a.finish_reason, "tool_calls");
+        let mut big = Capture::new(Api::Chat, false, false, 16, Some(body.len()));
+        big.push(Bytes::from_static(body));
+        assert_eq!(big.answer(0), Err("too_large"));
+    }
 }

@@ -69,9 +69,12 @@ impl Inflight {
         })
     }
 
-    /// Keys being answered.
-    pub fn len(&self) -> usize {
-        self.leaders.lock().unwrap_or_else(|e| e.into_inner()).len()
+    /// Whether no key is being answered.
+    pub fn is_empty(&self) -> bool {
+        self.leaders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 }
 
@@ -137,7 +140,7 @@ mod tests {
         });
         leader.end(Some(answer.clone()));
         assert_eq!(waiting.await.unwrap(), Some(answer));
-        assert_eq!(inflight.len(), 0, "an ended lead leaves the map");
+        assert!(inflight.is_empty(), "an ended lead leaves the map");
 
         // A leader dropped without an answer frees its followers at once.
         let Joined::Lead(leader) = inflight.join([3; 32]) else {

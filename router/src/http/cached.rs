@@ -1,0 +1,275 @@
+//! The response cache at the HTTP front end ([`crate::response_cache`]):
+//! a request is admitted and read, classified and looked up; a hit is
+//! answered here, a miss is decided and forwarded as usual and its answer
+//! stored as it streams back. Every answer carries
+//! `x-kvroute-response-cache: hit | miss | bypass`.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::header::{self, HeaderValue};
+use axum::http::request::Parts;
+use axum::http::{Response, StatusCode};
+use futures_util::stream;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+
+use super::Forwarder;
+use crate::errors::ApiError;
+use crate::request::{Payload, RequestId};
+use crate::response_cache::answer::Answer;
+use crate::response_cache::capture::Capture;
+use crate::response_cache::coalesce::{Joined, Leader};
+use crate::response_cache::key::{self, Api, Cacheable, Classified};
+use crate::response_cache::metrics::ModelResult;
+use crate::response_cache::{RESULT_HEADER, ResponseCache, unix_ms};
+
+/// What the cache did with a request: the header's value.
+pub(super) type Result_ = &'static str;
+
+impl Forwarder {
+    /// Serves a request with the response cache on: its answer and what
+    /// the cache did (`hit`, `miss` or `bypass`).
+    pub(super) async fn cached(
+        self: &Arc<Self>,
+        cache: &Arc<ResponseCache>,
+        parts: &Parts,
+        body: Body,
+        id: &RequestId,
+    ) -> (Result<Response<Body>, ApiError>, Result_) {
+        let (path, headers) = (parts.uri.path(), &parts.headers);
+        let mut admitted = match self.service.admit(path, headers) {
+            Ok(a) => a,
+            Err(e) => return (Err(e), "bypass"),
+        };
+        if let Err(e) = admitted.read(body).await {
+            return (Err(admitted.refuse(e)), "bypass");
+        }
+        let bytes = admitted.received.bytes();
+        let known = self.service.models().await;
+        let roots = |m: &str| known.roots.get(m).into_iter().flatten().cloned().collect();
+        let classified = key::classify(
+            cache.keying(),
+            path,
+            headers,
+            admitted.tenant(),
+            &bytes,
+            roots,
+        );
+        let count = |model: &str, result| {
+            let model = if known.ids.contains(model) {
+                model
+            } else {
+                "unknown"
+            };
+            let labels = ModelResult {
+                model: model.to_owned(),
+                result,
+            };
+            cache.metrics.requests.get_or_create(&labels).inc();
+        };
+        let c = match classified {
+            // A model the endpoints do not serve is the decision's 404.
+            Classified::Cacheable(c)
+                if known.ids.is_empty() || known.ids.contains(&c.key.model) =>
+            {
+                c
+            }
+            Classified::Cacheable(c) => {
+                count(&c.key.model, "bypass");
+                return (
+                    self.routed(parts, Payload::Received(Box::new(admitted)), id)
+                        .await,
+                    "bypass",
+                );
+            }
+            Classified::Bypass(_) => {
+                count("", "bypass");
+                return (
+                    self.routed(parts, Payload::Received(Box::new(admitted)), id)
+                        .await,
+                    "bypass",
+                );
+            }
+        };
+        let label = |m: &str| {
+            if known.ids.contains(m) {
+                m.to_owned()
+            } else {
+                "unknown".into()
+            }
+        };
+        let mut failed = false;
+        let mut lead = None;
+        if c.read {
+            match cache.get(&c.key).await {
+                Ok(Some(answer)) => {
+                    count(&c.key.model, "hit");
+                    admitted.answered(&label(&c.key.model));
+                    return (Ok(self.hit(cache, &c, &answer, id)), "hit");
+                }
+                Ok(None) => {}
+                Err(_) => failed = true,
+            }
+            if cache.config.coalesce_wait_ms > 0 {
+                match cache.inflight.join(c.key.digest) {
+                    Joined::Lead(l) => lead = Some(l),
+                    Joined::Follow(f) => {
+                        let wait = std::time::Duration::from_millis(cache.config.coalesce_wait_ms);
+                        if let Some(answer) = f.answer(wait).await {
+                            count(&c.key.model, "hit");
+                            cache.metrics.coalesced.inc();
+                            admitted.answered(&label(&c.key.model));
+                            return (Ok(self.hit(cache, &c, &answer, id)), "hit");
+                        }
+                    }
+                }
+            }
+        }
+        count(&c.key.model, if failed { "error" } else { "miss" });
+        if let Some(body) = &c.forward
+            && let Err(e) = admitted.received.replace(body.clone())
+        {
+            return (Err(admitted.refuse(e)), "miss");
+        }
+        let response = match self
+            .routed(parts, Payload::Received(Box::new(admitted)), id)
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => return (Err(e), "miss"),
+        };
+        (Ok(record(cache.clone(), c, lead, response)), "miss")
+    }
+
+    /// `answer` rendered as `c` asked for it, named after the request.
+    fn hit(
+        &self,
+        cache: &ResponseCache,
+        c: &Cacheable,
+        answer: &Answer,
+        id: &RequestId,
+    ) -> Response<Body> {
+        let prefix = match c.form.api {
+            Api::Chat => "chatcmpl",
+            Api::Completion => "cmpl",
+        };
+        let id = format!("{prefix}-{}", id.header().to_str().unwrap_or_default());
+        let now = unix_ms();
+        let body = answer.render(c.form, &id, now / 1000);
+        let content_type = if c.form.stream {
+            "text/event-stream"
+        } else {
+            "application/json"
+        };
+        let mut response = Response::new(Body::from(body));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+        if cache.config.age_header {
+            let age = now.saturating_sub(answer.stored_unix_ms) / 1000;
+            headers.insert(header::AGE, HeaderValue::from(age));
+        }
+        response
+    }
+}
+
+/// Sets the header saying what the cache did.
+pub(super) fn mark(response: &mut Response<Body>, result: Result_) {
+    (response.headers_mut()).insert(RESULT_HEADER, HeaderValue::from_static(result));
+}
+
+/// `response` passed on as it streams, its answer read and stored when it
+/// is complete: before its last byte is passed on. `lead`'s followers get
+/// the answer, or go on alone when there is none.
+fn record(
+    cache: Arc<ResponseCache>,
+    c: Cacheable,
+    lead: Option<Leader>,
+    response: Response<Body>,
+) -> Response<Body> {
+    if response.status() != StatusCode::OK {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let sse = (parts.headers.get(header::CONTENT_TYPE))
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let length =
+        (parts.headers.get(header::CONTENT_LENGTH)).and_then(|v| v.to_str().ok()?.parse().ok());
+    let strip = c.forward.is_some();
+    if strip {
+        parts.headers.remove(header::CONTENT_LENGTH);
+    }
+    let max = cache.config.max_entry_bytes;
+    let capture = Capture::new(c.form.api, sse, strip, max, length);
+    let state = Recording {
+        cache,
+        key: Some(c.key),
+        lead,
+        capture,
+    };
+    let frames = stream::unfold(Some((body, state)), |s| async move {
+        let (mut body, mut r) = s?;
+        loop {
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            let out = r.capture.push(data);
+                            if r.capture.complete() {
+                                r.store();
+                            }
+                            if out.is_empty() {
+                                continue;
+                            }
+                            Frame::data(out)
+                        }
+                        Err(frame) => frame,
+                    };
+                    return Some((Ok(frame), Some((body, r))));
+                }
+                Some(Err(e)) => return Some((Err(std::io::Error::other(e)), None)),
+                None => {
+                    r.store();
+                    let rest = r.capture.rest();
+                    return (!rest.is_empty()).then(|| (Ok(Frame::data(rest)), None));
+                }
+            }
+        }
+    });
+    Response::from_parts(parts, Body::new(StreamBody::new(frames)))
+}
+
+/// A miss's answer being read.
+struct Recording {
+    cache: Arc<ResponseCache>,
+    /// Until stored.
+    key: Option<key::Key>,
+    lead: Option<Leader>,
+    capture: Capture,
+}
+
+impl Recording {
+    /// Stores the answer if it is complete and storable (once), and ends
+    /// the lead with it.
+    fn store(&mut self) {
+        let Some(key) = self.key.take() else {
+            return;
+        };
+        let answer = match self.capture.answer(unix_ms()) {
+            Ok(a) => {
+                let a = Arc::new(a);
+                self.cache.put(key, a.clone());
+                Some(a)
+            }
+            Err(reason) => {
+                let reason = crate::metrics::Why { reason };
+                self.cache.metrics.stores.get_or_create(&reason).inc();
+                None
+            }
+        };
+        if let Some(lead) = self.lead.take() {
+            lead.end(answer);
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! The request sent to an engine: the client's, addressed to the target,
+//! with the router's headers (request id, admission bound, trace context)
+//! and without the private ones.
+
+use axum::http::header::{self, HeaderName, HeaderValue};
+use axum::http::request::Parts;
+use axum::http::{Request, Uri};
+use bytes::Bytes;
+use http_body_util::Full;
+use kvroute_core::admission::ADMIT_WITHIN_HEADER;
+
+use super::headers::copy_headers;
+use crate::errors::ApiError;
+use crate::pool::Fault;
+use crate::request::RequestId;
+use crate::request::recent::REQUEST_ID;
+
+/// The request to send to `target`.
+pub(super) fn request(
+    parts: &Parts,
+    bytes: &Bytes,
+    target: &crate::pool::Target,
+    id: &RequestId,
+    admit_within_ms: Option<u64>,
+    private_headers: &[HeaderName],
+) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let uri: Uri = format!("http://{}{path}", target.http)
+        .parse()
+        .map_err(|e| (ApiError::Upstream(format!("bad upstream URI: {e}")), None))?;
+    let mut request = Request::builder()
+        .method(parts.method.clone())
+        .uri(uri)
+        .body(Full::new(bytes.clone()))
+        .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
+    let headers = request.headers_mut();
+    copy_headers(&parts.headers, headers, private_headers);
+    headers.remove(header::HOST);
+    headers.insert(REQUEST_ID, id.header().clone());
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+    if let Some(ms) = admit_within_ms {
+        headers.insert(ADMIT_WITHIN_HEADER, HeaderValue::from(ms));
+    }
+    // With tracing on, the engine's parent is this router's span; else
+    // the client's traceparent passes through as copied.
+    crate::telemetry::inject(headers);
+    Ok(request)
+}
