@@ -370,3 +370,50 @@ fn the_routing_spec_is_the_cores_by_default_and_read_in_one_place() {
     assert_eq!(spec.tenancy, TenancyMode::Salted);
     assert!(spec.key.scope_by_tenant, "salted tenancy scopes keys");
 }
+
+#[test]
+fn the_response_cache_is_off_unless_configured_and_checked_when_it_is() {
+    assert_eq!(Config::default().response_cache, None);
+    let c: Config = serde_yaml::from_str("responseCache: {backend: embedded}").unwrap();
+    assert_eq!(c.response_cache, Some(ResponseCache::default()));
+    c.validate().unwrap();
+    let c: Config = serde_yaml::from_str("responseCache: {}").unwrap();
+    assert_eq!(
+        c.response_cache,
+        Some(ResponseCache::default()),
+        "embedded by default"
+    );
+    let redis = "responseCache: {backend: redis, url: 'rediss://cache.example:6380'}";
+    assert_eq!(error_of(redis), "valid");
+    for (yaml, error) in [
+        (
+            "responseCache: {backend: redis}",
+            "responseCache.url: is required",
+        ),
+        (
+            "responseCache: {backend: redis, url: 'http://x:6379'}",
+            "responseCache.url: must be redis://host:port or rediss://host:port (got http://x:6379)",
+        ),
+        (
+            "responseCache: {url: 'redis://x:6379'}",
+            "responseCache.url: is only for backend: redis",
+        ),
+        ("responseCache: {ttlS: 0}", "responseCache.ttlS: must be 1"),
+        (
+            "responseCache: {timeoutMs: 0}",
+            "responseCache.timeoutMs: must be 1",
+        ),
+        (
+            "responseCache: {maxBytes: 1000, maxEntryBytes: 2000}",
+            "responseCache.maxEntryBytes: must be at least 1 and at most maxBytes",
+        ),
+        (
+            "responseCache: {backend: memcached}",
+            "responseCache.backend: unknown variant",
+        ),
+        ("responseCache: {ttl: 5}", "unknown field `ttl`"),
+    ] {
+        let got = error_of(yaml);
+        assert!(got.contains(error), "{yaml}: {got}");
+    }
+}

@@ -222,3 +222,80 @@ fn split(text: &str) -> Vec<&str> {
     }
     pieces
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::response_cache::capture::Capture;
+
+    fn answer() -> Answer {
+        Answer {
+            model: "m".into(),
+            content: "é".repeat(300),
+            reasoning: Some("because".into()),
+            tool_calls: vec![ToolCall {
+                id: "call-1".into(),
+                name: "lookup".into(),
+                arguments: r#"{"q":"kv"}"#.into(),
+            }],
+            finish_reason: "tool_calls".into(),
+            prompt_tokens: 12,
+            completion_tokens: 5,
+            system_fingerprint: Some("fp".into()),
+            stored_unix_ms: 0,
+        }
+    }
+
+    /// Rendered in any form, an answer reads back as itself: what a hit
+    /// sends is what a live answer would have stored.
+    #[test]
+    fn a_rendered_answer_reads_back_the_same_in_every_form() {
+        for api in [Api::Chat, Api::Completion] {
+            let mut a = answer();
+            if api == Api::Completion {
+                (a.reasoning, a.tool_calls) = (None, Vec::new());
+            }
+            for stream in [false, true] {
+                let form = Form {
+                    api,
+                    stream,
+                    include_usage: true,
+                };
+                let body = a.render(form, "id-1", 1);
+                let mut c = Capture::new(api, stream, false, 1 << 20, Some(body.len()));
+                c.push(Bytes::from(body));
+                assert!(c.complete(), "{api:?} stream={stream}");
+                assert_eq!(c.answer(0), Ok(a.clone()), "{api:?} stream={stream}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_streamed_hit_sends_usage_only_when_asked_and_every_prompt_token_cached() {
+        let form = Form {
+            api: Api::Chat,
+            stream: true,
+            include_usage: false,
+        };
+        let text = String::from_utf8(answer().render(form, "x", 1)).unwrap();
+        assert!(!text.contains("\"usage\""));
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        let json = answer().render(
+            Form {
+                stream: false,
+                ..form
+            },
+            "x",
+            1,
+        );
+        let v: Value = serde_json::from_slice(&json).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 12);
+        assert_eq!(v["usage"]["total_tokens"], 17);
+        assert_eq!(
+            v["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+            "lookup"
+        );
+    }
+}

@@ -209,3 +209,44 @@ pub fn unix_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::http::HeaderMap;
+    use proptest::prelude::*;
+
+    use super::key::{Classified, classify};
+    use super::*;
+
+    proptest! {
+        /// Whatever tenants send, in any order, each gets only answers
+        /// stored for its own requests: never another tenant's.
+        #[test]
+        fn no_tenant_is_served_another_tenants_answer(
+            asks in proptest::collection::vec(
+                (proptest::option::of(0..4u8), 0..6u8, proptest::option::of("[a-z]{0,3}")),
+                1..40,
+            ),
+        ) {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let tenancy = Tenancy::load(&crate::config::Tenancy::default()).unwrap();
+            let cache = ResponseCache::new(&Config::default(), &tenancy, Arc::default()).unwrap();
+            for (tenant, body, key_header) in asks {
+                let tenant = tenant.map(|t| format!("tenant-{t}"));
+                let mut headers = HeaderMap::new();
+                if let Some(k) = key_header {
+                    headers.insert("authorization", format!("Bearer {k}").parse().unwrap());
+                }
+                let body = format!(r#"{{"model":"m","temperature":0,"prompt":"q{body}"}}"#);
+                let Classified::Cacheable(c) = classify(cache.keying(), "/v1/completions", &headers, tenant.as_deref(), body.as_bytes(), |_| Vec::new()) else {
+                    panic!("cacheable")
+                };
+                let owner = format!("{tenant:?} {body}");
+                match runtime.block_on(cache.get(&c.key)).unwrap() {
+                    Some(found) => prop_assert_eq!(&found.content, &owner),
+                    None => cache.put(c.key, Arc::new(Answer { content: owner, ..Answer::default() })),
+                }
+            }
+        }
+    }
+}
