@@ -93,7 +93,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 11] = [
+pub const NAMES: [&str; 12] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -105,6 +105,7 @@ pub const NAMES: [&str; 11] = [
     "tenants",
     "contract_mismatch",
     "missed_causes",
+    "response_cache",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -121,6 +122,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "tenants" => tenants(ctx, s).await,
         "contract_mismatch" => contract_mismatch(ctx, s).await,
         "missed_causes" => super::missed_causes::run(ctx, s).await,
+        "response_cache" => super::response_cache::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }

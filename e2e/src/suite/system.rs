@@ -113,6 +113,10 @@ pub struct Setup {
     pub watch_engines: bool,
     /// The policy's `slowStartSeconds`; `None` leaves the default (30).
     pub slow_start_seconds: Option<u32>,
+    /// YAML appended to every router's configuration file: top-level
+    /// sections the setup has no field for, e.g. `responseCache`.
+    /// Default: empty.
+    pub router_yaml: String,
 }
 
 impl Setup {
@@ -130,6 +134,7 @@ impl Setup {
             load_interval_ms: 100,
             watch_engines: false,
             slow_start_seconds: None,
+            router_yaml: String::new(),
         }
     }
 }
@@ -385,6 +390,7 @@ impl System {
                     secret.display()
                 );
             }
+            yaml += &setup.router_yaml;
             std::fs::write(&config, yaml).context("writing a router's configuration")?;
             system.routers.push(Router {
                 name,
