@@ -20,6 +20,7 @@ mod open_files;
 mod prefixes;
 mod proxy;
 mod reliability;
+mod response_cache_redis;
 mod startup;
 mod support;
 mod tls;
