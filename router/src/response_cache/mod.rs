@@ -16,6 +16,7 @@
 //! Not here: the HTTP glue ([`crate::http`]).
 
 pub mod answer;
+mod breaker;
 pub mod capture;
 pub mod coalesce;
 pub mod embedded;

@@ -21,6 +21,7 @@ mod prefixes;
 mod proxy;
 mod reliability;
 mod response_cache;
+mod response_cache_redis;
 mod startup;
 mod support;
 mod tls;

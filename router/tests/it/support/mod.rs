@@ -4,6 +4,7 @@
 
 pub mod child;
 pub mod fake_cache;
+pub mod redis_server;
 
 use std::path::PathBuf;
 
