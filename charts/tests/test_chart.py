@@ -462,6 +462,15 @@ def check_response_cache(bins):
     check("responseCache: the router accepts the Redis section, its Secrets' files stood in for",
           router_accepts(bins, yaml.safe_dump(configs["kv-kvroute-p"]), secret_mounts(deployments["kv-kvroute-p"])))
 
+    configs, deployments = rendered({"router": {"responseCache": cache},
+                                     "pools": [{"name": "p", "responseCache": {"backend": "embedded"}}]})
+    section = configs["kv-kvroute-p"].get("responseCache", {})
+    check("responseCache: a pool back on the embedded store drops the Redis url and password, keeps the key",
+          section.get("backend") == "embedded" and "url" not in section and "passwordFile" not in section
+          and "secretFile" in section, section)
+    check("responseCache: the router accepts that pool's section",
+          router_accepts(bins, yaml.safe_dump(configs["kv-kvroute-p"]), secret_mounts(deployments["kv-kvroute-p"])))
+
 
 def check_service_monitors(monitors, name):
     """Validates with the prometheus-operator models' validators (generated
