@@ -16,6 +16,8 @@
 - checks that bad values fail rendering with the field's name;
 - starts the router binary on every rendered router config: it must accept
   it (the router refuses unknown or bad fields at start, naming them);
+- checks that router.responseCache reaches the routers' configs, with the
+  Secrets it names mounted where its files point;
 - lints the Dockerfile (hadolint) and asserts its rules.
 """
 
@@ -214,10 +216,11 @@ def main():
                   "listen" not in configs["kv-kvroute-p"] and "extProc" in configs["kv-kvroute-p"]
                   and not any(d["kind"] == "Pod" for d in docs), configs)
 
-        # Router configs: the router binary accepts each, with the mounted
-        # secrets' files stood in for.
-        mounts = [m["mountPath"] for m in values.get("router", {}).get("secretMounts", [])]
+        # Router configs: the router binary accepts each, with the files of
+        # the Secrets its Deployment mounts stood in for.
+        deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
         for cm in (d for d in docs if d["kind"] == "ConfigMap" and "router.yaml" in d["data"]):
+            mounts = secret_mounts(deployments[cm["metadata"]["name"]])
             check(f"router accepts ConfigMap/{cm['metadata']['name']} ({name})",
                   router_accepts(bins, cm["data"]["router.yaml"], mounts))
 
@@ -257,6 +260,14 @@ def main():
                                                      "pools": [{"name": "p"}]}, "deployment"),
         "an engine pressure target over 1": ({"pools": [{"name": "p", "engineAutoscaling": {"target": "1.5"}}]},
                                              "target"),
+        "a router config setting responseCache": ({"router": {"config": {"responseCache": {}}}}, "responseCache"),
+        "a misspelt response cache field": ({"router": {"responseCache": {"ttlSeconds": 60}}}, "ttlSeconds"),
+        "an unknown response cache backend": ({"pools": [{"name": "p", "responseCache": {"backend": "memcached"}}]},
+                                              "backend"),
+        "a response cache passwordFile (the chart's)": ({"router": {"responseCache": {"passwordFile": "/x"}}},
+                                                        "passwordFile"),
+        "a response cache Secret without its key": ({"router": {"responseCache": {"passwordSecret": {"name": "r"}}}},
+                                                    "'key'"),
     }
     for what, (values, field) in bad.items():
         try:
@@ -267,6 +278,7 @@ def main():
 
     check_picker_network_policy()
     check_engine_autoscaling()
+    check_response_cache(bins)
     check_dashboard()
     check_dockerfile()
     if failures:
@@ -300,6 +312,14 @@ def check_example(path, crds):
                 check(f"{what} valid for Kubernetes {version}", True)
             except Exception as e:  # noqa: BLE001 - report any validator failure
                 check(f"{what} valid for Kubernetes {version}", False, str(e)[:400])
+
+
+def secret_mounts(deployment):
+    """Where a Deployment's containers mount Secrets (secret or projected
+    volumes)."""
+    spec = deployment["spec"]["template"]["spec"]
+    secrets = {v["name"] for v in spec.get("volumes", []) if "secret" in v or "projected" in v}
+    return [m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", []) if m["name"] in secrets]
 
 
 def router_accepts(bins, config, mounts):
@@ -389,6 +409,67 @@ def check_engine_autoscaling():
           and metric["target"] == {"type": "Value", "value": "0.2"}, metric)
     check("engineAutoscaling: scale-down slowed by default",
           hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 1800, hpa["spec"].get("behavior"))
+
+
+def check_response_cache(bins):
+    """router.responseCache, with a pool's over it, is the routers'
+    responseCache (absent: off); the Secrets it names are mounted, read-only,
+    where passwordFile and secretFile point, and the router accepts the
+    result."""
+    def rendered(values):
+        docs = render(values)
+        configs = {d["metadata"]["name"]: yaml.safe_load(d["data"]["router.yaml"])
+                   for d in docs if d["kind"] == "ConfigMap" and "router.yaml" in d["data"]}
+        deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+        return configs, deployments
+
+    configs, _ = rendered({"pools": [{"name": "p"}]})
+    check("responseCache: off by default", "responseCache" not in configs["kv-kvroute-p"], configs)
+
+    configs, deployments = rendered({"router": {"responseCache": {"backend": "embedded"}},
+                                     "pools": [{"name": "p"}, {"name": "q", "responseCache": {"ttlS": 60}}]})
+    check("responseCache: router.responseCache for every pool, a pool's merged over it",
+          configs["kv-kvroute-p"].get("responseCache") == {"backend": "embedded"}
+          and configs["kv-kvroute-q"].get("responseCache") == {"backend": "embedded", "ttlS": 60}, configs)
+    check("responseCache: embedded mounts no Secret",
+          not any(secret_mounts(d) for d in deployments.values()), deployments)
+
+    configs, _ = rendered({"pools": [{"name": "p", "responseCache": {}}, {"name": "q"}]})
+    check("responseCache: a pool's alone turns it on for that pool only",
+          configs["kv-kvroute-p"].get("responseCache") == {} and "responseCache" not in configs["kv-kvroute-q"],
+          configs)
+
+    cache = {"backend": "redis", "url": "redis://redis-master.cache:6379",
+             "passwordSecret": {"name": "redis", "key": "redis-password"},
+             "keySecret": {"name": "kvroute-response-cache", "key": "key"}}
+    configs, deployments = rendered({"router": {"responseCache": cache}, "pools": [{"name": "p"}]})
+    section = configs["kv-kvroute-p"].get("responseCache", {})
+    spec = deployments["kv-kvroute-p"]["spec"]["template"]["spec"]
+    # Where each mounted Secret key appears in the container: path -> (secret, key).
+    files = {}
+    for mount in spec["containers"][0]["volumeMounts"]:
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        if not mount.get("readOnly"):
+            continue
+        for source in volume.get("projected", {}).get("sources", []):
+            for item in source.get("secret", {}).get("items", []):
+                files[f"{mount['mountPath']}/{item['path']}"] = (source["secret"]["name"], item["key"])
+    check("responseCache: the Redis password and key Secrets mounted read-only where passwordFile and secretFile point",
+          files.get(section.get("passwordFile")) == ("redis", "redis-password")
+          and files.get(section.get("secretFile")) == ("kvroute-response-cache", "key")
+          and "passwordSecret" not in section and "keySecret" not in section
+          and section.get("url") == cache["url"], (section, files))
+    check("responseCache: the router accepts the Redis section, its Secrets' files stood in for",
+          router_accepts(bins, yaml.safe_dump(configs["kv-kvroute-p"]), secret_mounts(deployments["kv-kvroute-p"])))
+
+    configs, deployments = rendered({"router": {"responseCache": cache},
+                                     "pools": [{"name": "p", "responseCache": {"backend": "embedded"}}]})
+    section = configs["kv-kvroute-p"].get("responseCache", {})
+    check("responseCache: a pool back on the embedded store drops the Redis url and password, keeps the key",
+          section.get("backend") == "embedded" and "url" not in section and "passwordFile" not in section
+          and "secretFile" in section, section)
+    check("responseCache: the router accepts that pool's section",
+          router_accepts(bins, yaml.safe_dump(configs["kv-kvroute-p"]), secret_mounts(deployments["kv-kvroute-p"])))
 
 
 def check_service_monitors(monitors, name):

@@ -4,8 +4,14 @@ binaries. Run by .ci/run after the Rust tests built them:
 
     python3 e2e/openai/test_openai_sdk.py target/debug
 
+The router it starts has the exact response cache on (`responseCache:
+{backend: embedded}`), and the `check_response_cache_*` checks read cached
+answers through the SDK, streamed and not.
+
 With `--router URL` it starts nothing and runs the same checks against the
-router at URL (the system suite, `kvroute-e2e report`, does so).
+router at URL (the system suite, `kvroute-e2e report`, does so); the cache
+checks are skipped, with a line saying so, when that router's answers carry
+no `x-kvroute-response-cache` header (its cache is off).
 
 Prints one line per check and a closing `N passed, N failed` line; exits
 non-zero on any failure.
@@ -17,11 +23,16 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 
 import openai
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release"
 PROCS = []
+CACHE_HEADER = "x-kvroute-response-cache"
+# Whether the router is known to have the response cache on (the one this
+# script starts); against another router, a missing header skips.
+CACHE_REQUIRED = False
 
 
 def start(cmd):
@@ -51,8 +62,11 @@ def setup(tmp):
         f.write("endpoints:\n")
         for i, (http, cache_port) in enumerate(sims):
             f.write(f"  - {{name: sim-{i}, address: {http}, cachePort: {cache_port}}}\n")
-    line = start([f"{BIN}/kvroute-router", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-                  "--endpoints", endpoints])
+    config = os.path.join(tmp, "router.yaml")
+    with open(config, "w") as f:
+        f.write("responseCache: {backend: embedded}\n")
+    line = start([f"{BIN}/kvroute-router", "--config", config, "--listen", "127.0.0.1:0",
+                  "--admin-listen", "127.0.0.1:0", "--endpoints", endpoints])
     router = http_addr(line)
     client = openai.OpenAI(base_url=f"http://{router}/v1", api_key="unused", max_retries=0)
     deadline = time.time() + 15
@@ -132,13 +146,139 @@ def check_errors(client):
         raise AssertionError("empty messages must be a 400")
 
 
+class Skipped(Exception):
+    """A check that cannot run against this router."""
+
+
+def cache_result(raw):
+    """The response cache's verdict on a raw response; skips when the
+    router sends none (its cache is off) unless the cache must be on."""
+    result = raw.headers.get(CACHE_HEADER)
+    if result is None:
+        if CACHE_REQUIRED:
+            raise AssertionError(f"no {CACHE_HEADER} header: the response cache is off")
+        raise Skipped(f"the router's answers carry no {CACHE_HEADER} header: its response cache is off")
+    return result
+
+
+def read_stream(raw, chat):
+    """A streamed response's text, its finish reason, its usage (None when
+    it sent none), its chunks' ids and whether a chunk named the role."""
+    text, finish, usage, ids, role = "", None, None, set(), False
+    for chunk in raw.parse():
+        ids.add(chunk.id)
+        if chunk.usage:
+            assert usage is None, "two usage chunks"
+            usage = chunk.usage
+        for choice in chunk.choices:
+            assert finish is None, f"a chunk after the finish reason: {chunk}"
+            if chat:
+                text += choice.delta.content or ""
+                role = role or choice.delta.role == "assistant"
+            else:
+                text += choice.text or ""
+            finish = choice.finish_reason
+    return text, finish, usage, ids, role
+
+
+def assert_hit_usage(usage, first):
+    """A hit's usage: the stored answer's counts, every prompt token
+    cached."""
+    assert usage.prompt_tokens == first.prompt_tokens, (usage, first)
+    assert usage.completion_tokens == first.completion_tokens, (usage, first)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, usage
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens, usage
+
+
+def check_response_cache_chat(client):
+    # A question no earlier run asked, so the first answer is the engine's.
+    nonce = uuid.uuid4().hex
+    ask = dict(model="kvroute-sim", temperature=0, max_tokens=6,
+               messages=[{"role": "system", "content": "Answer briefly."},
+                         {"role": "user", "content": f"What does {nonce} mean?"}])
+    first_raw = client.chat.completions.with_raw_response.create(**ask)
+    first = first_raw.parse()
+    again_raw = client.chat.completions.with_raw_response.create(**ask)
+    assert cache_result(again_raw) == "hit", again_raw.headers
+    assert cache_result(first_raw) == "miss", first_raw.headers
+    again = again_raw.parse()
+    assert again.object == "chat.completion"
+    assert again.choices[0].message.role == "assistant"
+    assert again.choices[0].message.content, again
+    assert again.choices[0].message.content == first.choices[0].message.content, (again, first)
+    assert again.choices[0].finish_reason == first.choices[0].finish_reason, (again, first)
+    assert again.model == first.model
+    assert again.id != first.id and again.id.startswith("chatcmpl-"), (again.id, first.id)
+    assert again.created >= first.created
+    assert again_raw.headers.get("age", "").isdigit(), again_raw.headers
+    assert_hit_usage(again.usage, first.usage)
+
+    for include_usage in [False, True]:
+        extra = {"stream_options": {"include_usage": True}} if include_usage else {}
+        raw = client.chat.completions.with_raw_response.create(**ask, stream=True, **extra)
+        assert cache_result(raw) == "hit", raw.headers
+        assert raw.headers["content-type"].startswith("text/event-stream"), raw.headers
+        text, finish, usage, ids, role = read_stream(raw, chat=True)
+        assert role, "no chunk named the assistant's role"
+        assert text == first.choices[0].message.content, (text, first)
+        assert finish == first.choices[0].finish_reason, (finish, first)
+        assert len(ids) == 1 and first.id not in ids and again.id not in ids, ids
+        if include_usage:
+            assert usage is not None, "include_usage asked for a usage chunk"
+            assert_hit_usage(usage, first.usage)
+        else:
+            assert usage is None, f"usage not asked for: {usage}"
+
+
+def check_response_cache_completions(client):
+    nonce = uuid.uuid4().hex
+    ask = dict(model="kvroute-sim", temperature=0, max_tokens=5, prompt=f"The word {nonce} means")
+    # Streamed first, without usage: the router asks the engine for it (to
+    # store the answer whole) and keeps it from the client.
+    raw = client.completions.with_raw_response.create(**ask, stream=True)
+    result = cache_result(raw)
+    text, finish, usage, _, _ = read_stream(raw, chat=False)
+    assert result == "miss", raw.headers
+    assert text and finish, (text, finish)
+    assert usage is None, f"usage not asked for: {usage}"
+
+    again_raw = client.completions.with_raw_response.create(**ask)
+    assert cache_result(again_raw) == "hit", again_raw.headers
+    again = again_raw.parse()
+    assert again.object == "text_completion"
+    assert again.choices[0].text == text, (again, text)
+    assert again.choices[0].finish_reason == finish, (again, finish)
+    assert again.id.startswith("cmpl-"), again.id
+    assert again.usage.completion_tokens == 5, again.usage
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens, again.usage
+
+    seen = {again.id}
+    for include_usage in [False, True]:
+        extra = {"stream_options": {"include_usage": True}} if include_usage else {}
+        raw = client.completions.with_raw_response.create(**ask, stream=True, **extra)
+        assert cache_result(raw) == "hit", raw.headers
+        hit_text, hit_finish, usage, ids, _ = read_stream(raw, chat=False)
+        assert hit_text == text, (hit_text, text)
+        assert hit_finish == finish, (hit_finish, finish)
+        assert len(ids) == 1 and not ids & seen, (ids, seen)
+        seen |= ids
+        if include_usage:
+            assert usage is not None, "include_usage asked for a usage chunk"
+            assert_hit_usage(usage, again.usage)
+        else:
+            assert usage is None, f"usage not asked for: {usage}"
+
+
 def run_checks(client):
     passed = failed = 0
-    for check in [check_models, check_chat, check_chat_stream_with_usage_and_cache, check_completions, check_errors]:
+    for check in [check_models, check_chat, check_chat_stream_with_usage_and_cache, check_completions, check_errors,
+                  check_response_cache_chat, check_response_cache_completions]:
         try:
             check(client)
             print(f"ok   {check.__name__}")
             passed += 1
+        except Skipped as e:
+            print(f"skip {check.__name__}: {e}")
         except Exception:
             print(f"FAIL {check.__name__}")
             traceback.print_exc()
@@ -152,6 +292,8 @@ def main():
         passed, failed = run_checks(client)
         print(f"openai-e2e: {passed} passed, {failed} failed")
         sys.exit(1 if failed or not passed else 0)
+    global CACHE_REQUIRED
+    CACHE_REQUIRED = True
     passed = failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         try:

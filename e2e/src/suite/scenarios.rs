@@ -393,7 +393,8 @@ async fn inference_perf(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
 
 /// The `openai` Python SDK's checks (`e2e/openai/test_openai_sdk.py
 /// --router`: models, chat, streaming with usage and cached tokens,
-/// completions, errors) against each router, when Python has the SDK.
+/// completions, errors, and cached answers when the router's response
+/// cache is on) against each router, when Python has the SDK.
 async fn openai_sdk(ctx: &Ctx, system: &System, s: &mut Scenario) -> anyhow::Result<()> {
     let has_sdk = std::process::Command::new("python3")
         .args(["-c", "import openai"])

@@ -165,6 +165,10 @@ impl Forwarder {
         let mut response = Response::new(Body::from(body));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+        if c.form.stream {
+            // As an engine's stream says: intermediaries must not keep it.
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        }
         if cache.config.age_header {
             let age = now.saturating_sub(answer.stored_unix_ms) / 1000;
             headers.insert(header::AGE, HeaderValue::from(age));

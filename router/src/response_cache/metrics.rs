@@ -28,7 +28,7 @@ pub struct CacheMetrics {
     pub evictions: Family<Why, Counter>,
     /// `kvroute_response_cache_coalesced_total`.
     pub coalesced: Counter,
-    /// `kvroute_response_cache_stores_total{result}`.
+    /// `kvroute_response_cache_stores_total{reason}`.
     pub stores: Family<Why, Counter>,
     /// `kvroute_response_cache_store_errors_total{reason}`.
     pub store_errors: Family<Why, Counter>,
@@ -63,7 +63,7 @@ impl CacheMetrics {
         );
         r.register(
             "kvroute_response_cache_stores",
-            "Answers offered to the store, by result: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), error (the store failed)",
+            "Answers offered to the store, by reason: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), error (the store failed)",
             self.stores.clone(),
         );
         r.register(
