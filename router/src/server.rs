@@ -251,6 +251,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     );
     let mut service = Service::new(pool.clone(), metrics.clone(), tenancy, &config);
     if let Some(cache) = response_cache {
+        cache.start();
         service = service.with_response_cache(cache);
     }
     let service = Arc::new(service);

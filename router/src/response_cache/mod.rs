@@ -131,6 +131,14 @@ impl ResponseCache {
         })
     }
 
+    /// Starts what the store needs before the first request: a Redis
+    /// connection (see [`redis::RedisStore::connect_soon`]).
+    pub fn start(&self) {
+        if let Store::Redis(r) = &self.store {
+            r.connect_soon();
+        }
+    }
+
     /// What the key is computed with.
     pub fn keying(&self) -> &Keying {
         &self.keying

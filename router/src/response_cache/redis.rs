@@ -271,6 +271,19 @@ impl RedisStore {
         }
     }
 
+    /// Starts connecting in the background (at the router's start), so the
+    /// first requests find the connection made rather than fail while it
+    /// is being made. A failure here is not held against the breaker: the
+    /// first operation connects again.
+    pub fn connect_soon(&self) {
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            if let Err(Failure::Redis(e)) = shared.connection().await {
+                tracing::warn!(error = %e, "the response cache cannot reach Redis yet: requests go on uncached until it can");
+            }
+        });
+    }
+
     /// Runs `op` on the connection, asking the breaker first and telling
     /// it the outcome, within `timeoutMs` in all.
     async fn guarded<T, F, Fut>(&self, op: F) -> Result<T, StoreError>
