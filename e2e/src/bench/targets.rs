@@ -2,7 +2,8 @@
 //! as its own process tree so its CPU time and memory can be read from
 //! `/proc`: nginx with fixed responses as the engines, nginx as a
 //! round-robin reverse proxy, a bare hyper proxy (the HTTP stack's floor),
-//! SGLang's gateway (`smg`), and `kvroute-router` in three modes.
+//! SGLang's gateway (`smg`), and `kvroute-router` in three modes and with
+//! its response cache.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -41,11 +42,16 @@ pub enum Target {
     /// kvroute-router, the default policy, exact mode (WatchCache streams
     /// from engine sims, one per upstream).
     KvrouteExact,
+    /// kvroute-router, `round-robin` policy, with `responseCache: {backend:
+    /// embedded}`, sent temperature-0 bodies ([`Target::greedy`]): every
+    /// request after the first of its body is answered from the cache.
+    /// Its engines are the upstream's storable ports.
+    KvrouteResponseCache,
 }
 
 impl Target {
     /// Every target, in report order.
-    pub const ALL: [Target; 8] = [
+    pub const ALL: [Target; 9] = [
         Target::Direct,
         Target::Nginx,
         Target::Hyper,
@@ -54,6 +60,7 @@ impl Target {
         Target::KvrouteRoundRobin,
         Target::KvrouteApprox,
         Target::KvrouteExact,
+        Target::KvrouteResponseCache,
     ];
 
     /// Its name in flags and reports.
@@ -67,7 +74,14 @@ impl Target {
             Target::KvrouteRoundRobin => "kvroute-round-robin",
             Target::KvrouteApprox => "kvroute-approx",
             Target::KvrouteExact => "kvroute-exact",
+            Target::KvrouteResponseCache => "kvroute-response-cache",
         }
+    }
+
+    /// Whether its bodies ask for `temperature: 0`: deterministic answers,
+    /// the ones the response cache keeps.
+    pub fn greedy(self) -> bool {
+        self == Target::KvrouteResponseCache
     }
 
     fn smg_policy(self) -> Option<&'static str> {
@@ -86,6 +100,11 @@ pub struct Bed {
     dir: PathBuf,
     logs: PathBuf,
     upstream: Vec<u16>,
+    /// The same upstream on other ports, its streams storable by the
+    /// response cache (see [`upstream_conf`]); only
+    /// [`Target::KvrouteResponseCache`] uses them, so the other targets'
+    /// streams stay as they were measured.
+    storable: Vec<u16>,
     /// WatchCache ports of the sims, one per upstream port.
     sim_cache: Vec<u16>,
     /// `smg`, or why it cannot be run.
@@ -119,10 +138,11 @@ impl Bed {
         // Absolute: nginx resolves relative paths against its prefix.
         let dir = &dir.canonicalize()?;
         let logs = logs.canonicalize()?;
-        let mut ports = free_ports(ENGINES * 3)?;
+        let mut ports = free_ports(ENGINES * 4)?;
         let upstream: Vec<u16> = ports.by_ref().take(ENGINES).collect();
+        let storable: Vec<u16> = ports.by_ref().take(ENGINES).collect();
         let conf = logs.join("upstream.conf");
-        std::fs::write(&conf, upstream_conf(&logs, &upstream))?;
+        std::fs::write(&conf, upstream_conf(&logs, &upstream, &storable))?;
         let mut procs = vec![nginx(&logs, "upstream", &conf)?];
         let mut sim_cache = Vec::new();
         if sims {
@@ -152,12 +172,15 @@ impl Bed {
             dir: dir.to_owned(),
             logs,
             upstream,
+            storable,
             sim_cache,
             smg,
             _procs: procs,
         };
-        let url = format!("http://127.0.0.1:{}/v1/models", bed.upstream[0]);
-        wait_ok(&url, None, "the fixed upstream (nginx)")?;
+        for port in [bed.upstream[0], bed.storable[0]] {
+            let url = format!("http://127.0.0.1:{port}/v1/models");
+            wait_ok(&url, None, "the fixed upstream (nginx)")?;
+        }
         Ok(bed)
     }
 
@@ -217,7 +240,10 @@ impl Bed {
                 procs.push(smg.graceful());
                 port
             }
-            Target::KvrouteRoundRobin | Target::KvrouteApprox | Target::KvrouteExact => {
+            Target::KvrouteRoundRobin
+            | Target::KvrouteApprox
+            | Target::KvrouteExact
+            | Target::KvrouteResponseCache => {
                 let config = self.logs.join(format!("{name}.yaml"));
                 std::fs::write(&config, self.router_config(target, port, admin))?;
                 let args = [format!("--config={}", config.display())];
@@ -251,8 +277,12 @@ impl Bed {
             .dir
             .join("logs")
             .join(format!("{}-endpoints.yaml", target.name()));
+        let ports = match target {
+            Target::KvrouteResponseCache => &self.storable,
+            _ => &self.upstream,
+        };
         let mut yaml = String::from("endpoints:\n");
-        for (k, p) in self.upstream.iter().enumerate() {
+        for (k, p) in ports.iter().enumerate() {
             let cache = match target {
                 Target::KvrouteExact => format!(", cachePort: {}", self.sim_cache[k]),
                 _ => String::new(),
@@ -264,14 +294,14 @@ impl Bed {
         }
         // The file is written before the config that names it.
         let _ = std::fs::write(&endpoints, yaml);
-        let policy = if target == Target::KvrouteRoundRobin {
-            "round-robin"
-        } else {
-            "kvroute"
+        let (policy, cache) = match target {
+            Target::KvrouteRoundRobin => ("round-robin", ""),
+            Target::KvrouteResponseCache => ("round-robin", "responseCache: {backend: embedded}\n"),
+            _ => ("kvroute", ""),
         };
         format!(
             "listen: 127.0.0.1:{port}\nadminListen: 127.0.0.1:{admin}\n\
-             discovery: {{static: {{file: {}}}}}\nrouting: {{policy: {{name: {policy}}}}}\n",
+             discovery: {{static: {{file: {}}}}}\nrouting: {{policy: {{name: {policy}}}}}\n{cache}",
             endpoints.display()
         )
     }
@@ -306,27 +336,44 @@ fn nginx_common(logs: &Path, name: &str, workers: &str) -> String {
 
 /// The engines: nginx answering every completion with a fixed body (an
 /// event stream when the request has `x-bench-stream`), `/health` and
-/// `/v1/models`. One worker, on every upstream port.
-fn upstream_conf(logs: &Path, ports: &[u16]) -> String {
+/// `/v1/models`. One worker, on every upstream port; on the `storable`
+/// ports the stream's last content chunk also carries a finish reason, as
+/// an engine's does, so the response cache can store a streamed answer
+/// (the JSON answer is storable on every port: one choice, a finish
+/// reason, usage).
+fn upstream_conf(logs: &Path, ports: &[u16], storable: &[u16]) -> String {
     let mut conf = nginx_common(logs, "upstream", "1");
-    conf.push_str("  server {\n");
+    conf.push_str(&upstream_server(ports, false));
+    conf.push_str(&upstream_server(storable, true));
+    conf.push_str("}\n");
+    conf
+}
+
+/// One `server` of [`upstream_conf`] on `ports`; `finish`: the stream ends
+/// with a finish reason.
+fn upstream_server(ports: &[u16], finish: bool) -> String {
+    let mut conf = String::from("  server {\n");
     for p in ports {
         let _ = writeln!(conf, "    listen 127.0.0.1:{p};");
     }
     let chunk = r#"{\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"}}]}"#;
+    let last = if finish {
+        r#"{\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"finish_reason\":\"stop\"}]}"#
+    } else {
+        chunk
+    };
     let usage = r#"{\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"model\":\"bench\",\"choices\":[],\"usage\":{\"prompt_tokens\":250,\"completion_tokens\":4,\"total_tokens\":254,\"prompt_tokens_details\":{\"cached_tokens\":0}}}"#;
     let _ = write!(
         conf,
         r#"    location = /health {{ return 200 ""; }}
     location = /v1/models {{ default_type application/json; return 200 '{{"object":"list","data":[{{"id":"{MODEL}","object":"model"}}]}}'; }}
-    location = /_sse {{ internal; default_type text/event-stream; return 200 "data: {chunk}\n\ndata: {chunk}\n\ndata: {chunk}\n\ndata: {chunk}\n\ndata: {usage}\n\ndata: [DONE]\n\n"; }}
+    location = /_sse {{ internal; default_type text/event-stream; return 200 "data: {chunk}\n\ndata: {chunk}\n\ndata: {chunk}\n\ndata: {last}\n\ndata: {usage}\n\ndata: [DONE]\n\n"; }}
     location / {{
       if ($http_x_bench_stream) {{ rewrite ^ /_sse last; }}
       default_type application/json;
       return 200 '{{"id":"b","object":"chat.completion","model":"{MODEL}","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":250,"completion_tokens":1,"total_tokens":251,"prompt_tokens_details":{{"cached_tokens":0}}}}}}';
     }}
   }}
-}}
 "#
     );
     conf
