@@ -18,8 +18,8 @@
 //!
 //! Not here: sending, retrying and streaming bytes (the front ends).
 
-pub mod body;
 mod admitted;
+pub mod body;
 mod decision;
 mod guard;
 pub mod hang;
