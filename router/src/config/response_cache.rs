@@ -66,7 +66,64 @@ pub struct ResponseCache {
     pub age_header: bool,
     /// The prefix of every Redis key. Default: `kvroute:response:`.
     pub key_prefix: String,
+    /// The semantic level (experimental): a paraphrase of an earlier
+    /// question answered with its answer. Unset: off.
+    pub semantic: Option<Semantic>,
 }
+
+/// The semantic level of the response cache (experimental, opt-in).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Semantic {
+    /// The OpenAI-compatible server questions are embedded with.
+    pub embeddings: Embeddings,
+    /// The least cosine similarity between two questions for one's answer
+    /// to serve the other, 0 to 1. Default: [`DEFAULT_THRESHOLD`].
+    #[serde(default = "default_threshold")]
+    pub threshold: f32,
+    /// Questions remembered, over every tenant and model. Default:
+    /// 10,000.
+    #[serde(default = "default_max_entries")]
+    pub max_entries: usize,
+}
+
+/// An OpenAI-compatible embeddings server.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Embeddings {
+    /// Its base URL, `http://host:port`; the router calls
+    /// `{url}/v1/embeddings`. Required.
+    pub url: String,
+    /// The embedding model to ask for. Required.
+    pub model: String,
+    /// A file holding its API key, sent as `Authorization: Bearer`.
+    /// Default: none.
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    /// The longest a request waits for an embedding, milliseconds; past
+    /// it the request is a plain miss. Default: 200.
+    #[serde(default = "default_embeddings_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+/// `semantic.threshold`'s default, measured with engine-sim's test double
+/// (docs/response-cache.md): only as good as that measurement.
+pub const DEFAULT_THRESHOLD: f32 = 0.95;
+
+fn default_threshold() -> f32 {
+    DEFAULT_THRESHOLD
+}
+
+fn default_max_entries() -> usize {
+    10_000
+}
+
+fn default_embeddings_timeout_ms() -> u64 {
+    200
+}
+
+/// The most `semantic.maxEntries` may be: a unit slip beyond it.
+pub const MAX_SEMANTIC_ENTRIES: usize = 10_000_000;
 
 impl Default for ResponseCache {
     fn default() -> Self {
@@ -83,6 +140,7 @@ impl Default for ResponseCache {
             coalesce_wait_ms: 30_000,
             age_header: true,
             key_prefix: "kvroute:response:".into(),
+            semantic: None,
         }
     }
 }
@@ -147,11 +205,57 @@ impl ResponseCache {
                 "must be at least 1 and at most maxBytes",
             ));
         }
+        if let Some(semantic) = &self.semantic {
+            semantic.validate()?;
+        }
         if self.backend == Backend::Redis && self.key_prefix.is_empty() {
             return Err(invalid(
                 "responseCache.keyPrefix",
                 &"",
                 "must not be empty: a purge deletes the keys under it",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Semantic {
+    /// Checks the section, naming the field and the value.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let e = &self.embeddings;
+        if !e.url.starts_with("http://") || kvroute_telemetry::check_http_url(&e.url).is_err() {
+            return Err(invalid(
+                "responseCache.semantic.embeddings.url",
+                &format!("{:?}", e.url),
+                "must be http://host:port (https is not supported yet)",
+            ));
+        }
+        if e.model.is_empty() {
+            return Err(invalid(
+                "responseCache.semantic.embeddings.model",
+                &"",
+                "must name the embedding model",
+            ));
+        }
+        if !(1..=MAX_DURATION_MS).contains(&e.timeout_ms) {
+            return Err(invalid(
+                "responseCache.semantic.embeddings.timeoutMs",
+                &e.timeout_ms,
+                "must be 1 to 86400000 (one day)",
+            ));
+        }
+        if !(self.threshold > 0.0 && self.threshold <= 1.0) {
+            return Err(invalid(
+                "responseCache.semantic.threshold",
+                &self.threshold,
+                "must be above 0 and at most 1",
+            ));
+        }
+        if !(1..=MAX_SEMANTIC_ENTRIES).contains(&self.max_entries) {
+            return Err(invalid(
+                "responseCache.semantic.maxEntries",
+                &self.max_entries,
+                "must be 1 to 10000000",
             ));
         }
         Ok(())

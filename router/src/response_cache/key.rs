@@ -95,6 +95,16 @@ pub struct Form {
     pub include_usage: bool,
 }
 
+/// What the semantic level matches a request by.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Question {
+    /// The last user message (chat) or the prompt (completions).
+    pub text: String,
+    /// The hash of everything else the key hashes: a stored answer serves
+    /// a similar question only when this is equal.
+    pub context: [u8; 32],
+}
+
 /// A request the cache may answer.
 #[derive(Debug)]
 pub struct Cacheable {
@@ -107,6 +117,8 @@ pub struct Cacheable {
     /// The body to forward instead of the client's: with
     /// `stream_options.include_usage` added, for a stream without it.
     pub forward: Option<Bytes>,
+    /// With the semantic level on: its question, when it has one in text.
+    pub question: Option<Question>,
 }
 
 /// What the cache does with a request.
@@ -125,6 +137,8 @@ pub struct Keying {
     pub secret: Vec<u8>,
     /// `responseCache.version`.
     pub version: String,
+    /// Whether requests' [`Question`]s are wanted (the semantic level).
+    pub semantic: bool,
 }
 
 /// Classifies a request to `path` with `headers` and `body` from `tenant`;
@@ -168,22 +182,32 @@ pub fn classify(
     for field in EXCLUDED {
         fields.remove(field);
     }
-    let canonical = serde_json::to_vec(&Value::Object(fields)).unwrap_or_default();
+    let canonical = serde_json::to_vec(&fields).unwrap_or_default();
     let roots = roots(&model).join("\n");
-    let parts: [&[u8]; 6] = [
+    let head: [&[u8]; 5] = [
         tenant.unwrap_or("").as_bytes(),
         model.as_bytes(),
         roots.as_bytes(),
         keying.version.as_bytes(),
         path.as_bytes(),
-        &canonical,
     ];
     // The tenant's presence is a part too: no tenant and an empty one
     // never share a key.
     let present = [u8::from(tenant.is_some())];
-    let digest = digest(&keying.secret, &present, &parts);
+    let key_digest = digest(&keying.secret, KEY_TAG, &present, &head, &canonical);
+    let question = (keying.semantic)
+        .then(|| question(&fields, api))
+        .flatten()
+        .map(|(text, rest)| {
+            let rest = serde_json::to_vec(&rest).unwrap_or_default();
+            let context = digest(&keying.secret, CONTEXT_TAG, &present, &head, &rest);
+            Question { text, context }
+        });
     Classified::Cacheable(Cacheable {
-        key: Key { digest, model },
+        key: Key {
+            digest: key_digest,
+            model,
+        },
         form: Form {
             api,
             stream,
@@ -191,7 +215,40 @@ pub fn classify(
         },
         read: !control.iter().any(|d| d == "no-cache"),
         forward,
+        question,
     })
+}
+
+/// The question in `fields` (the last user message, or the prompt) and
+/// the fields without it; `None` when it is not all text.
+fn question(fields: &Map<String, Value>, api: Api) -> Option<(String, Map<String, Value>)> {
+    let mut rest = fields.clone();
+    let slot = match api {
+        Api::Completion => rest.get_mut("prompt")?,
+        Api::Chat => {
+            let messages = rest.get_mut("messages")?.as_array_mut()?;
+            let last = (messages.iter_mut())
+                .rev()
+                .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))?;
+            last.get_mut("content")?
+        }
+    };
+    let text = match slot.take() {
+        Value::String(text) => text,
+        // Content parts: text only (an image is not a question in text).
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                if part.get("type").and_then(Value::as_str) != Some("text") {
+                    return None;
+                }
+                text.push_str(part.get("text")?.as_str()?);
+            }
+            text
+        }
+        _ => return None,
+    };
+    (!text.trim().is_empty()).then_some((text, rest))
 }
 
 /// Why the answer would not be deterministic, if it would not be.
@@ -248,24 +305,29 @@ fn sampled(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes() == b"1" || v.as_bytes().eq_ignore_ascii_case(b"true"))
 }
 
-/// HMAC-SHA256 under `secret` (plain SHA-256 when empty) of `present` and
-/// each part, length-prefixed.
-fn digest(secret: &[u8], present: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    fn feed(update: &mut impl FnMut(&[u8]), present: &[u8], parts: &[&[u8]]) {
-        update(b"kvroute-response-cache/1");
+/// The domain of exact keys.
+const KEY_TAG: &[u8] = b"kvroute-response-cache/1";
+/// The domain of semantic contexts.
+const CONTEXT_TAG: &[u8] = b"kvroute-semantic-context/1";
+
+/// HMAC-SHA256 under `secret` (plain SHA-256 when empty) of `tag`,
+/// `present`, each part of `head` and `body`, length-prefixed.
+fn digest(secret: &[u8], tag: &[u8], present: &[u8], head: &[&[u8]], body: &[u8]) -> [u8; 32] {
+    let feed = |update: &mut dyn FnMut(&[u8])| {
+        update(tag);
         update(present);
-        for part in parts {
+        for part in head.iter().copied().chain([body]) {
             update(&(part.len() as u64).to_le_bytes());
             update(part);
         }
-    }
+    };
     if secret.is_empty() {
         let mut h = Sha256::new();
-        feed(&mut |b| h.update(b), present, parts);
+        feed(&mut |b| h.update(b));
         h.finalize().into()
     } else {
         let mut h = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
-        feed(&mut |b| h.update(b), present, parts);
+        feed(&mut |b| h.update(b));
         h.finalize().into_bytes().into()
     }
 }

@@ -123,6 +123,7 @@ impl ResponseCache {
             keying: Keying {
                 secret,
                 version: config.version.clone(),
+                semantic: config.semantic.is_some(),
             },
             config: config.clone(),
             store,

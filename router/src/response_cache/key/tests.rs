@@ -7,6 +7,7 @@ fn keying() -> Keying {
     Keying {
         secret: b"s3cret".to_vec(),
         version: "v1".into(),
+        semantic: true,
     }
 }
 
@@ -169,7 +170,7 @@ proptest! {
         other in ".{0,40}",
         secret in proptest::collection::vec(any::<u8>(), 0..16),
     ) {
-        let k = Keying { secret, version: String::new() };
+        let k = Keying { secret, version: String::new(), semantic: false };
         let body = |c: &str| serde_json::json!({"model": model, "temperature": 0, "messages": [{"role": "user", "content": c}]}).to_string();
         let key = |t: Option<&str>, c: &str| match classify(&k, "/v1/chat/completions", &HeaderMap::new(), t, body(c).as_bytes(), no_roots) {
             Classified::Cacheable(c) => c.key,
@@ -180,4 +181,40 @@ proptest! {
             prop_assert_ne!(key(a.as_deref(), &content), key(b.as_deref(), &other));
         }
     }
+}
+
+fn question(body: serde_json::Value) -> Option<Question> {
+    match classify(&keying(), "/v1/chat/completions", &HeaderMap::new(), Some("t"), body.to_string().as_bytes(), no_roots) {
+        Classified::Cacheable(c) => c.question,
+        Classified::Bypass(r) => panic!("{r}"),
+    }
+}
+
+#[test]
+fn the_question_is_the_last_user_message_and_its_context_everything_else() {
+    let chat = |system: &str, earlier: &str, last: serde_json::Value| {
+        serde_json::json!({"model": "m", "temperature": 0, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": earlier},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": last},
+        ]})
+    };
+    let q = question(chat("s", "e", "What is a KV cache?".into())).unwrap();
+    assert_eq!(q.text, "What is a KV cache?");
+    let same_context = question(chat("s", "e", "what is a kv cache".into())).unwrap();
+    assert_eq!(q.context, same_context.context, "only the question differs");
+    assert_ne!(q.context, question(chat("s2", "e", "What is a KV cache?".into())).unwrap().context, "the system prompt");
+    assert_ne!(q.context, question(chat("s", "e2", "What is a KV cache?".into())).unwrap().context, "an earlier turn");
+    let parts = serde_json::json!([{"type": "text", "text": "What is "}, {"type": "text", "text": "a KV cache?"}]);
+    assert_eq!(question(chat("s", "e", parts)).unwrap(), q, "text parts are the text");
+    let image = serde_json::json!([{"type": "image_url", "image_url": {"url": "x"}}]);
+    assert_eq!(question(chat("s", "e", image)), None, "not a question in text");
+    let mut exact_only = keying();
+    exact_only.semantic = false;
+    let body = chat("s", "e", "q".into()).to_string();
+    let Classified::Cacheable(c) = classify(&exact_only, "/v1/chat/completions", &HeaderMap::new(), None, body.as_bytes(), no_roots) else {
+        panic!()
+    };
+    assert_eq!(c.question, None, "computed only for the semantic level");
 }
