@@ -1,7 +1,11 @@
 //! vLLM's OpenAI-compatible HTTP surface: completions and chat completions
 //! (streaming and not), models, health and metrics, with vLLM's error
 //! bodies. Requests are tokenized here (the same way the router computes
-//! tokens) and handed to the [`Engine`].
+//! tokens) and handed to the [`Engine`]. Also `/v1/embeddings`, which
+//! vLLM serves only for embedding models: here a test double
+//! ([`embeddings`]).
+
+pub mod embeddings;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -63,6 +67,12 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route(
+            "/v1/embeddings",
+            post(embeddings::embeddings).layer(axum::extract::DefaultBodyLimit::max(
+                embeddings::MAX_BODY_BYTES,
+            )),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
@@ -75,7 +85,8 @@ pub fn router(app: Arc<App>) -> Router {
                 "Not Found".to_owned(),
             )
         })
-        // vLLM (uvicorn) sets no body limit; neither does the sim.
+        // vLLM (uvicorn) sets no body limit; neither does the sim, but for
+        // the embeddings double (its route's own limit wins).
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(app)
 }
@@ -84,6 +95,15 @@ pub fn router(app: Arc<App>) -> Router {
 fn error(status: StatusCode, kind: &str, message: String) -> Response {
     let body = json!({"error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}});
     (status, axum::Json(body)).into_response()
+}
+
+/// vLLM's answer to a request naming a model it does not serve.
+fn unknown_model(model: &str) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        "NotFoundError",
+        format!("The model `{model}` does not exist."),
+    )
 }
 
 fn bad_request(message: impl Into<String>) -> Response {
@@ -190,13 +210,7 @@ async fn prologue(
         None | Some(Value::Null) => (config.model.clone(), None),
         Some(Value::String(m)) if *m == config.model => (m.clone(), None),
         Some(Value::String(m)) if config.lora(m).is_some() => (m.clone(), config.lora(m).cloned()),
-        Some(Value::String(m)) => {
-            return Err(error(
-                StatusCode::NOT_FOUND,
-                "NotFoundError",
-                format!("The model `{m}` does not exist."),
-            ));
-        }
+        Some(Value::String(m)) => return Err(unknown_model(m)),
         Some(_) => return Err(bad_request("'model' must be a string")),
     };
     let max_tokens = match obj

@@ -4,7 +4,9 @@
 //! hashing ([`engine`]), vLLM's OpenAI-compatible API, metrics and errors
 //! ([`http`]), a live WatchCache occupancy stream (served with
 //! [`kvroute_proto::feed`]), and optionally vLLM's own ZMQ KV events
-//! ([`kv_events`]) for `kvroute-agent` to bridge.
+//! ([`kv_events`]) for `kvroute-agent` to bridge. Besides vLLM, a
+//! deterministic test double of an embedding model ([`embeddings`], served
+//! as `/v1/embeddings`) for the semantic response cache's tests.
 //!
 //! Run it as a binary, or in-process from tests with [`start`]:
 //!
@@ -17,6 +19,7 @@
 //! ```
 
 pub mod config;
+pub mod embeddings;
 pub mod engine;
 pub mod http;
 pub mod kv_events;

@@ -6,13 +6,13 @@ use futures_util::StreamExt;
 use kvroute_engine_sim::{Config, Sim, start};
 use serde_json::{Value, json};
 
-async fn sim(configure: impl FnOnce(&mut Config)) -> Sim {
+pub(crate) async fn sim(configure: impl FnOnce(&mut Config)) -> Sim {
     let mut config = Config::test();
     configure(&mut config);
     start(config).await.unwrap()
 }
 
-async fn post(sim: &Sim, path: &str, body: Value) -> (u16, Value) {
+pub(crate) async fn post(sim: &Sim, path: &str, body: Value) -> (u16, Value) {
     let r = reqwest::Client::new()
         .post(format!("http://{}{path}", sim.http_addr))
         .json(&body)

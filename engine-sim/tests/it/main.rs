@@ -2,5 +2,6 @@
 //! binary (one link instead of one per file).
 
 mod cli;
+mod embeddings;
 mod http;
 mod watch_cache;
