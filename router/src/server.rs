@@ -149,7 +149,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let tenancy = Tenancy::load(&config.tenancy)?;
     let cache_metrics = Arc::new(CacheMetrics::default());
     let response_cache = (config.response_cache.as_ref())
-        .map(|c| ResponseCache::new(c, &tenancy, cache_metrics.clone()))
+        .map(|c| ResponseCache::new(c, &tenancy, &config.limits, cache_metrics.clone()))
         .transpose()?;
     let tls = config
         .tls

@@ -22,9 +22,11 @@ use crate::response_cache::capture::Capture;
 use crate::response_cache::coalesce::{Joined, Leader};
 use crate::response_cache::key::{self, Api, Cacheable, Classified};
 use crate::response_cache::metrics::ModelResult;
+use crate::response_cache::semantic::{Found, Remember, SIMILARITY_HEADER, Semantic};
 use crate::response_cache::{RESULT_HEADER, ResponseCache, unix_ms};
 
-/// What the cache did with a request: the header's value.
+/// What the cache did with a request: the header's value (`hit`,
+/// `semantic-hit`, `miss` or `bypass`).
 pub(super) type Result_ = &'static str;
 
 impl Forwarder {
@@ -126,6 +128,29 @@ impl Forwarder {
                 }
             }
         }
+        let mut remember = None;
+        if let (true, Some(semantic), Some(question)) = (c.read, &cache.semantic, &c.question) {
+            let tenant = admitted.tenant();
+            match semantic.lookup(tenant, &c.key.model, question).await {
+                Found::Similar(found) => {
+                    if let Ok(Some(answer)) = cache.get(&found.key).await {
+                        count(&c.key.model, "semantic_hit");
+                        admitted.answered(&label(&c.key.model));
+                        if let Some(lead) = lead.take() {
+                            lead.end(Some(answer.clone()));
+                        }
+                        let mut response = self.hit(cache, &c, &answer, id);
+                        let similarity = HeaderValue::from_str(&format!("{:.4}", found.similarity));
+                        if let Ok(v) = similarity {
+                            response.headers_mut().insert(SIMILARITY_HEADER, v);
+                        }
+                        semantic.served(answer_id(&c, id), label(&c.key.model));
+                        return (Ok(response), "semantic-hit");
+                    }
+                }
+                Found::Unmatched(r) => remember = r.map(|r| (semantic.clone(), r)),
+            }
+        }
         count(&c.key.model, if failed { "error" } else { "miss" });
         if let Some(body) = &c.forward
             && let Err(e) = admitted.received.replace(body.clone())
@@ -139,7 +164,7 @@ impl Forwarder {
             Ok(r) => r,
             Err(e) => return (Err(e), "miss"),
         };
-        (Ok(record(cache.clone(), c, lead, response)), "miss")
+        (Ok(record(cache.clone(), c, (lead, remember), response)), "miss")
     }
 
     /// `answer` rendered as `c` asked for it, named after the request.
@@ -150,11 +175,7 @@ impl Forwarder {
         answer: &Answer,
         id: &RequestId,
     ) -> Response<Body> {
-        let prefix = match c.form.api {
-            Api::Chat => "chatcmpl",
-            Api::Completion => "cmpl",
-        };
-        let id = format!("{prefix}-{}", id.header().to_str().unwrap_or_default());
+        let id = answer_id(c, id);
         let now = unix_ms();
         let body = answer.render(c.form, &id, now / 1000);
         let content_type = if c.form.stream {
@@ -177,6 +198,16 @@ impl Forwarder {
     }
 }
 
+/// The `id` of a hit's answer: named after the request, as vLLM names
+/// its answers.
+fn answer_id(c: &Cacheable, id: &RequestId) -> String {
+    let prefix = match c.form.api {
+        Api::Chat => "chatcmpl",
+        Api::Completion => "cmpl",
+    };
+    format!("{prefix}-{}", id.header().to_str().unwrap_or_default())
+}
+
 /// Sets the header saying what the cache did.
 pub(super) fn mark(response: &mut Response<Body>, result: Result_) {
     (response.headers_mut()).insert(RESULT_HEADER, HeaderValue::from_static(result));
@@ -188,7 +219,7 @@ pub(super) fn mark(response: &mut Response<Body>, result: Result_) {
 fn record(
     cache: Arc<ResponseCache>,
     c: Cacheable,
-    lead: Option<Leader>,
+    (lead, remember): (Option<Leader>, Option<(Arc<Semantic>, Remember)>),
     response: Response<Body>,
 ) -> Response<Body> {
     if response.status() != StatusCode::OK {
@@ -210,6 +241,7 @@ fn record(
         cache,
         key: Some(c.key),
         lead,
+        remember,
         capture,
     };
     let frames = stream::unfold(Some((body, state)), |s| async move {
@@ -250,6 +282,8 @@ struct Recording {
     /// Until stored.
     key: Option<key::Key>,
     lead: Option<Leader>,
+    /// The question to remember with the answer (the semantic level).
+    remember: Option<(Arc<Semantic>, Remember)>,
     capture: Capture,
 }
 
@@ -263,6 +297,9 @@ impl Recording {
         let answer = match self.capture.answer(unix_ms()) {
             Ok(a) => {
                 let a = Arc::new(a);
+                if let Some((semantic, question)) = self.remember.take() {
+                    semantic.remember(question, key.clone());
+                }
                 self.cache.put(key, a.clone());
                 Some(a)
             }

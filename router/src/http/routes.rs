@@ -23,6 +23,12 @@ pub(crate) fn routes(forwarder: Arc<Forwarder>) -> Router {
             "/v1/models",
             get(|State(f): State<Arc<Forwarder>>, headers| models(f.service.clone(), headers)),
         )
+        .route(
+            FALSE_HIT_PATH,
+            axum::routing::post(|State(f): State<Arc<Forwarder>>, headers, body| {
+                false_hit(f.service.clone(), headers, body)
+            }),
+        )
         .route("/healthz", get(|| async { StatusCode::OK }))
         .route(
             "/readyz",
@@ -40,6 +46,47 @@ pub(crate) fn routes(forwarder: Arc<Forwarder>) -> Router {
             }
         })
         .with_state(forwarder)
+}
+
+/// Where a client reports a wrong semantic hit.
+pub const FALSE_HIT_PATH: &str = "/v1/kvroute/semantic-cache/false-hit";
+
+/// `POST /v1/kvroute/semantic-cache/false-hit` with `{"id": "<the
+/// answer's id>"}`: counts a semantic hit a client found wrong (see
+/// [`crate::response_cache::semantic`]). Authenticated as the proxied
+/// paths are; 404 for an id that is not a recent semantic hit.
+async fn false_hit(
+    p: Arc<Service>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Err(e) = p.authenticate(&headers) {
+        return e.into_response();
+    }
+    let Some(semantic) = p.response_cache.as_ref().and_then(|c| c.semantic.as_ref()) else {
+        return ApiError::NotFound("the semantic cache is off".into()).into_response();
+    };
+    #[derive(serde::Deserialize)]
+    struct Report {
+        id: String,
+    }
+    let report: Report = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return ApiError::BadRequest(format!("expected {{\"id\": \"...\"}}: {e}"))
+                .into_response();
+        }
+    };
+    if semantic.report_false_hit(&report.id) {
+        axum::Json(json!({"reported": report.id})).into_response()
+    } else {
+        ApiError::NotFound(format!(
+            "{} is not one of the last {} semantic hits",
+            report.id,
+            crate::response_cache::semantic::RECENT_HITS
+        ))
+        .into_response()
+    }
 }
 
 async fn models(p: Arc<Service>, headers: axum::http::HeaderMap) -> Response {

@@ -4,6 +4,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::Why;
@@ -13,12 +14,12 @@ use crate::metrics::Why;
 pub struct ModelResult {
     /// A served model, or `unknown`.
     pub model: String,
-    /// `hit`, `miss`, `bypass` or `error`.
+    /// `hit`, `semantic_hit`, `miss`, `bypass` or `error`.
     pub result: &'static str,
 }
 
 /// The response cache's counters and gauges.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CacheMetrics {
     /// `kvroute_response_cache_requests_total{model,result}`.
     pub requests: Family<ModelResult, Counter>,
@@ -36,6 +37,36 @@ pub struct CacheMetrics {
     pub breaker_opened: Counter,
     /// `kvroute_response_cache_purged_total`.
     pub purged: Counter,
+    /// `kvroute_semantic_cache_embedding_seconds`.
+    pub embedding_seconds: Histogram,
+    /// `kvroute_semantic_cache_embedding_errors_total{reason}`.
+    pub embedding_errors: Family<Why, Counter>,
+    /// `kvroute_semantic_cache_similarity`: of the nearest question found.
+    pub similarity: Histogram,
+    /// `kvroute_semantic_cache_false_hits_total{model}`.
+    pub false_hits: Family<crate::metrics::Model, Counter>,
+    /// `kvroute_semantic_cache_entries`, set at each scrape.
+    pub semantic_entries: Gauge,
+}
+
+impl Default for CacheMetrics {
+    fn default() -> Self {
+        CacheMetrics {
+            requests: Family::default(),
+            bytes: Gauge::default(),
+            evictions: Family::default(),
+            coalesced: Counter::default(),
+            stores: Family::default(),
+            store_errors: Family::default(),
+            breaker_opened: Counter::default(),
+            purged: Counter::default(),
+            embedding_seconds: Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]),
+            embedding_errors: Family::default(),
+            similarity: Histogram::new([0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0]),
+            false_hits: Family::default(),
+            semantic_entries: Gauge::default(),
+        }
+    }
 }
 
 impl CacheMetrics {
@@ -43,7 +74,7 @@ impl CacheMetrics {
     pub fn register(&self, r: &mut Registry) {
         r.register(
             "kvroute_response_cache_requests",
-            "Requests to the cached APIs while responseCache is on, by model and result: hit (answered from the cache, coalesced ones included), miss (sent to an engine), bypass (not cacheable: sampled, n, logprobs, no-store, another path), error (the store failed or timed out: sent to an engine)",
+            "Requests to the cached APIs while responseCache is on, by model and result: hit (answered from the cache, coalesced ones included), semantic_hit (answered with a similar question's answer), miss (sent to an engine), bypass (not cacheable: sampled, n, logprobs, no-store, another path), error (the store failed or timed out: sent to an engine)",
             self.requests.clone(),
         );
         r.register(
@@ -80,6 +111,31 @@ impl CacheMetrics {
             "kvroute_response_cache_purged",
             "Answers purged through the admin port",
             self.purged.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_embedding_seconds",
+            "Time to embed a question for the semantic cache (responseCache.semantic), failures included",
+            self.embedding_seconds.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_embedding_errors",
+            "Questions the embeddings server gave no usable vector for (each a plain miss), by reason: timeout, transport, status, garbage",
+            self.embedding_errors.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_similarity",
+            "Cosine similarity of the nearest stored question with the same context, per semantic lookup that found one",
+            self.similarity.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_false_hits",
+            "Semantic hits a client reported wrong (POST /admin/response-cache/false-hit), by model",
+            self.false_hits.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_entries",
+            "Questions the semantic cache remembers (at most responseCache.semantic.maxEntries)",
+            self.semantic_entries.clone(),
         );
     }
 }

@@ -23,6 +23,7 @@ pub mod embedded;
 pub mod key;
 pub mod metrics;
 pub mod redis;
+pub mod semantic;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -84,6 +85,8 @@ pub struct ResponseCache {
     pub inflight: Arc<Inflight>,
     /// Its metrics (registered with the router's).
     pub metrics: Arc<CacheMetrics>,
+    /// The semantic level, when on.
+    pub semantic: Option<Arc<semantic::Semantic>>,
 }
 
 impl ResponseCache {
@@ -92,6 +95,7 @@ impl ResponseCache {
     pub fn new(
         config: &Config,
         tenancy: &Tenancy,
+        limits: &crate::config::Limits,
         metrics: Arc<CacheMetrics>,
     ) -> Result<Self, ConfigError> {
         let secret = match &config.secret_file {
@@ -119,7 +123,11 @@ impl ResponseCache {
             )),
             Backend::Redis => Store::Redis(redis::RedisStore::new(config, metrics.clone())?),
         };
+        let semantic = (config.semantic.as_ref())
+            .map(|s| semantic::Semantic::new(s, limits, metrics.clone()).map(Arc::new))
+            .transpose()?;
         Ok(ResponseCache {
+            semantic,
             keying: Keying {
                 secret,
                 version: config.version.clone(),
@@ -199,6 +207,9 @@ impl ResponseCache {
         if let Store::Embedded(e) = &self.store {
             self.metrics.bytes.set(e.bytes() as i64);
         }
+        if let Some(s) = &self.semantic {
+            s.refresh_gauges();
+        }
     }
 
     fn count_error(&self, e: &StoreError) {
@@ -240,7 +251,8 @@ mod tests {
         ) {
             let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
             let tenancy = Tenancy::load(&crate::config::Tenancy::default()).unwrap();
-            let cache = ResponseCache::new(&Config::default(), &tenancy, Arc::default()).unwrap();
+            let limits = crate::config::Limits::default();
+            let cache = ResponseCache::new(&Config::default(), &tenancy, &limits, Arc::default()).unwrap();
             for (tenant, body, key_header) in asks {
                 let tenant = tenant.map(|t| format!("tenant-{t}"));
                 let mut headers = HeaderMap::new();

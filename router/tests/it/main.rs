@@ -22,6 +22,7 @@ mod proxy;
 mod reliability;
 mod response_cache;
 mod response_cache_redis;
+mod semantic_cache;
 mod startup;
 mod support;
 mod tls;

@@ -1,0 +1,194 @@
+//! The semantic level of the response cache (experimental, opt-in): a
+//! cacheable request whose exact key missed is answered with the answer
+//! of an earlier, similar question. Its risk is a wrong answer: two
+//! questions that embed close together may not mean the same thing
+//! (docs/response-cache.md measures it).
+//!
+//! 1. Only a request the exact cache would store, whose question (the
+//!    last user message, or the prompt) is text of at most
+//!    [`MAX_QUESTION_BYTES`], is looked up ([`super::key::Question`]).
+//! 2. The question is embedded ([`embeddings`]); any failure is a plain
+//!    miss, counted, never an error for the client.
+//! 3. The nearest question stored for the same tenant and model
+//!    ([`index`]) serves when its cosine similarity is at least
+//!    `threshold` **and** everything else in the request is byte-identical
+//!    (its context digest is equal). Its answer is read from the exact
+//!    store; an answer evicted there is a miss.
+//! 4. A miss's question is remembered once its answer is stored.
+//! 5. Each semantic hit's response id is kept (the last [`RECENT_HITS`])
+//!    so a client can report it wrong ([`Semantic::report_false_hit`]).
+//!
+//! Not here: the exact cache, and the HTTP glue (`crate::http`).
+
+pub mod embeddings;
+pub mod index;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use tokio::time::Instant;
+
+use self::embeddings::Embedder;
+use self::index::{Build, Hit, Index};
+use super::key::{Key, Question};
+use super::metrics::CacheMetrics;
+use crate::config::{ConfigError, Limits, Semantic as Config};
+use crate::metrics::{Model, Why};
+
+/// The header carrying a semantic hit's similarity.
+pub const SIMILARITY_HEADER: &str = "x-kvroute-similarity";
+/// The longest question embedded, bytes; longer ones are not looked up.
+pub const MAX_QUESTION_BYTES: usize = 8192;
+/// Semantic hits remembered for false-hit reports.
+pub const RECENT_HITS: usize = 1024;
+
+/// The semantic level. See the module doc.
+#[derive(Debug)]
+pub struct Semantic {
+    embedder: Embedder,
+    index: Mutex<Index>,
+    threshold: f32,
+    metrics: Arc<CacheMetrics>,
+    /// Recent semantic hits: response id and model label.
+    hits: Mutex<VecDeque<(String, String)>>,
+}
+
+/// What a lookup found.
+#[derive(Debug)]
+pub enum Found {
+    /// A similar question with the same context.
+    Similar(Hit),
+    /// None: what to remember once the answer is stored, if anything.
+    Unmatched(Option<Remember>),
+}
+
+/// A question to remember with its answer's key.
+#[derive(Debug)]
+pub struct Remember {
+    partition: [u8; 32],
+    vector: Vec<f32>,
+    context: [u8; 32],
+}
+
+impl Semantic {
+    /// The level `config` describes.
+    pub fn new(
+        config: &Config,
+        limits: &Limits,
+        metrics: Arc<CacheMetrics>,
+    ) -> Result<Self, ConfigError> {
+        Ok(Semantic {
+            embedder: Embedder::new(&config.embeddings, limits)?,
+            index: Mutex::new(Index::new(config.max_entries)),
+            threshold: config.threshold,
+            metrics,
+            hits: Mutex::default(),
+        })
+    }
+
+    /// Looks up `question` of `tenant` to `model`.
+    pub async fn lookup(&self, tenant: Option<&str>, model: &str, question: &Question) -> Found {
+        if question.text.len() > MAX_QUESTION_BYTES {
+            return Found::Unmatched(None);
+        }
+        let started = Instant::now();
+        let embedded = self.embedder.embed(&question.text).await;
+        let seconds = started.elapsed().as_secs_f64();
+        self.metrics.embedding_seconds.observe(seconds);
+        let vector = match embedded {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!(error = %e, "no embedding: a plain miss");
+                self.count_error(e.reason());
+                return Found::Unmatched(None);
+            }
+        };
+        let partition = index::partition(tenant, model);
+        let nearest = self.lock().nearest(&partition, &vector, &question.context);
+        match nearest {
+            Ok(Some(hit)) => {
+                self.metrics.similarity.observe(f64::from(hit.similarity));
+                if hit.similarity >= self.threshold {
+                    return Found::Similar(hit);
+                }
+            }
+            Ok(None) => {}
+            // Another dimension than the index's: the embedding model
+            // changed under it.
+            Err(e) => {
+                tracing::debug!(error = %e, "an embedding the index refuses: a plain miss");
+                self.count_error("garbage");
+                return Found::Unmatched(None);
+            }
+        }
+        Found::Unmatched(Some(Remember {
+            partition,
+            vector,
+            context: question.context,
+        }))
+    }
+
+    /// Remembers `question`, whose answer is now stored under `key`.
+    pub fn remember(self: &Arc<Self>, question: Remember, key: Key) {
+        let Remember {
+            partition,
+            vector,
+            context,
+        } = question;
+        let inserted = self.lock().insert(partition, &vector, context, key);
+        match inserted {
+            Ok(builds) => self.build(builds),
+            Err(e) => tracing::debug!(error = %e, "a question the index refuses"),
+        }
+    }
+
+    /// Records a semantic hit answered as `id` for `model` (a label).
+    pub fn served(&self, id: String, model: String) {
+        let mut hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
+        if hits.len() == RECENT_HITS {
+            hits.pop_front();
+        }
+        hits.push_back((id, model));
+    }
+
+    /// Counts a client's report that the semantic hit answered as `id`
+    /// was wrong; `false` when `id` is not a recent semantic hit.
+    pub fn report_false_hit(&self, id: &str) -> bool {
+        let hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((_, model)) = hits.iter().find(|(i, _)| i == id) else {
+            return false;
+        };
+        let model = Model {
+            model: model.clone(),
+        };
+        self.metrics.false_hits.get_or_create(&model).inc();
+        true
+    }
+
+    /// Sets the entries gauge (at scrape time).
+    pub fn refresh_gauges(&self) {
+        let entries = self.lock().len();
+        self.metrics.semantic_entries.set(entries as i64);
+    }
+
+    /// Runs `builds` on blocking threads, installing each when done.
+    fn build(self: &Arc<Self>, builds: Vec<Build>) {
+        for build in builds {
+            let me = self.clone();
+            tokio::task::spawn_blocking(move || {
+                let built = build.run();
+                let more = me.lock().install(built);
+                me.build(more);
+            });
+        }
+    }
+
+    fn count_error(&self, reason: &'static str) {
+        let why = Why { reason };
+        self.metrics.embedding_errors.get_or_create(&why).inc();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

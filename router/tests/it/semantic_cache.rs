@@ -1,0 +1,119 @@
+//! The semantic level of the response cache over an engine sim, whose
+//! `/v1/embeddings` is a deterministic test double (shared words).
+
+use crate::support::*;
+use kvroute_router::config::{Embeddings, Header, ResponseCache, Semantic};
+use serde_json::{Value, json};
+
+const HEADER: &str = "x-kvroute-response-cache";
+
+fn ask_body(system: &str, user: &str) -> Value {
+    json!({
+        "model": "kvroute-sim",
+        "temperature": 0,
+        "max_tokens": 8,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    })
+}
+
+/// A stack whose cache embeds with `url` (the sim's own when `None`).
+async fn semantic_stack(name: &str, url: Option<String>) -> Stack {
+    let mut stack = Stack::start(name, 1, false, |_| {}, |c| {
+        c.tenancy.tenant_header = Some(Header("x-tenant".parse().unwrap()));
+    })
+    .await;
+    let url = url.unwrap_or_else(|| format!("http://{}", stack.sims[0].http_addr));
+    let mut config = router_config(&stack.dir);
+    config.tenancy.tenant_header = Some(Header("x-tenant".parse().unwrap()));
+    config.response_cache = Some(ResponseCache {
+        semantic: Some(Semantic {
+            embeddings: Embeddings {
+                url,
+                model: "kvroute-sim".into(),
+                api_key_file: None,
+                timeout_ms: 500,
+            },
+            threshold: 0.95,
+            max_entries: 100,
+        }),
+        ..ResponseCache::default()
+    });
+    stack.router.shutdown().await;
+    stack.router = kvroute_router::start(config).await.unwrap();
+    stack
+}
+
+fn engine_requests(stack: &Stack) -> f64 {
+    sum_of(&stack.sims[0].engine.metrics_text(), "vllm:request_success_total")
+}
+
+async fn ask(stack: &Stack, tenant: &str, body: &Value) -> reqwest::Response {
+    let r = (stack.client.post(stack.url("/v1/chat/completions")))
+        .header("x-tenant", tenant)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r
+}
+
+fn result(r: &reqwest::Response) -> &str {
+    r.headers()[HEADER].to_str().unwrap()
+}
+
+#[tokio::test]
+async fn a_question_differing_in_case_and_punctuation_is_a_semantic_hit_in_its_context_only() {
+    let stack = semantic_stack("sem-hit", None).await;
+    let first = ask(&stack, "a", &ask_body("Be brief.", "What is a KV cache?")).await;
+    assert_eq!(result(&first), "miss");
+    let first: Value = first.json().await.unwrap();
+
+    let again = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
+    assert_eq!(result(&again), "semantic-hit");
+    assert_eq!(again.headers()["x-kvroute-similarity"], "1.0000");
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"]);
+    assert_eq!(engine_requests(&stack), 1.0);
+
+    // Anything else different, or another tenant: no hit.
+    let other_system = ask(&stack, "a", &ask_body("Be verbose.", "what is a kv cache")).await;
+    assert_eq!(result(&other_system), "miss", "the system prompt differs");
+    let other_tenant = ask(&stack, "b", &ask_body("Be brief.", "what is a kv cache")).await;
+    assert_eq!(result(&other_tenant), "miss", "tenants never share entries");
+    let unrelated = ask(&stack, "a", &ask_body("Be brief.", "How do I bake bread?")).await;
+    assert_eq!(result(&unrelated), "miss");
+    assert_eq!(engine_requests(&stack), 4.0);
+
+    // A client reports the hit wrong.
+    let report = |id: String| {
+        let url = stack.url("/v1/kvroute/semantic-cache/false-hit");
+        let client = stack.client.clone();
+        async move { client.post(url).json(&json!({"id": id})).send().await.unwrap().status() }
+    };
+    assert_eq!(report(again["id"].as_str().unwrap().to_owned()).await, 200);
+    assert_eq!(report("chatcmpl-unknown".into()).await, 404);
+    let metrics = stack.metrics().await;
+    assert_eq!(sum_of(&metrics, "kvroute_semantic_cache_false_hits_total"), 1.0);
+    assert_eq!(sum_of(&metrics, "kvroute_response_cache_requests_total{model=\"kvroute-sim\",result=\"semantic_hit\"}"), 1.0);
+    assert_eq!(sum_of(&metrics, "kvroute_semantic_cache_entries"), 4.0);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn an_embeddings_server_that_is_down_makes_plain_misses() {
+    // Nothing listens there.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let stack = semantic_stack("sem-down", Some(url)).await;
+    for user in ["What is a KV cache?", "what is a kv cache"] {
+        let r = ask(&stack, "a", &ask_body("Be brief.", user)).await;
+        assert_eq!(result(&r), "miss");
+    }
+    let exact = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
+    assert_eq!(result(&exact), "hit", "the exact level still works");
+    let metrics = stack.metrics().await;
+    assert_eq!(sum_of(&metrics, "kvroute_semantic_cache_embedding_errors_total{reason=\"transport\"}"), 2.0);
+    stack.stop().await;
+}
