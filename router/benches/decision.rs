@@ -13,7 +13,12 @@
 //!   size is printed; no model can be downloaded) with Qwen2.5's template;
 //! - `follow_up`: a conversation's next turn, whose history was seen (with
 //!   either tokenizer in exact mode); `first_turn`: a new conversation's;
-//! - `round_robin`: a policy that reads no prompt.
+//! - `round_robin`: a policy that reads no prompt;
+//! - `semantic`: the semantic response cache's index, its `nearest` in a
+//!   partition of 1,000 and 10,000 questions of 256 dimensions, for a
+//!   question near a stored one (cosine about 0.96); random vectors, the
+//!   hardest case for its graphs. The build cost of an insert, amortized
+//!   over 10,000 into a full index, is printed.
 //!
 //! `cargo bench -p kvroute-router --bench decision`
 
@@ -33,6 +38,8 @@ use kvroute_router::config::Config;
 use kvroute_router::metrics::Metrics;
 use kvroute_router::pool::{EndpointSpec, Pool};
 use kvroute_router::request::Service;
+use kvroute_router::response_cache::key::Key;
+use kvroute_router::response_cache::semantic::index::{self, Index};
 use kvroute_router::settings::Settings;
 use kvroute_router::tenancy::Tenancy;
 use serde_json::{Value, json};
@@ -312,5 +319,76 @@ fn decisions(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decisions);
+/// A random unit vector of `dim` dimensions.
+fn unit(rng: &mut SplitMix64, dim: usize) -> Vec<f32> {
+    let v: Vec<f32> = (0..dim)
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        .collect();
+    normalized(v)
+}
+
+fn normalized(v: Vec<f32>) -> Vec<f32> {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.into_iter().map(|x| x / norm).collect()
+}
+
+/// Inserts `vector` as question `n`, running the builds it hands out as
+/// the router would (there on a blocking thread).
+fn insert(index: &mut Index, partition: [u8; 32], vector: &[f32], n: u64) {
+    let mut digest = [0; 32];
+    digest[..8].copy_from_slice(&n.to_le_bytes());
+    let key = Key {
+        digest,
+        model: "bench".into(),
+    };
+    let mut builds = index.insert(partition, vector, [7; 32], key).unwrap();
+    while let Some(build) = builds.pop() {
+        builds.extend(index.install(build.run()));
+    }
+}
+
+fn semantic(c: &mut Criterion) {
+    const DIM: usize = 256;
+    let mut g = c.benchmark_group("semantic");
+    g.sample_size(20).measurement_time(Duration::from_secs(3));
+    let partition = index::partition(Some("tenant"), "bench");
+    let mut rng = SplitMix64::new(11);
+    for n in [1_000, 10_000] {
+        let mut index = Index::new(n);
+        let vectors: Vec<Vec<f32>> = (0..n).map(|_| unit(&mut rng, DIM)).collect();
+        for (i, v) in vectors.iter().enumerate() {
+            insert(&mut index, partition, v, i as u64);
+        }
+        // Stored questions with noise of a third of their length.
+        let queries: Vec<Vec<f32>> = (0..64)
+            .map(|i| {
+                let noise = unit(&mut rng, DIM);
+                let v = &vectors[i * n / 64];
+                normalized(v.iter().zip(&noise).map(|(x, e)| x + e / 3.0).collect())
+            })
+            .collect();
+        let mut i = 0;
+        g.bench_function(BenchmarkId::new("nearest", n), |b| {
+            b.iter(|| {
+                i = (i + 1) % queries.len();
+                black_box(index.nearest(&partition, &queries[i], &[7; 32]).unwrap())
+            })
+        });
+        if n == 10_000 {
+            let more: Vec<Vec<f32>> = (0..n).map(|_| unit(&mut rng, DIM)).collect();
+            let started = std::time::Instant::now();
+            for (i, v) in more.iter().enumerate() {
+                insert(&mut index, partition, v, (n + i) as u64);
+            }
+            eprintln!(
+                "semantic: an insert into a full index of {n}, its eviction and its share of the builds: {:.0} µs; {} bytes held",
+                started.elapsed().as_secs_f64() * 1e6 / n as f64,
+                index.bytes()
+            );
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, decisions, semantic);
 criterion_main!(benches);

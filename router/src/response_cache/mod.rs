@@ -23,6 +23,7 @@ pub mod embedded;
 pub mod key;
 pub mod metrics;
 pub mod redis;
+pub mod semantic;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
