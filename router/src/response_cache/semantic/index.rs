@@ -14,16 +14,18 @@
 //! 2. Each partition ([`partition`] of the tenant and model) is searched
 //!    on its own: an entry is never found from another partition.
 //! 3. A partition's newest entries, its `fresh` ones, are searched
-//!    exhaustively. When there are [`BATCH`] of them they are handed out
-//!    as a [`Build`]: the caller runs it ([`Build::run`], pure and
-//!    synchronous) and installs the result ([`Index::install`]), an
-//!    immutable graph. Until then they stay in `fresh`, found as before.
-//! 4. Graphs are merged by size tier: a graph of fewer than `BATCH ×
-//!    FANOUT^(t+1)` entries is of tier t, and when a partition's newest
-//!    [`FANOUT`] graphs share a tier they are merged into one (a build).
-//!    A partition so holds up to `FANOUT - 1` graphs of each tier, tiers
-//!    0 to ⌊log_FANOUT(max_entries / BATCH)⌋ (at most 12 graphs at 10,000
-//!    entries), and an entry is built into a graph about once per tier.
+//!    exhaustively. When there are `batch` of them ([`Shape`]: 1,024 by
+//!    default) they are handed out as a [`Build`]: the caller runs it
+//!    ([`Build::run`], pure and synchronous) and installs the result
+//!    ([`Index::install`]), an immutable graph. Until then they stay in
+//!    `fresh`, found as before.
+//! 4. Graphs are merged by size tier: a graph of fewer than `batch ×
+//!    fanout^(t+1)` entries is of tier t, and when a partition's newest
+//!    `fanout` graphs (8 by default) share a tier they are merged into one
+//!    (a build). A partition so holds up to `fanout - 1` graphs of each
+//!    tier, tiers 0 to ⌊log_fanout(max_entries / batch)⌋ (0 and 1 at
+//!    10,000 entries: at most 14 graphs), and an entry is built into a
+//!    graph about once per tier.
 //! 5. At most one build per partition at a time, the first that applies:
 //!    its oldest graph, when more than half dead, is rebuilt of its live
 //!    entries; else graphs due a merge are merged; else `fresh` is built.
@@ -35,11 +37,11 @@
 //!    evicted entry leaves `fresh` at once; in a graph it is dead, skipped
 //!    by searches, and a graph all dead is dropped at once.
 //! 7. A search returns the most similar live entry with the query's
-//!    context: over `fresh` exhaustively, and in each graph among the
-//!    [`EF`] entries its HNSW search returns, nearest first. An entry of
-//!    another context, or dead, is never returned. A matching entry ranked
-//!    below [`EF`] others in its graph (the same question asked in many
-//!    other contexts) is not found: a miss, never a wrong hit.
+//!    context: over `fresh` exhaustively, and in each graph among the `ef`
+//!    entries (16 by default) its HNSW search returns, nearest first. An
+//!    entry of another context, or dead, is never returned. A matching
+//!    entry ranked below `ef` others in its graph (the same question asked
+//!    in many other contexts) is not found: a miss, never a wrong hit.
 //!
 //! ## Memory
 //!
@@ -58,16 +60,23 @@
 //! is live, so it was handed out within the last `max_entries` inserts;
 //! so every entry held is among the last 2 × `max_entries` inserted.
 //! Rebuilding a graph past half dead (rule 5) is for searches: a dead
-//! entry costs time and takes one of a graph search's [`EF`] places.
+//! entry costs time and takes one of a graph search's `ef` places.
 //!
 //! A build in flight holds, until installed or dropped, its own graph
 //! (about 340 bytes an entry) of entries it shares with the index: one per
 //! partition, of at most the partition's entries.
 //!
-//! A search costs the scan of `fresh` (fewer than [`BATCH`] entries while
+//! A search costs the scan of `fresh` (fewer than `batch` entries while
 //! builds keep up) and an HNSW search per graph. A build costs about a
 //! graph search per entry, and instant-distance spreads it over rayon's
 //! global thread pool (one thread per core), whichever thread runs it.
+//! instant-distance links each entry to 64 others in its bottom layer (a
+//! constant), so a graph search visits hundreds of entries: a small graph
+//! costs as much as scanning it, hence large batches and few graphs. On
+//! the decision bench (dimension 256, a full index with evictions), a
+//! search of 10,000 entries costs 0.5 ms (vectors near a subspace) to
+//! 0.7 ms (random ones), a plain scan of them 0.9 ms, and an insert 0.6 to
+//! 1.3 ms of builds, amortized; 1,000 entries are only scanned: 34 µs.
 //!
 //! Not here: embedding, the similarity threshold, answers (the exact
 //! store's, by the [`Key`] a hit returns), expiry: the caller's.
@@ -81,16 +90,36 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use instant_distance::Search;
 use sha2::{Digest, Sha256};
 
-pub use self::graph::{Build, Built, EF};
+pub use self::graph::{Build, Built};
 use self::graph::{Entry, Graph, Point, Sources, Ticket, dot};
 use crate::response_cache::key::Key;
 
-/// Entries of a partition searched exhaustively before they are built
-/// into a graph.
-pub const BATCH: usize = 128;
+/// How the index arranges its entries. The defaults were chosen on the
+/// decision bench (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Entries of a partition searched exhaustively before they are built
+    /// into a graph: 1,024.
+    pub batch: usize,
+    /// Graphs of one size tier merged into one: 8.
+    pub fanout: usize,
+    /// Candidates a graph search returns, nearest first (HNSW's `ef`): 16.
+    pub ef: usize,
+    /// Candidates a build weighs for an entry's neighbours (HNSW's
+    /// `efConstruction`): 40.
+    pub ef_construction: usize,
+}
 
-/// Graphs of one size tier merged into one.
-pub const FANOUT: usize = 4;
+impl Default for Shape {
+    fn default() -> Self {
+        Shape {
+            batch: 1024,
+            fanout: 8,
+            ef: 16,
+            ef_construction: 40,
+        }
+    }
+}
 
 /// How far from 1 a vector's length may be.
 pub const UNIT_TOLERANCE: f32 = 1e-3;
@@ -144,6 +173,7 @@ pub fn partition(tenant: Option<&str>, model: &str) -> [u8; 32] {
 #[derive(Debug)]
 pub struct Index {
     max_entries: usize,
+    shape: Shape,
     /// Fixed by the first entry.
     dimension: Option<usize>,
     partitions: HashMap<[u8; 32], Partition>,
@@ -193,10 +223,24 @@ impl Partition {
 }
 
 impl Index {
-    /// An index of at most `max_entries` live entries (none when 0).
+    /// An index of at most `max_entries` live entries (none when 0), of
+    /// the default [`Shape`].
     pub fn new(max_entries: usize) -> Self {
+        Self::with_shape(max_entries, Shape::default())
+    }
+
+    /// An index of at most `max_entries` live entries, of `shape` (its
+    /// sizes at least 1, 2 for `fanout`).
+    pub fn with_shape(max_entries: usize, shape: Shape) -> Self {
+        let shape = Shape {
+            batch: shape.batch.max(1),
+            fanout: shape.fanout.max(2),
+            ef: shape.ef.max(1),
+            ef_construction: shape.ef_construction.max(1),
+        };
         Index {
             max_entries,
+            shape,
             dimension: None,
             partitions: HashMap::new(),
             order: VecDeque::new(),
@@ -353,6 +397,11 @@ impl Index {
         self.partitions.len()
     }
 
+    /// Graphs over all partitions.
+    pub fn graphs(&self) -> usize {
+        self.partitions.values().map(|p| p.graphs.len()).sum()
+    }
+
     /// About how many bytes it holds (see the module doc), builds in
     /// flight not included.
     pub fn bytes(&self) -> usize {
@@ -423,21 +472,22 @@ impl Index {
             }
             p.job = None;
         }
-        let newest = p.graphs.len().saturating_sub(FANOUT);
+        let Shape { batch, fanout, .. } = self.shape;
+        let newest = p.graphs.len().saturating_sub(fanout);
         let newest = &p.graphs[newest..];
         let (sources, entries): (Sources, Vec<_>) = if let Some(g) = p.graphs.first()
             && 2 * g.dead(from) > g.len()
         {
             (Sources::Graphs(vec![g.id]), g.live(from).collect())
-        } else if newest.len() == FANOUT
-            && (newest.iter()).all(|g| g.tier(BATCH, FANOUT) == newest[0].tier(BATCH, FANOUT))
+        } else if newest.len() == fanout
+            && (newest.iter()).all(|g| g.tier(batch, fanout) == newest[0].tier(batch, fanout))
         {
             let ids = newest.iter().map(|g| g.id).collect();
             (
                 Sources::Graphs(ids),
                 newest.iter().flat_map(|g| g.live(from)).collect(),
             )
-        } else if p.fresh.len() >= BATCH {
+        } else if p.fresh.len() >= batch {
             let last = p.fresh.back().map_or(0, |e| e.seq);
             (Sources::Fresh { last }, p.fresh.iter().cloned().collect())
         } else {
@@ -457,6 +507,7 @@ impl Index {
             ticket,
             sources,
             entries,
+            ef: (self.shape.ef, self.shape.ef_construction),
         })
     }
 }

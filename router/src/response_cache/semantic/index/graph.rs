@@ -10,13 +10,6 @@ use instant_distance::{Builder, Hnsw};
 
 use crate::response_cache::key::Key;
 
-/// Candidates a graph search returns, nearest first (HNSW's `ef`).
-pub const EF: usize = 64;
-
-/// Candidates a build weighs for each entry's neighbours (HNSW's
-/// `efConstruction`; instant-distance's default).
-const EF_CONSTRUCTION: usize = 100;
-
 /// Bytes an entry costs in a graph besides itself: 64 neighbour links of
 /// 4 bytes in the bottom layer, 32 in each upper layer for about 0.4 of the
 /// entries (instant-distance's M = 32, mL = 1/ln 32), its slot and its
@@ -184,6 +177,8 @@ pub struct Build {
     pub(super) ticket: Ticket,
     pub(super) sources: Sources,
     pub(super) entries: Vec<Arc<Entry>>,
+    /// HNSW's `ef` and `efConstruction` (see [`super::Shape`]).
+    pub(super) ef: (usize, usize),
 }
 
 impl std::fmt::Debug for Build {
@@ -209,21 +204,22 @@ impl Build {
 
     /// Builds the graph: pure, synchronous, and CPU-bound (about a graph
     /// search per entry; instant-distance spreads it over rayon's global
-    /// pool). The graph is a function of the entries: seeded by the job.
+    /// pool). Deterministic: seeded by the job's id.
     pub fn run(self) -> Built {
         let Build {
             partition,
             ticket,
             sources,
             entries,
+            ef: (ef, ef_construction),
         } = self;
         let mut seqs: Vec<u64> = entries.iter().map(|e| e.seq).collect();
         seqs.sort_unstable();
         let bytes = (entries.iter()).map(|e| e.bytes() + GRAPH_BYTES).sum();
         let points = entries.into_iter().map(Point::Entry).collect();
         let (hnsw, _) = Builder::default()
-            .ef_search(EF)
-            .ef_construction(EF_CONSTRUCTION)
+            .ef_search(ef)
+            .ef_construction(ef_construction)
             .seed(ticket.id)
             .build_hnsw(points);
         Built {

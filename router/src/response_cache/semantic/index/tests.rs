@@ -7,6 +7,19 @@ const DIM: usize = 32;
 const A: [u8; 32] = [0xa; 32];
 const B: [u8; 32] = [0xb; 32];
 const CONTEXT: [u8; 32] = [1; 32];
+/// Small batches: graphs and merges from a few entries.
+const SMALL: Shape = Shape {
+    batch: 16,
+    fanout: 4,
+    ef: 16,
+    ef_construction: 40,
+};
+const BATCH: usize = SMALL.batch;
+const FANOUT: usize = SMALL.fanout;
+
+fn small(max_entries: usize) -> Index {
+    Index::with_shape(max_entries, SMALL)
+}
 
 /// A random unit vector of `dim` dimensions.
 fn unit(rng: &mut SplitMix64, dim: usize) -> Vec<f32> {
@@ -54,7 +67,7 @@ fn graphs(index: &Index, partition: &[u8; 32]) -> usize {
 #[test]
 fn an_exact_vector_is_found_with_similarity_one() {
     let mut rng = SplitMix64::new(1);
-    let mut index = Index::new(10_000);
+    let mut index = small(10_000);
     let vectors: Vec<Vec<f32>> = (0..700).map(|_| unit(&mut rng, DIM)).collect();
     for (i, v) in vectors.iter().enumerate() {
         put(&mut index, A, v, CONTEXT, i as u64);
@@ -71,7 +84,7 @@ fn an_exact_vector_is_found_with_similarity_one() {
 #[test]
 fn an_entry_of_another_context_is_never_returned() {
     let mut rng = SplitMix64::new(2);
-    let mut index = Index::new(10_000);
+    let mut index = small(10_000);
     let other = [2; 32];
     let asked = unit(&mut rng, DIM);
     put(&mut index, A, &asked, other, 0);
@@ -100,7 +113,7 @@ proptest! {
         inserts in proptest::collection::vec((0..2u8, 0..2u8, any::<u64>()), 1..700),
         max_entries in 1..400usize,
     ) {
-        let mut index = Index::new(max_entries);
+        let mut index = small(max_entries);
         let mut owner = Vec::new();
         for (i, (partition, context, seed)) in inserts.into_iter().enumerate() {
             let v = unit(&mut SplitMix64::new(seed), 8);
@@ -123,7 +136,7 @@ fn live_entries_and_memory_stay_bounded() {
     let dim = 64;
     let max_entries = 1_000;
     let mut rng = SplitMix64::new(3);
-    let mut index = Index::new(max_entries);
+    let mut index = small(max_entries);
     let per_entry = graph::ENTRY_BYTES + 4 * dim + 1 + graph::GRAPH_BYTES;
     let partitions = [A, B, [0xc; 32]];
     for i in 0..3 * max_entries {
@@ -151,7 +164,7 @@ fn live_entries_and_memory_stay_bounded() {
 fn memory_stays_bounded_when_builds_are_never_installed() {
     let max_entries = 600;
     let mut rng = SplitMix64::new(4);
-    let mut index = Index::new(max_entries);
+    let mut index = small(max_entries);
     let mut held_back = Vec::new();
     for i in 0..6 * max_entries as u64 {
         // One partition's builds are installed, the others' kept.
@@ -176,7 +189,7 @@ fn memory_stays_bounded_when_builds_are_never_installed() {
 fn the_oldest_are_evicted_first() {
     let mut rng = SplitMix64::new(5);
     let max_entries = 300;
-    let mut index = Index::new(max_entries);
+    let mut index = small(max_entries);
     let vectors: Vec<Vec<f32>> = (0..1_000).map(|_| unit(&mut rng, DIM)).collect();
     for (i, v) in vectors.iter().enumerate() {
         let p = if i % 2 == 0 { A } else { B };
@@ -202,7 +215,7 @@ fn the_oldest_are_evicted_first() {
 #[test]
 fn graphs_are_built_and_merged_and_still_found() {
     let mut rng = SplitMix64::new(6);
-    let mut index = Index::new(10_000);
+    let mut index = small(10_000);
     let vectors: Vec<Vec<f32>> = (0..BATCH * FANOUT * 2 + 5)
         .map(|_| unit(&mut rng, DIM))
         .collect();
@@ -231,7 +244,7 @@ fn graphs_are_built_and_merged_and_still_found() {
 #[test]
 fn entries_being_built_are_found_and_a_dropped_build_is_handed_out_again() {
     let mut rng = SplitMix64::new(7);
-    let mut index = Index::new(10_000);
+    let mut index = small(10_000);
     let vectors: Vec<Vec<f32>> = (0..BATCH + 10).map(|_| unit(&mut rng, DIM)).collect();
     let mut due = Vec::new();
     for (i, v) in vectors.iter().enumerate() {
@@ -265,7 +278,7 @@ fn entries_being_built_are_found_and_a_dropped_build_is_handed_out_again() {
 #[test]
 fn a_graph_mostly_dead_is_rebuilt() {
     let mut rng = SplitMix64::new(8);
-    let mut index = Index::new(2 * BATCH);
+    let mut index = small(2 * BATCH);
     for i in 0..2 * BATCH as u64 {
         put(&mut index, A, &unit(&mut rng, DIM), CONTEXT, i);
     }
@@ -282,7 +295,7 @@ fn a_graph_mostly_dead_is_rebuilt() {
 #[test]
 fn vectors_refused_change_nothing() {
     let mut rng = SplitMix64::new(9);
-    let mut index = Index::new(10);
+    let mut index = small(10);
     let v = unit(&mut rng, DIM);
     put(&mut index, A, &v, CONTEXT, 0);
     let short = unit(&mut rng, DIM - 1);
@@ -336,7 +349,13 @@ fn partitions_are_of_tenant_and_model_each_whole() {
 fn recall_of_stored_vectors_is_at_least_99_percent() {
     let dim = 256;
     let mut rng = SplitMix64::new(10);
-    let mut index = Index::new(10_000);
+    // All in one graph of the default search parameters, through merges.
+    let shape = Shape {
+        batch: 125,
+        fanout: 4,
+        ..Shape::default()
+    };
+    let mut index = Index::with_shape(10_000, shape);
     let vectors: Vec<Vec<f32>> = (0..2_000).map(|_| unit(&mut rng, dim)).collect();
     for (i, v) in vectors.iter().enumerate() {
         put(&mut index, A, v, CONTEXT, i as u64);
@@ -347,10 +366,17 @@ fn recall_of_stored_vectors_is_at_least_99_percent() {
             hit.is_some_and(|h| n(&h.key) == *i as u64)
         })
         .count();
-    eprintln!(
-        "recall {found} of {} in {} graphs",
-        vectors.len(),
-        graphs(&index, &A)
-    );
+    assert_eq!((index.graphs(), index.partitions[&A].fresh.len()), (1, 0));
     assert!(found * 100 >= vectors.len() * 99, "{found}");
+}
+
+/// The router shares the index between threads behind a lock and runs
+/// builds on blocking threads.
+#[test]
+fn the_index_is_shared_and_builds_sent() {
+    fn shared<T: Send + Sync>() {}
+    fn sent<T: Send>() {}
+    shared::<Index>();
+    sent::<Build>();
+    sent::<Built>();
 }
