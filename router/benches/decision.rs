@@ -13,7 +13,15 @@
 //!   size is printed; no model can be downloaded) with Qwen2.5's template;
 //! - `follow_up`: a conversation's next turn, whose history was seen (with
 //!   either tokenizer in exact mode); `first_turn`: a new conversation's;
-//! - `round_robin`: a policy that reads no prompt.
+//! - `round_robin`: a policy that reads no prompt;
+//! - `semantic`: the semantic response cache's index, `nearest` in one
+//!   partition of 1,000 and 10,000 questions of 256 dimensions, full (as
+//!   many again inserted and evicted before), for a paraphrase of a stored
+//!   question: `random` unit vectors (the hardest case for its graphs) or
+//!   `low_rank` ones (near a subspace of 16 dimensions, as embeddings are,
+//!   more or less); `exhaustive`: a plain scan of the same vectors. An
+//!   insert's cost (its eviction and its share of the builds, amortized)
+//!   and how often a paraphrase finds its question are printed.
 //!
 //! `cargo bench -p kvroute-router --bench decision`
 
@@ -33,6 +41,8 @@ use kvroute_router::config::Config;
 use kvroute_router::metrics::Metrics;
 use kvroute_router::pool::{EndpointSpec, Pool};
 use kvroute_router::request::Service;
+use kvroute_router::response_cache::key::Key;
+use kvroute_router::response_cache::semantic::index::{self, Index};
 use kvroute_router::settings::Settings;
 use kvroute_router::tenancy::Tenancy;
 use serde_json::{Value, json};
@@ -312,5 +322,152 @@ fn decisions(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decisions);
+/// A random unit vector of `dim` dimensions.
+fn unit(rng: &mut SplitMix64, dim: usize) -> Vec<f32> {
+    let v: Vec<f32> = (0..dim)
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        .collect();
+    normalized(v)
+}
+
+fn normalized(v: Vec<f32>) -> Vec<f32> {
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.into_iter().map(|x| x / norm).collect()
+}
+
+/// Inserts `vector` as question `n`, running the builds it hands out as
+/// the router would (there on a blocking thread).
+fn insert(index: &mut Index, partition: [u8; 32], vector: &[f32], n: u64) {
+    let mut digest = [0; 32];
+    digest[..8].copy_from_slice(&n.to_le_bytes());
+    let key = Key {
+        digest,
+        model: "bench".into(),
+    };
+    let mut builds = index.insert(partition, vector, [7; 32], key).unwrap();
+    while let Some(build) = builds.pop() {
+        builds.extend(index.install(build.run()));
+    }
+}
+
+/// Unit vectors near a subspace of 16 dimensions (as embeddings of text
+/// are, more or less), each with its neighbour a paraphrase away.
+struct LowRank {
+    basis: Vec<Vec<f32>>,
+}
+
+impl LowRank {
+    fn new(rng: &mut SplitMix64, dim: usize) -> Self {
+        LowRank {
+            basis: (0..16).map(|_| unit(rng, dim)).collect(),
+        }
+    }
+
+    fn point(&self, z: &[f32], rng: &mut SplitMix64) -> Vec<f32> {
+        let dim = self.basis[0].len();
+        let noise = unit(rng, dim);
+        let mut v: Vec<f32> = noise.iter().map(|e| e * 0.05).collect();
+        for (b, w) in self.basis.iter().zip(z) {
+            for (x, y) in v.iter_mut().zip(b) {
+                *x += w * y;
+            }
+        }
+        normalized(v)
+    }
+
+    /// A stored vector and a paraphrase of it.
+    fn pair(&self, rng: &mut SplitMix64) -> (Vec<f32>, Vec<f32>) {
+        let z = unit(rng, 16);
+        let near: Vec<f32> = z
+            .iter()
+            .zip(unit(rng, 16))
+            .map(|(a, e)| a + e * 0.25)
+            .collect();
+        (self.point(&z, rng), self.point(&near, rng))
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for ((l, x), y) in lanes.iter_mut().zip(x).zip(y) {
+            *l += x * y;
+        }
+    }
+    lanes.iter().sum()
+}
+
+fn semantic(c: &mut Criterion) {
+    const DIM: usize = 256;
+    let mut g = c.benchmark_group("semantic");
+    g.sample_size(10).measurement_time(Duration::from_secs(2));
+    let partition = index::partition(Some("tenant"), "bench");
+    let mut rng = SplitMix64::new(11);
+    let low_rank = LowRank::new(&mut rng, DIM);
+    for data in ["random", "low_rank"] {
+        for n in [1_000, 10_000] {
+            // Filled twice over: the first half evicted, as in a full
+            // cache; the second half's inserts are timed.
+            let mut index = Index::new(n);
+            let pairs: Vec<(Vec<f32>, Vec<f32>)> = (0..2 * n)
+                .map(|_| match data {
+                    "random" => {
+                        let v = unit(&mut rng, DIM);
+                        let noise = unit(&mut rng, DIM);
+                        let q =
+                            normalized(v.iter().zip(&noise).map(|(x, e)| x + e / 3.0).collect());
+                        (v, q)
+                    }
+                    _ => low_rank.pair(&mut rng),
+                })
+                .collect();
+            let mut started = std::time::Instant::now();
+            for (i, (v, _)) in pairs.iter().enumerate() {
+                if i == n {
+                    started = std::time::Instant::now();
+                }
+                insert(&mut index, partition, v, i as u64);
+            }
+            let insert_us = started.elapsed().as_secs_f64() * 1e6 / n as f64;
+            let live = || pairs.iter().enumerate().skip(n).step_by(n / 200);
+            let queries: Vec<&Vec<f32>> = live().map(|(_, (_, q))| q).collect();
+            let found = live()
+                .filter(|(i, (_, q))| {
+                    let hit = index.nearest(&partition, q, &[7; 32]).unwrap();
+                    hit.is_some_and(|h| h.key.digest[..8] == (*i as u64).to_le_bytes())
+                })
+                .count();
+            let similarity = pairs.iter().map(|(v, q)| dot(v, q)).sum::<f32>() / (2 * n) as f32;
+            eprintln!(
+                "semantic {data} {n}: an insert (its eviction, its share of the builds) {insert_us:.0} µs; \
+                 a paraphrase (similarity {similarity:.3}) finds its question {found} times in {}; \
+                 {} graphs, {} entries held, {} bytes",
+                queries.len(),
+                index.graphs(),
+                index.held(),
+                index.bytes(),
+            );
+            let mut i = 0;
+            g.bench_function(BenchmarkId::new(format!("nearest_{data}"), n), |b| {
+                b.iter(|| {
+                    i = (i + 1) % queries.len();
+                    black_box(index.nearest(&partition, queries[i], &[7; 32]).unwrap())
+                })
+            });
+            if data == "random" {
+                let vectors: Vec<&Vec<f32>> = pairs[n..].iter().map(|(v, _)| v).collect();
+                g.bench_function(BenchmarkId::new("exhaustive", n), |b| {
+                    b.iter(|| {
+                        i = (i + 1) % queries.len();
+                        let q = queries[i];
+                        black_box(vectors.iter().map(|v| dot(v, q)).fold(f32::MIN, f32::max))
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, decisions, semantic);
 criterion_main!(benches);
