@@ -164,7 +164,10 @@ impl Forwarder {
             Ok(r) => r,
             Err(e) => return (Err(e), "miss"),
         };
-        (Ok(record(cache.clone(), c, (lead, remember), response)), "miss")
+        (
+            Ok(record(cache.clone(), c, (lead, remember), response)),
+            "miss",
+        )
     }
 
     /// `answer` rendered as `c` asked for it, named after the request.

@@ -60,9 +60,13 @@ impl Default for CacheMetrics {
             store_errors: Family::default(),
             breaker_opened: Counter::default(),
             purged: Counter::default(),
-            embedding_seconds: Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]),
+            embedding_seconds: Histogram::new([
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+            ]),
             embedding_errors: Family::default(),
-            similarity: Histogram::new([0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0]),
+            similarity: Histogram::new([
+                0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0,
+            ]),
             false_hits: Family::default(),
             semantic_entries: Gauge::default(),
         }

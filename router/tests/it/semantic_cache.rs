@@ -18,9 +18,15 @@ fn ask_body(system: &str, user: &str) -> Value {
 
 /// A stack whose cache embeds with `url` (the sim's own when `None`).
 async fn semantic_stack(name: &str, url: Option<String>) -> Stack {
-    let mut stack = Stack::start(name, 1, false, |_| {}, |c| {
-        c.tenancy.tenant_header = Some(Header("x-tenant".parse().unwrap()));
-    })
+    let mut stack = Stack::start(
+        name,
+        1,
+        false,
+        |_| {},
+        |c| {
+            c.tenancy.tenant_header = Some(Header("x-tenant".parse().unwrap()));
+        },
+    )
     .await;
     let url = url.unwrap_or_else(|| format!("http://{}", stack.sims[0].http_addr));
     let mut config = router_config(&stack.dir);
@@ -44,7 +50,10 @@ async fn semantic_stack(name: &str, url: Option<String>) -> Stack {
 }
 
 fn engine_requests(stack: &Stack) -> f64 {
-    sum_of(&stack.sims[0].engine.metrics_text(), "vllm:request_success_total")
+    sum_of(
+        &stack.sims[0].engine.metrics_text(),
+        "vllm:request_success_total",
+    )
 }
 
 async fn ask(stack: &Stack, tenant: &str, body: &Value) -> reqwest::Response {
@@ -73,7 +82,10 @@ async fn a_question_differing_in_case_and_punctuation_is_a_semantic_hit_in_its_c
     assert_eq!(result(&again), "semantic-hit");
     assert_eq!(again.headers()["x-kvroute-similarity"], "1.0000");
     let again: Value = again.json().await.unwrap();
-    assert_eq!(again["choices"][0]["message"]["content"], first["choices"][0]["message"]["content"]);
+    assert_eq!(
+        again["choices"][0]["message"]["content"],
+        first["choices"][0]["message"]["content"]
+    );
     assert_eq!(engine_requests(&stack), 1.0);
 
     // Anything else different, or another tenant: no hit.
@@ -89,13 +101,30 @@ async fn a_question_differing_in_case_and_punctuation_is_a_semantic_hit_in_its_c
     let report = |id: String| {
         let url = stack.url("/v1/kvroute/semantic-cache/false-hit");
         let client = stack.client.clone();
-        async move { client.post(url).json(&json!({"id": id})).send().await.unwrap().status() }
+        async move {
+            client
+                .post(url)
+                .json(&json!({"id": id}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
     };
     assert_eq!(report(again["id"].as_str().unwrap().to_owned()).await, 200);
     assert_eq!(report("chatcmpl-unknown".into()).await, 404);
     let metrics = stack.metrics().await;
-    assert_eq!(sum_of(&metrics, "kvroute_semantic_cache_false_hits_total"), 1.0);
-    assert_eq!(sum_of(&metrics, "kvroute_response_cache_requests_total{model=\"kvroute-sim\",result=\"semantic_hit\"}"), 1.0);
+    assert_eq!(
+        sum_of(&metrics, "kvroute_semantic_cache_false_hits_total"),
+        1.0
+    );
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_response_cache_requests_total{model=\"kvroute-sim\",result=\"semantic_hit\"}"
+        ),
+        1.0
+    );
     assert_eq!(sum_of(&metrics, "kvroute_semantic_cache_entries"), 4.0);
     stack.stop().await;
 }
@@ -114,6 +143,12 @@ async fn an_embeddings_server_that_is_down_makes_plain_misses() {
     let exact = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
     assert_eq!(result(&exact), "hit", "the exact level still works");
     let metrics = stack.metrics().await;
-    assert_eq!(sum_of(&metrics, "kvroute_semantic_cache_embedding_errors_total{reason=\"transport\"}"), 2.0);
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_semantic_cache_embedding_errors_total{reason=\"transport\"}"
+        ),
+        2.0
+    );
     stack.stop().await;
 }

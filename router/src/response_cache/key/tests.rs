@@ -184,7 +184,14 @@ proptest! {
 }
 
 fn question(body: serde_json::Value) -> Option<Question> {
-    match classify(&keying(), "/v1/chat/completions", &HeaderMap::new(), Some("t"), body.to_string().as_bytes(), no_roots) {
+    match classify(
+        &keying(),
+        "/v1/chat/completions",
+        &HeaderMap::new(),
+        Some("t"),
+        body.to_string().as_bytes(),
+        no_roots,
+    ) {
         Classified::Cacheable(c) => c.question,
         Classified::Bypass(r) => panic!("{r}"),
     }
@@ -204,16 +211,43 @@ fn the_question_is_the_last_user_message_and_its_context_everything_else() {
     assert_eq!(q.text, "What is a KV cache?");
     let same_context = question(chat("s", "e", "what is a kv cache".into())).unwrap();
     assert_eq!(q.context, same_context.context, "only the question differs");
-    assert_ne!(q.context, question(chat("s2", "e", "What is a KV cache?".into())).unwrap().context, "the system prompt");
-    assert_ne!(q.context, question(chat("s", "e2", "What is a KV cache?".into())).unwrap().context, "an earlier turn");
+    assert_ne!(
+        q.context,
+        question(chat("s2", "e", "What is a KV cache?".into()))
+            .unwrap()
+            .context,
+        "the system prompt"
+    );
+    assert_ne!(
+        q.context,
+        question(chat("s", "e2", "What is a KV cache?".into()))
+            .unwrap()
+            .context,
+        "an earlier turn"
+    );
     let parts = serde_json::json!([{"type": "text", "text": "What is "}, {"type": "text", "text": "a KV cache?"}]);
-    assert_eq!(question(chat("s", "e", parts)).unwrap(), q, "text parts are the text");
+    assert_eq!(
+        question(chat("s", "e", parts)).unwrap(),
+        q,
+        "text parts are the text"
+    );
     let image = serde_json::json!([{"type": "image_url", "image_url": {"url": "x"}}]);
-    assert_eq!(question(chat("s", "e", image)), None, "not a question in text");
+    assert_eq!(
+        question(chat("s", "e", image)),
+        None,
+        "not a question in text"
+    );
     let mut exact_only = keying();
     exact_only.semantic = false;
     let body = chat("s", "e", "q".into()).to_string();
-    let Classified::Cacheable(c) = classify(&exact_only, "/v1/chat/completions", &HeaderMap::new(), None, body.as_bytes(), no_roots) else {
+    let Classified::Cacheable(c) = classify(
+        &exact_only,
+        "/v1/chat/completions",
+        &HeaderMap::new(),
+        None,
+        body.as_bytes(),
+        no_roots,
+    ) else {
         panic!()
     };
     assert_eq!(c.question, None, "computed only for the semantic level");

@@ -77,8 +77,8 @@ impl Embedder {
             None => None,
             Some(path) => {
                 let field = "responseCache.semantic.embeddings.apiKeyFile";
-                let key = std::fs::read_to_string(path)
-                    .map_err(|e| ConfigError::file(field, path, e))?;
+                let key =
+                    std::fs::read_to_string(path).map_err(|e| ConfigError::file(field, path, e))?;
                 let value = HeaderValue::from_str(&format!("Bearer {}", key.trim_end()));
                 Some(value.map_err(|_| ConfigError::Invalid {
                     field,
@@ -112,7 +112,9 @@ impl Embedder {
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(|e| EmbedError::Transport(e.to_string()))?;
         if let Some(key) = &self.authorization {
-            request.headers_mut().insert(header::AUTHORIZATION, key.clone());
+            request
+                .headers_mut()
+                .insert(header::AUTHORIZATION, key.clone());
         }
         let response = (self.client.request(request).await)
             .map_err(|e| EmbedError::Transport(e.to_string()))?;
@@ -122,10 +124,12 @@ impl Embedder {
         let bytes = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
             .collect()
             .await
-            .map_err(|e| match e.downcast_ref::<http_body_util::LengthLimitError>() {
-                Some(_) => EmbedError::Garbage("over 4 MiB"),
-                None => EmbedError::Transport(e.to_string()),
-            })?
+            .map_err(
+                |e| match e.downcast_ref::<http_body_util::LengthLimitError>() {
+                    Some(_) => EmbedError::Garbage("over 4 MiB"),
+                    None => EmbedError::Transport(e.to_string()),
+                },
+            )?
             .to_bytes();
         vector(&bytes)
     }
@@ -141,12 +145,14 @@ pub fn vector(answer: &[u8]) -> Result<Vec<f32>, EmbedError> {
     struct Datum {
         embedding: Vec<f64>,
     }
-    let answer: Answer =
-        serde_json::from_slice(answer).map_err(|_| EmbedError::Garbage("not an embeddings list"))?;
+    let answer: Answer = serde_json::from_slice(answer)
+        .map_err(|_| EmbedError::Garbage("not an embeddings list"))?;
     let first = answer.data.into_iter().next();
     let values = first.ok_or(EmbedError::Garbage("no vector"))?.embedding;
     if values.is_empty() || values.len() > MAX_DIM {
-        return Err(EmbedError::Garbage("a vector of 0 or over 16384 dimensions"));
+        return Err(EmbedError::Garbage(
+            "a vector of 0 or over 16384 dimensions",
+        ));
     }
     let norm = values.iter().map(|v| v * v).sum::<f64>().sqrt();
     if !norm.is_finite() || norm == 0.0 {
@@ -174,7 +180,10 @@ mod tests {
         ] {
             assert!(vector(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }
-        let long = format!(r#"{{"data":[{{"embedding":[{}]}}]}}"#, vec!["1"; MAX_DIM + 1].join(","));
+        let long = format!(
+            r#"{{"data":[{{"embedding":[{}]}}]}}"#,
+            vec!["1"; MAX_DIM + 1].join(",")
+        );
         assert!(vector(long.as_bytes()).is_err());
     }
 }
