@@ -8,6 +8,7 @@
 
 mod bench;
 mod replay;
+mod semantic_pairs;
 mod suite;
 
 use std::path::PathBuf;
@@ -70,6 +71,11 @@ enum Command {
     /// beside `kvroute replay --engine vllm` on the same slice; writes
     /// `replay.json`.
     Replay(replay::Args),
+    /// The labelled question pairs scored with engine-sim's embeddings
+    /// test double, offline: per threshold, the share of same-meaning
+    /// pairs that would match and of different-meaning pairs that would
+    /// (false hits).
+    SemanticPairs(semantic_pairs::Args),
 }
 
 /// The longest a scenario may take, start to end.
@@ -81,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         Command::BenchSoak(args) => return bench::soak(&args),
         Command::BareProxy(args) => return bench::bare_proxy(&args),
         Command::Replay(args) => return replay::run(&args),
+        Command::SemanticPairs(args) => return semantic_pairs::run(&args),
         Command::Report {
             out,
             bin_dir,
