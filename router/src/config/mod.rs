@@ -32,7 +32,7 @@ pub use self::limits::Limits;
 pub use self::listeners::{DebugEndpoints, ExtProc, GrpcTls, Tls};
 pub use self::proxy::{DEFAULT_ALLOWED_PATHS, Proxy};
 pub use self::resilience::{HealthCheck, Resilience};
-pub use self::response_cache::{Backend, Embeddings, ResponseCache, Semantic};
+pub use self::response_cache::{Backend, DEFAULT_THRESHOLD, Embeddings, ResponseCache, Semantic};
 pub use self::routing::{DEFAULT_CONVERSATION_HEADER, Routing};
 pub use self::telemetry::{LogFormat, Telemetry};
 pub use self::tenancy::{ClientSalt, Tenancy, TenancyMode};

@@ -108,7 +108,7 @@ pub struct Embeddings {
 
 /// `semantic.threshold`'s default, measured with engine-sim's test double
 /// (docs/response-cache.md): only as good as that measurement.
-pub const DEFAULT_THRESHOLD: f32 = 0.95;
+pub const DEFAULT_THRESHOLD: f32 = 0.99;
 
 fn default_threshold() -> f32 {
     DEFAULT_THRESHOLD

@@ -47,6 +47,8 @@ pub struct CacheMetrics {
     pub false_hits: Family<crate::metrics::Model, Counter>,
     /// `kvroute_semantic_cache_entries`, set at each scrape.
     pub semantic_entries: Gauge,
+    /// `kvroute_semantic_cache_bytes`, set at each scrape.
+    pub semantic_bytes: Gauge,
 }
 
 impl Default for CacheMetrics {
@@ -69,6 +71,7 @@ impl Default for CacheMetrics {
             ]),
             false_hits: Family::default(),
             semantic_entries: Gauge::default(),
+            semantic_bytes: Gauge::default(),
         }
     }
 }
@@ -133,13 +136,18 @@ impl CacheMetrics {
         );
         r.register(
             "kvroute_semantic_cache_false_hits",
-            "Semantic hits a client reported wrong (POST /admin/response-cache/false-hit), by model",
+            "Semantic hits a client reported wrong (POST /v1/kvroute/semantic-cache/false-hit), by model",
             self.false_hits.clone(),
         );
         r.register(
             "kvroute_semantic_cache_entries",
             "Questions the semantic cache remembers (at most responseCache.semantic.maxEntries)",
             self.semantic_entries.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_bytes",
+            "About how many bytes the semantic cache's index holds: vectors, graphs and bookkeeping (answers are in the exact cache's bytes)",
+            self.semantic_bytes.clone(),
         );
     }
 }

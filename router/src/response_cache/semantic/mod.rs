@@ -103,8 +103,20 @@ impl Semantic {
                 return Found::Unmatched(None);
             }
         };
+        self.matching(tenant, model, vector, question.context)
+    }
+
+    /// The lookup's step after embedding: `vector` (the question's) and
+    /// `context` of `tenant` to `model` against the index.
+    fn matching(
+        &self,
+        tenant: Option<&str>,
+        model: &str,
+        vector: Vec<f32>,
+        context: [u8; 32],
+    ) -> Found {
         let partition = index::partition(tenant, model);
-        let nearest = self.lock().nearest(&partition, &vector, &question.context);
+        let nearest = self.lock().nearest(&partition, &vector, &context);
         match nearest {
             Ok(Some(hit)) => {
                 self.metrics.similarity.observe(f64::from(hit.similarity));
@@ -124,7 +136,7 @@ impl Semantic {
         Found::Unmatched(Some(Remember {
             partition,
             vector,
-            context: question.context,
+            context,
         }))
     }
 
@@ -165,10 +177,14 @@ impl Semantic {
         true
     }
 
-    /// Sets the entries gauge (at scrape time).
+    /// Sets the entries and bytes gauges (at scrape time).
     pub fn refresh_gauges(&self) {
-        let entries = self.lock().len();
+        let (entries, bytes) = {
+            let index = self.lock();
+            (index.len(), index.bytes())
+        };
         self.metrics.semantic_entries.set(entries as i64);
+        self.metrics.semantic_bytes.set(bytes as i64);
     }
 
     /// Runs `builds` on blocking threads, installing each when done.
@@ -192,3 +208,6 @@ impl Semantic {
         self.index.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+#[cfg(test)]
+mod tests;
