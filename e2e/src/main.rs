@@ -8,7 +8,6 @@
 
 mod bench;
 mod replay;
-mod semantic_pairs;
 mod suite;
 
 use std::path::PathBuf;
@@ -71,11 +70,10 @@ enum Command {
     /// beside `kvroute replay --engine vllm` on the same slice; writes
     /// `replay.json`.
     Replay(replay::Args),
-    /// The labelled question pairs scored with engine-sim's embeddings
-    /// test double, offline: per threshold, the share of same-meaning
-    /// pairs that would match and of different-meaning pairs that would
-    /// (false hits).
-    SemanticPairs(semantic_pairs::Args),
+    /// The semantic response cache through a router: the labelled
+    /// question pairs per threshold (hit and false-hit rates), and memory
+    /// at maxEntries.
+    BenchSemantic(bench::SemanticArgs),
 }
 
 /// The longest a scenario may take, start to end.
@@ -87,7 +85,7 @@ fn main() -> anyhow::Result<()> {
         Command::BenchSoak(args) => return bench::soak(&args),
         Command::BareProxy(args) => return bench::bare_proxy(&args),
         Command::Replay(args) => return replay::run(&args),
-        Command::SemanticPairs(args) => return semantic_pairs::run(&args),
+        Command::BenchSemantic(args) => return bench::semantic(&args),
         Command::Report {
             out,
             bin_dir,

@@ -19,6 +19,7 @@
 mod bare;
 mod measure;
 mod response_cache;
+mod semantic;
 mod targets;
 
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ use serde_json::json;
 use crate::suite::procs::{Bins, pip_install};
 pub use bare::{BareArgs, bare_proxy};
 use response_cache::CacheRun;
+pub use semantic::{SemanticArgs, semantic};
 use targets::{Bed, MODEL, Target};
 
 /// SGLang's gateway version installed for comparison.

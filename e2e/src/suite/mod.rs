@@ -12,4 +12,5 @@ pub mod report;
 pub mod response_cache;
 pub mod router_killed;
 pub mod scenarios;
+pub mod semantic_cache;
 pub mod system;

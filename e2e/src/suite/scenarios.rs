@@ -93,7 +93,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 12] = [
+pub const NAMES: [&str; 13] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -106,6 +106,7 @@ pub const NAMES: [&str; 12] = [
     "contract_mismatch",
     "missed_causes",
     "response_cache",
+    "semantic_cache",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -123,6 +124,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "contract_mismatch" => contract_mismatch(ctx, s).await,
         "missed_causes" => super::missed_causes::run(ctx, s).await,
         "response_cache" => super::response_cache::run(ctx, s).await,
+        "semantic_cache" => super::semantic_cache::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }

@@ -775,6 +775,11 @@ spec:
         Some(())
     }
 
+    /// Router `i`'s process id, while it runs.
+    pub fn router_pid(&self, i: usize) -> Option<u32> {
+        self.routers[i].proc.as_ref().map(Proc::id)
+    }
+
     /// Router `i`'s `/metrics`.
     pub async fn router_metrics(&self, i: usize) -> anyhow::Result<String> {
         let url = format!("http://{}/metrics", self.routers[i].admin);

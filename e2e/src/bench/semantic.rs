@@ -1,0 +1,193 @@
+//! `kvroute-e2e bench-semantic`: the semantic response cache's risk and
+//! memory, measured through a running router (see
+//! `docs/response-cache.md`), its questions embedded by engine-sim's
+//! embeddings test double.
+//!
+//! 1. **Thresholds.** Per threshold, a system of its own (one engine, the
+//!    routers at that threshold) replays the labelled pairs as the
+//!    `semantic_cache` scenario does ([`semantic_cache::replay`]): the hit
+//!    rate of pairs meaning the same and the false-hit rate of the others.
+//!    Beside them, the same pairs scored offline (the double's cosine
+//!    against the threshold): a router rate below its offline rate is a
+//!    hit its approximate index missed.
+//! 2. **Memory at the bound.** One system at the default threshold with
+//!    `maxEntries` from `--max-entries`: 2 × that many distinct questions
+//!    of one tenant; after each quarter, the entries and bytes the router
+//!    reports for the index, the exact cache's bytes, and router-0's
+//!    resident memory.
+//!
+//! The engines answer fast (1 ms a token) so misses cost little.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures_util::StreamExt as _;
+use kvroute_engine_sim::embeddings::{cosine, embed};
+
+use super::measure::memory_kib;
+use crate::suite::procs::Bins;
+use crate::suite::semantic_cache::{self as semantic_cache, Embedder, ask, pairs, rates, sum};
+use crate::suite::system::{EngineSetup, Setup, System};
+
+/// The command's arguments.
+#[derive(Debug, clap::Args)]
+pub struct SemanticArgs {
+    /// The thresholds to replay the pairs at.
+    #[arg(long, value_delimiter = ',', default_value = "0.9,0.95,0.98,0.99,1.0")]
+    thresholds: Vec<f32>,
+    /// `maxEntries` of the memory run (0: no memory run).
+    #[arg(long, default_value_t = 10_000)]
+    max_entries: usize,
+    /// Where logs go.
+    #[arg(long, default_value = "target/bench-semantic")]
+    out: PathBuf,
+    /// Where the binaries are (default: built beside this one).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+}
+
+/// Requests in flight at once in the memory run.
+const FILL_CONCURRENCY: usize = 16;
+
+/// Runs the benchmark, printing its tables.
+pub fn semantic(args: &SemanticArgs) -> anyhow::Result<()> {
+    let bins = Bins::locate(args.bin_dir.clone())?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    runtime.block_on(async {
+        let logs = args.out.join("logs");
+        std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+        let embedder = Embedder::start(&bins, &logs).await?;
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()?;
+        thresholds(args, &bins, &embedder, &client).await?;
+        if args.max_entries > 0 {
+            memory(args, &bins, &embedder, &client).await?;
+        }
+        Ok(())
+    })
+}
+
+/// A system whose routers run the semantic level at `threshold` with
+/// `max_entries`, its engines fast.
+async fn start(
+    bins: &Bins,
+    args: &SemanticArgs,
+    name: &str,
+    yaml: String,
+) -> anyhow::Result<System> {
+    let setup = Setup {
+        router_yaml: yaml,
+        engine: EngineSetup {
+            itl_ms: 1,
+            prefill_overhead_ms: 1,
+            ..EngineSetup::suite()
+        },
+        ..Setup::new(1)
+    };
+    System::start(bins, &args.out.join("logs").join(name), setup).await
+}
+
+/// Part 1: the pairs per threshold.
+async fn thresholds(
+    args: &SemanticArgs,
+    bins: &Bins,
+    embedder: &Embedder,
+    client: &reqwest::Client,
+) -> anyhow::Result<()> {
+    let pairs = pairs()?;
+    let offline: Vec<(bool, f32)> = (pairs.iter())
+        .map(|p| {
+            let (a, b) = (embed(&p.a), embed(&p.b));
+            let both = a
+                .zip(b)
+                .with_context(|| format!("{}: a question without words", p.id));
+            both.map(|(a, b)| (p.same, cosine(&a, &b)))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let same = offline.iter().filter(|(s, _)| *s).count();
+    println!(
+        "{} labelled pairs ({same} meaning the same, {} not), engine-sim's embeddings test double\n",
+        pairs.len(),
+        pairs.len() - same
+    );
+    println!(
+        "| threshold | hit rate | false-hit rate | offline hit rate | offline false-hit rate |"
+    );
+    println!("|---|---|---|---|---|");
+    let rate =
+        |n: usize, of: usize| format!("{:.1} % ({n}/{of})", 100.0 * n as f64 / of.max(1) as f64);
+    for &t in &args.thresholds {
+        let yaml = semantic_cache::router_yaml(embedder, Some(t), None);
+        let system = start(bins, args, &format!("threshold-{t}"), yaml).await?;
+        let replayed = semantic_cache::replay(client, system.router_addrs()[0], &pairs).await;
+        if let Some(e) = replayed.iter().find_map(|r| r.answers.as_ref().err()) {
+            anyhow::bail!("at threshold {t}, a pair's request failed: {e}");
+        }
+        let ((hits, same), (false_hits, other)) = rates(&replayed);
+        let offline_hits = |meaning: bool| {
+            (offline.iter())
+                .filter(|(s, c)| *s == meaning && *c >= t)
+                .count()
+        };
+        println!(
+            "| {t:.2} | {} | {} | {} | {} |",
+            rate(hits, same),
+            rate(false_hits, other),
+            rate(offline_hits(true), same),
+            rate(offline_hits(false), other),
+        );
+    }
+    Ok(())
+}
+
+/// Part 2: memory at the bound.
+async fn memory(
+    args: &SemanticArgs,
+    bins: &Bins,
+    embedder: &Embedder,
+    client: &reqwest::Client,
+) -> anyhow::Result<()> {
+    let max = args.max_entries;
+    let yaml = semantic_cache::router_yaml(embedder, None, Some(max));
+    let system = start(bins, args, "memory", yaml).await?;
+    let (addr, pid) = (system.router_addrs()[0], system.router_pid(0));
+    let pid = pid.context("router-0 is not running")?;
+    println!(
+        "\nmemory: maxEntries {max}, {} distinct questions of one tenant, {FILL_CONCURRENCY} at once\n",
+        2 * max
+    );
+    println!("| questions | entries | index bytes (reported) | exact cache bytes | router RSS |");
+    println!("|---|---|---|---|---|");
+    let row = async |sent: usize| -> anyhow::Result<()> {
+        let text = system.router_metrics(0).await?;
+        let mib = |bytes: f64| format!("{:.1} MiB", bytes / (1 << 20) as f64);
+        println!(
+            "| {sent} | {} | {} | {} | {} |",
+            sum(&text, "kvroute_semantic_cache_entries", None),
+            mib(sum(&text, "kvroute_semantic_cache_bytes", None)),
+            mib(sum(&text, "kvroute_response_cache_bytes", None)),
+            mib(memory_kib(&[pid], "VmRSS") as f64 * 1024.0),
+        );
+        Ok(())
+    };
+    row(0).await?;
+    let quarter = (max / 2).max(1);
+    let mut sent = 0;
+    while sent < 2 * max {
+        let questions: Vec<String> = (sent..(sent + quarter).min(2 * max))
+            .map(|n| format!("Fill question {n}: what is the answer to riddle {n}?"))
+            .collect();
+        let failed = futures_util::stream::iter(&questions)
+            .map(|q| ask(client, addr, "fill", q))
+            .buffer_unordered(FILL_CONCURRENCY)
+            .filter(|r| std::future::ready(r.is_err()))
+            .count()
+            .await;
+        anyhow::ensure!(failed == 0, "{failed} requests of the memory run failed");
+        sent += questions.len();
+        row(sent).await?;
+    }
+    Ok(())
+}
