@@ -11,10 +11,11 @@
 //!    against the threshold): a router rate below its offline rate is a
 //!    hit its approximate index missed.
 //! 2. **Memory at the bound.** One system at the default threshold with
-//!    `maxEntries` from `--max-entries`: 2 × that many distinct questions
-//!    of one tenant; after each quarter, the entries and bytes the router
+//!    `maxEntries` from `--max-entries`: 4 × that many distinct questions
+//!    of one tenant; after each half `maxEntries`, the entries and bytes the router
 //!    reports for the index, the exact cache's bytes, and router-0's
-//!    resident memory.
+//!    resident memory; beside it, router-0's resident memory under the
+//!    same traffic with the semantic level off (the exact cache only).
 //!
 //! The engines answer fast (1 ms a token) so misses cost little.
 
@@ -28,7 +29,7 @@ use kvroute_engine_sim::embeddings::{cosine, embed};
 use super::measure::memory_kib;
 use crate::suite::procs::Bins;
 use crate::suite::semantic_cache::{self as semantic_cache, Embedder, ask, pairs, rates, sum};
-use crate::suite::system::{EngineSetup, Setup, System};
+use crate::suite::system::{EngineSetup, Setup, System, TENANT_HEADER};
 
 /// The command's arguments.
 #[derive(Debug, clap::Args)]
@@ -142,7 +143,8 @@ async fn thresholds(
     Ok(())
 }
 
-/// Part 2: memory at the bound.
+/// Part 2: memory at the bound, beside the same traffic with the
+/// semantic level off.
 async fn memory(
     args: &SemanticArgs,
     bins: &Bins,
@@ -150,33 +152,75 @@ async fn memory(
     client: &reqwest::Client,
 ) -> anyhow::Result<()> {
     let max = args.max_entries;
-    let yaml = semantic_cache::router_yaml(embedder, None, Some(max));
-    let system = start(bins, args, "memory", yaml).await?;
-    let (addr, pid) = (system.router_addrs()[0], system.router_pid(0));
-    let pid = pid.context("router-0 is not running")?;
+    let on = semantic_cache::router_yaml(embedder, None, Some(max));
+    let on = fill(args, bins, client, "memory", on).await?;
+    let off = format!(
+        "tenancy:\n  tenantHeader: {TENANT_HEADER}\nresponseCache: {{backend: embedded}}\n"
+    );
+    let off = fill(args, bins, client, "memory-off", off).await?;
     println!(
         "\nmemory: maxEntries {max}, {} distinct questions of one tenant, {FILL_CONCURRENCY} at once\n",
-        2 * max
+        4 * max
     );
-    println!("| questions | entries | index bytes (reported) | exact cache bytes | router RSS |");
-    println!("|---|---|---|---|---|");
-    let row = async |sent: usize| -> anyhow::Result<()> {
-        let text = system.router_metrics(0).await?;
-        let mib = |bytes: f64| format!("{:.1} MiB", bytes / (1 << 20) as f64);
+    println!(
+        "| questions | entries | index bytes (reported) | exact cache bytes | router RSS | router RSS, semantic off |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mib = |bytes: f64| format!("{:.1} MiB", bytes / (1 << 20) as f64);
+    for (row, off) in on.iter().zip(&off) {
         println!(
-            "| {sent} | {} | {} | {} | {} |",
-            sum(&text, "kvroute_semantic_cache_entries", None),
-            mib(sum(&text, "kvroute_semantic_cache_bytes", None)),
-            mib(sum(&text, "kvroute_response_cache_bytes", None)),
-            mib(memory_kib(&[pid], "VmRSS") as f64 * 1024.0),
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            row.sent,
+            row.entries,
+            mib(row.index_bytes),
+            mib(row.exact_bytes),
+            mib(row.rss),
+            mib(off.rss),
+            mib(row.rss - off.rss)
         );
-        Ok(())
+    }
+    Ok(())
+}
+
+/// What a router reported after some questions.
+struct Row {
+    sent: usize,
+    entries: f64,
+    index_bytes: f64,
+    exact_bytes: f64,
+    /// Router-0's resident memory, bytes.
+    rss: f64,
+}
+
+/// 4 × `--max-entries` distinct questions of one tenant through a system
+/// whose routers are configured with `yaml`; a row at the start and after
+/// each half `--max-entries`.
+async fn fill(
+    args: &SemanticArgs,
+    bins: &Bins,
+    client: &reqwest::Client,
+    name: &str,
+    yaml: String,
+) -> anyhow::Result<Vec<Row>> {
+    let max = args.max_entries;
+    let system = start(bins, args, name, yaml).await?;
+    let (addr, pid) = (system.router_addrs()[0], system.router_pid(0));
+    let pid = pid.context("router-0 is not running")?;
+    let row = async |sent: usize| -> anyhow::Result<Row> {
+        let text = system.router_metrics(0).await?;
+        Ok(Row {
+            sent,
+            entries: sum(&text, "kvroute_semantic_cache_entries", None),
+            index_bytes: sum(&text, "kvroute_semantic_cache_bytes", None),
+            exact_bytes: sum(&text, "kvroute_response_cache_bytes", None),
+            rss: memory_kib(&[pid], "VmRSS") as f64 * 1024.0,
+        })
     };
-    row(0).await?;
-    let quarter = (max / 2).max(1);
+    let mut rows = vec![row(0).await?];
+    let step = (max / 2).max(1);
     let mut sent = 0;
-    while sent < 2 * max {
-        let questions: Vec<String> = (sent..(sent + quarter).min(2 * max))
+    while sent < 4 * max {
+        let questions: Vec<String> = (sent..(sent + step).min(4 * max))
             .map(|n| format!("Fill question {n}: what is the answer to riddle {n}?"))
             .collect();
         let failed = futures_util::stream::iter(&questions)
@@ -185,9 +229,9 @@ async fn memory(
             .filter(|r| std::future::ready(r.is_err()))
             .count()
             .await;
-        anyhow::ensure!(failed == 0, "{failed} requests of the memory run failed");
+        anyhow::ensure!(failed == 0, "{failed} requests of {name} failed");
         sent += questions.len();
-        row(sent).await?;
+        rows.push(row(sent).await?);
     }
-    Ok(())
+    Ok(rows)
 }

@@ -152,3 +152,46 @@ async fn an_embeddings_server_that_is_down_makes_plain_misses() {
     );
     stack.stop().await;
 }
+
+/// A server on loopback that reads each request and then, `silent`,
+/// never answers; else answers 200 with a body that is not an embedding.
+async fn bad_embeddings_server(silent: bool) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let mut buf = vec![0; 64 << 10];
+            let _ = conn.read(&mut buf).await;
+            if silent {
+                held.push(conn);
+            } else {
+                let body = r#"{"data":[{"embedding":"no"}]}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(answer.as_bytes()).await;
+            }
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_silent_or_garbage_embeddings_server_makes_plain_misses() {
+    for (silent, reason) in [(true, "timeout"), (false, "garbage")] {
+        let url = bad_embeddings_server(silent).await;
+        let stack = semantic_stack(&format!("sem-{reason}"), Some(url)).await;
+        for user in ["What is a KV cache?", "what is a kv cache"] {
+            let r = ask(&stack, "a", &ask_body("Be brief.", user)).await;
+            assert_eq!(result(&r), "miss", "{reason}");
+        }
+        let metrics = stack.metrics().await;
+        let errors =
+            format!("kvroute_semantic_cache_embedding_errors_total{{reason=\"{reason}\"}}");
+        assert_eq!(sum_of(&metrics, &errors), 2.0, "{reason}");
+        stack.stop().await;
+    }
+}

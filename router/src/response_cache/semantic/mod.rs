@@ -39,6 +39,10 @@ use crate::metrics::{Model, Why};
 pub const SIMILARITY_HEADER: &str = "x-kvroute-similarity";
 /// The longest question embedded, bytes; longer ones are not looked up.
 pub const MAX_QUESTION_BYTES: usize = 8192;
+/// The `f32` rounding a similarity is compared to the threshold with: a
+/// question embedded exactly as a stored one has similarity 1 only to
+/// within it (threshold 1 means "the same embedding").
+const ROUNDING: f32 = 1e-5;
 /// Semantic hits remembered for false-hit reports.
 pub const RECENT_HITS: usize = 1024;
 
@@ -120,7 +124,7 @@ impl Semantic {
         match nearest {
             Ok(Some(hit)) => {
                 self.metrics.similarity.observe(f64::from(hit.similarity));
-                if hit.similarity >= self.threshold {
+                if hit.similarity + ROUNDING >= self.threshold {
                     return Found::Similar(hit);
                 }
             }
