@@ -1,15 +1,16 @@
 //! `kvroute-e2e bench-semantic`: the semantic response cache's risk and
 //! memory, measured through a running router (see
 //! `docs/response-cache.md`), its questions embedded by engine-sim's
-//! embeddings test double.
+//! embeddings test double, or by the server `--embeddings-url` names (a
+//! user's own model, with `--pairs` their own labelled questions).
 //!
 //! 1. **Thresholds.** Per threshold, a system of its own (one engine, the
 //!    routers at that threshold) replays the labelled pairs as the
 //!    `semantic_cache` scenario does ([`semantic_cache::replay`]): the hit
 //!    rate of pairs meaning the same and the false-hit rate of the others.
-//!    Beside them, the same pairs scored offline (the double's cosine
-//!    against the threshold): a router rate below its offline rate is a
-//!    hit its approximate index missed.
+//!    Beside them, with engine-sim's double, the same pairs scored offline
+//!    (the double's cosine against the threshold): a router rate below its
+//!    offline rate is a hit its approximate index missed.
 //! 2. **Memory at the bound.** One system at the default threshold with
 //!    `maxEntries` from `--max-entries`: 4 × that many distinct questions
 //!    of one tenant; after each half `maxEntries`, the entries and bytes the router
@@ -28,7 +29,9 @@ use kvroute_engine_sim::embeddings::{cosine, embed};
 
 use super::measure::memory_kib;
 use crate::suite::procs::Bins;
-use crate::suite::semantic_cache::{self as semantic_cache, Embedder, ask, pairs, rates, sum};
+use crate::suite::semantic_cache::{
+    self as semantic_cache, Embedder, PAIRS, ask, pairs, rates, sum,
+};
 use crate::suite::system::{EngineSetup, Setup, System, TENANT_HEADER};
 
 /// The command's arguments.
@@ -46,6 +49,18 @@ pub struct SemanticArgs {
     /// Where the binaries are (default: built beside this one).
     #[arg(long)]
     bin_dir: Option<PathBuf>,
+    /// Labelled pairs, JSON lines `{"id", "a", "b", "same"}` (default:
+    /// e2e/data/semantic-pairs/pairs.jsonl).
+    #[arg(long)]
+    pairs: Option<PathBuf>,
+    /// An OpenAI-compatible embeddings server to measure instead of
+    /// engine-sim's test double (its base URL, as
+    /// responseCache.semantic.embeddings.url).
+    #[arg(long, requires = "embeddings_model")]
+    embeddings_url: Option<String>,
+    /// Its embedding model.
+    #[arg(long, requires = "embeddings_url")]
+    embeddings_model: Option<String>,
 }
 
 /// Requests in flight at once in the memory run.
@@ -58,7 +73,10 @@ pub fn semantic(args: &SemanticArgs) -> anyhow::Result<()> {
     runtime.block_on(async {
         let logs = args.out.join("logs");
         std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-        let embedder = Embedder::start(&bins, &logs).await?;
+        let embedder = match (&args.embeddings_url, &args.embeddings_model) {
+            (Some(url), Some(model)) => Embedder::external(url, model),
+            _ => Embedder::start(&bins, &logs).await?,
+        };
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?;
@@ -97,21 +115,34 @@ async fn thresholds(
     embedder: &Embedder,
     client: &reqwest::Client,
 ) -> anyhow::Result<()> {
-    let pairs = pairs()?;
-    let offline: Vec<(bool, f32)> = (pairs.iter())
-        .map(|p| {
-            let (a, b) = (embed(&p.a), embed(&p.b));
-            let both = a
-                .zip(b)
-                .with_context(|| format!("{}: a question without words", p.id));
-            both.map(|(a, b)| (p.same, cosine(&a, &b)))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let same = offline.iter().filter(|(s, _)| *s).count();
+    let pairs = match &args.pairs {
+        None => pairs(PAIRS, "e2e/data/semantic-pairs/pairs.jsonl")?,
+        Some(file) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            pairs(&text, &file.display().to_string())?
+        }
+    };
+    // The double's own scores, when it is what the router asks.
+    let offline: Option<Vec<(bool, f32)>> = (!embedder.external).then(|| {
+        (pairs.iter())
+            .map(|p| match (embed(&p.a), embed(&p.b)) {
+                (Some(a), Some(b)) => (p.same, cosine(&a, &b)),
+                _ => (p.same, 0.0),
+            })
+            .collect()
+    });
+    let same = pairs.iter().filter(|p| p.same).count();
     println!(
-        "{} labelled pairs ({same} meaning the same, {} not), engine-sim's embeddings test double\n",
+        "{} labelled pairs ({same} meaning the same, {} not), embedded by {} at {}\n",
         pairs.len(),
-        pairs.len() - same
+        pairs.len() - same,
+        embedder.model,
+        if embedder.external {
+            &embedder.url
+        } else {
+            "engine-sim's test double"
+        },
     );
     println!(
         "| threshold | hit rate | false-hit rate | offline hit rate | offline false-hit rate |"
@@ -127,17 +158,21 @@ async fn thresholds(
             anyhow::bail!("at threshold {t}, a pair's request failed: {e}");
         }
         let ((hits, same), (false_hits, other)) = rates(&replayed);
-        let offline_hits = |meaning: bool| {
-            (offline.iter())
-                .filter(|(s, c)| *s == meaning && *c >= t)
-                .count()
+        let offline_rate = |meaning: bool, of: usize| match &offline {
+            Some(scored) => {
+                let n = (scored.iter())
+                    .filter(|(s, c)| *s == meaning && *c >= t)
+                    .count();
+                rate(n, of)
+            }
+            None => "—".to_owned(),
         };
         println!(
             "| {t:.2} | {} | {} | {} | {} |",
             rate(hits, same),
             rate(false_hits, other),
-            rate(offline_hits(true), same),
-            rate(offline_hits(false), other),
+            offline_rate(true, same),
+            offline_rate(false, other),
         );
     }
     Ok(())

@@ -79,19 +79,24 @@ pub struct Pair {
     pub same: bool,
 }
 
-/// The labelled pairs.
-pub fn pairs() -> anyhow::Result<Vec<Pair>> {
-    (PAIRS.lines().filter(|l| !l.trim().is_empty()).enumerate())
-        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("pairs.jsonl:{}", i + 1)))
+/// The labelled pairs in `text` (JSON lines), read from `file`.
+pub fn pairs(text: &str, file: &str) -> anyhow::Result<Vec<Pair>> {
+    (text.lines().filter(|l| !l.trim().is_empty()).enumerate())
+        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{file}:{}", i + 1)))
         .collect()
 }
 
-/// An engine-sim serving only as an embeddings server, killed on drop.
+/// The embeddings server: an engine-sim serving only as one, killed on
+/// drop, or another one's.
 #[derive(Debug)]
 pub struct Embedder {
     proc: Option<Proc>,
     /// Its base URL.
     pub url: String,
+    /// The embedding model.
+    pub model: String,
+    /// Whether it was started by someone else.
+    pub external: bool,
 }
 
 impl Embedder {
@@ -113,14 +118,30 @@ impl Embedder {
             while started.elapsed() < STARTUP && !proc.exited() {
                 let health = http.get(format!("{url}/health")).send().await;
                 if health.is_ok_and(|r| r.status().is_success()) {
-                    let proc = Some(proc);
-                    return Ok(Embedder { proc, url });
+                    let (proc, model) = (Some(proc), MODEL.to_owned());
+                    let external = false;
+                    return Ok(Embedder {
+                        proc,
+                        url,
+                        model,
+                        external,
+                    });
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             last = Some(format!("it did not answer; see {}", proc.log().display()));
         }
         anyhow::bail!("the embeddings server: {}", last.unwrap_or_default())
+    }
+
+    /// The server at `url` serving `model`, started by someone else.
+    pub fn external(url: &str, model: &str) -> Embedder {
+        Embedder {
+            proc: None,
+            url: url.to_owned(),
+            model: model.to_owned(),
+            external: true,
+        }
     }
 
     /// SIGKILL: its connections are reset, its port refuses.
@@ -140,8 +161,8 @@ pub fn router_yaml(
     max_entries: Option<usize>,
 ) -> String {
     let mut yaml = format!(
-        "tenancy:\n  tenantHeader: {TENANT_HEADER}\nresponseCache:\n  semantic:\n    embeddings: {{url: \"{}\", model: {MODEL}}}\n",
-        embedder.url
+        "tenancy:\n  tenantHeader: {TENANT_HEADER}\nresponseCache:\n  semantic:\n    embeddings: {{url: {:?}, model: {:?}}}\n",
+        embedder.url, embedder.model
     );
     if let Some(t) = threshold {
         yaml += &format!("    threshold: {t}\n");
@@ -287,7 +308,8 @@ async fn labelled_pairs(
     s: &mut Scenario,
 ) -> anyhow::Result<()> {
     let addr = system.router_addrs()[0];
-    let replayed = replay(client, addr, &pairs()?).await;
+    let pairs = pairs(PAIRS, "e2e/data/semantic-pairs/pairs.jsonl")?;
+    let replayed = replay(client, addr, &pairs).await;
     let failed: Vec<&String> = (replayed.iter())
         .filter_map(|r| r.answers.as_ref().err())
         .collect();
