@@ -24,7 +24,7 @@ pub mod embeddings;
 pub mod index;
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tokio::time::Instant;
 
@@ -50,7 +50,8 @@ pub const RECENT_HITS: usize = 1024;
 #[derive(Debug)]
 pub struct Semantic {
     embedder: Embedder,
-    index: Mutex<Index>,
+    /// Lookups read it at once; inserts and installs write.
+    index: RwLock<Index>,
     threshold: f32,
     metrics: Arc<CacheMetrics>,
     /// Recent semantic hits: response id and model label.
@@ -83,7 +84,7 @@ impl Semantic {
     ) -> Result<Self, ConfigError> {
         Ok(Semantic {
             embedder: Embedder::new(&config.embeddings, limits)?,
-            index: Mutex::new(Index::new(config.max_entries)),
+            index: RwLock::new(Index::new(config.max_entries)),
             threshold: config.threshold,
             metrics,
             hits: Mutex::default(),
@@ -120,7 +121,7 @@ impl Semantic {
         context: [u8; 32],
     ) -> Found {
         let partition = index::partition(tenant, model);
-        let nearest = self.lock().nearest(&partition, &vector, &context);
+        let nearest = self.read().nearest(&partition, &vector, &context);
         match nearest {
             Ok(Some(hit)) => {
                 self.metrics.similarity.observe(f64::from(hit.similarity));
@@ -151,7 +152,7 @@ impl Semantic {
             vector,
             context,
         } = question;
-        let inserted = self.lock().insert(partition, &vector, context, key);
+        let inserted = self.write().insert(partition, &vector, context, key);
         match inserted {
             Ok(builds) => self.build(builds),
             Err(e) => tracing::debug!(error = %e, "a question the index refuses"),
@@ -184,7 +185,7 @@ impl Semantic {
     /// Sets the entries and bytes gauges (at scrape time).
     pub fn refresh_gauges(&self) {
         let (entries, bytes) = {
-            let index = self.lock();
+            let index = self.read();
             (index.len(), index.bytes())
         };
         self.metrics.semantic_entries.set(entries as i64);
@@ -197,7 +198,7 @@ impl Semantic {
             let me = self.clone();
             tokio::task::spawn_blocking(move || {
                 let built = build.run();
-                let more = me.lock().install(built);
+                let more = me.write().install(built);
                 me.build(more);
             });
         }
@@ -208,8 +209,12 @@ impl Semantic {
         self.metrics.embedding_errors.get_or_create(&why).inc();
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
-        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    fn read(&self) -> RwLockReadGuard<'_, Index> {
+        self.index.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Index> {
+        self.index.write().unwrap_or_else(|e| e.into_inner())
     }
 }
 
