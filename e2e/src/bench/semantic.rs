@@ -133,16 +133,14 @@ async fn thresholds(
             .collect()
     });
     let same = pairs.iter().filter(|p| p.same).count();
+    let by = match embedder.external {
+        true => format!("{} at {}", embedder.model, embedder.url),
+        false => "engine-sim's test double".to_owned(),
+    };
     println!(
-        "{} labelled pairs ({same} meaning the same, {} not), embedded by {} at {}\n",
+        "{} labelled pairs ({same} meaning the same, {} not), embedded by {by}\n",
         pairs.len(),
         pairs.len() - same,
-        embedder.model,
-        if embedder.external {
-            &embedder.url
-        } else {
-            "engine-sim's test double"
-        },
     );
     println!(
         "| threshold | hit rate | false-hit rate | offline hit rate | offline false-hit rate |"
@@ -198,9 +196,9 @@ async fn memory(
         4 * max
     );
     println!(
-        "| questions | entries | index bytes (reported) | exact cache bytes | router RSS | router RSS, semantic off |"
+        "| questions | entries | index bytes (reported) | exact cache bytes | router RSS | router RSS, semantic off | difference |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let mib = |bytes: f64| format!("{:.1} MiB", bytes / (1 << 20) as f64);
     for (row, off) in on.iter().zip(&off) {
         println!(
