@@ -58,14 +58,16 @@ impl Forwarder {
             &bytes,
             roots,
         );
-        let count = |model: &str, result| {
-            let model = if known.ids.contains(model) {
-                model
+        let label = |m: &str| {
+            if known.ids.contains(m) {
+                m.to_owned()
             } else {
-                "unknown"
-            };
+                "unknown".into()
+            }
+        };
+        let count = |model: &str, result| {
             let labels = ModelResult {
-                model: model.to_owned(),
+                model: label(model),
                 result,
             };
             cache.metrics.requests.get_or_create(&labels).inc();
@@ -77,28 +79,14 @@ impl Forwarder {
             {
                 c
             }
-            Classified::Cacheable(c) => {
-                count(&c.key.model, "bypass");
-                return (
-                    self.routed(parts, Payload::Received(Box::new(admitted)), id)
-                        .await,
-                    "bypass",
-                );
-            }
-            Classified::Bypass(_) => {
-                count("", "bypass");
-                return (
-                    self.routed(parts, Payload::Received(Box::new(admitted)), id)
-                        .await,
-                    "bypass",
-                );
-            }
-        };
-        let label = |m: &str| {
-            if known.ids.contains(m) {
-                m.to_owned()
-            } else {
-                "unknown".into()
+            other => {
+                let model = match &other {
+                    Classified::Cacheable(c) => c.key.model.as_str(),
+                    Classified::Bypass(_) => "",
+                };
+                count(model, "bypass");
+                let payload = Payload::Received(Box::new(admitted));
+                return (self.routed(parts, payload, id).await, "bypass");
             }
         };
         let mut failed = false;
