@@ -26,7 +26,7 @@ async fn cached_stack(name: &str, sim: impl Fn(&mut kvroute_engine_sim::Config))
 }
 
 /// Requests the engine answered.
-fn engine_requests(stack: &Stack) -> f64 {
+pub(crate) fn engine_requests(stack: &Stack) -> f64 {
     sum_of(
         &stack.sims[0].engine.metrics_text(),
         "vllm:request_success_total",
@@ -34,7 +34,7 @@ fn engine_requests(stack: &Stack) -> f64 {
 }
 
 /// Posts `body` as `tenant`; returns the cache header and the body.
-async fn ask(stack: &Stack, tenant: &str, body: &Value) -> (String, reqwest::Response) {
+pub(crate) async fn ask(stack: &Stack, tenant: &str, body: &Value) -> (String, reqwest::Response) {
     let r = (stack.client.post(stack.url("/v1/chat/completions")))
         .header("x-tenant", tenant)
         .json(body)

@@ -1,11 +1,10 @@
 //! The semantic level of the response cache over an engine sim, whose
 //! `/v1/embeddings` is a deterministic test double (shared words).
 
+use crate::response_cache::{ask, engine_requests};
 use crate::support::*;
 use kvroute_router::config::{Embeddings, Header, ResponseCache, Semantic};
 use serde_json::{Value, json};
-
-const HEADER: &str = "x-kvroute-response-cache";
 
 fn ask_body(system: &str, user: &str) -> Value {
     json!({
@@ -49,37 +48,15 @@ async fn semantic_stack(name: &str, url: Option<String>) -> Stack {
     stack
 }
 
-fn engine_requests(stack: &Stack) -> f64 {
-    sum_of(
-        &stack.sims[0].engine.metrics_text(),
-        "vllm:request_success_total",
-    )
-}
-
-async fn ask(stack: &Stack, tenant: &str, body: &Value) -> reqwest::Response {
-    let r = (stack.client.post(stack.url("/v1/chat/completions")))
-        .header("x-tenant", tenant)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    r
-}
-
-fn result(r: &reqwest::Response) -> &str {
-    r.headers()[HEADER].to_str().unwrap()
-}
-
 #[tokio::test]
 async fn a_question_differing_in_case_and_punctuation_is_a_semantic_hit_in_its_context_only() {
     let stack = semantic_stack("sem-hit", None).await;
-    let first = ask(&stack, "a", &ask_body("Be brief.", "What is a KV cache?")).await;
-    assert_eq!(result(&first), "miss");
+    let (result, first) = ask(&stack, "a", &ask_body("Be brief.", "What is a KV cache?")).await;
+    assert_eq!(result, "miss");
     let first: Value = first.json().await.unwrap();
 
-    let again = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
-    assert_eq!(result(&again), "semantic-hit");
+    let (result, again) = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
+    assert_eq!(result, "semantic-hit");
     assert_eq!(again.headers()["x-kvroute-similarity"], "1.0000");
     let again: Value = again.json().await.unwrap();
     assert_eq!(
@@ -89,12 +66,12 @@ async fn a_question_differing_in_case_and_punctuation_is_a_semantic_hit_in_its_c
     assert_eq!(engine_requests(&stack), 1.0);
 
     // Anything else different, or another tenant: no hit.
-    let other_system = ask(&stack, "a", &ask_body("Be verbose.", "what is a kv cache")).await;
-    assert_eq!(result(&other_system), "miss", "the system prompt differs");
-    let other_tenant = ask(&stack, "b", &ask_body("Be brief.", "what is a kv cache")).await;
-    assert_eq!(result(&other_tenant), "miss", "tenants never share entries");
-    let unrelated = ask(&stack, "a", &ask_body("Be brief.", "How do I bake bread?")).await;
-    assert_eq!(result(&unrelated), "miss");
+    let (result, _) = ask(&stack, "a", &ask_body("Be verbose.", "what is a kv cache")).await;
+    assert_eq!(result, "miss", "the system prompt differs");
+    let (result, _) = ask(&stack, "b", &ask_body("Be brief.", "what is a kv cache")).await;
+    assert_eq!(result, "miss", "tenants never share entries");
+    let (result, _) = ask(&stack, "a", &ask_body("Be brief.", "How do I bake bread?")).await;
+    assert_eq!(result, "miss");
     assert_eq!(engine_requests(&stack), 4.0);
 
     // A client reports the hit wrong.
@@ -137,11 +114,11 @@ async fn an_embeddings_server_that_is_down_makes_plain_misses() {
     drop(closed);
     let stack = semantic_stack("sem-down", Some(url)).await;
     for user in ["What is a KV cache?", "what is a kv cache"] {
-        let r = ask(&stack, "a", &ask_body("Be brief.", user)).await;
-        assert_eq!(result(&r), "miss");
+        let (result, _) = ask(&stack, "a", &ask_body("Be brief.", user)).await;
+        assert_eq!(result, "miss");
     }
-    let exact = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
-    assert_eq!(result(&exact), "hit", "the exact level still works");
+    let (result, _) = ask(&stack, "a", &ask_body("Be brief.", "what is a kv cache")).await;
+    assert_eq!(result, "hit", "the exact level still works");
     let metrics = stack.metrics().await;
     assert_eq!(
         sum_of(
@@ -185,8 +162,8 @@ async fn a_silent_or_garbage_embeddings_server_makes_plain_misses() {
         let url = bad_embeddings_server(silent).await;
         let stack = semantic_stack(&format!("sem-{reason}"), Some(url)).await;
         for user in ["What is a KV cache?", "what is a kv cache"] {
-            let r = ask(&stack, "a", &ask_body("Be brief.", user)).await;
-            assert_eq!(result(&r), "miss", "{reason}");
+            let (result, _) = ask(&stack, "a", &ask_body("Be brief.", user)).await;
+            assert_eq!(result, "miss", "{reason}");
         }
         let metrics = stack.metrics().await;
         let errors =
