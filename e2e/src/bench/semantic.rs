@@ -10,7 +10,8 @@
 //!    rate of pairs meaning the same and the false-hit rate of the others.
 //!    Beside them, with engine-sim's double, the same pairs scored offline
 //!    (the double's cosine against the threshold): a router rate below its
-//!    offline rate is a hit its approximate index missed.
+//!    offline rate is a hit its approximate index missed. Then the
+//!    semantic hits per kind of pair (the `kind` label) and threshold.
 //! 2. **Memory at the bound.** One system at the default threshold with
 //!    `maxEntries` from `--max-entries`: 4 × that many distinct questions
 //!    of one tenant; after each half `maxEntries`, the entries and bytes the router
@@ -30,7 +31,7 @@ use kvroute_engine_sim::embeddings::{cosine, embed};
 use super::measure::memory_kib;
 use crate::suite::procs::Bins;
 use crate::suite::semantic_cache::{
-    self as semantic_cache, Embedder, PAIRS, ask, pairs, rates, sum,
+    self as semantic_cache, Embedder, PAIRS, Pair, Replayed, ask, pairs, rates, sum,
 };
 use crate::suite::system::{EngineSetup, Setup, System, TENANT_HEADER};
 
@@ -148,6 +149,7 @@ async fn thresholds(
     println!("|---|---|---|---|---|");
     let rate =
         |n: usize, of: usize| format!("{:.1} % ({n}/{of})", 100.0 * n as f64 / of.max(1) as f64);
+    let mut runs = Vec::new();
     for &t in &args.thresholds {
         let yaml = semantic_cache::router_yaml(embedder, Some(t), None);
         let system = start(bins, args, &format!("threshold-{t}"), yaml).await?;
@@ -172,8 +174,38 @@ async fn thresholds(
             offline_rate(true, same),
             offline_rate(false, other),
         );
+        runs.push(replayed);
     }
+    by_kind(&args.thresholds, &pairs, &runs);
     Ok(())
+}
+
+/// The semantic hits of each kind of pair per threshold (`runs`: the
+/// pairs replayed at each of `thresholds`, in order).
+fn by_kind(thresholds: &[f32], pairs: &[Pair], runs: &[Vec<Replayed>]) {
+    let mut kinds: Vec<(bool, &str)> = (pairs.iter())
+        .map(|p| (p.same, p.kind.as_deref().unwrap_or("-")))
+        .collect();
+    kinds.sort_unstable_by_key(|(same, kind)| (!same, *kind));
+    kinds.dedup();
+    let heads: Vec<String> = thresholds.iter().map(|t| format!("{t:.2}")).collect();
+    println!("\nsemantic hits by kind of pair\n");
+    println!("| kind | same meaning | pairs | {} |", heads.join(" | "));
+    println!("|---|---|---|{}", "---|".repeat(thresholds.len()));
+    for (same, kind) in kinds {
+        let of = |p: &Pair| p.same == same && p.kind.as_deref().unwrap_or("-") == kind;
+        let hits: Vec<String> = (runs.iter())
+            .map(|run| {
+                let n = (pairs.iter().zip(run))
+                    .filter(|(p, r)| of(p) && r.semantic_hit())
+                    .count();
+                n.to_string()
+            })
+            .collect();
+        let n = pairs.iter().filter(|p| of(p)).count();
+        let same = if same { "yes" } else { "no" };
+        println!("| {kind} | {same} | {n} | {} |", hits.join(" | "));
+    }
 }
 
 /// Part 2: memory at the bound, beside the same traffic with the

@@ -77,6 +77,9 @@ pub struct Pair {
     pub b: String,
     /// Whether they mean the same.
     pub same: bool,
+    /// How they differ, if labelled.
+    #[serde(default)]
+    pub kind: Option<String>,
 }
 
 /// The labelled pairs in `text` (JSON lines), read from `file`.
