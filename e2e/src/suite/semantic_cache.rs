@@ -121,13 +121,11 @@ impl Embedder {
             while started.elapsed() < STARTUP && !proc.exited() {
                 let health = http.get(format!("{url}/health")).send().await;
                 if health.is_ok_and(|r| r.status().is_success()) {
-                    let (proc, model) = (Some(proc), MODEL.to_owned());
-                    let external = false;
                     return Ok(Embedder {
-                        proc,
+                        proc: Some(proc),
                         url,
-                        model,
-                        external,
+                        model: MODEL.to_owned(),
+                        external: false,
                     });
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
