@@ -50,7 +50,7 @@ use tokio::task::JoinSet;
 use super::redis::{self, Redis};
 use super::report::{self, Scenario};
 use super::scenarios::Ctx;
-use super::system::{MODEL, Setup, System};
+use super::system::{MODEL, Setup, System, TENANT_HEADER};
 
 /// Set to `1`, a missing `redis-server` fails the scenario instead of
 /// skipping it (CI installs it).
@@ -383,6 +383,30 @@ async fn ask_all(
         .await
 }
 
+/// Posts chat request `body` to the router at `addr`, as `tenant` if
+/// any: the `x-kvroute-response-cache` header and the answer, a success.
+pub(super) async fn chat(
+    client: &reqwest::Client,
+    addr: SocketAddr,
+    tenant: Option<&str>,
+    body: &Value,
+) -> anyhow::Result<(String, Value)> {
+    let mut request = client.post(format!("http://{addr}/v1/chat/completions"));
+    if let Some(tenant) = tenant {
+        request = request.header(TENANT_HEADER, tenant);
+    }
+    let response = request.json(body).send().await?;
+    let status = response.status();
+    let cache = (response.headers().get("x-kvroute-response-cache"))
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("absent")
+        .to_owned();
+    let text = response.text().await?;
+    anyhow::ensure!(status.is_success(), "{status}: {text}");
+    let v = serde_json::from_str(&text).context("the answer's JSON")?;
+    Ok((cache, v))
+}
+
 /// Sends `body` to router `router` at `addr` and reads the answer.
 async fn ask(
     client: &reqwest::Client,
@@ -393,20 +417,11 @@ async fn ask(
 ) -> Shot {
     let sent = Instant::now();
     let result = async {
-        let url = format!("http://{addr}/v1/chat/completions");
-        let response = client.post(url).json(body).send().await?;
-        let status = response.status();
-        let cache = (response.headers().get("x-kvroute-response-cache"))
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("absent")
-            .to_owned();
-        let text = response.text().await?;
-        anyhow::ensure!(status.is_success(), "{status}: {text}");
-        let v: Value = serde_json::from_str(&text).context("the answer's JSON")?;
+        let (cache, v) = chat(client, addr, None, body).await?;
         let content = v["choices"][0]["message"]["content"]
             .as_str()
             .context("an answer without content")?;
-        Ok((cache, content.to_owned()))
+        anyhow::Ok((cache, content.to_owned()))
     };
     let result = result.await.map_err(|e| format!("{e:#}"));
     Shot {

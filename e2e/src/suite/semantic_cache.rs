@@ -43,6 +43,7 @@ use serde_json::{Value, json};
 
 use super::procs::{Bins, Proc};
 use super::report::{self, Scenario};
+use super::response_cache::chat;
 use super::scenarios::Ctx;
 use super::system::{MODEL, STARTUP, Setup, System, TENANT_HEADER, free_ports};
 
@@ -63,8 +64,6 @@ const RECENT: usize = 5;
 /// Scheduling slack in phase B's latency goal, for a loaded 2-core
 /// machine.
 const SLACK_MS: f64 = 50.0;
-/// The header with a request's cache result.
-const CACHE_HEADER: &str = "x-kvroute-response-cache";
 
 /// One labelled pair.
 #[derive(Clone, Debug, serde::Deserialize)]
@@ -204,19 +203,7 @@ pub async fn ask(
     question: &str,
 ) -> Result<Answer, String> {
     let asked = async {
-        let url = format!("http://{addr}/v1/chat/completions");
-        let response = (client.post(url).header(TENANT_HEADER, tenant))
-            .json(&body(question))
-            .send()
-            .await?;
-        let status = response.status();
-        let cache = (response.headers().get(CACHE_HEADER))
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("absent")
-            .to_owned();
-        let text = response.text().await?;
-        anyhow::ensure!(status.is_success(), "{status}: {text}");
-        let v: Value = serde_json::from_str(&text).context("the answer's JSON")?;
+        let (cache, v) = chat(client, addr, Some(tenant), &body(question)).await?;
         let id = v["id"].as_str().context("an answer without an id")?;
         anyhow::ensure!(
             v["choices"][0]["message"]["content"].is_string(),

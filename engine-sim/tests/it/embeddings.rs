@@ -5,7 +5,7 @@ use kvroute_engine_sim::embeddings::{DIM, cosine, embed};
 use kvroute_engine_sim::http::embeddings::{MAX_INPUT_BYTES, MAX_INPUTS};
 use serde_json::{Value, json};
 
-use crate::http::{post, sim};
+use crate::http::{invalid_json_is_refused, post, sim};
 
 fn vector(item: &Value) -> Vec<f32> {
     item["embedding"]
@@ -100,19 +100,6 @@ async fn embedding_errors() {
     .await;
     assert_eq!(status, 400);
 
-    let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/embeddings", sim.http_addr))
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    let body: Value = r.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("invalid JSON")
-    );
+    invalid_json_is_refused(&sim, "/v1/embeddings").await;
     sim.shutdown().await;
 }

@@ -23,6 +23,20 @@ pub(crate) async fn post(sim: &Sim, path: &str, body: Value) -> (u16, Value) {
     (status, r.json().await.unwrap())
 }
 
+/// A body that is not JSON posted to `path` is a 400 saying so.
+pub(crate) async fn invalid_json_is_refused(sim: &Sim, path: &str) {
+    let r = reqwest::Client::new()
+        .post(format!("http://{}{path}", sim.http_addr))
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("invalid JSON"), "{message}");
+}
+
 /// Reads an SSE response into its `data:` payloads.
 async fn events(sim: &Sim, path: &str, body: Value) -> Vec<String> {
     let r = reqwest::Client::new()
@@ -208,20 +222,7 @@ async fn errors_are_vllm_shaped() {
     .await;
     assert_eq!(status, 400);
 
-    let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/completions", sim.http_addr))
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    let body: Value = r.json().await.unwrap();
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("invalid JSON")
-    );
+    invalid_json_is_refused(&sim, "/v1/completions").await;
     sim.shutdown().await;
 }
 
