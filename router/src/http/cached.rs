@@ -120,7 +120,7 @@ impl Forwarder {
         if let (true, Some(semantic), Some(question)) = (c.read, &cache.semantic, &c.question) {
             let tenant = admitted.tenant();
             match semantic.lookup(tenant, &c.key.model, question).await {
-                Found::Similar(found) => {
+                Found::Similar(found, again) => {
                     if let Ok(Some(answer)) = cache.get(&found.key).await {
                         count(&c.key.model, "semantic_hit");
                         admitted.answered(&label(&c.key.model));
@@ -135,6 +135,7 @@ impl Forwarder {
                         semantic.served(answer_id(&c, id), label(&c.key.model));
                         return (Ok(response), "semantic-hit");
                     }
+                    remember = Some((semantic.clone(), again));
                 }
                 Found::Unmatched(r) => remember = r.map(|r| (semantic.clone(), r)),
             }

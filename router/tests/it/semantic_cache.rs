@@ -172,3 +172,22 @@ async fn a_silent_or_garbage_embeddings_server_makes_plain_misses() {
         stack.stop().await;
     }
 }
+
+#[tokio::test]
+async fn a_similar_question_whose_answer_is_gone_is_remembered_afresh() {
+    let stack = semantic_stack("sem-gone", None).await;
+    let ask_as = async |user: &str| ask(&stack, "a", &ask_body("Be brief.", user)).await;
+    assert_eq!(ask_as("What is a KV cache?").await.0, "miss");
+    let url = format!(
+        "http://{}/admin/response-cache/purge",
+        stack.router.admin_addr
+    );
+    let purged = stack.client.post(url).send().await.unwrap();
+    assert_eq!(purged.status(), 200);
+    // The index still finds the first question, whose answer is gone.
+    assert_eq!(ask_as("what is a kv cache").await.0, "miss");
+    // The second was remembered with its own answer.
+    assert_eq!(ask_as("WHAT IS A KV CACHE!").await.0, "semantic-hit");
+    assert_eq!(engine_requests(&stack), 2.0);
+    stack.stop().await;
+}

@@ -13,7 +13,8 @@
 //!    ([`index`]) serves when its cosine similarity is at least
 //!    `threshold` **and** everything else in the request is byte-identical
 //!    (its context digest is equal). Its answer is read from the exact
-//!    store; an answer evicted there is a miss.
+//!    store; an answer gone from there is a miss, whose question is
+//!    remembered afresh.
 //! 4. A miss's question is remembered once its answer is stored.
 //! 5. Each semantic hit's response id is kept (the last [`RECENT_HITS`])
 //!    so a client can report it wrong ([`Semantic::report_false_hit`]).
@@ -61,8 +62,10 @@ pub struct Semantic {
 /// What a lookup found.
 #[derive(Debug)]
 pub enum Found {
-    /// A similar question with the same context.
-    Similar(Hit),
+    /// A similar question with the same context, and what to remember
+    /// instead if its answer is gone from the exact store (expired,
+    /// evicted or purged).
+    Similar(Hit, Remember),
     /// None: what to remember once the answer is stored, if anything.
     Unmatched(Option<Remember>),
 }
@@ -122,11 +125,16 @@ impl Semantic {
     ) -> Found {
         let partition = index::partition(tenant, model);
         let nearest = self.read().nearest(&partition, &vector, &context);
+        let remember = Remember {
+            partition,
+            vector,
+            context,
+        };
         match nearest {
             Ok(Some(hit)) => {
                 self.metrics.similarity.observe(f64::from(hit.similarity));
                 if hit.similarity + ROUNDING >= self.threshold {
-                    return Found::Similar(hit);
+                    return Found::Similar(hit, remember);
                 }
             }
             Ok(None) => {}
@@ -138,11 +146,7 @@ impl Semantic {
                 return Found::Unmatched(None);
             }
         }
-        Found::Unmatched(Some(Remember {
-            partition,
-            vector,
-            context,
-        }))
+        Found::Unmatched(Some(remember))
     }
 
     /// Remembers `question`, whose answer is now stored under `key`.

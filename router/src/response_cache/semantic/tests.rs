@@ -56,7 +56,7 @@ proptest! {
             };
             let vector = embed(&text).unwrap();
             match semantic.matching(name.as_deref(), "m", vector, [context; 32]) {
-                Found::Similar(hit) => {
+                Found::Similar(hit, _) => {
                     let (t, c, _) = owners[&hit.key.digest];
                     prop_assert_eq!((t, c), (tenant, context), "another tenant's or context's entry");
                 }
