@@ -30,8 +30,9 @@ use kvroute_engine_sim::embeddings::{cosine, embed};
 
 use super::measure::memory_kib;
 use crate::suite::procs::Bins;
+use crate::suite::response_cache::sum;
 use crate::suite::semantic_cache::{
-    self as semantic_cache, Embedder, PAIRS, Pair, Replayed, ask, pairs, rates, sum,
+    self as semantic_cache, Embedder, PAIRS, PAIRS_FILE, Pair, Replayed, ask, pairs, rates,
 };
 use crate::suite::system::{EngineSetup, Setup, System, TENANT_HEADER};
 
@@ -117,7 +118,7 @@ async fn thresholds(
     client: &reqwest::Client,
 ) -> anyhow::Result<()> {
     let pairs = match &args.pairs {
-        None => pairs(PAIRS, "e2e/data/semantic-pairs/pairs.jsonl")?,
+        None => pairs(PAIRS, PAIRS_FILE)?,
         Some(file) => {
             let text = std::fs::read_to_string(file)
                 .with_context(|| format!("reading {}", file.display()))?;
@@ -275,9 +276,9 @@ async fn fill(
         let text = system.router_metrics(0).await?;
         Ok(Row {
             sent,
-            entries: sum(&text, "kvroute_semantic_cache_entries", None),
-            index_bytes: sum(&text, "kvroute_semantic_cache_bytes", None),
-            exact_bytes: sum(&text, "kvroute_response_cache_bytes", None),
+            entries: sum(&text, "kvroute_semantic_cache_entries"),
+            index_bytes: sum(&text, "kvroute_semantic_cache_bytes"),
+            exact_bytes: sum(&text, "kvroute_response_cache_bytes"),
             rss: memory_kib(&[pid], "VmRSS") as f64 * 1024.0,
         })
     };

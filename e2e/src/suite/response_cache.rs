@@ -329,8 +329,7 @@ async fn store_figures(system: &System, s: &mut Scenario) -> anyhow::Result<()> 
                 e.1 += x.value;
             }
         }
-        let n = (samples(&text, "kvroute_response_cache_breaker_opened_total"))
-            .fold(0.0, |n, x| n + x.value);
+        let n = sum(&text, "kvroute_response_cache_breaker_opened_total");
         opened += n;
         each_opened &= n > 0.0;
     }
@@ -356,6 +355,11 @@ async fn stored_count(system: &System, i: usize) -> f64 {
 /// The samples of metric `name` (`_total` included) in a scrape.
 fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = Sample<'a>> {
     (text.lines().filter_map(parse_line)).filter(move |x| x.name == name)
+}
+
+/// The sum of metric `name`'s samples in a scrape.
+pub(crate) fn sum(text: &str, name: &str) -> f64 {
+    samples(text, name).fold(0.0, |n, x| n + x.value)
 }
 
 /// A cacheable chat request, distinct for each `label` and `n`.

@@ -38,17 +38,18 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use futures_util::StreamExt as _;
 use kvroute_core::rng::SplitMix64;
-use kvroute_telemetry::metrics::parse_line;
 use serde_json::{Value, json};
 
 use super::procs::{Bins, Proc};
 use super::report::{self, Scenario};
-use super::response_cache::chat;
+use super::response_cache::{chat, sum};
 use super::scenarios::Ctx;
 use super::system::{MODEL, STARTUP, Setup, System, TENANT_HEADER, free_ports};
 
 /// The labelled pairs (`e2e/data/semantic-pairs/pairs.jsonl`).
 pub const PAIRS: &str = include_str!("../../data/semantic-pairs/pairs.jsonl");
+/// Where [`PAIRS`] is read from, for errors.
+pub const PAIRS_FILE: &str = "e2e/data/semantic-pairs/pairs.jsonl";
 /// The goal for phase A's false-hit rate at the default threshold.
 const FALSE_HIT_GOAL: f64 = 0.02;
 /// Requests in flight at once in phase A.
@@ -264,14 +265,6 @@ pub fn rates(replayed: &[Replayed]) -> ((usize, usize), (usize, usize)) {
     (count(true), count(false))
 }
 
-/// The sum of metric `name`'s samples in `text` whose labels include
-/// `label` (`None`: all).
-pub fn sum(text: &str, name: &str, label: Option<(&str, &str)>) -> f64 {
-    (text.lines().filter_map(parse_line))
-        .filter(|x| x.name == name && label.is_none_or(|(k, v)| x.label(k) == Some(v)))
-        .fold(0.0, |n, x| n + x.value)
-}
-
 /// Runs the scenario into `s`.
 pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let logs = ctx.out.join("logs").join("semantic_cache-embeddings");
@@ -296,7 +289,7 @@ async fn labelled_pairs(
     s: &mut Scenario,
 ) -> anyhow::Result<()> {
     let addr = system.router_addrs()[0];
-    let pairs = pairs(PAIRS, "e2e/data/semantic-pairs/pairs.jsonl")?;
+    let pairs = pairs(PAIRS, PAIRS_FILE)?;
     let replayed = replay(client, addr, &pairs).await;
     let failed: Vec<&String> = (replayed.iter())
         .filter_map(|r| r.answers.as_ref().err())
@@ -350,7 +343,6 @@ async fn labelled_pairs(
     let counted = sum(
         &system.router_metrics(0).await?,
         "kvroute_semantic_cache_false_hits_total",
-        None,
     );
     s.check(
         accepted == false_hits && counted == false_hits as f64,
@@ -489,9 +481,5 @@ async fn killed(
 /// Router-0's `kvroute_semantic_cache_embedding_errors_total`, summed.
 async fn embedding_errors(system: &System) -> anyhow::Result<f64> {
     let text = system.router_metrics(0).await?;
-    Ok(sum(
-        &text,
-        "kvroute_semantic_cache_embedding_errors_total",
-        None,
-    ))
+    Ok(sum(&text, "kvroute_semantic_cache_embedding_errors_total"))
 }

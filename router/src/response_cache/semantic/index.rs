@@ -72,11 +72,9 @@
 //! global thread pool (one thread per core), whichever thread runs it.
 //! instant-distance links each entry to 64 others in its bottom layer (a
 //! constant), so a graph search visits hundreds of entries: a small graph
-//! costs as much as scanning it, hence large batches and few graphs. On
-//! the decision bench (dimension 256, a full index with evictions), a
-//! search of 10,000 entries costs 0.5 ms (vectors near a subspace) to
-//! 0.7 ms (random ones), a plain scan of them 0.9 ms, and an insert 0.6 to
-//! 1.3 ms of builds, amortized; 1,000 entries are only scanned: 34 µs.
+//! costs as much as scanning it, hence large batches and few graphs. The
+//! decision bench's `semantic` group measures searches and inserts; its
+//! figures are in `docs/response-cache.md` ("What it costs").
 //!
 //! Not here: embedding, the similarity threshold, answers (the exact
 //! store's, by the [`Key`] a hit returns), expiry: the caller's.
