@@ -132,7 +132,7 @@ impl Forwarder {
                         if let Ok(v) = similarity {
                             response.headers_mut().insert(SIMILARITY_HEADER, v);
                         }
-                        semantic.served(answer_id(&c, id), label(&c.key.model));
+                        semantic.served(&again, answer_id(&c, id), label(&c.key.model));
                         return (Ok(response), "semantic-hit");
                     }
                     remember = Some((semantic.clone(), again));

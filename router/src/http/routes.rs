@@ -25,8 +25,8 @@ pub(crate) fn routes(forwarder: Arc<Forwarder>) -> Router {
         )
         .route(
             FALSE_HIT_PATH,
-            axum::routing::post(|State(f): State<Arc<Forwarder>>, headers, body| {
-                false_hit(f.service.clone(), headers, body)
+            axum::routing::post(|State(f): State<Arc<Forwarder>>, req: Request| {
+                false_hit(f.service.clone(), req)
             }),
         )
         .route("/healthz", get(|| async { StatusCode::OK }))
@@ -51,42 +51,53 @@ pub(crate) fn routes(forwarder: Arc<Forwarder>) -> Router {
 /// Where a client reports a wrong semantic hit.
 pub const FALSE_HIT_PATH: &str = "/v1/kvroute/semantic-cache/false-hit";
 
+/// The largest false-hit report read, bytes: it carries one id.
+pub const MAX_REPORT_BYTES: usize = 512;
+
 /// `POST /v1/kvroute/semantic-cache/false-hit` with `{"id": "<the
 /// answer's id>"}`: counts a semantic hit a client found wrong (see
-/// [`crate::response_cache::semantic`]). Authenticated as the proxied
-/// paths are; 404 for an id that is not a recent semantic hit.
-async fn false_hit(
-    p: Arc<Service>,
-    headers: axum::http::HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    if let Err(e) = p.authenticate(&headers) {
-        return e.into_response();
-    }
-    let Some(semantic) = p.response_cache.as_ref().and_then(|c| c.semantic.as_ref()) else {
+/// [`crate::response_cache::semantic`]). In order: 404 while the semantic
+/// level is off, before anything is read; the credentials, as the proxied
+/// paths check them; the body, within the proxied paths' limits and at
+/// most [`MAX_REPORT_BYTES`]. 404 for an id that is not a recent semantic
+/// hit of the reporting tenant; 200 for one reported before, counted once
+/// (`"counted": false`).
+async fn false_hit(p: Arc<Service>, req: Request) -> Response {
+    use crate::response_cache::semantic::{RECENT_HITS, Report};
+    let Some(semantic) = p.response_cache.as_ref().and_then(|c| c.semantic.clone()) else {
         return ApiError::NotFound("the semantic cache is off".into()).into_response();
     };
+    let (parts, body) = req.into_parts();
+    let mut admitted = match p.admit_control(&parts.headers, MAX_REPORT_BYTES) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    if let Err(e) = admitted.read(body).await {
+        return e.into_response();
+    }
     #[derive(serde::Deserialize)]
-    struct Report {
+    struct Body {
         id: String,
     }
-    let report: Report = match serde_json::from_slice(&body) {
+    let report: Body = match serde_json::from_slice(&admitted.received.bytes()) {
         Ok(r) => r,
         Err(e) => {
             return ApiError::BadRequest(format!("expected {{\"id\": \"...\"}}: {e}"))
                 .into_response();
         }
     };
-    if semantic.report_false_hit(&report.id) {
-        axum::Json(json!({"reported": report.id})).into_response()
-    } else {
-        ApiError::NotFound(format!(
-            "{} is not one of the last {} semantic hits",
-            report.id,
-            crate::response_cache::semantic::RECENT_HITS
-        ))
-        .into_response()
+    match semantic.report_false_hit(admitted.tenant(), &report.id) {
+        Report::Counted => axum::Json(json!({"reported": report.id, "counted": true})),
+        Report::Again => axum::Json(json!({"reported": report.id, "counted": false})),
+        Report::Unknown => {
+            return ApiError::NotFound(format!(
+                "{} is not one of the last {RECENT_HITS} semantic hits",
+                report.id,
+            ))
+            .into_response();
+        }
     }
+    .into_response()
 }
 
 async fn models(p: Arc<Service>, headers: axum::http::HeaderMap) -> Response {

@@ -2,11 +2,42 @@
 //! labels, tenant and body as it arrives, until it is decided, refused or
 //! answered by the router itself.
 
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, header};
 use tokio::time::Instant;
 
-use super::Labels;
 use super::body::Received;
+use super::{Labels, Service};
 use crate::errors::ApiError;
+
+impl Service {
+    /// Admits a request to one of the router's own routes on the API port
+    /// (not proxied, not counted as a request) whose body is at most
+    /// `cap` bytes: the credentials in `headers` first, then the body
+    /// within the same limits as a proxied one ([`super::body`]: the
+    /// budgets, the read timeout and minimum rate) and `cap`. A declared
+    /// length over `cap` is refused (413) before any byte is read.
+    pub(crate) fn admit_control(
+        self: &Arc<Self>,
+        headers: &HeaderMap,
+        cap: usize,
+    ) -> Result<Admitted, ApiError> {
+        let started = Instant::now();
+        let mut labels = Labels::uncounted(self);
+        let tenant = self.identify(headers, &mut labels)?;
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        let received = Received::capped(&self.bodies, declared, tenant.as_deref(), cap)?;
+        Ok(Admitted {
+            labels,
+            tenant,
+            received,
+            started,
+        })
+    }
+}
 
 /// A request admitted at its headers, its body arriving.
 pub(crate) struct Admitted {

@@ -156,6 +156,9 @@ pub struct Received {
     buf: BytesMut,
     /// The declared length, bounding the copy's capacity.
     declared: usize,
+    /// The most bytes it may hold: `limits.maxBodyBytes`, or less for a
+    /// control route ([`Received::capped`]).
+    limit: usize,
     held: Held,
     /// When the headers arrived.
     started: Instant,
@@ -170,7 +173,19 @@ impl Received {
         declared: Option<usize>,
         tenant: Option<&str>,
     ) -> Result<Self, ApiError> {
-        let limit = budget.limits.max_body_bytes;
+        Self::capped(budget, declared, tenant, usize::MAX)
+    }
+
+    /// [`Received::new`] for a body of at most `cap` bytes (a control
+    /// route's, which carries a few fields), or `limits.maxBodyBytes` if
+    /// lower: every other limit holds as for a proxied body.
+    pub fn capped(
+        budget: &Arc<BodyBudget>,
+        declared: Option<usize>,
+        tenant: Option<&str>,
+        cap: usize,
+    ) -> Result<Self, ApiError> {
+        let limit = budget.limits.max_body_bytes.min(cap);
         if declared.is_some_and(|n| n > limit) {
             return Err(budget.refuse("too_large", ApiError::TooLarge { limit }));
         }
@@ -178,6 +193,7 @@ impl Received {
             first: None,
             buf: BytesMut::new(),
             declared: declared.unwrap_or(0),
+            limit,
             held: Held {
                 budget: budget.clone(),
                 tenant: tenant.map(Arc::from),
@@ -195,7 +211,7 @@ impl Received {
 
     /// Appends `data`, reserving the budget for it.
     pub fn push(&mut self, data: Bytes) -> Result<(), ApiError> {
-        let limit = self.held.budget.limits.max_body_bytes;
+        let limit = self.limit;
         let len = self.len() + data.len();
         if len > limit {
             let error = ApiError::TooLarge { limit };

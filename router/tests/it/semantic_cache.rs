@@ -1,10 +1,16 @@
 //! The semantic level of the response cache over an engine sim, whose
 //! `/v1/embeddings` is a deterministic test double (shared words).
 
+use std::time::Duration;
+
 use crate::response_cache::{ask, engine_requests};
 use crate::support::*;
-use kvroute_router::config::{Embeddings, Header, ResponseCache, Semantic};
+use kvroute_router::config::{Config, Embeddings, Header, ResponseCache, Semantic};
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const FALSE_HIT: &str = "/v1/kvroute/semantic-cache/false-hit";
 
 fn ask_body(system: &str, user: &str) -> Value {
     json!({
@@ -17,6 +23,15 @@ fn ask_body(system: &str, user: &str) -> Value {
 
 /// A stack whose cache embeds with `url` (the sim's own when `None`).
 async fn semantic_stack(name: &str, url: Option<String>) -> Stack {
+    semantic_stack_with(name, url, |_| {}).await
+}
+
+/// [`semantic_stack`] with the router's config then changed by `f`.
+async fn semantic_stack_with(
+    name: &str,
+    url: Option<String>,
+    f: impl FnOnce(&mut Config),
+) -> Stack {
     let mut stack = Stack::start(
         name,
         1,
@@ -43,6 +58,7 @@ async fn semantic_stack(name: &str, url: Option<String>) -> Stack {
         }),
         ..ResponseCache::default()
     });
+    f(&mut config);
     stack.router.shutdown().await;
     stack.router = kvroute_router::start(config).await.unwrap();
     stack
@@ -74,22 +90,28 @@ async fn a_question_differing_in_case_and_punctuation_is_a_semantic_hit_in_its_c
     assert_eq!(result, "miss");
     assert_eq!(engine_requests(&stack), 4.0);
 
-    // A client reports the hit wrong.
-    let report = |id: String| {
-        let url = stack.url("/v1/kvroute/semantic-cache/false-hit");
-        let client = stack.client.clone();
+    // A client reports the hit wrong: its own tenant, once.
+    let report = |tenant: &str, id: &str| {
+        let request = (stack.client.post(stack.url(FALSE_HIT)))
+            .header("x-tenant", tenant)
+            .json(&json!({"id": id}));
         async move {
-            client
-                .post(url)
-                .json(&json!({"id": id}))
-                .send()
-                .await
-                .unwrap()
-                .status()
+            let r = request.send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
         }
     };
-    assert_eq!(report(again["id"].as_str().unwrap().to_owned()).await, 200);
-    assert_eq!(report("chatcmpl-unknown".into()).await, 404);
+    let id = again["id"].as_str().unwrap();
+    let (status, body) = report("b", id).await;
+    assert_eq!(status, 404, "another tenant's report is an unknown id's");
+    let (status, unknown) = report("a", "chatcmpl-unknown").await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["type"], unknown["error"]["type"]);
+    let (status, body) = report("a", id).await;
+    assert_eq!((status, &body["counted"]), (200, &json!(true)));
+    for _ in 0..3 {
+        let (status, body) = report("a", id).await;
+        assert_eq!((status, &body["counted"]), (200, &json!(false)), "once");
+    }
     let metrics = stack.metrics().await;
     assert_eq!(
         sum_of(&metrics, "kvroute_semantic_cache_false_hits_total"),
@@ -189,5 +211,49 @@ async fn a_similar_question_whose_answer_is_gone_is_remembered_afresh() {
     // The second was remembered with its own answer.
     assert_eq!(ask_as("WHAT IS A KV CACHE!").await.0, "semantic-hit");
     assert_eq!(engine_requests(&stack), 2.0);
+    stack.stop().await;
+}
+
+/// Sends `head` (a request's headers) and `body` on a new connection;
+/// returns what the router answered within 10 s (empty if nothing).
+async fn raw(stack: &Stack, head: &str, body: &[u8]) -> String {
+    let mut tcp = TcpStream::connect(stack.router.addr()).await.unwrap();
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(body).await.unwrap();
+    let mut response = Vec::new();
+    let read = tcp.read_to_end(&mut response);
+    let _ = tokio::time::timeout(Duration::from_secs(10), read).await;
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+fn report_head(length: usize) -> String {
+    format!(
+        "POST {FALSE_HIT} HTTP/1.1\r\nhost: x\r\nx-tenant: a\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+    )
+}
+
+#[tokio::test]
+async fn the_false_hit_route_reads_its_body_within_the_body_limits() {
+    let stack = semantic_stack_with("sem-report-limits", None, |c| {
+        c.limits.body_read_timeout_ms = 500;
+    })
+    .await;
+    // A trickled body is cut at the body timeout.
+    let answer = raw(&stack, &report_head(100), b"{\"id\":").await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    // A body longer than a report is refused before it is sent.
+    let answer = raw(&stack, &report_head(1 << 20), b"").await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer:?}");
+    let metrics = stack.metrics().await;
+    for reason in ["timeout", "too_large"] {
+        let refused = format!("kvroute_request_bodies_refused_total{{reason=\"{reason}\"}}");
+        assert_eq!(sum_of(&metrics, &refused), 1.0, "{reason}");
+    }
+    stack.stop().await;
+
+    // With the semantic level off, 404 before any byte of the body.
+    let stack = Stack::start("sem-report-off", 1, false, |_| {}, |_| {}).await;
+    let answer = raw(&stack, &report_head(100), b"").await;
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer:?}");
     stack.stop().await;
 }

@@ -16,8 +16,11 @@
 //!    store; an answer gone from there is a miss, whose question is
 //!    remembered afresh.
 //! 4. A miss's question is remembered once its answer is stored.
-//! 5. Each semantic hit's response id is kept (the last [`RECENT_HITS`])
-//!    so a client can report it wrong ([`Semantic::report_false_hit`]).
+//! 5. Each semantic hit's response id is kept with its tenant (the last
+//!    [`RECENT_HITS`]) so a client can report it wrong
+//!    ([`Semantic::report_false_hit`]): only the hit's own tenant, and
+//!    only once; another tenant's report is answered as an unknown id's,
+//!    so ids cannot be probed across tenants.
 //!
 //! Not here: the exact cache, and the HTTP glue (`crate::http`).
 
@@ -55,8 +58,8 @@ pub struct Semantic {
     index: RwLock<Index>,
     threshold: f32,
     metrics: Arc<CacheMetrics>,
-    /// Recent semantic hits: response id and model label.
-    hits: Mutex<VecDeque<(String, String)>>,
+    /// Recent semantic hits, oldest first.
+    hits: Mutex<VecDeque<RecentHit>>,
 }
 
 /// What a lookup found.
@@ -76,6 +79,32 @@ pub struct Remember {
     partition: [u8; 32],
     vector: Vec<f32>,
     context: [u8; 32],
+    /// Who asked it: the tenant a hit on it is reported by.
+    tenant: Option<String>,
+}
+
+/// A semantic hit served, kept for a false-hit report.
+#[derive(Debug)]
+struct RecentHit {
+    /// The response id it was answered as.
+    id: String,
+    /// The model label it is counted under.
+    model: String,
+    /// The tenant it was served to: the only one that may report it.
+    tenant: Option<String>,
+    /// Whether it was reported (it counts once).
+    reported: bool,
+}
+
+/// What became of a false-hit report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// Counted.
+    Counted,
+    /// The hit was reported before: not counted again.
+    Again,
+    /// Not a recent semantic hit of the reporting tenant.
+    Unknown,
 }
 
 impl Semantic {
@@ -129,6 +158,7 @@ impl Semantic {
             partition,
             vector,
             context,
+            tenant: tenant.map(str::to_owned),
         };
         match nearest {
             Ok(Some(hit)) => {
@@ -155,6 +185,7 @@ impl Semantic {
             partition,
             vector,
             context,
+            ..
         } = question;
         let inserted = self.write().insert(partition, &vector, context, key);
         match inserted {
@@ -163,27 +194,38 @@ impl Semantic {
         }
     }
 
-    /// Records a semantic hit answered as `id` for `model` (a label).
-    pub fn served(&self, id: String, model: String) {
+    /// Records a semantic hit on `found`'s question ([`Found::Similar`]'s
+    /// second part) answered as `id` for `model` (a label).
+    pub fn served(&self, found: &Remember, id: String, model: String) {
         let mut hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
         if hits.len() == RECENT_HITS {
             hits.pop_front();
         }
-        hits.push_back((id, model));
+        hits.push_back(RecentHit {
+            id,
+            model,
+            tenant: found.tenant.clone(),
+            reported: false,
+        });
     }
 
-    /// Counts a client's report that the semantic hit answered as `id`
-    /// was wrong; `false` when `id` is not a recent semantic hit.
-    pub fn report_false_hit(&self, id: &str) -> bool {
-        let hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((_, model)) = hits.iter().find(|(i, _)| i == id) else {
-            return false;
+    /// Counts `tenant`'s report that the semantic hit answered as `id`
+    /// was wrong, once per hit; a hit served to another tenant is
+    /// [`Report::Unknown`], as an id never served is.
+    pub fn report_false_hit(&self, tenant: Option<&str>, id: &str) -> Report {
+        let mut hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
+        let found = (hits.iter_mut()).find(|h| h.id == id && h.tenant.as_deref() == tenant);
+        let Some(hit) = found else {
+            return Report::Unknown;
         };
+        if std::mem::replace(&mut hit.reported, true) {
+            return Report::Again;
+        }
         let model = Model {
-            model: model.clone(),
+            model: hit.model.clone(),
         };
         self.metrics.false_hits.get_or_create(&model).inc();
-        true
+        Report::Counted
     }
 
     /// Sets the entries and bytes gauges (at scrape time).
