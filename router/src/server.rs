@@ -149,7 +149,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let tenancy = Tenancy::load(&config.tenancy)?;
     let cache_metrics = Arc::new(CacheMetrics::default());
     let response_cache = (config.response_cache.as_ref())
-        .map(|c| ResponseCache::new(c, &tenancy, &config.limits, cache_metrics.clone()))
+        .map(|c| {
+            let cache = ResponseCache::new(c, &tenancy, &config.limits, cache_metrics.clone());
+            cache.map(|c| c.keyed_on_credentials(config.proxy.forward_authorization))
+        })
         .transpose()?;
     let tls = config
         .tls

@@ -183,8 +183,14 @@ fn string(s: &str) -> Value {
 /// The answer to the request headers once the picker has decided: the
 /// destination header (and `content-length` of the body sent back, when
 /// there is one), the same value in `envoy.lb` metadata, and a cleared
-/// route cache so the gateway routes on them.
-pub fn destination(endpoints: &str, body_len: Option<usize>, id: &RequestId) -> ProcessingResponse {
+/// route cache so the gateway routes on them; `remove`d: the router's own
+/// headers the client sent, which must not reach the engine.
+pub fn destination(
+    endpoints: &str,
+    body_len: Option<usize>,
+    id: &RequestId,
+    remove: Vec<String>,
+) -> ProcessingResponse {
     let mut set_headers = vec![
         set(DESTINATION, endpoints.as_bytes()),
         set(REQUEST_ID.as_str(), id.header().as_bytes()),
@@ -200,7 +206,7 @@ pub fn destination(endpoints: &str, body_len: Option<usize>, id: &RequestId) -> 
             response: Some(CommonResponse {
                 header_mutation: Some(HeaderMutation {
                     set_headers,
-                    remove_headers: Vec::new(),
+                    remove_headers: remove,
                 }),
                 clear_route_cache: true,
                 ..CommonResponse::default()

@@ -11,7 +11,8 @@
 //!    decision as the HTTP forwarder's ([`Service::decide`]), among the hinted
 //!    endpoints. The answer: the headers response with the ranked
 //!    `x-gateway-destination-endpoint` list and the same `envoy.lb`
-//!    metadata, then the body (rewritten when tenancy sets `cache_salt`),
+//!    metadata (and any `x-kvroute-*` header the client sent removed, as
+//!    the HTTP front end drops them), then the body (rewritten when tenancy sets `cache_salt`),
 //!    in chunks; then the trailers response if trailers ended it. A request
 //!    without a body goes to the least loaded endpoint at once. Once the
 //!    answers are sent, the body's budget is given back.
@@ -47,7 +48,9 @@ use crate::errors::ApiError;
 use crate::pool::{Fault, Target};
 use crate::request::body::Held;
 use crate::request::recent::{CACHE_HEADER, REQUEST_ID};
-use crate::request::{Admitted, Ask, Attempt, Decision, Guard, Payload, RequestId, Service};
+use crate::request::{
+    Admitted, Ask, Attempt, Decision, Guard, Payload, RequestId, Service, routers_own,
+};
 
 /// Serves one `Process` stream: reads the gateway's messages and sends the
 /// answers on `out` until the request is over or the stream ends.
@@ -406,10 +409,15 @@ impl Exchange {
         };
         let mut decision = self.service.decide(ask).await.map_err(Stop::Refuse)?;
         let (body, budget) = decision.take_body();
+        let own = (headers.keys())
+            .filter(|n| routers_own(n))
+            .map(|n| n.as_str().to_owned())
+            .collect();
         let mut answers = vec![envoy::destination(
             &ranked(decision.targets()),
             (!body.is_empty()).then_some(body.len()),
             decision.id(),
+            own,
         )];
         if budget.is_some() {
             answers.extend(envoy::body(Direction::Request, &body, end_of_stream));

@@ -176,7 +176,9 @@ impl Forwarder {
                 }
                 Ok((response, _)) if retried(response.status()) => {
                     let status = response.status();
-                    let fault = status.is_server_error().then_some(Fault::Status);
+                    // A refusal the router did not ask for is no fault.
+                    let refused = refusal(status, response.headers()).is_some();
+                    let fault = (status.is_server_error() && !refused).then_some(Fault::Status);
                     decision.failed(attempt, "status", fault);
                     if let Some(times) = warnings.admit(&name, "status") {
                         tracing::info!(endpoint = %name, %status, attempt = tried - 1, times, "retrying on the next endpoint");

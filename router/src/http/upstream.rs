@@ -1,6 +1,6 @@
 //! The request sent to an engine: the client's, addressed to the target,
 //! with the router's headers (request id, admission bound, trace context)
-//! and without the private ones.
+//! and without the private ones or any `x-kvroute-*` the client sent.
 
 use axum::http::header::{self, HeaderName, HeaderValue};
 use axum::http::request::Parts;
@@ -12,8 +12,8 @@ use kvroute_core::admission::ADMIT_WITHIN_HEADER;
 use super::headers::copy_headers;
 use crate::errors::ApiError;
 use crate::pool::Fault;
-use crate::request::RequestId;
 use crate::request::recent::REQUEST_ID;
+use crate::request::{RequestId, routers_own};
 
 /// The request to send to `target`.
 pub(super) fn request(
@@ -35,6 +35,10 @@ pub(super) fn request(
         .map_err(|e| (ApiError::Upstream(e.to_string()), None))?;
     let headers = request.headers_mut();
     copy_headers(&parts.headers, headers, private_headers);
+    let own: Vec<HeaderName> = headers.keys().filter(|n| routers_own(n)).cloned().collect();
+    for name in own {
+        headers.remove(name);
+    }
     headers.remove(header::HOST);
     headers.insert(REQUEST_ID, id.header().clone());
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));

@@ -43,6 +43,32 @@ pub(crate) fn members<'b>(
     walk::<true>(body, f)
 }
 
+/// The JSON object `body` with its member `key` (each one of that name)
+/// replaced by `value`, a JSON text, written last; the other members
+/// are copied as they are. No tree is built: the copy is the body's size.
+pub(crate) fn replaced(body: &[u8], key: &str, value: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(body.len() + key.len() + value.len() + 8);
+    out.push(b'{');
+    let member = |out: &mut Vec<u8>, k: &str, v: &[u8]| {
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut *out, k).map_err(|_| Rejected)?;
+        out.push(b':');
+        out.extend_from_slice(v);
+        Ok(())
+    };
+    walk::<true>(body, |k, v| {
+        if k == key {
+            return Ok(());
+        }
+        member(&mut out, &k, v)
+    })?;
+    member(&mut out, key, value)?;
+    out.push(b'}');
+    Ok(out)
+}
+
 /// The texts of the elements of `array`, a value [`members`] checked;
 /// `None` when it is not an array.
 pub(crate) fn elements(array: &[u8]) -> Option<Vec<&[u8]>> {

@@ -28,7 +28,7 @@
 pub mod body;
 pub mod chunks;
 pub mod conversations;
-mod json_skim;
+pub(crate) mod json_skim;
 pub mod prefixes;
 #[cfg(test)]
 mod tests;

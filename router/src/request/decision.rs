@@ -322,6 +322,17 @@ impl Decision {
     }
 }
 
+/// The prefix of the router's own headers. A client's are read by the
+/// router (`x-kvroute-cache-sampled`) and never reach an engine: one it
+/// could forge (`x-kvroute-admit-within-ms`) would make the engine refuse
+/// what the router then counts against it.
+const ROUTER_PREFIX: &str = "x-kvroute-";
+
+/// Whether `name` is one of the router's own headers ([`ROUTER_PREFIX`]).
+pub(crate) fn routers_own(name: &axum::http::HeaderName) -> bool {
+    name.as_str().starts_with(ROUTER_PREFIX)
+}
+
 /// An engine's admission refusal ([`kvroute_core::admission`]): a 503
 /// with its queue in two headers.
 pub(crate) fn refusal(status: StatusCode, headers: &axum::http::HeaderMap) -> Option<Refusal> {

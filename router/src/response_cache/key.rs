@@ -5,18 +5,28 @@
 //! 1. Only `/v1/chat/completions` and `/v1/completions` are cached.
 //! 2. `Cache-Control: no-store`: neither read nor stored. `no-cache`: not
 //!    served from the cache, but the new answer is stored.
-//! 3. The body is a JSON object naming a `model`.
+//! 3. The body is a JSON object naming a `model`, with a canonical form
+//!    ([`canon`]: no repeated key, at most [`canon::MAX_MEMBERS`] members
+//!    an object, no integral number too large to be exact).
 //! 4. Only deterministic answers: `temperature` 0 (absent means the API's
 //!    default of 1), unless the client opts a sampled request in with
-//!    `x-kvroute-cache-sampled: 1`; and always `n` 1 (or absent) and no
-//!    `logprobs` or `top_logprobs` (they are not stored).
-//! 5. The key is a hash of the tenant, the model, the model's roots as the
-//!    engines list them in `/v1/models`, `responseCache.version`, the path
-//!    and the body's canonical JSON without [`EXCLUDED`]: fields that
-//!    change how the answer is delivered or accounted, not what it says.
-//!    Keyed (HMAC-SHA256) with the configured key material, else plain
-//!    SHA-256. Each part is length-prefixed, so no two different
-//!    requests hash the same bytes.
+//!    `x-kvroute-cache-sampled: 1`; and always `n` 1 (or absent).
+//! 5. Only answers the stored form reproduces whole: no `logprobs`,
+//!    `top_logprobs` or `prompt_logprobs`, no `return_token_ids`, no
+//!    `kv_transfer_params`.
+//! 6. The key is a hash of the tenant, the model, the model's roots as the
+//!    engines list them in `/v1/models`, `responseCache.version`, the path,
+//!    the `Authorization` header when it is forwarded to the engines
+//!    (`proxy.forwardAuthorization`: the engine's own authentication
+//!    decides the answer, so a request is never served what its own
+//!    credential would not have obtained), and the canonical form of the
+//!    body without [`EXCLUDED`]: fields that change how the answer is
+//!    delivered or accounted, not what it says. Keyed (HMAC-SHA256) with
+//!    the configured key material, else plain SHA-256. Each part is
+//!    length-prefixed, so no two different requests hash the same bytes.
+//!
+//! The body is read without building a tree of it ([`canon`], [`chat`]):
+//! classifying a body costs about its own size, whatever it holds.
 //!
 //! A streamed request without `stream_options.include_usage` is forwarded
 //! with it, so its answer can be stored whole; the usage chunk is then
@@ -24,12 +34,18 @@
 //!
 //! Not here: the stores, and reading and serving answers.
 
+mod canon;
+mod chat;
+
 use axum::http::HeaderMap;
-use axum::http::header::CACHE_CONTROL;
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL};
 use bytes::Bytes;
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
+
+use self::canon::Members;
+use crate::prompt::json_skim;
 
 /// The header opting a sampled request (`temperature` not 0) in.
 pub const SAMPLED_HEADER: &str = "x-kvroute-cache-sampled";
@@ -139,6 +155,9 @@ pub struct Keying {
     pub version: String,
     /// Whether requests' [`Question`]s are wanted (the semantic level).
     pub semantic: bool,
+    /// Whether `Authorization` is forwarded to the engines
+    /// (`proxy.forwardAuthorization`), and so is part of the key.
+    pub credentials: bool,
 }
 
 /// Classifies a request to `path` with `headers` and `body` from `tenant`;
@@ -159,49 +178,71 @@ pub fn classify(
     if control.iter().any(|d| d == "no-store") {
         return Classified::Bypass("no_store");
     }
-    let Ok(Value::Object(mut fields)) = serde_json::from_slice::<Value>(body) else {
-        return Classified::Bypass("body");
+    let read = match Read::of(body, api) {
+        Ok(read) => read,
+        Err(reason) => return Classified::Bypass(reason),
     };
-    let Some(model) = fields
-        .get("model")
-        .and_then(Value::as_str)
-        .map(str::to_owned)
+    let Some(model) = read
+        .field("model")
+        .and_then(|raw| serde_json::from_slice::<String>(raw).ok())
     else {
         return Classified::Bypass("body");
     };
-    if let Some(reason) = nondeterministic(&fields, api, sampled(headers)) {
+    if let Some(reason) = nondeterministic(&read, api, sampled(headers)) {
         return Classified::Bypass(reason);
     }
-    let stream = fields.get("stream").and_then(Value::as_bool) == Some(true);
-    let include_usage = fields
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
+    let stream = read.scalar("stream") == Some(Value::Bool(true));
+    let options = read.field("stream_options");
+    let include_usage = options
+        .filter(|raw| raw.len() <= MAX_SCALAR_BYTES)
+        .and_then(|raw| serde_json::from_slice::<Value>(raw).ok())
+        .and_then(|o| o.get("include_usage")?.as_bool())
         == Some(true);
-    let forward = (stream && !include_usage).then(|| with_usage(&fields));
-    for field in EXCLUDED {
-        fields.remove(field);
-    }
-    let canonical = serde_json::to_vec(&fields).unwrap_or_default();
+    let forward = match (stream && !include_usage).then(|| with_usage(body, options)) {
+        Some(Some(forward)) => Some(forward),
+        Some(None) => return Classified::Bypass("body"),
+        None => None,
+    };
     let roots = roots(&model).join("\n");
-    let head: [&[u8]; 5] = [
+    // A credential forwarded to the engines decides what they answer.
+    let credential = (keying.credentials)
+        .then(|| {
+            (headers.get_all(AUTHORIZATION).iter().map(|v| v.as_bytes()))
+                .collect::<Vec<_>>()
+                .join(&b'\n')
+        })
+        .unwrap_or_default();
+    let head: [&[u8]; 6] = [
         tenant.unwrap_or("").as_bytes(),
         model.as_bytes(),
         roots.as_bytes(),
         keying.version.as_bytes(),
         path.as_bytes(),
+        &credential,
     ];
     // The tenant's presence is a part too: no tenant and an empty one
     // never share a key.
     let present = [u8::from(tenant.is_some())];
+    let Read {
+        mut members,
+        question,
+        ..
+    } = read;
+    let Some(canonical) = body_digest(&mut members) else {
+        return Classified::Bypass(canon::DUPLICATE);
+    };
     let key_digest = digest(&keying.secret, KEY_TAG, &present, &head, &canonical);
-    let question = (keying.semantic)
-        .then(|| question(&fields, api))
-        .flatten()
-        .map(|(text, rest)| {
-            let rest = serde_json::to_vec(&rest).unwrap_or_default();
+    let question = question
+        .filter(|_| keying.semantic)
+        .and_then(|(context, text)| {
+            let asked = members.iter_mut().find(|(k, _)| k == asked(api))?;
+            asked.1 = context;
+            let rest = body_digest(&mut members)?;
             let context = digest(&keying.secret, CONTEXT_TAG, &present, &head, &rest);
-            Question { text, context }
+            Some(Question {
+                text: text?,
+                context,
+            })
         });
     Classified::Cacheable(Cacheable {
         key: Key {
@@ -219,72 +260,156 @@ pub fn classify(
     })
 }
 
-/// The question in `fields` (the last user message, or the prompt) and
-/// the fields without it; `None` when it is not all text.
-fn question(fields: &Map<String, Value>, api: Api) -> Option<(String, Map<String, Value>)> {
-    let mut rest = fields.clone();
-    let slot = match api {
-        Api::Completion => rest.get_mut("prompt")?,
-        Api::Chat => {
-            let messages = rest.get_mut("messages")?.as_array_mut()?;
-            let last = (messages.iter_mut())
-                .rev()
-                .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))?;
-            last.get_mut("content")?
-        }
-    };
-    let text = match slot.take() {
-        Value::String(text) => text,
-        // Content parts: text only (an image is not a question in text).
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for part in parts {
-                if part.get("type").and_then(Value::as_str) != Some("text") {
-                    return None;
-                }
-                text.push_str(part.get("text")?.as_str()?);
-            }
-            text
-        }
-        _ => return None,
-    };
-    (!text.trim().is_empty()).then_some((text, rest))
+/// The digest of the body's canonical form: its kept `members`.
+fn body_digest(members: &mut Members<'_>) -> Option<[u8; 32]> {
+    let mut out = Sha256::new();
+    canon::object(&mut out, members).ok()?;
+    Some(out.finalize().into())
 }
 
-/// Why the answer would not be deterministic, if it would not be.
-fn nondeterministic(fields: &Map<String, Value>, api: Api, sampled: bool) -> Option<&'static str> {
-    let absent = |v: Option<&Value>| v.is_none_or(Value::is_null);
-    if !absent(fields.get("n")) && fields.get("n").and_then(Value::as_u64) != Some(1) {
+/// Values longer than this are never what a rule looks for (a number, a
+/// flag, a short object): they are read as "present", never parsed.
+const MAX_SCALAR_BYTES: usize = 4096;
+
+/// The top-level fields the rules read.
+const RULES: [&str; 10] = [
+    "model",
+    "n",
+    "temperature",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "prompt_logprobs",
+    "return_token_ids",
+    "kv_transfer_params",
+];
+
+/// The member holding an API's question.
+fn asked(api: Api) -> &'static str {
+    match api {
+        Api::Chat => "messages",
+        Api::Completion => "prompt",
+    }
+}
+
+/// What classifying reads of a body, in one pass over its members.
+struct Read<'b> {
+    /// Every member but [`EXCLUDED`]: its key and its value's digest.
+    members: Members<'b>,
+    /// The question's member (`messages` or `prompt`): its digest with
+    /// the question left out, and the question if it is text.
+    question: Option<([u8; 32], Option<String>)>,
+    /// The raw values of [`RULES`], by index.
+    rules: [Option<&'b [u8]>; RULES.len()],
+}
+
+impl<'b> Read<'b> {
+    /// Reads `body`, a request to `api`: refused when it is not a JSON
+    /// object with a canonical form.
+    fn of(body: &'b [u8], api: Api) -> Result<Self, canon::Refused> {
+        let mut read = Read {
+            members: Members::new(),
+            question: None,
+            rules: [None; RULES.len()],
+        };
+        let mut refused = "body";
+        let walked = json_skim::members(body, |key, value| {
+            if let Some(i) = RULES.iter().position(|r| *r == key) {
+                read.rules[i] = Some(value);
+            }
+            if EXCLUDED.contains(&&*key) {
+                return Ok(());
+            }
+            if read.members.len() == canon::MAX_MEMBERS {
+                refused = canon::MEMBERS;
+                return Err(json_skim::Rejected);
+            }
+            let read_as = if key == asked(api) { Some(api) } else { None };
+            let asked = match read_as {
+                Some(Api::Chat) => chat::messages(value),
+                Some(Api::Completion) => {
+                    canon::digest(value).map(|d| (d, Some((chat::BLANK, chat::text_of(value)))))
+                }
+                None => canon::digest(value).map(|d| (d, None)),
+            };
+            let (digest, question) = asked.map_err(|why| {
+                refused = why;
+                json_skim::Rejected
+            })?;
+            if question.is_some() {
+                read.question = question;
+            }
+            read.members.push((key, digest));
+            Ok(())
+        });
+        walked.map_err(|_| refused)?;
+        Ok(read)
+    }
+
+    /// The raw value of `field`, one of [`RULES`].
+    fn field(&self, field: &str) -> Option<&'b [u8]> {
+        self.rules[RULES.iter().position(|r| *r == field)?]
+    }
+
+    /// `field` as a value, when present; a long one is read as an empty
+    /// string (present, and neither null, a number nor a flag).
+    fn scalar(&self, field: &str) -> Option<Value> {
+        let raw = self.field(field)?;
+        if raw.len() > MAX_SCALAR_BYTES {
+            return Some(Value::String(String::new()));
+        }
+        serde_json::from_slice(raw).ok()
+    }
+}
+
+/// Why the answer would not be deterministic, or not reproducible from
+/// what is stored, if so.
+fn nondeterministic(read: &Read<'_>, api: Api, sampled: bool) -> Option<&'static str> {
+    let present = |field| read.scalar(field).is_some_and(|v| !v.is_null());
+    let n = read.scalar("n");
+    if n.as_ref().is_some_and(|v| !v.is_null()) && n.and_then(|v| v.as_u64()) != Some(1) {
         return Some("n");
     }
-    let logprobs = match (api, fields.get("logprobs")) {
+    let logprobs = match (api, read.scalar("logprobs")) {
         (_, None | Some(Value::Null)) => false,
         (Api::Chat, Some(v)) => v.as_bool() != Some(false),
         (Api::Completion, Some(_)) => true,
     };
-    if logprobs || !absent(fields.get("top_logprobs")) {
+    if logprobs || present("top_logprobs") || present("prompt_logprobs") {
         return Some("logprobs");
     }
-    let greedy = fields.get("temperature").and_then(Value::as_f64) == Some(0.0);
+    // What the stored answer does not hold: the prompt's token ids, the
+    // engine's KV transfer handle.
+    let token_ids = read
+        .scalar("return_token_ids")
+        .is_some_and(|v| v != Value::Bool(false));
+    if token_ids || present("kv_transfer_params") {
+        return Some("unreproducible");
+    }
+    let greedy = read.scalar("temperature").and_then(|v| v.as_f64()) == Some(0.0);
     if !greedy && !sampled {
         return Some("sampled");
     }
     None
 }
 
-/// The body with `stream_options.include_usage: true`.
-fn with_usage(fields: &Map<String, Value>) -> Bytes {
-    let mut fields = fields.clone();
-    let options = fields
-        .entry("stream_options")
-        .or_insert_with(|| Value::Object(Map::new()));
-    if !options.is_object() {
-        *options = Value::Object(Map::new());
-    }
-    if let Value::Object(o) = options {
-        o.insert("include_usage".into(), Value::Bool(true));
-    }
-    Bytes::from(serde_json::to_vec(&Value::Object(fields)).unwrap_or_default())
+/// `body` with `stream_options` (its raw value, `options`) asking for
+/// `include_usage`; `None` when it cannot be rewritten.
+fn with_usage(body: &[u8], options: Option<&[u8]>) -> Option<Bytes> {
+    let mut options = match options {
+        Some(raw) if raw.len() > MAX_SCALAR_BYTES => return None,
+        Some(raw) => match serde_json::from_slice(raw) {
+            Ok(Value::Object(o)) => o,
+            _ => Map::new(),
+        },
+        None => Map::new(),
+    };
+    options.insert("include_usage".into(), Value::Bool(true));
+    let options = serde_json::to_vec(&options).ok()?;
+    json_skim::replaced(body, "stream_options", &options)
+        .ok()
+        .map(Bytes::from)
 }
 
 /// The request's `Cache-Control` directives, lower-cased.
@@ -306,9 +431,9 @@ fn sampled(headers: &HeaderMap) -> bool {
 }
 
 /// The domain of exact keys.
-const KEY_TAG: &[u8] = b"kvroute-response-cache/1";
+const KEY_TAG: &[u8] = b"kvroute-response-cache/2";
 /// The domain of semantic contexts.
-const CONTEXT_TAG: &[u8] = b"kvroute-semantic-context/1";
+const CONTEXT_TAG: &[u8] = b"kvroute-semantic-context/2";
 
 /// HMAC-SHA256 under `secret` (plain SHA-256 when empty) of `tag`,
 /// `present`, each part of `head` and `body`, length-prefixed.

@@ -132,6 +132,7 @@ impl ResponseCache {
                 secret,
                 version: config.version.clone(),
                 semantic: config.semantic.is_some(),
+                credentials: false,
             },
             config: config.clone(),
             store,
@@ -146,6 +147,14 @@ impl ResponseCache {
         if let Store::Redis(r) = &self.store {
             r.connect_soon();
         }
+    }
+
+    /// Keys answers on the `Authorization` header too: it is forwarded to
+    /// the engines (`proxy.forwardAuthorization`), whose own
+    /// authentication then decides what they answer.
+    pub fn keyed_on_credentials(mut self, forwarded: bool) -> Self {
+        self.keying.credentials = forwarded;
+        self
     }
 
     /// What the key is computed with.

@@ -8,6 +8,7 @@ fn keying() -> Keying {
         secret: b"s3cret".to_vec(),
         version: "v1".into(),
         semantic: true,
+        credentials: false,
     }
 }
 
@@ -170,7 +171,7 @@ proptest! {
         other in ".{0,40}",
         secret in proptest::collection::vec(any::<u8>(), 0..16),
     ) {
-        let k = Keying { secret, version: String::new(), semantic: false };
+        let k = Keying { secret, version: String::new(), semantic: false, credentials: false };
         let body = |c: &str| serde_json::json!({"model": model, "temperature": 0, "messages": [{"role": "user", "content": c}]}).to_string();
         let key = |t: Option<&str>, c: &str| match classify(&k, "/v1/chat/completions", &HeaderMap::new(), t, body(c).as_bytes(), no_roots) {
             Classified::Cacheable(c) => c.key,
@@ -251,4 +252,186 @@ fn the_question_is_the_last_user_message_and_its_context_everything_else() {
         panic!()
     };
     assert_eq!(c.question, None, "computed only for the semantic level");
+}
+
+#[test]
+fn numbers_equal_as_values_give_one_key() {
+    let with = |max: &str, temperature: &str| {
+        let body = format!(
+            r#"{{"model":"m","temperature":{temperature},"max_tokens":{max},"messages":[{{"role":"user","content":"hi"}}]}}"#
+        );
+        key(Some("t"), &body)
+    };
+    let base = with("8", "0");
+    for (max, temperature) in [
+        ("8.0", "0"),
+        ("8", "0.0"),
+        ("8", "-0"),
+        ("8.00", "-0.0"),
+        ("8e0", "0e5"),
+    ] {
+        assert_eq!(with(max, temperature), base, "{max} {temperature}");
+    }
+    assert_ne!(with("9", "0"), base);
+    let seed = |s: &str| {
+        key(
+            Some("t"),
+            &format!(r#"{{"model":"m","temperature":0,"seed":{s},"messages":[]}}"#),
+        )
+    };
+    assert_ne!(seed("0.5"), seed("0.25"));
+    assert_eq!(seed("18446744073709551615"), seed("18446744073709551615"));
+    // Integral but not exact: its value may have been rounded.
+    let huge = r#"{"model":"m","temperature":0,"seed":1e300,"messages":[]}"#;
+    assert_eq!(bypass(&HeaderMap::new(), huge), Some("number"));
+}
+
+#[test]
+fn what_the_stored_answer_cannot_reproduce_is_not_cacheable() {
+    let none = HeaderMap::new();
+    let body = |field: &str| {
+        format!(
+            r#"{{"model":"m","temperature":0,{field},"messages":[{{"role":"user","content":"hi"}}]}}"#
+        )
+    };
+    assert_eq!(
+        bypass(&none, &body(r#""prompt_logprobs":0"#)),
+        Some("logprobs")
+    );
+    assert_eq!(bypass(&none, &body(r#""prompt_logprobs":null"#)), None);
+    assert_eq!(
+        bypass(&none, &body(r#""return_token_ids":true"#)),
+        Some("unreproducible")
+    );
+    assert_eq!(bypass(&none, &body(r#""return_token_ids":false"#)), None);
+    assert_eq!(
+        bypass(
+            &none,
+            &body(r#""kv_transfer_params":{"do_remote_decode":true}"#)
+        ),
+        Some("unreproducible")
+    );
+    // A rule's field far too long to be a flag is present, never parsed.
+    let long = format!(r#""n":[{}0]"#, "0,".repeat(10_000));
+    assert_eq!(bypass(&none, &body(&long)), Some("n"));
+}
+
+#[test]
+fn a_repeated_key_or_an_object_too_wide_is_not_cacheable() {
+    let none = HeaderMap::new();
+    let twice = r#"{"model":"m","temperature":0,"max_tokens":1,"max_tokens":900,"messages":[]}"#;
+    assert_eq!(bypass(&none, twice), Some("duplicate_key"));
+    let nested =
+        r#"{"model":"m","temperature":0,"messages":[{"role":"user","content":"a","content":"b"}]}"#;
+    assert_eq!(bypass(&none, nested), Some("duplicate_key"));
+    let members: Vec<String> = (0..=canon::MAX_MEMBERS)
+        .map(|i| format!(r#""k{i}":0"#))
+        .collect();
+    let wide = format!(
+        r#"{{"model":"m","temperature":0,"x":{{{}}},"messages":[]}}"#,
+        members.join(",")
+    );
+    assert_eq!(bypass(&none, &wide), Some("members"));
+}
+
+#[test]
+fn a_forwarded_credential_is_part_of_the_key() {
+    let keyed = Keying {
+        credentials: true,
+        ..keying()
+    };
+    let with = |keying: &Keying, auth: Option<&'static str>| {
+        let mut headers = HeaderMap::new();
+        if let Some(a) = auth {
+            headers.insert("authorization", HeaderValue::from_static(a));
+        }
+        match classify(
+            keying,
+            "/v1/chat/completions",
+            &headers,
+            None,
+            CHAT.as_bytes(),
+            no_roots,
+        ) {
+            Classified::Cacheable(c) => c.key,
+            Classified::Bypass(r) => panic!("{r}"),
+        }
+    };
+    let good = with(&keyed, Some("Bearer good"));
+    assert_eq!(with(&keyed, Some("Bearer good")), good);
+    assert_ne!(with(&keyed, Some("Bearer wrong")), good);
+    assert_ne!(with(&keyed, None), good);
+    assert_eq!(
+        with(&keying(), Some("Bearer good")),
+        with(&keying(), None),
+        "not forwarded: not the engine's business"
+    );
+}
+
+/// A JSON value with numbers written several ways and objects in any
+/// order: what the canonical form must see through.
+fn arb_json() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::Bool),
+        (-1000i64..1000).prop_map(serde_json::Value::from),
+        (-1000i64..1000).prop_map(|n| serde_json::Value::from(n as f64 / 8.0)),
+        "[a-c\\\\\"é]{0,4}".prop_map(serde_json::Value::String),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
+            proptest::collection::btree_map("[a-d]{1,2}", inner, 0..4)
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+/// `v` written with its objects' members reversed and whole numbers as
+/// floats: the same value to an engine.
+fn rewritten(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Object(m) => {
+            let members: Vec<String> = m
+                .iter()
+                .rev()
+                .map(|(k, v)| format!("{}:{}", serde_json::Value::from(k.as_str()), rewritten(v)))
+                .collect();
+            format!("{{{}}}", members.join(","))
+        }
+        serde_json::Value::Array(a) => {
+            format!(
+                "[{}]",
+                a.iter().map(rewritten).collect::<Vec<_>>().join(" , ")
+            )
+        }
+        serde_json::Value::Number(n) if n.is_i64() => format!("{}.0", n),
+        other => other.to_string(),
+    }
+}
+
+/// `v` with every number a float: equal exactly when the values are.
+fn numbers_as_floats(v: &serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Number(n) => serde_json::Value::from(n.as_f64().unwrap()),
+        serde_json::Value::Array(a) => a.iter().map(numbers_as_floats).collect(),
+        serde_json::Value::Object(m) => serde_json::Value::Object(
+            m.iter()
+                .map(|(k, v)| (k.clone(), numbers_as_floats(v)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+proptest! {
+    /// Two bodies get one key exactly when they are the same value.
+    #[test]
+    fn the_key_is_the_bodys_value(a in arb_json(), b in arb_json()) {
+        let body = |v: &str| format!(r#"{{"model":"m","temperature":0,"x":{v}}}"#);
+        let ka = key(None, &body(&a.to_string()));
+        prop_assert_eq!(&key(None, &body(&rewritten(&a))), &ka);
+        let kb = key(None, &body(&b.to_string()));
+        prop_assert_eq!(numbers_as_floats(&a) == numbers_as_floats(&b), ka == kb, "{} {}", a, b);
+    }
 }
