@@ -44,7 +44,7 @@ use tokio::time::Instant;
 
 pub(crate) use self::admitted::Admitted;
 use self::body::{BodyBudget, Received};
-pub(crate) use self::decision::{Attempt, Decision, refusal};
+pub(crate) use self::decision::{Attempt, Decision, refusal, routers_own};
 pub(crate) use self::guard::Guard;
 pub(crate) use self::labels::Labels;
 pub use self::recent::RequestId;
