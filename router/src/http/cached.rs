@@ -2,27 +2,27 @@
 //! a request is admitted and read, classified and looked up; a hit is
 //! answered here, a miss is decided and forwarded as usual and its answer
 //! stored as it streams back. Every answer carries
-//! `x-kvroute-response-cache: hit | miss | bypass`.
+//! `x-kvroute-response-cache: hit | miss | bypass`. How a miss's answer
+//! is read and stored: [`mod@record`].
+
+mod record;
 
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::http::Response;
 use axum::http::header::{self, HeaderValue};
 use axum::http::request::Parts;
-use axum::http::{Response, StatusCode};
-use futures_util::stream;
-use http_body_util::{BodyExt, StreamBody};
-use hyper::body::Frame;
 
+use self::record::record;
 use super::Forwarder;
 use crate::errors::ApiError;
 use crate::request::{Payload, RequestId};
 use crate::response_cache::answer::Answer;
-use crate::response_cache::capture::Capture;
-use crate::response_cache::coalesce::{Joined, Leader};
+use crate::response_cache::coalesce::Joined;
 use crate::response_cache::key::{self, Api, Cacheable, Classified};
 use crate::response_cache::metrics::ModelResult;
-use crate::response_cache::semantic::{Found, Remember, SIMILARITY_HEADER, Semantic};
+use crate::response_cache::semantic::{Found, SIMILARITY_HEADER};
 use crate::response_cache::{RESULT_HEADER, ResponseCache, unix_ms};
 
 /// What the cache did with a request: the header's value (`hit`,
@@ -104,6 +104,9 @@ impl Forwarder {
             if cache.config.coalesce_wait_ms > 0 {
                 match cache.inflight.join(c.key.digest) {
                     Joined::Lead(l) => lead = Some(l),
+                    // A stream's first event must not wait for another
+                    // request's whole answer: it goes to an engine.
+                    Joined::Follow(_) if c.form.stream => {}
                     Joined::Follow(f) => {
                         let wait = std::time::Duration::from_millis(cache.config.coalesce_wait_ms);
                         if let Some(answer) = f.answer(wait).await {
@@ -203,106 +206,4 @@ fn answer_id(c: &Cacheable, id: &RequestId) -> String {
 /// Sets the header saying what the cache did.
 pub(super) fn mark(response: &mut Response<Body>, result: Result_) {
     (response.headers_mut()).insert(RESULT_HEADER, HeaderValue::from_static(result));
-}
-
-/// `response` passed on as it streams, its answer read and stored when it
-/// is complete: before its last byte is passed on. `lead`'s followers get
-/// the answer, or go on alone when there is none.
-fn record(
-    cache: Arc<ResponseCache>,
-    c: Cacheable,
-    (lead, remember): (Option<Leader>, Option<(Arc<Semantic>, Remember)>),
-    response: Response<Body>,
-) -> Response<Body> {
-    if response.status() != StatusCode::OK {
-        return response;
-    }
-    let (mut parts, body) = response.into_parts();
-    let sse = (parts.headers.get(header::CONTENT_TYPE))
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let length =
-        (parts.headers.get(header::CONTENT_LENGTH)).and_then(|v| v.to_str().ok()?.parse().ok());
-    let strip = c.forward.is_some();
-    if strip {
-        parts.headers.remove(header::CONTENT_LENGTH);
-    }
-    let max = cache.config.max_entry_bytes;
-    let capture = Capture::new(c.form.api, sse, strip, max, length);
-    let state = Recording {
-        cache,
-        key: Some(c.key),
-        lead,
-        remember,
-        capture,
-    };
-    let frames = stream::unfold(Some((body, state)), |s| async move {
-        let (mut body, mut r) = s?;
-        loop {
-            match body.frame().await {
-                Some(Ok(frame)) => {
-                    let frame = match frame.into_data() {
-                        Ok(data) => {
-                            let out = r.capture.push(data);
-                            if r.capture.complete() {
-                                r.store();
-                            }
-                            if out.is_empty() {
-                                continue;
-                            }
-                            Frame::data(out)
-                        }
-                        Err(frame) => frame,
-                    };
-                    return Some((Ok(frame), Some((body, r))));
-                }
-                Some(Err(e)) => return Some((Err(std::io::Error::other(e)), None)),
-                None => {
-                    r.store();
-                    let rest = r.capture.rest();
-                    return (!rest.is_empty()).then(|| (Ok(Frame::data(rest)), None));
-                }
-            }
-        }
-    });
-    Response::from_parts(parts, Body::new(StreamBody::new(frames)))
-}
-
-/// A miss's answer being read.
-struct Recording {
-    cache: Arc<ResponseCache>,
-    /// Until stored.
-    key: Option<key::Key>,
-    lead: Option<Leader>,
-    /// The question to remember with the answer (the semantic level).
-    remember: Option<(Arc<Semantic>, Remember)>,
-    capture: Capture,
-}
-
-impl Recording {
-    /// Stores the answer if it is complete and storable (once), and ends
-    /// the lead with it.
-    fn store(&mut self) {
-        let Some(key) = self.key.take() else {
-            return;
-        };
-        let answer = match self.capture.answer(unix_ms()) {
-            Ok(a) => {
-                let a = Arc::new(a);
-                if let Some((semantic, question)) = self.remember.take() {
-                    semantic.remember(question, key.clone());
-                }
-                self.cache.put(key, a.clone());
-                Some(a)
-            }
-            Err(reason) => {
-                let reason = crate::metrics::Why { reason };
-                self.cache.metrics.stores.get_or_create(&reason).inc();
-                None
-            }
-        };
-        if let Some(lead) = self.lead.take() {
-            lead.end(answer);
-        }
-    }
 }

@@ -115,6 +115,11 @@ impl Capture {
         }
     }
 
+    /// Whether the answer can no longer be stored, however it ends.
+    pub fn spoiled(&self) -> bool {
+        self.spoiled
+    }
+
     /// What is left to send when the body ended (a stream's unfinished
     /// last event).
     pub fn rest(&mut self) -> Bytes {

@@ -3,8 +3,11 @@
 //! until it ends, follow: they wait for its answer, at most
 //! `responseCache.coalesceWaitMs`, and are served it as a hit. When the
 //! leader ends without a storable answer (an error, a broken stream, a
-//! client that left), or the wait runs out, each follower goes to an
-//! engine itself.
+//! client too slow to wait for), or the wait runs out, each follower goes
+//! to an engine itself. A streamed request does not follow (its first
+//! event must not wait for another's whole answer); it may lead. How the
+//! leader reads its answer for the followers is
+//! `crate::http::cached::record`'s.
 //!
 //! Only within a router: across routers sharing Redis, a lock in Redis
 //! would cost every miss a round trip more, and a leader that dies holding
@@ -79,6 +82,12 @@ impl Inflight {
 }
 
 impl Leader {
+    /// Completes when no follower waits for the answer (at once if none
+    /// does; one may still join later, and then leads if this has ended).
+    pub async fn unwanted(&self) {
+        self.tx.closed().await;
+    }
+
     /// Ends the lead with `answer` (stored, or `None`).
     pub fn end(self, answer: Option<Arc<Answer>>) {
         self.tx.send_replace(Some(answer));
@@ -162,5 +171,24 @@ mod tests {
         let started = tokio::time::Instant::now();
         assert_eq!(follower.answer(Duration::from_secs(5)).await, None);
         assert_eq!(started.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_knows_when_nobody_waits_for_its_answer() {
+        let inflight = Arc::new(Inflight::default());
+        let Joined::Lead(leader) = inflight.join([5; 32]) else {
+            panic!()
+        };
+        leader.unwanted().await;
+        let Joined::Follow(follower) = inflight.join([5; 32]) else {
+            panic!()
+        };
+        let waiting = tokio::spawn(follower.answer(Duration::from_secs(5)));
+        tokio::select! {
+            () = leader.unwanted() => panic!("a follower waits"),
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        assert_eq!(waiting.await.unwrap(), None, "its wait ran out");
+        leader.unwanted().await;
     }
 }

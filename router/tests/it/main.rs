@@ -5,6 +5,7 @@ mod admission;
 mod cache_watch;
 mod chart_schema;
 mod cli;
+mod coalescing;
 mod discovery;
 mod explain;
 mod ext_proc;
