@@ -258,6 +258,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         service = service.with_response_cache(cache);
     }
     let service = Arc::new(service);
+    if let Some(semantic) = (service.response_cache.as_ref()).and_then(|c| c.semantic.clone()) {
+        tasks.spawn("semantic-check", Stop::Aborted, semantic.run_checks());
+    }
 
     let (stop, stopped) = watch::channel(false);
     let caps = listener::fit_to_open_files(

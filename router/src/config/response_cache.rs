@@ -85,6 +85,19 @@ pub struct Semantic {
     /// 10,000.
     #[serde(default = "default_max_entries")]
     pub max_entries: usize,
+    /// The index's size bound, bytes, dead entries waiting in its graphs
+    /// included: an entry costs 4 bytes a dimension and about 500 more
+    /// (about 1.5 KiB at 256 dimensions, 65 KiB at 16,384), so the oldest
+    /// are evicted past either bound. Default: 64 MiB.
+    #[serde(default = "default_semantic_max_bytes")]
+    pub max_bytes: u64,
+    /// How often the embedder is checked, seconds: a few unrelated probe
+    /// texts must embed to vectors of one dimension that are not similar
+    /// (below `threshold`). The check also runs at start; while it fails
+    /// the level is off (plain misses), and a change of dimension (of
+    /// embedding model) empties the index. Default: 60.
+    #[serde(default = "default_check_interval_s")]
+    pub check_interval_s: u64,
 }
 
 /// An OpenAI-compatible embeddings server.
@@ -116,6 +129,14 @@ fn default_threshold() -> f32 {
 
 fn default_max_entries() -> usize {
     10_000
+}
+
+fn default_semantic_max_bytes() -> u64 {
+    64 << 20
+}
+
+fn default_check_interval_s() -> u64 {
+    60
 }
 
 fn default_embeddings_timeout_ms() -> u64 {
@@ -256,6 +277,20 @@ impl Semantic {
                 "responseCache.semantic.maxEntries",
                 &self.max_entries,
                 "must be 1 to 10000000",
+            ));
+        }
+        if !(1 << 20..=1 << 40).contains(&self.max_bytes) {
+            return Err(invalid(
+                "responseCache.semantic.maxBytes",
+                &self.max_bytes,
+                "must be 1 MiB to 1 TiB",
+            ));
+        }
+        if !(1..=MAX_DURATION_MS / 1000).contains(&self.check_interval_s) {
+            return Err(invalid(
+                "responseCache.semantic.checkIntervalS",
+                &self.check_interval_s,
+                "must be 1 to 86400 (one day)",
             ));
         }
         Ok(())

@@ -29,8 +29,6 @@ pub struct CacheMetrics {
     pub evictions: Family<Why, Counter>,
     /// `kvroute_response_cache_coalesced_total`.
     pub coalesced: Counter,
-    /// `kvroute_response_cache_slow_leaders_total`.
-    pub slow_leaders: Counter,
     /// `kvroute_response_cache_stores_total{reason}`.
     pub stores: Family<Why, Counter>,
     /// `kvroute_response_cache_store_errors_total{reason}`.
@@ -51,6 +49,14 @@ pub struct CacheMetrics {
     pub semantic_entries: Gauge,
     /// `kvroute_semantic_cache_bytes`, set at each scrape.
     pub semantic_bytes: Gauge,
+    /// `kvroute_semantic_cache_embedder_healthy`: 1 while the last check
+    /// of the embedder passed.
+    pub embedder_healthy: Gauge,
+    /// `kvroute_semantic_cache_embedder_check_failures_total{reason}`.
+    pub check_failures: Family<Why, Counter>,
+    /// `kvroute_semantic_cache_skipped_total`: lookups skipped while the
+    /// embedder's check fails.
+    pub semantic_skipped: Counter,
 }
 
 impl Default for CacheMetrics {
@@ -60,7 +66,6 @@ impl Default for CacheMetrics {
             bytes: Gauge::default(),
             evictions: Family::default(),
             coalesced: Counter::default(),
-            slow_leaders: Counter::default(),
             stores: Family::default(),
             store_errors: Family::default(),
             breaker_opened: Counter::default(),
@@ -75,6 +80,9 @@ impl Default for CacheMetrics {
             false_hits: Family::default(),
             semantic_entries: Gauge::default(),
             semantic_bytes: Gauge::default(),
+            embedder_healthy: Gauge::default(),
+            check_failures: Family::default(),
+            semantic_skipped: Counter::default(),
         }
     }
 }
@@ -103,13 +111,8 @@ impl CacheMetrics {
             self.coalesced.clone(),
         );
         r.register(
-            "kvroute_response_cache_slow_leaders",
-            "Requests that identical ones waited for whose client fell more than responseCache.maxEntryBytes behind the engine's answer: the waiting requests went to an engine",
-            self.slow_leaders.clone(),
-        );
-        r.register(
             "kvroute_response_cache_stores",
-            "Answers offered to the store, by reason: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), cache_control (the engine's Cache-Control said no-store or private), error (the store failed)",
+            "Answers offered to the store, by reason: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), error (the store failed)",
             self.stores.clone(),
         );
         r.register(
@@ -156,6 +159,21 @@ impl CacheMetrics {
             "kvroute_semantic_cache_bytes",
             "About how many bytes the semantic cache's index holds: vectors, graphs and bookkeeping (answers are in the exact cache's bytes)",
             self.semantic_bytes.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_embedder_healthy",
+            "1 while the last check of the embedder passed (its probe texts embed to vectors of one dimension that are not similar), else 0: the semantic level is off",
+            self.embedder_healthy.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_embedder_check_failures",
+            "Checks of the embedder that failed (the semantic level off until one passes), by reason: timeout, transport, status, garbage (a probe got no usable vector), dimension (the probes' vectors differ in dimension), similar (unrelated probes embed at or above the threshold: a constant embedder)",
+            self.check_failures.clone(),
+        );
+        r.register(
+            "kvroute_semantic_cache_skipped",
+            "Semantic lookups skipped while the embedder's check fails (each a plain miss)",
+            self.semantic_skipped.clone(),
         );
     }
 }

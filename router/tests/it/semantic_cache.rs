@@ -42,6 +42,7 @@ async fn semantic_stack_with(
         },
     )
     .await;
+    let sim = url.is_none();
     let url = url.unwrap_or_else(|| format!("http://{}", stack.sims[0].http_addr));
     let mut config = router_config(&stack.dir);
     config.tenancy.tenant_header = Some(Header("x-tenant".parse().unwrap()));
@@ -55,12 +56,17 @@ async fn semantic_stack_with(
             },
             threshold: 0.95,
             max_entries: 100,
+            max_bytes: 64 << 20,
+            check_interval_s: 60,
         }),
         ..ResponseCache::default()
     });
     f(&mut config);
     stack.router.shutdown().await;
     stack.router = kvroute_router::start(config).await.unwrap();
+    if sim {
+        metric_at(&stack, HEALTHY, 1.0).await;
+    }
     stack
 }
 
@@ -135,6 +141,7 @@ async fn an_embeddings_server_that_is_down_makes_plain_misses() {
     let url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
     let stack = semantic_stack("sem-down", Some(url)).await;
+    metric_at(&stack, &check_failed("transport"), 1.0).await;
     for user in ["What is a KV cache?", "what is a kv cache"] {
         let (result, _) = ask(&stack, "a", &ask_body("Be brief.", user)).await;
         assert_eq!(result, "miss");
@@ -143,56 +150,152 @@ async fn an_embeddings_server_that_is_down_makes_plain_misses() {
     assert_eq!(result, "hit", "the exact level still works");
     let metrics = stack.metrics().await;
     assert_eq!(
-        sum_of(
-            &metrics,
-            "kvroute_semantic_cache_embedding_errors_total{reason=\"transport\"}"
-        ),
+        sum_of(&metrics, "kvroute_semantic_cache_skipped_total"),
         2.0
     );
+    assert_eq!(sum_of(&metrics, HEALTHY), 0.0);
     stack.stop().await;
 }
 
-/// A server on loopback that reads each request and then, `silent`,
-/// never answers; else answers 200 with a body that is not an embedding.
-async fn bad_embeddings_server(silent: bool) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// What [`fake_embeddings`] answers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fake {
+    /// engine-sim's embedding of the input (256 dimensions); a text
+    /// containing "one dimension" gets a vector of 1.
+    Words,
+    /// The same, twice over (512 dimensions): another model.
+    Wider,
+    /// One vector whatever the input.
+    Constant,
+    /// 200 with a body that is not an embedding.
+    Garbage,
+    /// Never answers.
+    Silent,
+}
+
+/// An embeddings server on loopback answering as the mode says; the mode
+/// can be changed while it runs.
+async fn fake_embeddings(mode: Fake) -> (String, std::sync::Arc<std::sync::Mutex<Fake>>) {
+    use axum::extract::State;
+    use std::sync::{Arc, Mutex};
+    type Mode = Arc<Mutex<Fake>>;
+    async fn embeddings(State(mode): State<Mode>, body: axum::Json<Value>) -> axum::Json<Value> {
+        let text = body["input"].as_str().unwrap_or_default().to_owned();
+        let mode = *mode.lock().unwrap();
+        let words = || kvroute_engine_sim::embeddings::embed(&text).unwrap();
+        let vector = match mode {
+            Fake::Words if text.contains("one dimension") => vec![1.0],
+            Fake::Words => words(),
+            Fake::Wider => [words(), words()].concat(),
+            Fake::Constant => vec![0.6, 0.8],
+            Fake::Garbage => return axum::Json(json!({"data": [{"embedding": "no"}]})),
+            Fake::Silent => std::future::pending().await,
+        };
+        axum::Json(json!({"data": [{"embedding": vector}], "model": "fake"}))
+    }
+    let mode: Mode = Arc::new(Mutex::new(mode));
+    let app = axum::Router::new()
+        .route("/v1/embeddings", axum::routing::post(embeddings))
+        .with_state(mode.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((mut conn, _)) = listener.accept().await {
-            let mut buf = vec![0; 64 << 10];
-            let _ = conn.read(&mut buf).await;
-            if silent {
-                held.push(conn);
-            } else {
-                let body = r#"{"data":[{"embedding":"no"}]}"#;
-                let answer = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = conn.write_all(answer.as_bytes()).await;
-            }
-        }
-    });
-    url
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, mode)
+}
+
+/// Waits until the router's metrics show `family` at `value`.
+async fn metric_at(stack: &Stack, family: &str, value: f64) {
+    let what = format!("{family} at {value}");
+    kvroute_testkit::eventually(&what, Duration::from_secs(10), || async {
+        (sum_of(&stack.metrics().await, family) == value).then_some(())
+    })
+    .await;
+}
+
+const HEALTHY: &str = "kvroute_semantic_cache_embedder_healthy";
+
+fn check_failed(reason: &str) -> String {
+    format!("kvroute_semantic_cache_embedder_check_failures_total{{reason=\"{reason}\"}}")
 }
 
 #[tokio::test]
-async fn a_silent_or_garbage_embeddings_server_makes_plain_misses() {
-    for (silent, reason) in [(true, "timeout"), (false, "garbage")] {
-        let url = bad_embeddings_server(silent).await;
+async fn a_silent_or_garbage_embeddings_server_turns_the_level_off() {
+    for (mode, reason) in [(Fake::Silent, "timeout"), (Fake::Garbage, "garbage")] {
+        let (url, _) = fake_embeddings(mode).await;
         let stack = semantic_stack(&format!("sem-{reason}"), Some(url)).await;
+        metric_at(&stack, &check_failed(reason), 1.0).await;
         for user in ["What is a KV cache?", "what is a kv cache"] {
             let (result, _) = ask(&stack, "a", &ask_body("Be brief.", user)).await;
             assert_eq!(result, "miss", "{reason}");
         }
         let metrics = stack.metrics().await;
-        let errors =
-            format!("kvroute_semantic_cache_embedding_errors_total{{reason=\"{reason}\"}}");
-        assert_eq!(sum_of(&metrics, &errors), 2.0, "{reason}");
+        assert_eq!(sum_of(&metrics, HEALTHY), 0.0, "{reason}");
+        let skipped = "kvroute_semantic_cache_skipped_total";
+        assert_eq!(sum_of(&metrics, skipped), 2.0, "{reason}");
         stack.stop().await;
     }
+}
+
+#[tokio::test]
+async fn a_constant_embedder_turns_the_level_off_until_it_tells_questions_apart() {
+    let (url, mode) = fake_embeddings(Fake::Constant).await;
+    let stack = semantic_stack_with("sem-constant", Some(url), |c| {
+        let semantic = c
+            .response_cache
+            .as_mut()
+            .unwrap()
+            .semantic
+            .as_mut()
+            .unwrap();
+        semantic.check_interval_s = 1;
+    })
+    .await;
+    metric_at(&stack, &check_failed("similar"), 1.0).await;
+    let ask_as = async |user: &str| ask(&stack, "a", &ask_body("Be brief.", user)).await.0;
+    assert_eq!(ask_as("What is a KV cache?").await, "miss");
+    assert_eq!(ask_as("How do I bake bread?").await, "miss", "unrelated");
+    assert_eq!(
+        ask_as("What is a KV cache?").await,
+        "hit",
+        "the exact level works"
+    );
+    // The embedder is fixed: the level comes back.
+    *mode.lock().unwrap() = Fake::Words;
+    metric_at(&stack, HEALTHY, 1.0).await;
+    assert_eq!(ask_as("How do I reset my password?").await, "miss");
+    assert_eq!(ask_as("how do i reset my password").await, "semantic-hit");
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn the_dimension_is_the_checks_and_a_new_model_empties_the_index() {
+    let (url, mode) = fake_embeddings(Fake::Words).await;
+    let stack = semantic_stack_with("sem-dimension", Some(url), |c| {
+        let semantic = c
+            .response_cache
+            .as_mut()
+            .unwrap()
+            .semantic
+            .as_mut()
+            .unwrap();
+        semantic.check_interval_s = 1;
+    })
+    .await;
+    let ask_as = async |user: &str| ask(&stack, "a", &ask_body("Be brief.", user)).await.0;
+    metric_at(&stack, HEALTHY, 1.0).await;
+    // A vector of one dimension first: refused, the index unchanged.
+    assert_eq!(ask_as("A question of one dimension?").await, "miss");
+    let errors = "kvroute_semantic_cache_embedding_errors_total{reason=\"dimension\"}";
+    assert_eq!(sum_of(&stack.metrics().await, errors), 1.0);
+    assert_eq!(ask_as("What is a KV cache?").await, "miss");
+    assert_eq!(ask_as("what is a kv cache").await, "semantic-hit");
+    metric_at(&stack, "kvroute_semantic_cache_entries", 1.0).await;
+    // Another model: its check empties the index and adopts its dimension.
+    *mode.lock().unwrap() = Fake::Wider;
+    metric_at(&stack, "kvroute_semantic_cache_entries", 0.0).await;
+    assert_eq!(ask_as("WHAT IS A KV CACHE").await, "miss");
+    assert_eq!(ask_as("What is a KV cache!").await, "semantic-hit");
+    stack.stop().await;
 }
 
 #[tokio::test]

@@ -8,7 +8,9 @@
 //! The rules:
 //! 1. Vectors are `f32`, L2-normalized by the caller: the similarity is
 //!    their dot product (the cosine), a graph's distance `1 - dot`. The
-//!    first entry fixes the dimension. A vector of another dimension, with
+//!    dimension is the caller's ([`Index::set_dimension`], which empties
+//!    the index when it changes), else the first entry's. A vector of
+//!    another dimension, with
 //!    a component not finite, or not of unit length (±[`UNIT_TOLERANCE`])
 //!    is refused with an [`IndexError`] and changes nothing.
 //! 2. Each partition ([`partition`] of the tenant and model) is searched
@@ -32,10 +34,14 @@
 //!    A build dropped uninstalled (or its result) is handed out again the
 //!    next time its partition changes; one kept and never run leaves the
 //!    partition's newer entries in `fresh`, searched exhaustively.
-//! 6. At most `max_entries` live entries over all partitions: an insert
-//!    beyond evicts the oldest, by insertion over all partitions. An
-//!    evicted entry leaves `fresh` at once; in a graph it is dead, skipped
-//!    by searches, and a graph all dead is dropped at once.
+//! 6. At most `max_entries` live entries over all partitions, and at most
+//!    `max_bytes` held ([`Index::bytes`], dead entries in graphs
+//!    included): an insert beyond either evicts the oldest, by insertion
+//!    over all partitions, until both hold. An evicted entry leaves
+//!    `fresh` at once; in a graph it is dead, skipped by searches, and a
+//!    graph all dead is dropped at once. So the byte bound may evict
+//!    several entries at once, up to a whole graph's, to free memory
+//!    that dead entries hold.
 //! 7. A search returns the most similar live entry with the query's
 //!    context: over `fresh` exhaustively, and in each graph among the `ef`
 //!    entries (16 by default) its HNSW search returns, nearest first. An
@@ -51,7 +57,9 @@
 //! queue; in a graph, about 340 bytes more (64 neighbour links of 4 bytes
 //! in the bottom layer, 32 in each upper layer for about 0.4 of the
 //! entries, its slot and sequence number). So about 1.5 KiB an entry at
-//! dimension 256; [`Index::bytes`] adds these up.
+//! dimension 256; [`Index::bytes`] adds these up as entries come and go,
+//! and `max_bytes` bounds that sum (rule 6): at 16,384 dimensions an entry
+//! is about 65 KiB, so 64 MiB holds about 1,000 of them.
 //!
 //! Entries held, dead ones included ([`Index::held`]), are at most 2 ×
 //! `max_entries`, whatever the caller does with builds: a build takes only
@@ -171,8 +179,11 @@ pub fn partition(tenant: Option<&str>, model: &str) -> [u8; 32] {
 #[derive(Debug)]
 pub struct Index {
     max_entries: usize,
+    max_bytes: usize,
+    /// What it holds ([`Index::bytes`]), kept as entries come and go.
+    bytes: usize,
     shape: Shape,
-    /// Fixed by the first entry.
+    /// The caller's, else fixed by the first entry.
     dimension: Option<usize>,
     partitions: HashMap<[u8; 32], Partition>,
     /// The partition of each entry inserted, oldest first: the first's
@@ -205,14 +216,19 @@ struct Job {
     abandoned: Arc<AtomicBool>,
 }
 
+/// What a partition costs besides its entries and graphs.
+const PARTITION_BYTES: usize = size_of::<Partition>() + 64;
+/// What an entry costs in the eviction queue.
+const SLOT_BYTES: usize = size_of::<[u8; 32]>();
+
 impl Partition {
     /// Drops the oldest graphs while all dead, entries before `from`;
-    /// returns how many entries they held.
-    fn drop_dead(&mut self, from: u64) -> usize {
+    /// returns how many entries they held, and their bytes.
+    fn drop_dead(&mut self, from: u64) -> (usize, usize) {
         let all_dead = (self.graphs.iter())
             .take_while(|g| g.dead(from) == g.len())
             .count();
-        self.graphs.drain(..all_dead).map(|g| g.len()).sum()
+        (self.graphs.drain(..all_dead)).fold((0, 0), |(n, b), g| (n + g.len(), b + g.bytes))
     }
 
     fn is_empty(&self) -> bool {
@@ -238,6 +254,8 @@ impl Index {
         };
         Index {
             max_entries,
+            max_bytes: usize::MAX,
+            bytes: 0,
             shape,
             dimension: None,
             partitions: HashMap::new(),
@@ -247,6 +265,31 @@ impl Index {
             held: 0,
             next_id: 0,
         }
+    }
+
+    /// The index bounded to `max_bytes` as well ([`Index::bytes`]).
+    pub fn with_max_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// Makes `dimension` the index's: the vectors of another are refused.
+    /// When it had another, every entry is dropped first (the embedding
+    /// model changed: its vectors mean nothing to the new one's); returns
+    /// whether it had.
+    pub fn set_dimension(&mut self, dimension: usize) -> bool {
+        if self.dimension == Some(dimension) {
+            return false;
+        }
+        let changed = self.dimension.is_some();
+        // Sequence numbers and job ids go on: a build of the old entries
+        // still running is dropped when it comes to be installed.
+        self.floor += self.order.len() as u64;
+        self.order.clear();
+        self.partitions.clear();
+        (self.live, self.held, self.bytes) = (0, 0, 0);
+        self.dimension = Some(dimension);
+        changed
     }
 
     /// Stores the question of unit `vector` in `partition`, found with
@@ -266,23 +309,28 @@ impl Index {
         self.dimension = Some(vector.len());
         let seq = self.floor + self.order.len() as u64;
         self.order.push_back(partition);
-        let p = (self.partitions)
-            .entry(partition)
-            .or_insert_with(|| Partition {
+        let p = (self.partitions).entry(partition).or_insert_with(|| {
+            self.bytes += PARTITION_BYTES;
+            Partition {
                 graphs: Vec::new(),
                 fresh: VecDeque::new(),
                 job: None,
-            });
-        p.fresh.push_back(Arc::new(Entry {
+            }
+        });
+        let entry = Arc::new(Entry {
             vector: vector.into(),
             key,
             context,
             seq,
-        }));
+        });
+        self.bytes += entry.bytes() + SLOT_BYTES;
+        p.fresh.push_back(entry);
         self.live += 1;
         self.held += 1;
         let mut touched = vec![partition];
-        while self.order.len() > self.max_entries {
+        while self.order.len() > self.max_entries
+            || (self.bytes > self.max_bytes && !self.order.is_empty())
+        {
             touched.extend(self.evict_oldest());
         }
         Ok(self.plan_all(touched))
@@ -317,13 +365,14 @@ impl Index {
             bytes,
         };
         self.next_id += 1;
-        let added = graph.len();
+        let added = (graph.len(), graph.bytes);
         match sources {
             Sources::Fresh { last } => {
                 let built = (p.fresh.iter()).take_while(|e| e.seq <= last).count();
-                p.fresh.drain(..built);
+                let freed: usize = p.fresh.drain(..built).map(|e| e.bytes()).sum();
                 p.graphs.push(graph);
-                self.held = self.held - built + added;
+                self.held = self.held - built + added.0;
+                self.bytes = self.bytes - freed + added.1;
             }
             Sources::Graphs(ids) => {
                 // Sources dropped meanwhile were all dead: so are their
@@ -332,13 +381,15 @@ impl Index {
                     let n = (p.graphs[at..].iter())
                         .take_while(|g| ids.contains(&g.id))
                         .count();
-                    let replaced: usize =
-                        p.graphs.splice(at..at + n, [graph]).map(|g| g.len()).sum();
-                    self.held = self.held - replaced + added;
+                    let replaced = (p.graphs.splice(at..at + n, [graph]))
+                        .fold((0, 0), |(n, b), g| (n + g.len(), b + g.bytes));
+                    self.held = self.held - replaced.0 + added.0;
+                    self.bytes = self.bytes - replaced.1 + added.1;
                 }
             }
         }
-        self.held -= p.drop_dead(floor);
+        let (dead, freed) = p.drop_dead(floor);
+        (self.held, self.bytes) = (self.held - dead, self.bytes - freed);
         self.plan(&partition).into_iter().collect()
     }
 
@@ -400,16 +451,21 @@ impl Index {
         self.partitions.values().map(|p| p.graphs.len()).sum()
     }
 
-    /// About how many bytes it holds (see the module doc), builds in
-    /// flight not included.
+    /// About how many bytes it holds (see the module doc), dead entries
+    /// included, builds in flight not: at most `max_bytes`.
     pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// [`Index::bytes`] added up afresh.
+    #[cfg(test)]
+    fn bytes_counted(&self) -> usize {
         let partitions = self.partitions.values().map(|p| {
-            size_of::<Partition>()
-                + 64
+            PARTITION_BYTES
                 + p.fresh.iter().map(|e| e.bytes()).sum::<usize>()
                 + p.graphs.iter().map(|g| g.bytes).sum::<usize>()
         });
-        self.order.len() * size_of::<[u8; 32]>() + partitions.sum::<usize>()
+        self.order.len() * SLOT_BYTES + partitions.sum::<usize>()
     }
 
     /// Refuses a vector of another dimension, not finite, or not of unit
@@ -437,17 +493,22 @@ impl Index {
     /// entries.
     fn evict_oldest(&mut self) -> Option<[u8; 32]> {
         let id = self.order.pop_front()?;
+        self.bytes -= SLOT_BYTES;
         let seq = self.floor;
         self.floor += 1;
         let p = self.partitions.get_mut(&id)?;
         self.live -= 1;
-        if p.fresh.front().is_some_and(|e| e.seq == seq) {
-            p.fresh.pop_front();
+        if p.fresh.front().is_some_and(|e| e.seq == seq)
+            && let Some(e) = p.fresh.pop_front()
+        {
             self.held -= 1;
+            self.bytes -= e.bytes();
         }
-        self.held -= p.drop_dead(self.floor);
+        let (dead, freed) = p.drop_dead(self.floor);
+        (self.held, self.bytes) = (self.held - dead, self.bytes - freed);
         if p.is_empty() {
             self.partitions.remove(&id);
+            self.bytes -= PARTITION_BYTES;
             return None;
         }
         Some(id)

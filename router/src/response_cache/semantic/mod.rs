@@ -8,7 +8,11 @@
 //!    last user message, or the prompt) is text of at most
 //!    [`MAX_QUESTION_BYTES`], is looked up ([`super::key::Question`]).
 //! 2. The question is embedded ([`embeddings`]); any failure is a plain
-//!    miss, counted, never an error for the client.
+//!    miss, counted, never an error for the client. The embedder is
+//!    checked at start and periodically ([`check`]): until a check
+//!    passes, and while the last failed, the level is off (a plain miss,
+//!    counted, and nothing remembered), and a vector of another dimension
+//!    than the check established is refused.
 //! 3. The nearest question stored for the same tenant and model
 //!    ([`index`]) serves when its cosine similarity is at least
 //!    `threshold` **and** everything else in the request is byte-identical
@@ -24,14 +28,17 @@
 //!
 //! Not here: the exact cache, and the HTTP glue (`crate::http`).
 
+pub mod check;
 pub mod embeddings;
 pub mod index;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
 
 use tokio::time::Instant;
 
+use self::check::{Event, Failure, Health, PROBES};
 use self::embeddings::Embedder;
 use self::index::{Build, Hit, Index};
 use super::key::{Key, Question};
@@ -60,6 +67,11 @@ pub struct Semantic {
     metrics: Arc<CacheMetrics>,
     /// Recent semantic hits, oldest first.
     hits: Mutex<VecDeque<RecentHit>>,
+    /// What the embedder's checks established. Locked after `index`
+    /// when both are.
+    health: Mutex<Health>,
+    /// `checkIntervalS`.
+    check_interval: Duration,
 }
 
 /// What a lookup found.
@@ -116,11 +128,81 @@ impl Semantic {
     ) -> Result<Self, ConfigError> {
         Ok(Semantic {
             embedder: Embedder::new(&config.embeddings, limits)?,
-            index: RwLock::new(Index::new(config.max_entries)),
+            index: RwLock::new(
+                Index::new(config.max_entries)
+                    .with_max_bytes(usize::try_from(config.max_bytes).unwrap_or(usize::MAX)),
+            ),
             threshold: config.threshold,
             metrics,
             hits: Mutex::default(),
+            health: Mutex::default(),
+            check_interval: Duration::from_secs(config.check_interval_s),
         })
+    }
+
+    /// Checks the embedder now and then every `checkIntervalS` (sooner
+    /// while it fails), for ever: see [`check`].
+    pub async fn run_checks(self: Arc<Self>) {
+        loop {
+            let mut embedded = Vec::with_capacity(PROBES.len());
+            for probe in PROBES {
+                embedded.push(self.embedder.embed(probe).await);
+            }
+            let next = self.checked(check::verdict(&embedded, self.threshold));
+            tokio::time::sleep(next).await;
+        }
+    }
+
+    /// Takes a check's verdict: turns the level on or off, establishes
+    /// the dimension (emptying the index for another); returns when the
+    /// next check is due.
+    pub fn checked(&self, verdict: Result<usize, Failure>) -> Duration {
+        let mut index = self.write();
+        let mut health = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let was_on = health.dimension().is_some();
+        match health.checked(verdict) {
+            Event::Passed {
+                dimension,
+                changed,
+                recovered,
+            } => {
+                index.set_dimension(dimension);
+                if changed {
+                    tracing::warn!(
+                        dimension,
+                        "the embedder's dimension changed: the semantic index is emptied"
+                    );
+                } else if recovered {
+                    tracing::info!(
+                        dimension,
+                        "the embedder's check passed: the semantic level is on"
+                    );
+                }
+            }
+            Event::Failed(failure) => {
+                let reason = failure.reason();
+                let why = Why { reason };
+                self.metrics.check_failures.get_or_create(&why).inc();
+                if was_on {
+                    tracing::warn!(
+                        reason,
+                        ?failure,
+                        "the embedder's check failed: the semantic level is off"
+                    );
+                } else {
+                    tracing::debug!(reason, ?failure, "the embedder's check failed");
+                }
+            }
+        }
+        let on = health.dimension().is_some();
+        self.metrics.embedder_healthy.set(i64::from(on));
+        health.next_check(self.check_interval)
+    }
+
+    /// The dimension vectors must have, while the level is on.
+    fn dimension(&self) -> Option<usize> {
+        let health = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        health.dimension()
     }
 
     /// Looks up `question` of `tenant` to `model`.
@@ -128,6 +210,10 @@ impl Semantic {
         if question.text.len() > MAX_QUESTION_BYTES {
             return Found::Unmatched(None);
         }
+        let Some(dimension) = self.dimension() else {
+            self.metrics.semantic_skipped.inc();
+            return Found::Unmatched(None);
+        };
         let started = Instant::now();
         let embedded = self.embedder.embed(&question.text).await;
         let seconds = started.elapsed().as_secs_f64();
@@ -140,6 +226,15 @@ impl Semantic {
                 return Found::Unmatched(None);
             }
         };
+        if vector.len() != dimension {
+            tracing::debug!(
+                got = vector.len(),
+                dimension,
+                "an embedding of another dimension: a plain miss"
+            );
+            self.count_error("dimension");
+            return Found::Unmatched(None);
+        }
         self.matching(tenant, model, vector, question.context)
     }
 
@@ -187,6 +282,9 @@ impl Semantic {
             context,
             ..
         } = question;
+        if self.dimension() != Some(vector.len()) {
+            return;
+        }
         let inserted = self.write().insert(partition, &vector, context, key);
         match inserted {
             Ok(builds) => self.build(builds),

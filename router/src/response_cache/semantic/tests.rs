@@ -26,8 +26,12 @@ fn semantic() -> Arc<Semantic> {
         },
         threshold: crate::config::DEFAULT_THRESHOLD,
         max_entries: 1_000,
+        max_bytes: 64 << 20,
+        check_interval_s: 60,
     };
-    Arc::new(Semantic::new(&config, &Limits::default(), Arc::default()).unwrap())
+    let semantic = Semantic::new(&config, &Limits::default(), Arc::default()).unwrap();
+    semantic.checked(Ok(kvroute_engine_sim::embeddings::DIM));
+    Arc::new(semantic)
 }
 
 proptest! {
@@ -72,4 +76,48 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn while_the_check_fails_nothing_is_remembered_and_a_new_dimension_empties_the_index() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _in_runtime = runtime.enter();
+    let semantic = semantic();
+    let key = |n: u8| Key {
+        digest: [n; 32],
+        model: "m".into(),
+    };
+    let remember =
+        |text: &str| match semantic.matching(Some("t"), "m", embed(text).unwrap(), [0; 32]) {
+            Found::Unmatched(Some(r)) => r,
+            other => panic!("{other:?}"),
+        };
+    semantic.remember(remember(QUESTIONS[0]), key(0));
+    assert_eq!(semantic.read().len(), 1);
+    // A constant embedder: the level is off.
+    let r = remember(QUESTIONS[2]);
+    semantic.checked(Err(check::Failure::Similar(1.0)));
+    semantic.remember(r, key(1));
+    assert_eq!(semantic.read().len(), 1, "nothing remembered while off");
+    let question = Question {
+        text: QUESTIONS[0].into(),
+        context: [0; 32],
+    };
+    let found = runtime.block_on(semantic.lookup(Some("t"), "m", &question));
+    assert!(matches!(found, Found::Unmatched(None)), "{found:?}");
+    assert_eq!(semantic.metrics.semantic_skipped.get(), 1);
+    assert_eq!(semantic.metrics.embedder_healthy.get(), 0);
+    // Back, at the same dimension: the entries are kept.
+    semantic.checked(Ok(kvroute_engine_sim::embeddings::DIM));
+    assert_eq!(semantic.read().len(), 1);
+    assert_eq!(semantic.metrics.embedder_healthy.get(), 1);
+    // Another model: emptied, and vectors of the old one are refused.
+    let old = remember(QUESTIONS[4]);
+    semantic.checked(Ok(1024));
+    assert_eq!(semantic.read().len(), 0);
+    semantic.remember(old, key(2));
+    assert_eq!(semantic.read().len(), 0);
 }

@@ -145,6 +145,7 @@ fn live_entries_and_memory_stay_bounded() {
         assert!(index.len() <= max_entries);
         assert!(index.held() <= 2 * max_entries);
         assert!(index.bytes() <= 2 * max_entries * (per_entry + 32) + 3 * 1024);
+        assert_eq!(index.bytes(), index.bytes_counted());
     }
     assert_eq!(index.len(), max_entries);
     assert_eq!(index.partitions(), 3);
@@ -181,8 +182,73 @@ fn memory_stays_bounded_when_builds_are_never_installed() {
         }
         assert!(index.len() <= max_entries);
         assert!(index.held() <= 2 * max_entries);
+        assert_eq!(index.bytes(), index.bytes_counted());
     }
     assert!(!held_back.is_empty());
+}
+
+/// At the most dimensions an embedder may answer, an entry is about
+/// 65 KiB: `max_bytes` bounds what the index holds, dead entries waiting
+/// in graphs included, whatever `max_entries` allows.
+#[test]
+fn max_bytes_bounds_the_index_at_16384_dimensions() {
+    let dim = crate::response_cache::semantic::embeddings::MAX_DIM;
+    let max_bytes = 4 << 20;
+    let mut rng = SplitMix64::new(11);
+    let mut index = small(10_000).with_max_bytes(max_bytes);
+    let per_entry = graph::ENTRY_BYTES + 4 * dim + 1 + graph::GRAPH_BYTES + 32;
+    let mut most = 0;
+    for i in 0..160 {
+        put(&mut index, A, &unit(&mut rng, dim), CONTEXT, i);
+        assert!(index.bytes() <= max_bytes, "{} at {i}", index.bytes());
+        assert_eq!(index.bytes(), index.bytes_counted());
+        most = most.max(index.len());
+    }
+    assert!(index.graphs() >= 1, "entries went into graphs");
+    // Evictions free memory, they do not empty the index.
+    assert!(index.len() * per_entry * 4 >= max_bytes, "{}", index.len());
+    assert!(most * per_entry <= max_bytes && most < 160, "{most}");
+    eprintln!(
+        "{per_entry} bytes an entry at {dim} dimensions; at most {most} of {max_bytes} bytes"
+    );
+}
+
+#[test]
+fn a_new_dimension_empties_the_index_and_refuses_the_old_one() {
+    let mut rng = SplitMix64::new(12);
+    let mut index = small(10_000);
+    assert!(
+        !index.set_dimension(DIM),
+        "a first dimension empties nothing"
+    );
+    let mut kept = Vec::new();
+    for i in 0..BATCH as u64 {
+        kept.extend(
+            index
+                .insert(A, &unit(&mut rng, DIM), CONTEXT, key(i))
+                .unwrap(),
+        );
+    }
+    assert_eq!(kept.len(), 1, "a build handed out");
+    assert!(!index.set_dimension(DIM), "the same dimension keeps them");
+    assert_eq!(index.len(), BATCH);
+    assert!(index.set_dimension(8));
+    assert_eq!((index.len(), index.held(), index.bytes()), (0, 0, 0));
+    let old = unit(&mut rng, DIM);
+    assert!(matches!(
+        index.insert(A, &old, CONTEXT, key(99)),
+        Err(IndexError::Dimension {
+            expected: 8,
+            got: DIM
+        })
+    ));
+    put(&mut index, A, &unit(&mut rng, 8), CONTEXT, 100);
+    // The old build, installed late, is dropped.
+    for build in kept {
+        assert!(index.install(build.run()).is_empty());
+    }
+    assert_eq!((index.len(), index.graphs()), (1, 0));
+    assert_eq!(index.bytes(), index.bytes_counted());
 }
 
 #[test]
