@@ -29,6 +29,8 @@ pub struct CacheMetrics {
     pub evictions: Family<Why, Counter>,
     /// `kvroute_response_cache_coalesced_total`.
     pub coalesced: Counter,
+    /// `kvroute_response_cache_slow_leaders_total`.
+    pub slow_leaders: Counter,
     /// `kvroute_response_cache_stores_total{reason}`.
     pub stores: Family<Why, Counter>,
     /// `kvroute_response_cache_store_errors_total{reason}`.
@@ -66,6 +68,7 @@ impl Default for CacheMetrics {
             bytes: Gauge::default(),
             evictions: Family::default(),
             coalesced: Counter::default(),
+            slow_leaders: Counter::default(),
             stores: Family::default(),
             store_errors: Family::default(),
             breaker_opened: Counter::default(),
@@ -111,8 +114,13 @@ impl CacheMetrics {
             self.coalesced.clone(),
         );
         r.register(
+            "kvroute_response_cache_slow_leaders",
+            "Requests that identical ones waited for whose client fell more than responseCache.maxEntryBytes behind the engine's answer: the waiting requests went to an engine",
+            self.slow_leaders.clone(),
+        );
+        r.register(
             "kvroute_response_cache_stores",
-            "Answers offered to the store, by reason: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), error (the store failed)",
+            "Answers offered to the store, by reason: stored, too_large (responseCache.maxEntryBytes), incomplete (an error, a broken or truncated answer), cache_control (the engine's Cache-Control said no-store or private), error (the store failed)",
             self.stores.clone(),
         );
         r.register(
