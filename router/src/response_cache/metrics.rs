@@ -145,7 +145,7 @@ impl CacheMetrics {
         );
         r.register(
             "kvroute_semantic_cache_embedding_errors",
-            "Questions the embeddings server gave no usable vector for (each a plain miss), by reason: timeout, transport, status, garbage",
+            "Questions the embeddings server gave no usable vector for (each a plain miss), by reason: timeout, transport, status, garbage, dimension (not the dimension the embedder's check established)",
             self.embedding_errors.clone(),
         );
         r.register(
