@@ -306,9 +306,84 @@ impl Recording {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use axum::http::HeaderValue;
+    use futures_util::StreamExt;
 
     use super::*;
+    use crate::config::{Limits, ResponseCache as Config};
+    use crate::response_cache::coalesce::Joined;
+    use crate::response_cache::key::{Classified, classify};
+    use crate::tenancy::Tenancy;
+
+    /// A cache and a cacheable chat request to it.
+    fn cache() -> (Arc<ResponseCache>, Cacheable) {
+        let tenancy = Tenancy::load(&crate::config::Tenancy::default()).unwrap();
+        let cache = ResponseCache::new(
+            &Config::default(),
+            &tenancy,
+            &Limits::default(),
+            Arc::default(),
+        );
+        let cache = Arc::new(cache.unwrap());
+        let body = br#"{"model":"m","temperature":0,"messages":[{"role":"user","content":"hi"}]}"#;
+        let path = "/v1/chat/completions";
+        let classified = classify(
+            cache.keying(),
+            path,
+            &HeaderMap::new(),
+            None,
+            body,
+            |_| vec![],
+        );
+        let Classified::Cacheable(c) = classified else {
+            panic!("cacheable")
+        };
+        (cache, c)
+    }
+
+    /// An engine's JSON answer whose body the test writes.
+    fn engine() -> (mpsc::UnboundedSender<Bytes>, Response<Body>) {
+        let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+        let frames = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+            .map(|b| Ok::<_, std::io::Error>(Frame::data(b)));
+        let mut response = Response::new(Body::new(StreamBody::new(frames)));
+        let json = HeaderValue::from_static("application/json");
+        response.headers_mut().insert(header::CONTENT_TYPE, json);
+        (tx, response)
+    }
+
+    const ANSWER: &str = r#"{"id":"x","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"4"},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_client_left_reads_on_only_while_followers_wait() {
+        let (cache, c) = cache();
+        let Joined::Lead(lead) = cache.inflight.join(c.key.digest) else {
+            panic!("leads")
+        };
+        let Joined::Follow(follower) = cache.inflight.join(c.key.digest) else {
+            panic!("follows")
+        };
+        let (writer, response) = engine();
+        drop(record(cache.clone(), c, (Some(lead), None), response));
+        writer.send(Bytes::from_static(ANSWER.as_bytes())).unwrap();
+        drop(writer);
+        let answer = follower.answer(Duration::from_secs(5)).await;
+        assert_eq!(answer.expect("the follower is answered").content, "4");
+
+        // Nobody waits: the engine's request is dropped at once.
+        let (cache, c) = self::cache();
+        let Joined::Lead(lead) = cache.inflight.join(c.key.digest) else {
+            panic!("leads")
+        };
+        let (writer, response) = engine();
+        drop(record(cache.clone(), c, (Some(lead), None), response));
+        tokio::time::timeout(Duration::from_secs(5), writer.closed())
+            .await
+            .expect("the engine's body is dropped");
+        assert!(cache.inflight.is_empty());
+    }
 
     #[test]
     fn no_store_and_private_forbid_storing_in_any_spelling() {
