@@ -138,6 +138,18 @@ impl Reader {
         matches!(self, Reader::Chunks | Reader::Tokens)
     }
 
+    /// Whether reading a body to `api` parses it into a tree (what that
+    /// may cost counts in the body budget while it is read,
+    /// [`TREE_EXPANSION`]): a completion's prompt and a rendered chat. A
+    /// body it does not read is never parsed whole.
+    pub fn builds_tree(self, api: Api) -> bool {
+        match self {
+            Reader::Unread | Reader::TooLarge => false,
+            Reader::Chunks | Reader::Tokens => api != Api::Chat,
+            Reader::Rendered => true,
+        }
+    }
+
     /// A chat's prompt from its raw messages (when
     /// [`reads_messages`](Self::reads_messages)), going on after the first
     /// `from.0` of them from where `from.1` left it; with where it stands
@@ -183,6 +195,11 @@ impl Reader {
         }
     }
 }
+
+/// What a JSON tree may cost, as a multiple of its text: a value per two
+/// bytes at worst (`[0,0,…]`), 32 bytes each. A body read into a tree
+/// holds this much more of the body budget while it is read.
+pub const TREE_EXPANSION: usize = 16;
 
 /// What a prompt is hashed with and how much of it is kept: the same for
 /// every reader.
@@ -450,19 +467,27 @@ fn read(
         held,
     } = input;
     let salted = tenancy.salted();
-    // A chat's messages are read from their raw JSON, unless salted.
-    let by_message = api == Api::Chat && reader.reads_messages() && !salted;
+    // A chat's messages are read from their raw JSON; the body is parsed
+    // whole only where the reader needs it (bounded by maxTokenizeBytes).
+    let by_message = api == Api::Chat && reader.reads_messages();
+    let tree = reader.builds_tree(api);
     let mut raw_messages = None;
     let mut obj = if by_message {
         body::scan(api, &bytes, true)?.map(|s: Scanned<'_>| {
             raw_messages = s.messages;
             s.fields
         })
-    } else if reader != Reader::Unread || salted {
+    } else if tree {
         body::parse(api, &bytes, salted)?
     } else {
         body::scan(api, &bytes, false)?.map(|s| s.fields)
     };
+    if salted && obj.is_none() {
+        // A body the router cannot read could carry a salt the engine reads.
+        return Err(ApiError::BadRequest(
+            "the request body must be a JSON object".into(),
+        ));
+    }
     let feats = obj
         .as_ref()
         .map(body::features)
@@ -472,9 +497,16 @@ fn read(
     if let Some(o) = obj.as_mut()
         && tenancy.apply(tenant.as_deref(), o)?
     {
-        forwarded = Some(Bytes::from(
-            serde_json::to_vec(o).expect("a JSON map serializes"),
-        ));
+        let body = if tree {
+            serde_json::to_vec(o).expect("a JSON map serializes")
+        } else {
+            // Only the top-level fields were read: the body is copied
+            // with the salt in place of the client's.
+            let salt = serde_json::to_vec(&o["cache_salt"]).expect("a string serializes");
+            json_skim::replaced(&bytes, "cache_salt", &salt)
+                .map_err(|_| ApiError::BadRequest("invalid JSON body".into()))?
+        };
+        forwarded = Some(Bytes::from(body));
     }
     let salt = obj
         .as_ref()

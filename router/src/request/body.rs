@@ -99,6 +99,20 @@ pub struct Held {
 }
 
 impl Held {
+    /// `bytes` more of the budget for the same tenant, held apart and
+    /// given back when the returned share is dropped (what parsing the
+    /// body may cost while it does), or refused at once.
+    pub fn more(&self, bytes: usize) -> Result<Held, ApiError> {
+        let mut more = Held {
+            budget: self.budget.clone(),
+            tenant: self.tenant.clone(),
+            permit: None,
+            kib: 0,
+        };
+        more.reserve(bytes.div_ceil(1024))?;
+        Ok(more)
+    }
+
     /// Takes `kib` more of the budget, or refuses at once.
     fn reserve(&mut self, kib: usize) -> Result<(), ApiError> {
         let Held {

@@ -57,7 +57,7 @@ use crate::pool::Pool;
 use crate::prompt::body::Api;
 use crate::prompt::conversations::{Conversations, Memo};
 use crate::prompt::prefixes::{Offender, Volatility};
-use crate::prompt::{Analysis, Input, Prompts, Reader, Scope};
+use crate::prompt::{Analysis, Input, Prompts, Reader, Scope, TREE_EXPANSION};
 use crate::request::hit_rate::Gap;
 use crate::settings::Settings;
 use crate::tenancy::Tenancy;
@@ -406,8 +406,16 @@ impl Service {
             .as_deref()
             .map_or(0, |t| xxhash_rust::xxh3::xxh3_64(t.as_bytes()));
         let labels = &mut read.labels;
+        let held = read.budget.as_ref();
         match self
-            .analyze(path, headers, tenant, bytes, scope, &mut labels.model)
+            .analyze(
+                path,
+                headers,
+                (tenant, held),
+                bytes,
+                scope,
+                &mut labels.model,
+            )
             .await
         {
             Ok(a) => read.analysis = a,
@@ -444,14 +452,16 @@ impl Service {
     }
 
     /// Reads a request to `path` with `headers` and body `bytes` from
-    /// `tenant` ([`Prompts::read`]) as the pool's settings say. Sets
+    /// `tenant` ([`Prompts::read`]) as the pool's settings say; a body
+    /// parsed whole holds [`TREE_EXPANSION`] times its size more of its
+    /// budget (`held`, when it has one) while it is read. Sets
     /// `model_label` to the model for metrics (`unknown` when not served);
     /// an unknown model is 404.
     async fn analyze(
         self: &Arc<Self>,
         path: &str,
         headers: &HeaderMap,
-        tenant: Option<String>,
+        (tenant, held): (Option<String>, Option<&body::Held>),
         bytes: Bytes,
         scope: Scope,
         model_label: &mut String,
@@ -471,6 +481,12 @@ impl Service {
         if reader == Reader::TooLarge {
             self.metrics.prompts_not_tokenized.inc();
         }
+        let _parsing = match held {
+            Some(h) if reader.builds_tree(Api::of(path)) => {
+                Some(h.more(bytes.len() * TREE_EXPANSION)?)
+            }
+            _ => None,
+        };
         let held = (reader.exact()
             && scope != Scope::KeepTokens
             && settings.policy.reads_held_prefix_only())

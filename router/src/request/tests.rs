@@ -60,7 +60,7 @@ async fn exact_chains_end_past_the_blocks_engines_hold() {
                 .analyze(
                     "/v1/chat/completions",
                     &headers,
-                    None,
+                    (None, None),
                     bytes,
                     scope,
                     &mut model,
@@ -119,7 +119,7 @@ async fn attempts_know_who_held_more_and_why_it_lost() {
     let whole = service.analyze(
         path,
         &headers,
-        None,
+        (None, None),
         bytes.clone(),
         Scope::KeepTokens,
         &mut model,

@@ -172,9 +172,9 @@ impl Envoy {
         };
         let common = h.response.unwrap();
         assert!(common.clear_route_cache);
-        let set: HashMap<String, String> = common
-            .header_mutation
-            .unwrap()
+        let mutation = common.header_mutation.unwrap();
+        let removed = mutation.remove_headers;
+        let set: HashMap<String, String> = mutation
             .set_headers
             .into_iter()
             .map(|o| {
@@ -217,6 +217,7 @@ impl Envoy {
             body,
             ended,
             request_id: set["x-request-id"].clone(),
+            removed,
         }
     }
 
@@ -313,6 +314,8 @@ struct Decision {
     ended: bool,
     /// The `x-request-id` set on the request.
     request_id: String,
+    /// The headers removed from the request.
+    removed: Vec<String>,
 }
 
 async fn picker(
@@ -602,6 +605,26 @@ async fn the_served_endpoint_takes_the_load() {
     // The policy learnt the served endpoint: the same prompt goes there.
     let explain_body = chat(&long_text(3), "q", 2);
     assert_eq!(explained(&stack, &explain_body).await[0], other);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_clients_router_headers_are_removed_before_the_engine() {
+    let (stack, mut client) = picker("xp-own-headers", 1, false, |_| {}).await;
+    let body = serde_json::to_vec(&chat("s", "u", 1)).unwrap();
+    let extra = [
+        ("x-kvroute-admit-within-ms", "0"),
+        ("x-kvroute-cache-sampled", "1"),
+        ("x-kept", "1"),
+    ];
+    let mut envoy = Envoy::chat(&mut client, &extra, None, &body, &[64]).await;
+    let mut removed = envoy.decision().await.removed;
+    removed.sort();
+    assert_eq!(
+        removed,
+        ["x-kvroute-admit-within-ms", "x-kvroute-cache-sampled"]
+    );
+    drop(envoy);
     stack.stop().await;
 }
 

@@ -12,6 +12,7 @@ mod ext_proc;
 mod hardening;
 mod hit_rate;
 mod hostile;
+mod hostile_cache;
 mod hung;
 mod identity;
 mod index_bounds;

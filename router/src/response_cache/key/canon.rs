@@ -107,9 +107,14 @@ impl<'de> DeserializeSeed<'de> for Canon<'_> {
 const EXACT: f64 = 9_007_199_254_740_992.0;
 
 impl Canon<'_> {
+    /// An integer: zigzag-coded, its significant bytes after their count
+    /// (a `0` of a large array feeds two bytes, not seventeen).
     fn integer(self, v: i128) {
-        self.out.update(b"i");
-        self.out.update(v.to_le_bytes());
+        let zigzag = ((v << 1) ^ (v >> 127)) as u128;
+        let bytes = zigzag.to_le_bytes();
+        let n = 16 - (zigzag.leading_zeros() / 8) as usize;
+        self.out.update([b'i', n as u8]);
+        self.out.update(&bytes[..n]);
     }
 }
 
