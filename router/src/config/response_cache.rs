@@ -296,3 +296,35 @@ impl Semantic {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_semantic_bounds_default_and_are_checked() {
+        let yaml = "embeddings: {url: 'http://e:8000', model: m}";
+        let semantic: Semantic = serde_yaml::from_str(yaml).unwrap();
+        assert_eq!(
+            (semantic.max_bytes, semantic.check_interval_s),
+            (64 << 20, 60)
+        );
+        assert!(semantic.validate().is_ok());
+        for (field, set) in [
+            (
+                "responseCache.semantic.maxBytes",
+                (|s: &mut Semantic| s.max_bytes = 1000) as fn(&mut Semantic),
+            ),
+            ("responseCache.semantic.checkIntervalS", |s| {
+                s.check_interval_s = 0
+            }),
+        ] {
+            let mut bad = semantic.clone();
+            set(&mut bad);
+            match bad.validate() {
+                Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+}
