@@ -107,7 +107,12 @@ async fn start(
         },
         ..Setup::new(1)
     };
-    System::start(bins, &args.out.join("logs").join(name), setup).await
+    let semantic = setup.router_yaml.contains("semantic:");
+    let system = System::start(bins, &args.out.join("logs").join(name), setup).await?;
+    if semantic {
+        semantic_cache::embedder_checked(&system).await?;
+    }
+    Ok(system)
 }
 
 /// Part 1: the pairs per threshold.

@@ -275,6 +275,7 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         ..Setup::new(2)
     };
     let system = ctx.system("semantic_cache", setup).await?;
+    embedder_checked(&system).await?;
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;
@@ -475,6 +476,26 @@ async fn killed(
             "a killed embeddings server costs a request nothing: p99 {after:.0} ms after the kill ≤ {undisturbed:.0} ms (undisturbed misses) + {SLACK_MS} ms"
         ),
     );
+    Ok(())
+}
+
+/// Waits until every router of `system` has checked its embedder (the
+/// semantic level is off until then, `kvroute_semantic_cache_embedder_healthy`).
+pub async fn embedder_checked(system: &System) -> anyhow::Result<()> {
+    let started = Instant::now();
+    for i in 0..system.router_addrs().len() {
+        loop {
+            let text = system.router_metrics(i).await?;
+            if sum(&text, "kvroute_semantic_cache_embedder_healthy") == 1.0 {
+                break;
+            }
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(30),
+                "router {i}'s embedder check has not passed within 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     Ok(())
 }
 

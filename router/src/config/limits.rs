@@ -10,7 +10,10 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Request bodies held in memory at once, bytes, counted as they
     /// arrive (a declared `Content-Length` reserves nothing); a request
-    /// that would exceed it gets 503 with `Retry-After`. Default: 512 MiB.
+    /// that would exceed it gets 503 with `Retry-After`. A body the
+    /// prompt reader parses whole (a completion's prompt, a rendered chat:
+    /// at most `maxTokenizeBytes`) holds 16 times its size more while it
+    /// is parsed, what its tree may cost. Default: 512 MiB.
     pub max_body_bytes_in_flight: usize,
     /// Of those, what one tenant's requests may hold (when the request's
     /// credentials name a tenant); more gets 429 with `Retry-After`. At

@@ -178,7 +178,7 @@ pub fn classify(
     if control.iter().any(|d| d == "no-store") {
         return Classified::Bypass("no_store");
     }
-    let read = match Read::of(body, api) {
+    let read = match Read::of(body, api, keying.semantic) {
         Ok(read) => read,
         Err(reason) => return Classified::Bypass(reason),
     };
@@ -305,9 +305,9 @@ struct Read<'b> {
 }
 
 impl<'b> Read<'b> {
-    /// Reads `body`, a request to `api`: refused when it is not a JSON
-    /// object with a canonical form.
-    fn of(body: &'b [u8], api: Api) -> Result<Self, canon::Refused> {
+    /// Reads `body`, a request to `api`, with its question when `asking`:
+    /// refused when it is not a JSON object with a canonical form.
+    fn of(body: &'b [u8], api: Api, asking: bool) -> Result<Self, canon::Refused> {
         let mut read = Read {
             members: Members::new(),
             question: None,
@@ -325,12 +325,13 @@ impl<'b> Read<'b> {
                 refused = canon::MEMBERS;
                 return Err(json_skim::Rejected);
             }
-            let read_as = if key == asked(api) { Some(api) } else { None };
+            let read_as = (key == asked(api)).then_some(api);
             let asked = match read_as {
-                Some(Api::Chat) => chat::messages(value),
-                Some(Api::Completion) => {
-                    canon::digest(value).map(|d| (d, Some((chat::BLANK, chat::text_of(value)))))
-                }
+                Some(Api::Chat) => chat::messages(value, asking),
+                Some(Api::Completion) => canon::digest(value).map(|d| {
+                    let text = asking.then(|| chat::text_of(value)).flatten();
+                    (d, Some((chat::BLANK, text)))
+                }),
                 None => canon::digest(value).map(|d| (d, None)),
             };
             let (digest, question) = asked.map_err(|why| {

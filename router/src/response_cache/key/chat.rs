@@ -18,23 +18,30 @@ pub const BLANK: [u8; 32] = [0; 32];
 
 /// The digest of a chat's `messages` (its raw value), and, when one of
 /// them is the user's, the digest with the last user message's content
-/// [`BLANK`] and that content as text (when it is text).
+/// [`BLANK`] and that content as text ([`text_of`], when `asking`).
 #[allow(clippy::type_complexity)]
-pub fn messages(raw: &[u8]) -> Result<([u8; 32], Option<([u8; 32], Option<String>)>), Refused> {
+pub fn messages(
+    raw: &[u8],
+    asking: bool,
+) -> Result<([u8; 32], Option<([u8; 32], Option<String>)>), Refused> {
     if raw.first() != Some(&b'[') {
         return canon::digest(raw).map(|d| (d, None));
     }
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let list = de.deserialize_seq(List).map_err(canon::why)?;
+    let (key, context) = de.deserialize_seq(List).map_err(canon::why)?;
     de.end().map_err(canon::why)?;
-    Ok(list)
+    Ok((
+        key,
+        context.map(|(c, content)| (c, content.filter(|_| asking).and_then(text_of))),
+    ))
 }
 
 /// [`messages`]' visitor.
 struct List;
 
 impl<'de> Visitor<'de> for List {
-    type Value = ([u8; 32], Option<([u8; 32], Option<String>)>);
+    /// The key's digest; the context's, and the question's raw content.
+    type Value = ([u8; 32], Option<([u8; 32], Option<&'de [u8]>)>);
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a list of messages")
@@ -80,7 +87,7 @@ impl<'de> Visitor<'de> for List {
         key.update(b"]");
         let context = context.map(|(mut c, content)| {
             c.update(b"]");
-            (c.finalize().into(), content.and_then(text_of))
+            (c.finalize().into(), content)
         });
         Ok((key.finalize().into(), context))
     }
