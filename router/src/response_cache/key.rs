@@ -205,13 +205,13 @@ pub fn classify(
     };
     let roots = roots(&model).join("\n");
     // A credential forwarded to the engines decides what they answer.
-    let credential = (keying.credentials)
-        .then(|| {
-            (headers.get_all(AUTHORIZATION).iter().map(|v| v.as_bytes()))
-                .collect::<Vec<_>>()
-                .join(&b'\n')
-        })
-        .unwrap_or_default();
+    let credential = if keying.credentials {
+        (headers.get_all(AUTHORIZATION).iter().map(|v| v.as_bytes()))
+            .collect::<Vec<_>>()
+            .join(&b'\n')
+    } else {
+        Vec::new()
+    };
     let head: [&[u8]; 6] = [
         tenant.unwrap_or("").as_bytes(),
         model.as_bytes(),
