@@ -91,6 +91,13 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "Q", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=3_600_000))]
     quantize_arrivals_ms: u32,
 
+    /// Prepends K blocks shared by every request of the trace, as a chat
+    /// template's header is (0: the trace as recorded). Prompts grow by K ×
+    /// --block-tokens tokens; a pK routing key covers the K blocks and its
+    /// own K more.
+    #[arg(long, value_name = "K", default_value_t = 0, value_parser = parse_shared_blocks)]
+    shared_prefix_blocks: usize,
+
     /// The kvroute policy's `latencySlack` (default: the policy's own).
     #[arg(long, value_name = "S", value_parser = parse_slack)]
     latency_slack: Option<f64>,
@@ -118,6 +125,19 @@ fn parse_slack(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if f >= 0.0 => Ok(f),
         _ => Err("expected a number ≥ 0 (inf for no limit)".to_owned()),
+    }
+}
+
+/// At most this many shared blocks: 1,024 blocks of 512 tokens are half a
+/// million tokens, past any template.
+const MAX_SHARED_BLOCKS: usize = 1024;
+
+fn parse_shared_blocks(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(k) if k <= MAX_SHARED_BLOCKS => Ok(k),
+        _ => Err(format!(
+            "expected a whole number of blocks from 0 to {MAX_SHARED_BLOCKS}"
+        )),
     }
 }
 
@@ -168,6 +188,8 @@ struct Meta {
     quantize_arrivals_ms: u32,
     /// Distinct arrival times.
     instants: usize,
+    /// Leading blocks prepended to every request (`--shared-prefix-blocks`).
+    shared_prefix_blocks: usize,
     /// Hit rate of one cache that never evicts.
     infinite_hit: f64,
     /// Hit rate of one LRU cache of floor(cache_frac × D) blocks.
@@ -251,6 +273,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     }
     let mut trace = Trace::load(&args.trace)?;
     trace.quantize(args.quantize_arrivals_ms);
+    trace.share_prefix(args.shared_prefix_blocks, args.block_tokens)?;
     let distinct = trace.distinct_blocks();
     let pooled = (args.cache_frac * distinct as f64).floor() as usize;
     let vllm = (args.engine == "vllm").then(|| {
@@ -298,6 +321,7 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         report_lag_ms: args.report_lag_ms,
         quantize_arrivals_ms: args.quantize_arrivals_ms,
         instants: trace.instants(),
+        shared_prefix_blocks: args.shared_prefix_blocks,
         infinite_hit: run::single_cache_hit(&trace, None, args.block_tokens),
         pooled_hit: run::single_cache_hit(&trace, Some(pooled), args.block_tokens),
         capacities: args
@@ -324,6 +348,14 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
             out,
             "arrivals rounded down to {} ms: {} distinct instants",
             args.quantize_arrivals_ms, meta.instants
+        )?;
+    }
+    if args.shared_prefix_blocks > 0 {
+        writeln!(
+            out,
+            "{} shared block(s) prepended to every request (a template's {} tokens)",
+            args.shared_prefix_blocks,
+            args.shared_prefix_blocks as u64 * args.block_tokens
         )?;
     }
     writeln!(

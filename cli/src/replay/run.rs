@@ -41,10 +41,15 @@ impl std::str::FromStr for KeySource {
 }
 
 impl KeySource {
-    /// The routing key of `request`.
-    pub fn key(self, request: &TraceRequest) -> RoutingKey {
+    /// The routing key of `request`, whose first `shared` blocks every
+    /// request shares. A prefix key covers them and K blocks more: the
+    /// router's prefix key is sized to reach past a template into the first
+    /// message, and a key that ended inside the template would be one key for
+    /// the whole trace.
+    pub fn key(self, request: &TraceRequest, shared: usize) -> RoutingKey {
         let prefix = |k: usize| {
-            RoutingKey::prefix_ids(None, &request.hash_ids[..k.min(request.hash_ids.len())])
+            let end = (shared + k).min(request.hash_ids.len());
+            RoutingKey::prefix_ids(None, &request.hash_ids[..end])
         };
         match (self, &request.session_id) {
             (KeySource::Session, Some(session)) => RoutingKey::conversation(None, session),
@@ -246,7 +251,7 @@ pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup)
             fork.scale_out(arrivals().skip(window.start).take(window.len()));
             grown = Some(fork);
         }
-        let key = setup.key.key(request);
+        let key = setup.key.key(request, trace.shared_blocks);
         let (kept, reason) = sim.route(i, request, key);
         spills += u64::from(reason == Reason::Spill);
         if window.contains(&i) {
@@ -316,23 +321,33 @@ mod tests {
         };
         let p2 = KeySource::Prefix(2);
         assert_eq!(
-            p2.key(&r(vec![1, 2, 3], None)),
-            p2.key(&r(vec![1, 2, 4], None))
+            p2.key(&r(vec![1, 2, 3], None), 0),
+            p2.key(&r(vec![1, 2, 4], None), 0)
         );
         assert_ne!(
-            p2.key(&r(vec![1, 2, 3], None)),
-            p2.key(&r(vec![1, 3], None))
+            p2.key(&r(vec![1, 2, 3], None), 0),
+            p2.key(&r(vec![1, 3], None), 0)
         );
         assert_eq!(
-            p2.key(&r(vec![1], None)),
-            KeySource::Prefix(1).key(&r(vec![1, 9], None))
+            p2.key(&r(vec![1], None), 0),
+            KeySource::Prefix(1).key(&r(vec![1, 9], None), 0)
         );
         let s = KeySource::Session;
-        assert_eq!(s.key(&r(vec![1], Some("a"))), s.key(&r(vec![2], Some("a"))));
         assert_eq!(
-            s.key(&r(vec![1, 2, 3], None)),
-            p2.key(&r(vec![1, 2, 9], None))
+            s.key(&r(vec![1], Some("a")), 0),
+            s.key(&r(vec![2], Some("a")), 0)
         );
+        assert_eq!(
+            s.key(&r(vec![1, 2, 3], None), 0),
+            p2.key(&r(vec![1, 2, 9], None), 0)
+        );
+        // Behind 2 shared blocks, p2 still tells requests apart by their own
+        // first two blocks, and the session fallback with it.
+        let t = |own: &[u64]| r([&[70, 71], own].concat(), None);
+        assert_ne!(p2.key(&t(&[1, 2]), 2), p2.key(&t(&[1, 3]), 2));
+        assert_eq!(p2.key(&t(&[1, 2, 3]), 2), p2.key(&t(&[1, 2, 4]), 2));
+        assert_eq!(s.key(&t(&[1, 2, 3]), 2), p2.key(&t(&[1, 2, 9]), 2));
+        assert_eq!(p2.key(&t(&[]), 2), p2.key(&r(vec![70, 71], None), 0));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Mooncake-format traces: JSON lines of `timestamp` (ms), `input_length`,
 //! `output_length`, `hash_ids` (one id per block of the prompt, equal ids =
 //! equal prefix blocks) and an optional `session_id`. Plain or gzip.
+//! Also what the replay may do to a trace before running it: round its
+//! arrivals into bursts, prepend a template every request shares.
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -54,6 +56,9 @@ struct Line {
 pub struct Trace {
     /// Requests by arrival (stable for equal timestamps).
     pub requests: Vec<TraceRequest>,
+    /// Leading blocks every request shares ([`Trace::share_prefix`]); a
+    /// `pK` routing key covers them and K more.
+    pub shared_blocks: usize,
 }
 
 impl Trace {
@@ -98,7 +103,10 @@ impl Trace {
             bail!("the trace has no requests");
         }
         requests.sort_by(|a, b| a.arrival_s.total_cmp(&b.arrival_s));
-        Ok(Trace { requests })
+        Ok(Trace {
+            requests,
+            shared_blocks: 0,
+        })
     }
 
     /// Rounds every arrival down to a multiple of `q_ms` milliseconds (0:
@@ -113,6 +121,36 @@ impl Trace {
             // A little tolerance: 2.0 / 0.001 is 1999.9999999999998.
             r.arrival_s = ((r.arrival_s / q) + 1e-9).floor() * q;
         }
+    }
+
+    /// Prepends `k` blocks that every request shares, as a chat template's
+    /// header (system prompt, tool list) is shared: each chain starts with
+    /// the same `k` ids, one above the trace's largest so they match none of
+    /// its own, and each prompt grows by `k × block_tokens` tokens. Ids,
+    /// lengths and order of the rest are unchanged.
+    pub fn share_prefix(&mut self, k: usize, block_tokens: u64) -> anyhow::Result<()> {
+        if k == 0 {
+            return Ok(());
+        }
+        let largest = self
+            .requests
+            .iter()
+            .flat_map(|r| r.hash_ids.iter().copied())
+            .max()
+            .unwrap_or(0);
+        let template: Vec<u64> = (1..=k as u64)
+            .map(|i| largest.checked_add(i))
+            .collect::<Option<_>>()
+            .with_context(|| {
+                format!("the trace's block id {largest} leaves no room for {k} shared ids")
+            })?;
+        let extra = k as u64 * block_tokens;
+        for r in &mut self.requests {
+            r.hash_ids.splice(0..0, template.iter().copied());
+            r.input_length += extra;
+        }
+        self.shared_blocks += k;
+        Ok(())
     }
 
     /// Distinct arrival times.
@@ -170,6 +208,69 @@ mod tests {
         let at: Vec<f64> = t.requests.iter().map(|r| r.arrival_s).collect();
         assert_eq!(at, vec![0.0, 0.0, 1.0, 2.0, 2.0]);
         assert_eq!(t.instants(), 3);
+    }
+
+    #[test]
+    fn a_shared_prefix_is_the_first_k_blocks_of_every_chain_and_nothing_else() {
+        let text = [
+            (0, 1100, 7, "[3, 9, 4]"),
+            (5, 600, 2, "[3, 8]"),
+            (9, 100, 1, "[]"),
+        ]
+        .map(|(t, i, o, ids)| {
+            format!(
+                r#"{{"timestamp": {t}, "input_length": {i}, "output_length": {o}, "hash_ids": {ids}}}"#
+            )
+        })
+        .join("\n");
+        let before = Trace::parse(text.as_bytes()).unwrap();
+        let mut after = before.clone();
+        after.share_prefix(2, 512).unwrap();
+        assert_eq!(after.shared_blocks, 2);
+        let (a, b) = (&after.requests[0].hash_ids, &after.requests[1].hash_ids);
+        let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        // Before, the chains shared their first block (3); now that block
+        // comes after the two shared ones and still matches.
+        assert_eq!(common, 3);
+        assert_eq!(a[..2], b[..2]);
+        assert!(
+            a[..2]
+                .iter()
+                .all(|id| !before.requests[0].hash_ids.contains(id))
+        );
+        assert!(
+            a[..2]
+                .iter()
+                .all(|id| !before.requests[1].hash_ids.contains(id))
+        );
+        assert_ne!(a[0], a[1]);
+        for (x, y) in before.requests.iter().zip(&after.requests) {
+            assert_eq!(y.hash_ids[..2], a[..2]);
+            assert_eq!(y.hash_ids[2..], x.hash_ids[..]);
+            assert_eq!(y.input_length, x.input_length + 1024);
+            assert_eq!(
+                (y.arrival_s, y.output_length, &y.session_id),
+                (x.arrival_s, x.output_length, &x.session_id)
+            );
+        }
+        assert_eq!(after.distinct_blocks(), before.distinct_blocks() + 2);
+
+        let mut same = before.clone();
+        same.share_prefix(0, 512).unwrap();
+        assert_eq!(same.requests, before.requests);
+        assert_eq!(same.shared_blocks, 0);
+
+        let mut full = Trace::parse(
+            format!(
+                r#"{{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [{}]}}"#,
+                u64::MAX - 1
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let err = full.share_prefix(2, 512).unwrap_err().to_string();
+        assert!(err.contains("no room for 2 shared ids"), "{err}");
+        assert_eq!(full.requests[0].hash_ids, vec![u64::MAX - 1]);
     }
 
     #[test]

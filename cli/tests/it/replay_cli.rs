@@ -162,6 +162,67 @@ fn bad_input_gets_a_clear_error() {
 }
 
 #[test]
+fn a_shared_template_lengthens_every_prompt() {
+    let dir = temp_dir("shared");
+    let trace = dir.join("trace.jsonl");
+    let json = dir.join("out.json");
+    std::fs::write(&trace, TRACE).unwrap();
+    let run = |k: &str| {
+        kvroute(&[
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--replicas",
+            "2",
+            "--block-tokens",
+            "10",
+            "--policies",
+            "round-robin",
+            "--shared-prefix-blocks",
+            k,
+            "--json",
+            json.to_str().unwrap(),
+        ])
+    };
+    let out = run("1");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("1 shared block(s) prepended to every request"),
+        "{stdout}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let meta = &v["meta"];
+    assert_eq!(meta["shared_prefix_blocks"], 1);
+    assert_eq!(meta["distinct_blocks"], 4);
+    // Prompts of 30, 30, 40, 30 tokens; one cache hits the 2nd, 3rd and
+    // 4th for 30 tokens each (the template and blocks 1 and 2).
+    assert!((meta["infinite_hit"].as_f64().unwrap() - 90.0 / 130.0).abs() < 1e-9);
+
+    for bad in ["two", "2000", "-1"] {
+        let out = kvroute(&[
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            &format!("--shared-prefix-blocks={bad}"),
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(
+            stderr.contains("--shared-prefix-blocks")
+                && stderr.contains("expected a whole number of blocks from 0 to 1024"),
+            "{stderr}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn routers_and_plots() {
     let dir = temp_dir("plot");
     let trace = dir.join("trace.jsonl");
