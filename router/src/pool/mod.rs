@@ -23,10 +23,12 @@
 //! load), `routing` (plans, explanations, in-flight requests), `health`
 //! (outcomes into the [`outliers`] state machine), `startup` (whether a
 //! starting router has every engine's first snapshot), `status` (snapshots
-//! for metrics and `/debug/pool`). The tasks that keep a pool current from the
+//! for metrics and `/debug/pool`), `decisions` (the last decisions, for
+//! `/debug/pool`'s shares). The tasks that keep a pool current from the
 //! engines are here too: [`cache_watch`] and [`health_checks`].
 
 pub mod cache_watch;
+mod decisions;
 mod endpoints;
 mod engines;
 mod health;
@@ -37,6 +39,7 @@ mod startup;
 mod status;
 
 pub use cache_watch::Watchers;
+pub use decisions::RECENT_DECISIONS;
 pub use endpoints::{EndpointSpec, Stream, StreamState, Streams};
 pub use engines::SNAPSHOT_CHUNK;
 pub use health::HealthEvents;
@@ -107,6 +110,8 @@ pub struct Pool {
     /// Signalled whenever a request ends, for requests queued on full
     /// endpoints.
     released: Notify,
+    /// The last decisions; its own lock, off the routing one.
+    decisions: Mutex<decisions::Decisions>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -150,6 +155,7 @@ impl Pool {
             concurrency,
             ready: watch::channel(0).0,
             released: Notify::new(),
+            decisions: Mutex::default(),
         })
     }
 

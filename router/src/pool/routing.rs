@@ -239,6 +239,13 @@ impl Pool {
         self.lock().load.refused(slot, refusal, now());
     }
 
+    /// Remembers that a request's first attempt goes to `target` for
+    /// `reason` (`/debug/pool`'s shares of the last decisions).
+    pub fn decided(&self, target: &Target, reason: Reason) {
+        let mut decisions = self.decisions.lock().unwrap_or_else(|e| e.into_inner());
+        decisions.record(target.name.clone(), reason == Reason::Cold);
+    }
+
     /// Counts a request sent to `target` and lets the policy learn it.
     /// The count ends when the returned guard is dropped, however the
     /// request ends: completion, error, client disconnect, stream reset or

@@ -55,6 +55,12 @@ pub struct EndpointStatus {
     /// The fields on which its engine differs from the routing settings.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub contract_mismatches: Vec<Mismatch>,
+    /// Its share of this router's last [`RECENT_DECISIONS`](super::RECENT_DECISIONS) decisions (a
+    /// request's first attempt), 0 to 1.
+    pub decision_share: f64,
+    /// Its share of the cold ones among them (no endpoint held any of the
+    /// prefix: rendezvous placed the key), 0 to 1; 0 when none was cold.
+    pub cold_share: f64,
 }
 
 /// Unix milliseconds as RFC 3339 UTC, to the millisecond.
@@ -65,6 +71,9 @@ fn rfc3339(ms: i64) -> String {
 impl Pool {
     /// Every endpoint's status.
     pub fn status(&self) -> Vec<EndpointStatus> {
+        let shares = (self.decisions.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .shares();
         let inner = self.lock();
         let now = now();
         let model = inner.settings.policy.prefill_model();
@@ -74,6 +83,10 @@ impl Pool {
             .values()
             .map(|m| {
                 let load = inner.load.load(m.slot);
+                let share = shares
+                    .get(m.spec.name.as_str())
+                    .copied()
+                    .unwrap_or_default();
                 EndpointStatus {
                     name: m.spec.name.clone(),
                     http: m.spec.http.to_string(),
@@ -92,6 +105,8 @@ impl Pool {
                         .map(rfc3339),
                     contract: m.contract.as_str(),
                     contract_mismatches: m.contract.mismatches().to_vec(),
+                    decision_share: share.decisions,
+                    cold_share: share.cold,
                 }
             })
             .collect()

@@ -114,7 +114,7 @@ impl Decision {
     pub(crate) fn send(&self, n: usize, target: &Target) -> Attempt {
         let first = n == 0;
         let cached = if first { self.cached } else { 0 };
-        self.count_decision(first);
+        self.count_decision(target, first);
         let service = &self.service;
         let uncached = self.analysis.prompt_tokens - cached;
         let ttft = service.pool.predicted_ttft(target, uncached);
@@ -160,8 +160,8 @@ impl Decision {
     /// reason and holding its load; the policy learns where the response
     /// begins ([`commit`](Self::commit)), which may be elsewhere.
     pub(crate) fn pick(&self) -> Attempt {
-        self.count_decision(true);
         let target = self.plan.targets[0].clone();
+        self.count_decision(&target, true);
         let prompt_tokens = self.analysis.prompt_tokens;
         let load = self
             .service
@@ -181,7 +181,7 @@ impl Decision {
     /// The gateway sent the request to `target` instead of the pick: a
     /// retry there, expected to find nothing cached.
     pub(crate) fn instead(&self, target: Target) -> Attempt {
-        self.count_decision(false);
+        self.count_decision(&target, false);
         let at = self.plan.targets.iter().position(|t| t.slot == target.slot);
         let prompt_tokens = self.analysis.prompt_tokens;
         let load = self
@@ -306,10 +306,12 @@ impl Decision {
         }
     }
 
-    /// Counts an attempt's decision: the policy's reason for the first
-    /// choice, else `retry`.
-    fn count_decision(&self, first: bool) {
+    /// Counts an attempt at `target`'s decision: the policy's reason for
+    /// the first choice, else `retry`; a first choice is one of the pool's
+    /// recent decisions.
+    fn count_decision(&self, target: &Target, first: bool) {
         let reason = if first {
+            self.service.pool.decided(target, self.plan.reason);
             self.plan.reason.as_str()
         } else {
             "retry"

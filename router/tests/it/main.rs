@@ -6,6 +6,7 @@ mod cache_watch;
 mod chart_schema;
 mod cli;
 mod coalescing;
+mod debug_pool;
 mod discovery;
 mod explain;
 mod ext_proc;
