@@ -4,9 +4,11 @@
 //! each scenario runs N times (run k's logs and plots under `DIR/run-k/`)
 //! and the report sums the runs up (`suite::repeat`). `kvroute-e2e replay`
 //! drives a trace through the same system (see [`replay`]); the other
-//! subcommands are benchmarks.
+//! subcommands are benchmarks, `compare` among them (kvroute beside its
+//! peers under the suite's load, see [`compare`]).
 
 mod bench;
+mod compare;
 mod replay;
 mod suite;
 
@@ -74,6 +76,10 @@ enum Command {
     /// question pairs per threshold (hit and false-hit rates), and memory
     /// at maxEntries.
     BenchSemantic(bench::SemanticArgs),
+    /// The suite's standard load through kvroute and through each peer
+    /// (SGLang's gateway, kvroute's baseline policies), each over fresh
+    /// pods; writes `compare.json` and a table.
+    Compare(compare::Args),
 }
 
 /// The longest a scenario may take, start to end.
@@ -86,6 +92,7 @@ fn main() -> anyhow::Result<()> {
         Command::BareProxy(args) => return bench::bare_proxy(&args),
         Command::Replay(args) => return replay::run(&args),
         Command::BenchSemantic(args) => return bench::semantic(&args),
+        Command::Compare(args) => return compare::run(&args),
         Command::Report {
             out,
             bin_dir,

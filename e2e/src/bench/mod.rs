@@ -35,10 +35,25 @@ use crate::suite::procs::{Bins, pip_install};
 pub use bare::{BareArgs, bare_proxy};
 use response_cache::CacheRun;
 pub use semantic::{SemanticArgs, semantic};
+pub use targets::smg_args;
 use targets::{Bed, MODEL, Target};
 
 /// SGLang's gateway version installed for comparison.
 const SMG_VERSION: &str = "1.13.0";
+
+/// SGLang's gateway (`smg`) at [`SMG_VERSION`], installed into `venv`
+/// (default `target/smg-venv`) first when missing; `Err` says why it
+/// cannot be had.
+pub fn install_smg(venv: Option<PathBuf>) -> Result<PathBuf, String> {
+    let venv =
+        venv.unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/smg-venv"));
+    pip_install(
+        &venv,
+        Path::new("python3"),
+        &format!("smg=={SMG_VERSION}"),
+        "smg",
+    )
+}
 
 /// The bench's settings.
 #[derive(Debug, clap::Args)]
@@ -150,16 +165,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let bins = Bins::locate(args.bin_dir.clone())?;
     let with_smg = targets.iter().any(|t| t.name().starts_with("smg"));
     let smg = if with_smg {
-        let venv = args
-            .smg_venv
-            .clone()
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/smg-venv"));
-        pip_install(
-            &venv,
-            Path::new("python3"),
-            &format!("smg=={SMG_VERSION}"),
-            "smg",
-        )
+        install_smg(args.smg_venv.clone())
     } else {
         Err("not selected".into())
     };

@@ -221,21 +221,13 @@ impl Bed {
             }
             Target::SmgRoundRobin | Target::SmgCacheAware => {
                 let smg = self.smg.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
-                let mut args = vec![
-                    "launch".to_owned(),
-                    "--host=127.0.0.1".into(),
-                    format!("--port={port}"),
-                    "--prometheus-host=127.0.0.1".into(),
-                    format!("--prometheus-port={admin}"),
-                    "--log-level=warn".into(),
-                    format!("--policy={}", target.smg_policy().unwrap_or("round_robin")),
-                    "--worker-urls".into(),
-                ];
-                args.extend(
-                    self.upstream
-                        .iter()
-                        .map(|p| format!("http://127.0.0.1:{p}")),
-                );
+                let workers: Vec<String> = self
+                    .upstream
+                    .iter()
+                    .map(|p| format!("http://127.0.0.1:{p}"))
+                    .collect();
+                let policy = target.smg_policy().unwrap_or("round_robin");
+                let args = smg_args(port, admin, policy, &workers);
                 let smg = Proc::spawn_program(&self.logs, name, smg, &args, &[])?;
                 procs.push(smg.graceful());
                 port
@@ -305,6 +297,24 @@ impl Bed {
             endpoints.display()
         )
     }
+}
+
+/// `smg`'s arguments: one gateway on `127.0.0.1:port` (Prometheus on
+/// `prometheus`), `policy` (`round_robin`, `cache_aware`, …) with its
+/// defaults, over `workers` (engine URLs), logging warnings only.
+pub fn smg_args(port: u16, prometheus: u16, policy: &str, workers: &[String]) -> Vec<String> {
+    let mut args = vec![
+        "launch".to_owned(),
+        "--host=127.0.0.1".into(),
+        format!("--port={port}"),
+        "--prometheus-host=127.0.0.1".into(),
+        format!("--prometheus-port={prometheus}"),
+        "--log-level=warn".into(),
+        format!("--policy={policy}"),
+        "--worker-urls".into(),
+    ];
+    args.extend(workers.iter().cloned());
+    args
 }
 
 /// nginx in the foreground with `conf`, its error log in `logs`.

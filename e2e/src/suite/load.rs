@@ -36,6 +36,10 @@ pub struct Shape {
     pub groups: usize,
     /// Tokens of each system prompt.
     pub system_tokens: usize,
+    /// Tokens of a preamble every assistant's system prompt starts with
+    /// (a common safety preamble or tool list), before its own
+    /// `system_tokens`; 0 for none.
+    pub preamble_tokens: usize,
     /// Sessions started per second.
     pub sessions_per_s: f64,
     /// How long sessions keep arriving.
@@ -56,6 +60,7 @@ impl Shape {
         Shape {
             groups: 4 * pods,
             system_tokens: 768,
+            preamble_tokens: 0,
             sessions_per_s: 0.5 * pods as f64,
             duration,
             max_tokens: 24,
@@ -214,14 +219,23 @@ pub fn text(rng: &mut SplitMix64, tokenizer: &Tokenizer, start: &str, tokens: us
     out
 }
 
-/// The system prompts of `shape`.
+/// The system prompts of `shape`, each after the shared preamble if any.
 pub fn system_prompts(shape: &Shape) -> Vec<String> {
     let tokenizer = Tokenizer::builtin();
     let mut rng = SplitMix64::new(shape.seed);
+    // Its own stream, so the prompts after it are the same with or without.
+    let preamble = match shape.preamble_tokens {
+        0 => String::new(),
+        n => {
+            let mut rng = SplitMix64::new(shape.seed ^ 0x7072_6561_6d62_6c65);
+            let start = "Every assistant follows these rules.";
+            text(&mut rng, &tokenizer, start, n) + "\n\n"
+        }
+    };
     (0..shape.groups)
         .map(|g| {
             let start = format!("You are assistant {g}. Follow these instructions exactly.");
-            text(&mut rng, &tokenizer, &start, shape.system_tokens)
+            preamble.clone() + &text(&mut rng, &tokenizer, &start, shape.system_tokens)
         })
         .collect()
 }
@@ -540,6 +554,23 @@ mod tests {
         for s in &a {
             let n = tokenizer.encode(s, false).unwrap().len();
             assert!((768..868).contains(&n), "{n}");
+        }
+    }
+
+    #[test]
+    fn a_preamble_is_shared_by_every_system_prompt_and_changes_nothing_else() {
+        let plain = Shape::standard(2, Duration::from_secs(1));
+        let shape = Shape {
+            preamble_tokens: 500,
+            ..plain
+        };
+        let (with, without) = (system_prompts(&shape), system_prompts(&plain));
+        let preamble = with[0].strip_suffix(without[0].as_str()).unwrap();
+        let tokenizer = Tokenizer::builtin();
+        let n = tokenizer.encode(preamble, false).unwrap().len();
+        assert!((500..600).contains(&n), "{n}");
+        for (w, p) in with.iter().zip(&without) {
+            assert_eq!(w.strip_prefix(preamble), Some(p.as_str()));
         }
     }
 }

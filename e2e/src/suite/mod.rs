@@ -1,6 +1,7 @@
 //! The system suite: kvroute's real binaries on loopback, under load,
 //! through scale-out and failures (see `docs/suite.md`).
 
+pub mod balance;
 pub mod inference_perf;
 pub mod load;
 pub mod missed;

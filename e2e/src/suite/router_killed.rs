@@ -120,6 +120,7 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         &format!("the cached ratio in the {AFTER_S} s after the kill is within the undisturbed run's interval"),
     );
     latency_figures(s, "", &samples);
+    super::balance::figures(s, "", &samples, &system.pod_names());
     ctx.plot(
         s,
         "router-0 SIGKILLed under load, restarted",

@@ -12,6 +12,7 @@ use anyhow::Context as _;
 use kvroute_core::rng::SplitMix64;
 use serde_json::json;
 
+use super::balance;
 use super::load::{self, Outcome, Rotation, Sample, Shape};
 use super::missed::Missed;
 use super::procs::Bins;
@@ -230,18 +231,20 @@ fn dip_goal(s: &mut Scenario, dip: f64, after: &str) {
     );
 }
 
-/// The end of a timeline scenario: its failures, latency and plot, beside
-/// the undisturbed run.
+/// The end of a timeline scenario on `system`: its failures, latency,
+/// balance and plot, beside the undisturbed run.
 fn finish(
     ctx: &Ctx,
     s: &mut Scenario,
     title: &str,
     baseline: &[Sample],
     samples: &[Sample],
-    marks: &[(f64, String)],
+    system: &System,
 ) -> anyhow::Result<()> {
     no_failures(s, samples);
     latency_figures(s, "", samples);
+    balance::figures(s, "", samples, &system.pod_names());
+    let marks = &system.marks;
     ctx.plot(
         s,
         title,
@@ -265,7 +268,9 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         let start = Missed::read(&system).await?;
         let samples = load::run(shape, rotation, system.t0).await;
         let missed = Missed::read(&system).await?.since(&start);
-        missed_figures(s, if policy == "kvroute" { "" } else { "rr_" }, &missed);
+        let prefix = if policy == "kvroute" { "" } else { "rr_" };
+        missed_figures(s, prefix, &missed);
+        balance::figures(s, prefix, &samples, &system.pod_names());
         if policy == "kvroute" {
             openai_sdk(ctx, &system, s).await?;
             let agreement = cold_key_agreement(&system, 200).await?;
@@ -635,7 +640,7 @@ async fn scale_out(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         "scale-out 4 -> 5 pods under load",
         &baseline,
         &samples,
-        &system.marks,
+        &system,
     )
 }
 
@@ -694,6 +699,7 @@ async fn pod_killed(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         format!("streams cut by the kill end with an error event: {truncated} ended silently"),
     );
     latency_figures(s, "", &samples);
+    balance::figures(s, "", &samples, &system.pod_names());
     ctx.plot(
         s,
         "pod deleted and its engine killed under load",
@@ -789,7 +795,7 @@ async fn operator_killed(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         "leader operator killed under load",
         &baseline,
         &samples,
-        &system.marks,
+        &system,
     )
 }
 
@@ -832,7 +838,7 @@ async fn router_restarted(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         "router restarted under load",
         &baseline,
         &samples,
-        &system.marks,
+        &system,
     )
 }
 
@@ -896,7 +902,7 @@ async fn agent_restarted(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         "agent killed and restarted under load",
         &baseline,
         &samples,
-        &system.marks,
+        &system,
     )
 }
 
@@ -1052,6 +1058,7 @@ async fn contract_mismatch(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     );
     no_failures(s, &samples);
     latency_figures(s, "", &samples);
+    balance::figures(s, "", &samples, &system.pod_names());
     Ok(())
 }
 

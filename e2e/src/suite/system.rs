@@ -91,6 +91,9 @@ impl std::error::Error for PortTaken {}
 pub struct Setup {
     /// Pods at the start.
     pub pods: usize,
+    /// Routers (2 by default; 0 for pods alone, e.g. behind another
+    /// system's gateway).
+    pub routers: usize,
     /// The CacheRoutingPolicy's `policy`: `kvroute` or a baseline.
     pub policy: &'static str,
     /// `Salted` tenancy (else `Shared`).
@@ -125,6 +128,7 @@ impl Setup {
     pub fn new(pods: usize) -> Setup {
         Setup {
             pods,
+            routers: 2,
             policy: "kvroute",
             salted: false,
             odd_pod: None,
@@ -313,7 +317,7 @@ impl System {
         let n = SYSTEMS.fetch_add(1, Ordering::Relaxed);
         let net = [(100 + pid % 100) as u8, (1 + (pid / 100 + n) % 250) as u8];
         // Six per pod, two per operator, two per router.
-        let mut port = free_ports(6 + 2 * 2 + 2 * 2)?;
+        let mut port = free_ports(6 + 2 * 2 + 2 * setup.routers)?;
         let mut next = || port.next().expect("as many ports as asked for");
         let ports = PodPorts {
             http: next(),
@@ -368,7 +372,7 @@ impl System {
             .iter()
             .map(|o| format!("http://{}", o.grpc))
             .collect();
-        for i in 0..2 {
+        for i in 0..setup.routers {
             let name = format!("router-{i}");
             let config = logs.join(format!("{name}.yaml"));
             let api = SocketAddr::new(system.host(1).into(), next());
@@ -745,6 +749,24 @@ spec:
             e.name = pod_name(&e.name).to_owned();
         }
         Ok(endpoints)
+    }
+
+    /// Every pod's name, in creation order (deleted ones too).
+    pub fn pod_names(&self) -> Vec<String> {
+        self.pods.iter().map(|p| p.name.clone()).collect()
+    }
+
+    /// Requests pod `k`'s engine has finished, by its own `/metrics`
+    /// (vLLM's `vllm:request_success_total`, every finish reason): the
+    /// same count whatever sent them.
+    pub async fn engine_requests(&self, k: usize) -> anyhow::Result<u64> {
+        let url = format!("http://{}/metrics", self.engine_addr(k));
+        let text = self.http.get(&url).send().await?.text().await?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.strip_prefix("vllm:request_success_total"))
+            .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64)
     }
 
     /// Pod `k`'s engine's HTTP address (to bypass the routers).
