@@ -25,6 +25,10 @@ use crate::response_cache::metrics::ModelResult;
 use crate::response_cache::semantic::{Found, SIMILARITY_HEADER};
 use crate::response_cache::{RESULT_HEADER, ResponseCache, unix_ms};
 
+/// Bodies up to this size are keyed on the event loop; larger ones on the
+/// tokenizer pool.
+const INLINE_KEY_BYTES: usize = 256 << 10;
+
 /// What the cache did with a request: the header's value (`hit`,
 /// `semantic-hit`, `miss` or `bypass`).
 pub(super) type Result_ = &'static str;
@@ -49,15 +53,31 @@ impl Forwarder {
         }
         let bytes = admitted.received.bytes();
         let known = self.service.models().await;
-        let roots = |m: &str| known.roots.get(m).into_iter().flatten().cloned().collect();
-        let classified = key::classify(
-            cache.keying(),
-            path,
-            headers,
-            admitted.tenant(),
-            &bytes,
-            roots,
-        );
+        let classify = {
+            let (cache, known, bytes) = (cache.clone(), known.clone(), bytes.clone());
+            let (path, headers) = (path.to_owned(), headers.clone());
+            let tenant = admitted.tenant().map(str::to_owned);
+            move || {
+                let roots = |m: &str| known.roots.get(m).into_iter().flatten().cloned().collect();
+                key::classify(
+                    cache.keying(),
+                    &path,
+                    &headers,
+                    tenant.as_deref(),
+                    &bytes,
+                    roots,
+                )
+            }
+        };
+        // A large body's key is a pass over all of it: off the event loop.
+        let classified = if bytes.len() <= INLINE_KEY_BYTES {
+            classify()
+        } else {
+            match self.service.off_loop(classify).await {
+                Ok(c) => c,
+                Err(e) => return (Err(admitted.refuse(e)), "bypass"),
+            }
+        };
         let label = |m: &str| {
             if known.ids.contains(m) {
                 m.to_owned()

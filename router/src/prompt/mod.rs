@@ -374,6 +374,15 @@ impl Prompts {
         &self.tenancy
     }
 
+    /// Runs `job` on the tokenizer pool.
+    pub(crate) async fn run<T: Send + 'static>(
+        &self,
+        retry_after: u64,
+        job: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        self.workers.run(retry_after, job).await
+    }
+
     /// Reads a request's body `bytes` (see the module doc) with the
     /// endpoints' `models`: on this worker when it is small or a short
     /// follow-up turn, else on the tokenizer pool.

@@ -218,6 +218,15 @@ impl Service {
         Ok(())
     }
 
+    /// Runs `job` on the tokenizer pool, off the event loop (503 when its
+    /// queue is full).
+    pub(crate) async fn off_loop<T: Send + 'static>(
+        &self,
+        job: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        self.prompts.run(self.limits.retry_after_s, job).await
+    }
+
     /// The longest an attempt waits for its first byte ([`hang::Deadline::cap`]).
     pub(crate) fn hang_cap(&self) -> Duration {
         self.hang.cap()

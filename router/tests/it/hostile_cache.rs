@@ -4,7 +4,6 @@
 //! as the engine does.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -264,29 +263,16 @@ async fn bodies_padded_with_numbers_cost_about_their_size() {
         .unwrap();
     let dir = upstream_dir("padded-bodies", upstream);
     let (listen, admin) = (free_addr(), free_addr());
-    let config = dir.join("router.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen: {listen}\nadminListen: {admin}\n\
-             discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
-             resilience:\n  healthCheck: null\n\
-             responseCache:\n  backend: embedded\n  semantic:\n    embeddings:\n      url: http://{}\n      model: kvroute-sim\n",
-            dir.join("endpoints.yaml").display(),
-            embedder.http_addr,
-        ),
-    )
-    .unwrap();
-    let log = dir.join("router.log");
-    let router = Router(
-        Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+    let yaml = format!(
+        "listen: {listen}\nadminListen: {admin}\n\
+         discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
+         resilience:\n  healthCheck: null\n\
+         limits:\n  bodyReadTimeoutMs: 600000\n  bodyMinBytesPerS: 1\n\
+         responseCache:\n  backend: embedded\n  semantic:\n    embeddings:\n      url: http://{}\n      model: kvroute-sim\n",
+        dir.join("endpoints.yaml").display(),
+        embedder.http_addr,
     );
+    let router = Router::spawn(&dir, &yaml);
     let pid = router.0.id();
     let client = reqwest::Client::new();
     let url = format!("http://{listen}/v1/chat/completions");
@@ -302,7 +288,7 @@ async fn bodies_padded_with_numbers_cost_about_their_size() {
             .body(body)
             .send();
         async move {
-            let r = r.await.unwrap();
+            let r = r.await.expect("an answer");
             let status = r.status();
             let result = r
                 .headers()

@@ -9,7 +9,6 @@ use crate::support::child;
 use crate::support::fake_cache;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::support::{chat, temp_dir};
@@ -111,28 +110,15 @@ async fn a_flooding_engine_is_held_to_the_routers_bounds() {
     )
     .unwrap();
     let (listen, admin) = (free_addr(), free_addr());
-    let config = dir.join("router.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen: {listen}\n\
-             adminListen: {admin}\n\
-             discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
-             limits:\n  maxIndexBlocksPerEndpoint: {BOUND}\n  maxOffloadedBlocksPerEndpoint: {BOUND}\n",
-            dir.join("endpoints.yaml").display()
-        ),
-    )
-    .unwrap();
-    let log = dir.join("router.log");
-    let router = Router(
-        Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+    let yaml = format!(
+        "listen: {listen}\n\
+         adminListen: {admin}\n\
+         discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
+         limits:\n  maxIndexBlocksPerEndpoint: {BOUND}\n  maxOffloadedBlocksPerEndpoint: {BOUND}\n",
+        dir.join("endpoints.yaml").display()
     );
+    let router = Router::spawn(&dir, &yaml);
+    let log = dir.join("router.log");
     let pid = router.0.id();
     let client = Client {
         http: reqwest::Client::new(),

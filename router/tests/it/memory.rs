@@ -4,7 +4,6 @@
 
 use crate::support::child;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::support::{chat, temp_dir, write_endpoints};
@@ -47,28 +46,15 @@ async fn a_large_chat_costs_at_most_a_few_times_its_body() {
     write_endpoints(&dir, &[&sim], false);
     let listen = free_addr();
     let admin = free_addr();
-    let config = dir.join("router.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen: {listen}\n\
-             adminListen: {admin}\n\
-             discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
-             limits:\n  maxBodyBytes: 67108864\n  maxTokenizeBytes: 67108864\n",
-            dir.join("endpoints.yaml").display()
-        ),
-    )
-    .unwrap();
-    let log = dir.join("router.log");
-    let router = Router(
-        Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+    let yaml = format!(
+        "listen: {listen}\n\
+         adminListen: {admin}\n\
+         discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
+         limits:\n  maxBodyBytes: 67108864\n  maxTokenizeBytes: 67108864\n",
+        dir.join("endpoints.yaml").display()
     );
+    let router = Router::spawn(&dir, &yaml);
+    let log = dir.join("router.log");
     let pid = router.0.id();
     let client = reqwest::Client::new();
 
