@@ -48,8 +48,10 @@ pub struct Ctx {
     pub out: std::path::PathBuf,
     /// How long load runs in each scenario.
     pub duration: Duration,
-    /// Where inference-perf is (to be) installed.
-    pub inference_perf_venv: std::path::PathBuf,
+    /// The inference-perf executable, installed before any scenario's
+    /// clock started (making its venv takes minutes on a fresh machine),
+    /// or why it cannot be had.
+    pub inference_perf: Result<std::path::PathBuf, String>,
     /// The undisturbed 4-pod run that disturbed runs are compared with.
     pub baseline: tokio::sync::OnceCell<Arc<Vec<Sample>>>,
 }
@@ -336,12 +338,7 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
 /// through router-0 at two fixed rates, `round-robin` then `kvroute`, the
 /// cached tokens as the engines reported them to inference-perf.
 async fn inference_perf(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
-    let exe = match tokio::task::spawn_blocking({
-        let venv = ctx.inference_perf_venv.clone();
-        move || super::inference_perf::install(&venv)
-    })
-    .await?
-    {
+    let exe = match ctx.inference_perf.clone() {
         Ok(exe) => exe,
         Err(reason) => {
             s.skipped = Some(format!("inference-perf cannot be installed: {reason}"));
