@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::support::child::{Router, free_addr, memory_kb};
+use crate::support::child::{free_addr, memory_kb};
 use crate::support::*;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_router::config::ResponseCache;
@@ -272,7 +272,7 @@ async fn bodies_padded_with_numbers_cost_about_their_size() {
         dir.join("endpoints.yaml").display(),
         embedder.http_addr,
     );
-    let router = Router::spawn(&dir, &yaml);
+    let router = spawn_router(&dir, &yaml);
     let pid = router.0.id();
     let client = reqwest::Client::new();
     let url = format!("http://{listen}/v1/chat/completions");

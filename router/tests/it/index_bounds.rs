@@ -11,8 +11,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::support::{chat, temp_dir};
-use child::{Router, free_addr, memory_kb};
+use crate::support::{chat, spawn_router, temp_dir};
+use child::{free_addr, memory_kb};
 use fake_cache::{Attack, FakeCache};
 
 /// The router's bound per endpoint and tier in this test.
@@ -117,7 +117,7 @@ async fn a_flooding_engine_is_held_to_the_routers_bounds() {
          limits:\n  maxIndexBlocksPerEndpoint: {BOUND}\n  maxOffloadedBlocksPerEndpoint: {BOUND}\n",
         dir.join("endpoints.yaml").display()
     );
-    let router = Router::spawn(&dir, &yaml);
+    let router = spawn_router(&dir, &yaml);
     let log = dir.join("router.log");
     let pid = router.0.id();
     let client = Client {

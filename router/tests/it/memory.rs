@@ -6,8 +6,8 @@ use crate::support::child;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::support::{chat, temp_dir, write_endpoints};
-use child::{Router, free_addr, memory_kb};
+use crate::support::{chat, spawn_router, temp_dir, write_endpoints};
+use child::{free_addr, memory_kb};
 use serde_json::json;
 
 /// The size of the large request body, about.
@@ -53,7 +53,7 @@ async fn a_large_chat_costs_at_most_a_few_times_its_body() {
          limits:\n  maxBodyBytes: 67108864\n  maxTokenizeBytes: 67108864\n",
         dir.join("endpoints.yaml").display()
     );
-    let router = Router::spawn(&dir, &yaml);
+    let router = spawn_router(&dir, &yaml);
     let log = dir.join("router.log");
     let pid = router.0.id();
     let client = reqwest::Client::new();

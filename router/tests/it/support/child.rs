@@ -4,8 +4,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 
 /// Kills the router when dropped, a panicking test's included.
 pub struct Router(pub Child);
@@ -14,24 +13,6 @@ impl Drop for Router {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-impl Router {
-    /// The router binary with `yaml` for its config, written to
-    /// `dir/router.yaml`; its log goes to `dir/router.log`.
-    pub fn spawn(dir: &Path, yaml: &str) -> Router {
-        let config = dir.join("router.yaml");
-        std::fs::write(&config, yaml).unwrap();
-        Router(
-            Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-                .arg("--config")
-                .arg(&config)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.join("router.log")).unwrap())
-                .spawn()
-                .unwrap(),
-        )
     }
 }
 

@@ -52,6 +52,23 @@ pub fn upstream_dir(name: &str, upstream: std::net::SocketAddr) -> PathBuf {
     dir
 }
 
+/// The router binary as a child process with `yaml` for its config,
+/// written to `dir/router.yaml`; its log goes to `dir/router.log`.
+pub fn spawn_router(dir: &std::path::Path, yaml: &str) -> child::Router {
+    use std::process::{Command, Stdio};
+    let config = dir.join("router.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    child::Router(
+        Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("router.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// Polls `check` until it holds; fails the test after 10 s.
 pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     kvroute_testkit::eventually(what, std::time::Duration::from_secs(10), || {
