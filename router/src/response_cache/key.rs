@@ -326,7 +326,7 @@ impl<'b> Read<'b> {
                 return Err(json_skim::Rejected);
             }
             let read_as = (key == asked(api)).then_some(api);
-            let asked = match read_as {
+            let digested = match read_as {
                 Some(Api::Chat) => chat::messages(value, asking),
                 Some(Api::Completion) => canon::digest(value).map(|d| {
                     let text = asking.then(|| chat::text_of(value)).flatten();
@@ -334,7 +334,7 @@ impl<'b> Read<'b> {
                 }),
                 None => canon::digest(value).map(|d| (d, None)),
             };
-            let (digest, question) = asked.map_err(|why| {
+            let (digest, question) = digested.map_err(|why| {
                 refused = why;
                 json_skim::Rejected
             })?;

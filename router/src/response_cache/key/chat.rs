@@ -16,14 +16,14 @@ use crate::response_cache::semantic::MAX_QUESTION_BYTES;
 /// canonical form hashes to it).
 pub const BLANK: [u8; 32] = [0; 32];
 
+/// A member's digest and, for the question's member, its context's
+/// digest (the question [`BLANK`]) and the question as text.
+pub type Digested = ([u8; 32], Option<([u8; 32], Option<String>)>);
+
 /// The digest of a chat's `messages` (its raw value), and, when one of
 /// them is the user's, the digest with the last user message's content
 /// [`BLANK`] and that content as text ([`text_of`], when `asking`).
-#[allow(clippy::type_complexity)]
-pub fn messages(
-    raw: &[u8],
-    asking: bool,
-) -> Result<([u8; 32], Option<([u8; 32], Option<String>)>), Refused> {
+pub fn messages(raw: &[u8], asking: bool) -> Result<Digested, Refused> {
     if raw.first() != Some(&b'[') {
         return canon::digest(raw).map(|d| (d, None));
     }
