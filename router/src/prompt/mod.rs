@@ -511,7 +511,8 @@ fn read(
         } else {
             // Only the top-level fields were read: the body is copied
             // with the salt in place of the client's.
-            let salt = serde_json::to_vec(&o["cache_salt"]).expect("a string serializes");
+            let salt = o.get("cache_salt").unwrap_or(&serde_json::Value::Null);
+            let salt = serde_json::to_vec(salt).expect("a JSON value serializes");
             json_skim::replaced(&bytes, "cache_salt", &salt)
                 .map_err(|_| ApiError::BadRequest("invalid JSON body".into()))?
         };

@@ -372,3 +372,40 @@ async fn what_a_parse_may_cost_counts_in_the_body_budget() {
     );
     router.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_salted_body_too_large_to_read_gets_the_tenants_salt_in_place_of_the_clients() {
+    let (upstream, mut heads) = recording_upstream().await;
+    let dir = upstream_dir("salted-unread", upstream);
+    std::fs::write(dir.join("secret"), "s3cret").unwrap();
+    let mut config = router_config(&dir);
+    config.tenancy.mode = kvroute_router::config::TenancyMode::Salted;
+    config.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
+    config.tenancy.secret_file = Some(dir.join("secret"));
+    config.tenancy.client_salt = kvroute_router::config::ClientSalt::Overwrite;
+    config.resilience.health_check = None;
+    // Past this the prompt is not read, and the body not parsed whole.
+    config.limits.max_tokenize_bytes = 1024;
+    let router = kvroute_router::start(config).await.unwrap();
+    let body = json!({
+        "cache_salt": "mine",
+        "model": "m",
+        "messages": [{"role": "user", "content": "x".repeat(4000)}],
+    });
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", router.addr()))
+        .header("x-tenant", "bob")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let head = next_post(&mut heads).await;
+    let sent: serde_json::Value = serde_json::from_str(&head[head.find("\r\n\r\n").unwrap() + 4..])
+        .expect("the forwarded body is JSON");
+    let salt = sent["cache_salt"].as_str().unwrap();
+    assert!(salt != "mine" && !salt.is_empty(), "{salt}");
+    assert_eq!(head.matches("\"cache_salt\"").count(), 1, "one salt");
+    assert_eq!(sent["messages"], body["messages"], "the rest as it was");
+    router.shutdown().await;
+}
