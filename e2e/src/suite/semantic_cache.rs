@@ -221,6 +221,8 @@ pub async fn ask(
 /// What one pair's replay gave.
 #[derive(Clone, Debug)]
 pub struct Replayed {
+    /// The tenant it was asked as.
+    pub tenant: String,
     /// Whether the pair means the same.
     pub same: bool,
     /// `a`'s answer, then `b`'s.
@@ -248,6 +250,7 @@ pub async fn replay(client: &reqwest::Client, addr: SocketAddr, pairs: &[Pair]) 
             Replayed {
                 same: p.same,
                 answers: answers.await,
+                tenant,
             }
         })
         .buffered(CONCURRENCY)
@@ -333,12 +336,17 @@ async fn labelled_pairs(
             false_rate * 100.0
         ),
     );
-    // Each false hit reported wrong, as a client would.
+    // Each false hit reported wrong, as its client would (a report counts
+    // only from the hit's own tenant).
     let url = format!("http://{addr}/v1/kvroute/semantic-cache/false-hit");
     let mut accepted = 0;
     for r in replayed.iter().filter(|r| !r.same && r.semantic_hit()) {
         let Ok((_, b)) = &r.answers else { continue };
-        let sent = client.post(&url).json(&json!({"id": b.id})).send().await;
+        let sent = (client.post(&url))
+            .header(TENANT_HEADER, &r.tenant)
+            .json(&json!({"id": b.id}))
+            .send()
+            .await;
         accepted += usize::from(sent.is_ok_and(|r| r.status().is_success()));
     }
     let counted = sum(
