@@ -243,7 +243,7 @@ async fn salted_mode_refuses_bodies_it_cannot_read_on_every_path() {
 }
 
 #[tokio::test]
-async fn private_and_connection_named_headers_are_not_forwarded() {
+async fn private_connection_named_and_router_headers_are_not_forwarded() {
     let (upstream, mut heads) = recording_upstream().await;
     let dir = upstream_dir("private-headers", upstream);
     let keys = keys_file(&dir);
@@ -266,6 +266,8 @@ async fn private_and_connection_named_headers_are_not_forwarded() {
             .header("connection", "x-hop")
             .header("x-hop", "1")
             .header("x-kept", "1")
+            .header("x-kvroute-admit-within-ms", "0")
+            .header("X-Kvroute-Anything", "1")
             .json(&json!({"prompt": "hello"}))
             .send()
             .await
@@ -279,6 +281,10 @@ async fn private_and_connection_named_headers_are_not_forwarded() {
         );
         assert_eq!(header_of(&head, "x-tenant").is_some(), forward, "{head}");
         assert!(header_of(&head, "x-hop").is_none(), "{head}");
+        // The router's own headers: never a client's.
+        assert!(header_of(&head, "x-kvroute-anything").is_none(), "{head}");
+        let bound = header_of(&head, "x-kvroute-admit-within-ms");
+        assert_ne!(bound.as_deref(), Some("0"), "{head}");
         assert!(header_of(&head, "x-kept").is_some(), "{head}");
         router.shutdown().await;
     }

@@ -86,31 +86,6 @@ fn greedy(user: &str) -> serde_json::Value {
 }
 
 #[tokio::test]
-async fn a_clients_router_headers_never_reach_the_engine() {
-    let (upstream, mut heads) = recording_upstream().await;
-    let dir = upstream_dir("own-headers", upstream);
-    let mut config = router_config(&dir);
-    config.resilience.health_check = None;
-    // A policy that asks engines for no admission bound of its own.
-    config.routing.policy = PolicyConfig::by_name("round-robin").unwrap();
-    let router = kvroute_router::start(config).await.unwrap();
-    let r = reqwest::Client::new()
-        .post(format!("http://{}/v1/completions", router.addr()))
-        .header("x-kvroute-admit-within-ms", "0")
-        .header("X-Kvroute-Anything", "1")
-        .header("x-kept", "1")
-        .json(&json!({"prompt": "hello"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let head = next_post(&mut heads).await.to_lowercase();
-    assert!(!head.contains("x-kvroute-"), "{head}");
-    assert!(header_of(&head, "x-kept").is_some(), "{head}");
-    router.shutdown().await;
-}
-
-#[tokio::test]
 async fn an_admission_refusal_the_router_did_not_ask_for_ejects_no_engine() {
     // Engines that refuse as if a bound had been asked for.
     let refusing = |_: &str| {

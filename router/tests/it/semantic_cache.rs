@@ -236,20 +236,16 @@ async fn a_silent_or_garbage_embeddings_server_turns_the_level_off() {
     }
 }
 
+/// A config whose embedder is checked every second.
+fn check_every_second(c: &mut Config) {
+    let semantic = c.response_cache.as_mut().and_then(|r| r.semantic.as_mut());
+    semantic.unwrap().check_interval_s = 1;
+}
+
 #[tokio::test]
 async fn a_constant_embedder_turns_the_level_off_until_it_tells_questions_apart() {
     let (url, mode) = fake_embeddings(Fake::Constant).await;
-    let stack = semantic_stack_with("sem-constant", Some(url), |c| {
-        let semantic = c
-            .response_cache
-            .as_mut()
-            .unwrap()
-            .semantic
-            .as_mut()
-            .unwrap();
-        semantic.check_interval_s = 1;
-    })
-    .await;
+    let stack = semantic_stack_with("sem-constant", Some(url), check_every_second).await;
     metric_at(&stack, &check_failed("similar"), 1.0).await;
     let ask_as = async |user: &str| ask(&stack, "a", &ask_body("Be brief.", user)).await.0;
     assert_eq!(ask_as("What is a KV cache?").await, "miss");
@@ -270,17 +266,7 @@ async fn a_constant_embedder_turns_the_level_off_until_it_tells_questions_apart(
 #[tokio::test]
 async fn the_dimension_is_the_checks_and_a_new_model_empties_the_index() {
     let (url, mode) = fake_embeddings(Fake::Words).await;
-    let stack = semantic_stack_with("sem-dimension", Some(url), |c| {
-        let semantic = c
-            .response_cache
-            .as_mut()
-            .unwrap()
-            .semantic
-            .as_mut()
-            .unwrap();
-        semantic.check_interval_s = 1;
-    })
-    .await;
+    let stack = semantic_stack_with("sem-dimension", Some(url), check_every_second).await;
     let ask_as = async |user: &str| ask(&stack, "a", &ask_body("Be brief.", user)).await.0;
     metric_at(&stack, HEALTHY, 1.0).await;
     // A vector of one dimension first: refused, the index unchanged.
