@@ -288,7 +288,10 @@ async fn the_dimension_is_the_checks_and_a_new_model_empties_the_index() {
 async fn a_similar_question_whose_answer_is_gone_is_remembered_afresh() {
     let stack = semantic_stack("sem-gone", None).await;
     let ask_as = async |user: &str| ask(&stack, "a", &ask_body("Be brief.", user)).await;
-    assert_eq!(ask_as("What is a KV cache?").await.0, "miss");
+    let (result, first) = ask_as("What is a KV cache?").await;
+    assert_eq!(result, "miss");
+    // Read whole: its answer is stored by then.
+    first.text().await.unwrap();
     let url = format!(
         "http://{}/admin/response-cache/purge",
         stack.router.admin_addr

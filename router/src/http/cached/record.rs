@@ -172,8 +172,11 @@ impl Drop for Queued {
 async fn pump(mut body: Body, mut r: Recording, q: Queue) {
     let mut client = true;
     loop {
+        // Biased to the engine's body: what has already arrived is read
+        // (and stored when complete) before a client's leaving is noticed.
         let next = if client {
             tokio::select! {
+                biased;
                 next = body.frame() => next,
                 () = q.tx.closed() => {
                     client = false;
@@ -184,6 +187,7 @@ async fn pump(mut body: Body, mut r: Recording, q: Queue) {
             // Rule 2.2: on only for the requests still waiting.
             let Some(lead) = &r.lead else { return };
             tokio::select! {
+                biased;
                 next = body.frame() => next,
                 () = lead.unwanted() => return,
             }
