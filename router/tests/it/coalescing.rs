@@ -242,16 +242,22 @@ async fn followers(
 /// buffers hold for a client that does not read, over 80 kB of content.
 const LONG: usize = 80_000;
 
-#[tokio::test]
-async fn a_leader_whose_client_never_reads_does_not_hold_its_followers() {
-    let double = Double::start(|body| {
+/// An engine double that streams [`LONG`] chunks, and answers a request
+/// that is not streamed with "fresh".
+async fn long_streams() -> Double {
+    Double::start(|body| {
         Reply::Now(if streamed(body) {
             stream_response(LONG)
         } else {
             json_response("", &completion("fresh"))
         })
     })
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn a_leader_whose_client_never_reads_does_not_hold_its_followers() {
+    let double = long_streams().await;
     // The whole stream fits the bound: read at the engine's pace, stored.
     let router = router("co-never-reads", &double, |c| {
         c.max_entry_bytes = 64 << 20;
@@ -271,14 +277,7 @@ async fn a_leader_whose_client_never_reads_does_not_hold_its_followers() {
 
 #[tokio::test]
 async fn followers_of_a_leader_whose_client_lags_past_max_entry_bytes_go_to_an_engine() {
-    let double = Double::start(|body| {
-        Reply::Now(if streamed(body) {
-            stream_response(LONG)
-        } else {
-            json_response("", &completion("fresh"))
-        })
-    })
-    .await;
+    let double = long_streams().await;
     // The default 1 MiB bound: the client falls that far behind.
     let router = router("co-lags", &double, |_| {}).await;
     let leader = never_reading(&router, &question("long", true)).await;
