@@ -26,9 +26,13 @@
 //!   prefills overlap, so it is a lower bound of the engine's rate. Absent
 //!   until both have grown;
 //! - memory, for the router's prediction of a wait for KV blocks: the free
-//!   blocks (capacity less those in use), the waiting queue's demand (the
-//!   waiting requests times the mean prompt, in blocks: an upper bound, as
-//!   vLLM's metrics do not say what of a waiting prompt is cached), the
+//!   blocks (capacity less those in use; `kv_cache_usage_perc` counts a
+//!   cached block no request holds as free, as engine-sim does), the
+//!   waiting queue's demand (the waiting requests times the mean prompt,
+//!   in blocks: a waiting request takes its cached blocks from the free
+//!   pool too unless a running request holds them, which vLLM's metrics do
+//!   not say), the blocks outputs will still take (half the mean output
+//!   per running request, all of it per waiting one), the
 //!   running requests' mean remaining decode (half the mean output of
 //!   `vllm:request_generation_tokens` at the mean time per output token of
 //!   `vllm:inter_token_latency_seconds`, `vllm:time_per_output_token_seconds`
@@ -167,6 +171,7 @@ pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport
     let count = |v: f64| v.max(0.0).min(f64::from(u32::MAX)) as u32;
     let kv_usage = now.kv_usage.clamp(0.0, 1.0);
     let used_blocks = (kv_usage * capacity as f64).round() as u64;
+    let block_size = now.block_size.filter(|&b| b > 0).map(f64::from);
     v1::LoadReport {
         waiting: count(now.waiting),
         running: count(now.running),
@@ -180,10 +185,11 @@ pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport
         cached_free_blocks: None,
         waiting_blocks: now
             .mean_prompt
-            .zip(now.block_size.filter(|&b| b > 0))
-            .map(|(mean, bs)| {
-                (mean * now.uncached_share() * now.waiting.max(0.0) / f64::from(bs)).ceil() as u64
-            }),
+            .zip(block_size)
+            .map(|(mean, bs)| (mean * now.waiting.max(0.0) / bs).ceil() as u64),
+        growth_blocks: now.mean_output.zip(block_size).map(|(mean, bs)| {
+            (mean * (now.running.max(0.0) / 2.0 + now.waiting.max(0.0)) / bs).ceil() as u64
+        }),
         remaining_decode_s: now
             .mean_output
             .zip(now.mean_tpot)
@@ -317,10 +323,12 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 9
         // decode) in prefill, 500 tokens each.
         assert_eq!(r.queued_prefill_tokens, Some(2500));
         // Memory: 750 of 1,000 blocks free; 3 waiting prompts of 500
-        // tokens need 94 blocks of 16; a running request has half of 100
-        // tokens left at 30 ms each.
+        // tokens take 94 blocks of 16; a running request has half of 100
+        // tokens left at 30 ms each: 5 × 50 + 3 × 100 = 550 tokens of
+        // output to come, 35 blocks.
         assert_eq!(r.free_blocks, Some(750));
         assert_eq!(r.waiting_blocks, Some(94));
+        assert_eq!(r.growth_blocks, Some(35));
         assert!((r.remaining_decode_s.unwrap() - 1.5).abs() < 1e-9);
         assert_eq!((r.preemptions, r.cached_free_blocks), (Some(7), None));
         // The prefix cache served 30 % of prompt tokens: 70 % is queued.

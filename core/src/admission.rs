@@ -82,13 +82,8 @@ pub fn refuses(bound_ms: u64, wait_s: f64) -> bool {
 /// An engine's check of a request that asked to start within `bound_ms`,
 /// against its own `report` taken at that moment (`engine_wait_s`): the
 /// refusal to answer with, or `None` to admit it.
-pub fn check(
-    bound_ms: u64,
-    report: EngineLoad,
-    overhead_ms: f64,
-    block_tokens: u64,
-) -> Option<Refusal> {
-    let wait = engine_wait_s(report, overhead_ms, block_tokens);
+pub fn check(bound_ms: u64, report: EngineLoad, overhead_ms: f64) -> Option<Refusal> {
+    let wait = engine_wait_s(report, overhead_ms);
     refuses(bound_ms, wait).then(|| Refusal::of(&report))
 }
 
@@ -104,7 +99,7 @@ pub fn bound_ms(bound_s: f64) -> u64 {
 /// of the requests ahead, whichever is longer. It leaves out the request's
 /// own blocks, which the router counts, so it refuses a little less often
 /// than the router's own figures would.
-fn engine_wait_s(report: EngineLoad, overhead_ms: f64, block_tokens: u64) -> f64 {
+fn engine_wait_s(report: EngineLoad, overhead_ms: f64) -> f64 {
     let model = PrefillModel {
         prefill_overhead_ms: overhead_ms,
         ..PrefillModel::default()
@@ -117,7 +112,7 @@ fn engine_wait_s(report: EngineLoad, overhead_ms: f64, block_tokens: u64) -> f64
     let rate = model.rate(&load);
     model
         .queued_s_at(&load, now, rate)
-        .max(model.memory_wait_s(&load, 0, block_tokens, now))
+        .max(model.memory_wait_s(&load, 0, now))
 }
 
 impl Load {
@@ -141,6 +136,7 @@ impl Load {
         engine.reported_at = now;
         self.unreported_prefill_tokens = 0;
         self.unreported_requests = 0;
+        self.unreported_blocks = 0;
     }
 }
 

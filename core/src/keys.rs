@@ -15,6 +15,10 @@
 //! payload: conversation UTF-8 bytes | tokens as u32 LE | ids as u64 LE | nothing
 //! ```
 //!
+//! A prefix key moved past a prefix many keys share
+//! ([`RoutingKey::past_shared`]) is `'s'`, the prefix key's u64 LE, then the
+//! block hash's u64 LE: scoped as the prefix key was.
+//!
 //! Not here: where the tenant or conversation key come from (the router
 //! decides which sources are trusted).
 
@@ -56,6 +60,21 @@ impl RoutingKey {
     /// traces carry one id per block instead of tokens).
     pub fn prefix_ids(tenant: Option<&str>, ids: &[u64]) -> Self {
         Self::digest(b'i', tenant, |h| update_le(h, ids, |id| id.to_le_bytes()))
+    }
+
+    /// A prefix key taken from past a prefix many keys share: `self` (the
+    /// prefix key, for its tenant scope) with `block`, the hash of the
+    /// last block of as many blocks past the shared ones. Block hashes
+    /// chain, so `block` names everything before it: two prompts that
+    /// differ there get different keys. The `kvroute` policy derives it
+    /// ([`crate::policy`]), because it is the one that knows what is
+    /// shared.
+    pub fn past_shared(self, block: u64) -> Self {
+        let mut h = Xxh3::new();
+        h.update(b"s");
+        h.update(&self.0.to_le_bytes());
+        h.update(&block.to_le_bytes());
+        RoutingKey(h.digest())
     }
 
     /// The key of a whole tenant.
@@ -148,16 +167,36 @@ impl KeyConfig {
         } else {
             None
         };
-        let prefix = || {
-            let k = self.prefix_tokens.min(input.tokens.len());
-            RoutingKey::prefix_tokens(scope, &input.tokens[..k])
-        };
-        match (self.mode, input.conversation, input.tenant) {
-            (KeyMode::Conversation, Some(c), _) => RoutingKey::conversation(scope, c),
-            (KeyMode::Tenant, _, Some(t)) => RoutingKey::tenant(t),
-            _ => prefix(),
+        match self.named(input) {
+            Some(Named::Conversation(c)) => RoutingKey::conversation(scope, c),
+            Some(Named::Tenant(t)) => RoutingKey::tenant(t),
+            None => {
+                let k = self.prefix_tokens.min(input.tokens.len());
+                RoutingKey::prefix_tokens(scope, &input.tokens[..k])
+            }
         }
     }
+
+    /// Whether [`Self::key`] makes `input`'s key from its first tokens:
+    /// always in prefix mode, and when the request has no conversation key
+    /// (conversation mode) or no tenant (tenant mode).
+    pub fn from_prefix(&self, input: &KeyInput<'_>) -> bool {
+        self.named(input).is_none()
+    }
+
+    fn named<'a>(&self, input: &KeyInput<'a>) -> Option<Named<'a>> {
+        match (self.mode, input.conversation, input.tenant) {
+            (KeyMode::Conversation, Some(c), _) => Some(Named::Conversation(c)),
+            (KeyMode::Tenant, _, Some(t)) => Some(Named::Tenant(t)),
+            _ => None,
+        }
+    }
+}
+
+/// A key named by the request rather than made from its prompt.
+enum Named<'a> {
+    Conversation(&'a str),
+    Tenant(&'a str),
 }
 
 #[cfg(test)]

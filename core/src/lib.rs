@@ -3,7 +3,8 @@
 //! Everything that decides where a request goes lives here: vLLM-exact block
 //! hashing ([`hash`]), routing keys ([`keys`]), rendezvous ranking
 //! ([`rendezvous`]) and a new endpoint's ramp in it ([`slow_start`]), the
-//! per-pool occupancy index ([`index`]), load accounting ([`load`]), the
+//! per-pool occupancy index ([`index`]), load accounting ([`load`]) with the blocks requests in flight
+//! hold ([`pinned`]), the
 //! routing policies ([`policy`]) and what a routing policy
 //! says of a pool, with its defaults ([`spec`]); and the one model of an
 //! engine's scheduler ([`engine`]) that the simulator and the replay run.
@@ -21,6 +22,7 @@ pub mod index;
 pub mod keys;
 pub mod load;
 pub mod lru;
+pub mod pinned;
 pub mod policy;
 pub mod rendezvous;
 pub mod rng;

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::pinned::{Pin, Pinned};
 use crate::slot::Slot;
 
 /// What an engine last reported about itself.
@@ -48,8 +49,11 @@ pub struct Memory {
     pub free_blocks: u64,
     /// Blocks held by running requests.
     pub used_blocks: u64,
-    /// Blocks the waiting requests need to be admitted.
+    /// Blocks the waiting requests take from the free pool to be admitted.
     pub waiting_blocks: u64,
+    /// Blocks the requests running and waiting will still take for their
+    /// output, as they decode.
+    pub growth_blocks: u64,
     /// Seconds until the running requests finish, on average.
     pub remaining_decode_s: f64,
     /// Requests running, and waiting.
@@ -62,10 +66,11 @@ pub struct Memory {
 
 impl Memory {
     /// Seconds until a new request, behind the waiting ones, has a seat
-    /// and `blocks` free blocks. Running requests free both as they
-    /// finish; taking their finishes as spread evenly over twice their
-    /// mean remaining time, a deficit of D of U used blocks (or seats)
-    /// clears after D / U of it (all of it when D ≥ U).
+    /// and `blocks` free blocks, the blocks the others will still take
+    /// for their output counted as taken. Running requests free both as
+    /// they finish; taking their finishes as spread evenly over twice
+    /// their mean remaining time, a deficit of D of U used blocks (or
+    /// seats) clears after D / U of it (all of it when D ≥ U).
     pub fn wait_s(&self, blocks: u64) -> f64 {
         let clears = |demand: u64, free: u64, held: u64| {
             if demand <= free || held == 0 {
@@ -74,7 +79,10 @@ impl Memory {
             ((demand - free) as f64 / held as f64).min(1.0)
         };
         let for_blocks = clears(
-            self.waiting_blocks + blocks,
+            // Saturating: the counts are an engine's word.
+            (self.waiting_blocks)
+                .saturating_add(self.growth_blocks)
+                .saturating_add(blocks),
             self.free_blocks,
             self.used_blocks,
         );
@@ -113,6 +121,10 @@ pub struct Load {
     pub unreported_prefill_tokens: u64,
     /// How many requests `unreported_prefill_tokens` covers.
     pub unreported_requests: u32,
+    /// KV blocks the in-flight requests sent since the engine's last
+    /// report take from its free pool, output included
+    /// ([`demand_blocks`]), until they finish.
+    pub unreported_blocks: u64,
     /// The engine's own report, if it sends one.
     pub engine: Option<EngineLoad>,
 }
@@ -235,19 +247,19 @@ impl PrefillModel {
         }
     }
 
-    /// Seconds a request needing `blocks` new KV blocks waits at the
-    /// endpoint at `now` for its engine to free them (after every waiting
-    /// request's), from the engine's last report when it is fresh and says
-    /// (else 0); this router's requests sent since count as waiting.
-    pub fn memory_wait_s(&self, load: &Load, blocks: u64, block_tokens: u64, now: Instant) -> f64 {
+    /// Seconds a request taking `blocks` KV blocks from the free pool
+    /// ([`demand_blocks`]) waits at the endpoint at `now` for its engine
+    /// to free them (after every waiting request's), from the engine's
+    /// last report when it is fresh and says (else 0); this router's
+    /// requests sent since count as taken.
+    pub fn memory_wait_s(&self, load: &Load, blocks: u64, now: Instant) -> f64 {
         let fresh = load
             .engine
             .filter(|e| e.age(now) <= Duration::from_millis(self.max_report_age_ms));
         let Some((e, memory)) = fresh.and_then(|e| Some((e, e.memory?))) else {
             return 0.0;
         };
-        let unreported = load.unreported_prefill_tokens.div_ceil(block_tokens.max(1));
-        (memory.wait_s(blocks + unreported) - e.age(now).as_secs_f64()).max(0.0)
+        (memory.wait_s(blocks.saturating_add(load.unreported_blocks)) - e.age(now).as_secs_f64()).max(0.0)
     }
 
     /// Seconds the endpoint takes to prefill `uncached_tokens` once it
@@ -263,21 +275,34 @@ impl PrefillModel {
     }
 
     /// Predicted time to first token at the endpoint for a request with
-    /// `uncached_tokens` to prefill there, in blocks of `block_tokens`:
-    /// the longer of the prefill queue and the wait for memory, then its
-    /// own prefill. (While the head of the queue waits for blocks nothing
-    /// prefills, so the two overlap; the longer one bounds the wait.)
-    pub fn ttft_s(
-        &self,
-        load: &Load,
-        uncached_tokens: u64,
-        block_tokens: u64,
-        now: Instant,
-    ) -> f64 {
-        let blocks = uncached_tokens.div_ceil(block_tokens.max(1));
-        let memory = self.memory_wait_s(load, blocks, block_tokens, now);
+    /// `uncached_tokens` to prefill there that takes `blocks` KV blocks
+    /// from the free pool ([`demand_blocks`]): the longer of the prefill
+    /// queue and the wait for memory, then its own prefill. (While the
+    /// head of the queue waits for blocks nothing prefills, so the two
+    /// overlap; the longer one bounds the wait.)
+    pub fn ttft_s(&self, load: &Load, uncached_tokens: u64, blocks: u64, now: Instant) -> f64 {
+        let memory = self.memory_wait_s(load, blocks, now);
         self.queued_s(load, now).max(memory) + self.prefill_s(load, uncached_tokens)
     }
+}
+
+/// KV blocks a request takes from an endpoint's free pool: to be admitted,
+/// every block of its prompt but the leading `pinned` that a request
+/// running there holds (a cached block nobody holds is in the free pool,
+/// and leaves it when reused); then, as it decodes, its output's. Returns
+/// (to be admitted, output).
+pub fn demand_blocks(
+    prompt_tokens: u64,
+    pinned: u32,
+    output_tokens: u64,
+    block_tokens: u64,
+) -> (u64, u64) {
+    let bs = block_tokens.max(1);
+    let prompt = prompt_tokens.div_ceil(bs);
+    let admit = prompt.saturating_sub(u64::from(pinned)).max(1);
+    // The last output token is never fed back: it needs no KV.
+    let total = (prompt_tokens + output_tokens.saturating_sub(1)).div_ceil(bs);
+    (admit, total.saturating_sub(prompt))
 }
 
 /// The prefill rate the endpoint's engine reports, if a usable one.
@@ -307,6 +332,9 @@ pub struct Ticket {
     reports: u64,
     uncached_tokens: u64,
     prompt_tokens: u64,
+    /// KV blocks it takes, counted in `unreported_blocks` until a report.
+    blocks: u64,
+    pin: Option<Pin>,
     phase: Phase,
 }
 
@@ -325,17 +353,60 @@ struct Entry {
     reports: u64,
 }
 
-/// Per-endpoint load of one pool, by slot.
-#[derive(Debug, Default)]
+/// Per-endpoint load of one pool, by slot, and the prompt blocks its
+/// requests in flight hold ([`Pinned`]).
+#[derive(Debug)]
 pub struct LoadTracker {
     entries: Vec<Entry>,
     generations: u64,
+    pinned: Pinned,
 }
+
+impl Default for LoadTracker {
+    fn default() -> Self {
+        LoadTracker {
+            entries: Vec::new(),
+            generations: 0,
+            pinned: Pinned::new(PINNED_BLOCKS),
+        }
+    }
+}
+
+/// Blocks of requests in flight a [`LoadTracker`] keeps, over all
+/// endpoints: 2^20, about 50 MiB at most.
+pub const PINNED_BLOCKS: usize = 1 << 20;
 
 impl LoadTracker {
     /// An empty tracker.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The prompt blocks requests in flight hold, per endpoint.
+    pub fn pinned(&self) -> &Pinned {
+        &self.pinned
+    }
+
+    /// [`Self::start`] for a request whose prompt has the block hashes
+    /// `chain` (blocks of `block_tokens`) and that may generate
+    /// `output_tokens`: its blocks count as held at `slot` until it
+    /// finishes, and what it takes from the free pool ([`demand_blocks`])
+    /// as taken until the engine's next report.
+    pub fn start_request(
+        &mut self,
+        slot: Slot,
+        chain: &[crate::hash::BlockHash],
+        tokens: (u64, u64, u64),
+        block_tokens: u64,
+    ) -> Ticket {
+        let (prompt_tokens, uncached_tokens, output_tokens) = tokens;
+        let pinned = self.pinned.leading(slot, chain);
+        let (admit, growth) = demand_blocks(prompt_tokens, pinned, output_tokens, block_tokens);
+        let mut ticket = self.start(slot, prompt_tokens, uncached_tokens);
+        ticket.blocks = admit + growth;
+        self.entry(slot).load.unreported_blocks += ticket.blocks;
+        ticket.pin = Some(self.pinned.pin(slot, chain));
+        ticket
     }
 
     fn entry(&mut self, slot: Slot) -> &mut Entry {
@@ -361,6 +432,8 @@ impl LoadTracker {
             reports: entry.reports,
             uncached_tokens,
             prompt_tokens,
+            blocks: 0,
+            pin: None,
             phase: Phase::Prefill,
         }
     }
@@ -396,8 +469,15 @@ impl LoadTracker {
     }
 
     /// The request finished (completed, failed or cancelled).
-    pub fn finish(&mut self, ticket: Ticket) {
+    pub fn finish(&mut self, mut ticket: Ticket) {
+        if let Some(pin) = ticket.pin.take() {
+            self.pinned.unpin(pin);
+        }
         if let Some(entry) = self.live(&ticket) {
+            if entry.reports == ticket.reports {
+                let load = &mut entry.load;
+                load.unreported_blocks = load.unreported_blocks.saturating_sub(ticket.blocks);
+            }
             match ticket.phase {
                 Phase::Prefill => Self::end_prefill(entry, &ticket),
                 Phase::Decode => entry.load.decoding = entry.load.decoding.saturating_sub(1),
@@ -424,6 +504,7 @@ impl LoadTracker {
         entry.load.engine = Some(engine);
         entry.load.unreported_prefill_tokens = 0;
         entry.load.unreported_requests = 0;
+        entry.load.unreported_blocks = 0;
         entry.reports += 1;
     }
 
@@ -438,6 +519,7 @@ impl LoadTracker {
     /// Forgets `slot`'s load; outstanding tickets for it are ignored from
     /// now on.
     pub fn remove(&mut self, slot: Slot) {
+        self.pinned.forget(slot);
         self.generations += 1;
         let generation = self.generations;
         *self.entry(slot) = Entry {
@@ -466,6 +548,7 @@ mod tests {
                 active_tokens: 1550,
                 unreported_prefill_tokens: 1050,
                 unreported_requests: 2,
+                unreported_blocks: 0,
                 engine: None
             }
         );
@@ -541,7 +624,7 @@ mod tests {
         // 5,000 tokens at 10,000/s plus two 20 ms overheads.
         assert!((m.queued_s(&load, now) - 0.54).abs() < 1e-9);
         assert!((m.prefill_s(&load, 2000) - 0.22).abs() < 1e-9);
-        assert!((m.ttft_s(&load, 2000, 16, now) - 0.76).abs() < 1e-9);
+        assert!((m.ttft_s(&load, 2000, 125, now) - 0.76).abs() < 1e-9);
     }
 
     #[test]
@@ -586,6 +669,7 @@ mod tests {
             free_blocks: 100,
             used_blocks: 400,
             waiting_blocks: 60,
+            growth_blocks: 0,
             remaining_decode_s: 1.5,
             running: 10,
             waiting: 2,
@@ -618,21 +702,35 @@ mod tests {
             },
         );
         let load = t.load(Slot(0));
-        assert!((m.memory_wait_s(&load, 80, 16, at) - 0.3).abs() < 1e-9);
+        assert!((m.memory_wait_s(&load, 80, at) - 0.3).abs() < 1e-9);
         // The wait ages like the queue, and bounds the time to first token
         // with the queue (empty here) before the request's own prefill
         // (20 ms + 1,280 tokens at 10,000/s).
         let later = at + Duration::from_millis(100);
-        assert!((m.memory_wait_s(&load, 80, 16, later) - 0.2).abs() < 1e-9);
-        assert!((m.ttft_s(&load, 80 * 16, 16, later) - (0.2 + 0.148)).abs() < 1e-9);
-        // This router's requests sent since the report wait for blocks too:
-        // 640 tokens are 40 more blocks.
-        let _sent = t.start(Slot(0), 640, 640);
+        assert!((m.memory_wait_s(&load, 80, later) - 0.2).abs() < 1e-9);
+        assert!((m.ttft_s(&load, 80 * 16, 80, later) - (0.2 + 0.148)).abs() < 1e-9);
+        // This router's requests sent since the report take blocks too: a
+        // 640-token prompt is 40 more blocks, all of them, cached or not.
+        let chain: Vec<u64> = (0..40).collect();
+        let sent = t.start_request(Slot(0), &chain, (640, 0, 0), 16);
         let load = t.load(Slot(0));
-        assert!((m.memory_wait_s(&load, 80, 16, at) - 0.6).abs() < 1e-9);
+        assert!((m.memory_wait_s(&load, 80, at) - 0.6).abs() < 1e-9);
+        // Output the engines will still write counts as taken: 20 blocks
+        // of growth are a tenth of the used blocks more.
+        let grown = Memory {
+            growth_blocks: 20,
+            ..memory
+        };
+        assert!((grown.wait_s(80) - 0.45).abs() < 1e-9);
+        // A request that shares the one in flight's prompt takes only its
+        // own blocks: the shared ones are held.
+        assert_eq!(t.pinned().leading(Slot(0), &[0, 1, 2, 99]), 3);
+        t.finish(sent);
+        assert_eq!(t.pinned().leading(Slot(0), &[0, 1, 2, 99]), 0);
+        assert_eq!(t.load(Slot(0)).unreported_blocks, 0, "finished before a report");
         // Without memory in the report there is no memory term.
         t.report(Slot(0), report(at, 0, 2, None));
-        assert_eq!(m.memory_wait_s(&t.load(Slot(0)), 1000, 16, at), 0.0);
+        assert_eq!(m.memory_wait_s(&t.load(Slot(0)), 1000, at), 0.0);
     }
 
     #[test]

@@ -47,8 +47,10 @@ pub struct LoadReport {
     pub free_blocks: u64,
     /// Of those, holding a cached prefix.
     pub cached_free_blocks: u64,
-    /// Blocks the waiting requests need.
+    /// Blocks the waiting requests take from the free pool.
     pub waiting_blocks: u64,
+    /// Blocks the requests will still take for their output.
+    pub growth_blocks: u64,
     /// Seconds until the running requests finish, on average.
     pub remaining_decode_s: f64,
     /// Requests preempted so far.
@@ -70,6 +72,7 @@ impl LoadReport {
             free_blocks: Some(self.free_blocks),
             cached_free_blocks: Some(self.cached_free_blocks),
             waiting_blocks: Some(self.waiting_blocks),
+            growth_blocks: Some(self.growth_blocks),
             remaining_decode_s: Some(self.remaining_decode_s),
             preemptions: Some(self.preemptions),
             max_num_seqs: Some(self.max_num_seqs),
@@ -351,9 +354,7 @@ impl Engine {
                     std::time::Instant::now(),
                 );
                 let overhead_ms = overhead.as_secs_f64() * 1000.0;
-                let block_tokens = u64::from(self.config.block_size);
-                if let Some(refusal) = admission::check(bound_ms, report, overhead_ms, block_tokens)
-                {
+                if let Some(refusal) = admission::check(bound_ms, report, overhead_ms) {
                     return Err(EngineError::Busy { bound_ms, refusal });
                 }
             }
@@ -598,6 +599,7 @@ impl Engine {
             free_blocks: memory.free_blocks,
             cached_free_blocks: load.cached_free_blocks,
             waiting_blocks: memory.waiting_blocks,
+            growth_blocks: memory.growth_blocks,
             remaining_decode_s: memory.remaining_decode_s,
             preemptions: load.preemptions,
             max_num_seqs: self.config.max_num_seqs,

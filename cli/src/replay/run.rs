@@ -42,17 +42,22 @@ impl std::str::FromStr for KeySource {
 
 impl KeySource {
     /// The routing key of `request`, whose first `shared` blocks every
-    /// request shares. A prefix key covers them and K blocks more: the
+    /// request shares, and for a prefix key the K blocks it spans past
+    /// them. A prefix key covers the shared blocks and K blocks more: the
     /// router's prefix key is sized to reach past a template into the first
     /// message, and a key that ended inside the template would be one key for
-    /// the whole trace.
-    pub fn key(self, request: &TraceRequest, shared: usize) -> RoutingKey {
+    /// the whole trace. (The `kvroute` policy moves a prefix key past what it
+    /// finds shared by itself; the baselines do not.)
+    pub fn key(self, request: &TraceRequest, shared: usize) -> (RoutingKey, Option<u32>) {
         let prefix = |k: usize| {
             let end = (shared + k).min(request.hash_ids.len());
-            RoutingKey::prefix_ids(None, &request.hash_ids[..end])
+            (
+                RoutingKey::prefix_ids(None, &request.hash_ids[..end]),
+                Some(k as u32),
+            )
         };
         match (self, &request.session_id) {
-            (KeySource::Session, Some(session)) => RoutingKey::conversation(None, session),
+            (KeySource::Session, Some(session)) => (RoutingKey::conversation(None, session), None),
             (KeySource::Session, None) => prefix(2),
             (KeySource::Prefix(k), _) => prefix(k),
         }
@@ -169,14 +174,26 @@ enum Replicas {
 }
 
 impl Replicas {
-    fn route(&mut self, i: usize, request: &TraceRequest, key: RoutingKey) -> (usize, Reason) {
+    /// Routes request `i` with its key and the trace blocks a prefix key
+    /// spans (`block_tokens` tokens each).
+    fn route(
+        &mut self,
+        i: usize,
+        request: &TraceRequest,
+        (key, blocks): (RoutingKey, Option<u32>),
+        block_tokens: u64,
+    ) -> (usize, Reason) {
         match self {
             Replicas::Simple(sim, outcomes) => {
-                let o = sim.step(request, key);
+                let o = sim.step(request, (key, blocks));
                 outcomes[i] = Some(o);
                 (o.replica, o.reason)
             }
-            Replicas::Vllm(sim) => sim.route(i, request, key),
+            Replicas::Vllm(sim) => {
+                // The engines' chains are of their own, smaller blocks.
+                let per = (block_tokens / sim.block_size().max(1)) as u32;
+                sim.route(i, request, (key, blocks.map(|b| b.saturating_mul(per))))
+            }
         }
     }
 
@@ -252,12 +269,12 @@ pub fn run(trace: &Trace, config: &PolicyConfig, replicas: usize, setup: &Setup)
             grown = Some(fork);
         }
         let key = setup.key.key(request, trace.shared_blocks);
-        let (kept, reason) = sim.route(i, request, key);
+        let (kept, reason) = sim.route(i, request, key, setup.block_tokens);
         spills += u64::from(reason == Reason::Spill);
         if window.contains(&i) {
             let fork = grown.as_mut().expect("forked at the window's start");
-            let (other, _) = fork.route(i, request, key);
-            first_choices.entry(key).or_insert((kept, other));
+            let (other, _) = fork.route(i, request, key, setup.block_tokens);
+            first_choices.entry(key.0).or_insert((kept, other));
         }
     }
 

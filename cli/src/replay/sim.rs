@@ -35,6 +35,7 @@ use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::load::{EngineLoad, Load};
 use kvroute_core::lru::Lru;
+use kvroute_core::pinned::Pinned;
 use kvroute_core::policy::{Context, Decision, Endpoint, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
@@ -156,6 +157,8 @@ impl Replica {
 pub(super) struct Router<T> {
     pub(super) policy: Box<dyn Policy>,
     pub(super) own: Vec<T>,
+    /// The prompt blocks of its requests in flight, per replica.
+    pub(super) pinned: Pinned,
 }
 
 impl<T: Clone> Clone for Router<T> {
@@ -163,6 +166,7 @@ impl<T: Clone> Clone for Router<T> {
         Router {
             policy: self.policy.boxed_clone(),
             own: self.own.clone(),
+            pinned: self.pinned.clone(),
         }
     }
 }
@@ -286,6 +290,8 @@ impl Sim {
                 .map(|_| Router {
                     policy: policy.boxed_clone(),
                     own: Vec::new(),
+                    // The simple model has no KV memory to wait for.
+                    pinned: Pinned::new(0),
                 })
                 .collect(),
             next_router: 0,
@@ -338,8 +344,13 @@ impl Sim {
         }
     }
 
-    /// Routes and serves `request` with routing key `key`.
-    pub fn step(&mut self, request: &TraceRequest, key: RoutingKey) -> Outcome {
+    /// Routes and serves `request` with routing key `key` (made from its
+    /// first `key_prefix_blocks` block ids, if it was).
+    pub fn step(
+        &mut self,
+        request: &TraceRequest,
+        (key, key_prefix_blocks): (RoutingKey, Option<u32>),
+    ) -> Outcome {
         let t = request.arrival_s;
         let seen = t - self.lag_s;
         self.deliver(seen);
@@ -361,11 +372,14 @@ impl Sim {
             key,
             chain: &request.hash_ids,
             prompt_tokens: request.input_length,
+            key_prefix_blocks,
+            output_tokens: request.output_length,
         };
         let cx = Context {
             index: Some(&self.index),
             block_tokens: self.block_tokens,
             now: self.instant(t),
+            pinned: None,
         };
         let router = &mut self.routers[k];
         let replicas = &mut self.replicas;

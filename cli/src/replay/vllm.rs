@@ -23,7 +23,8 @@ use kvroute_core::engine::pool::PoolEvent;
 use kvroute_core::engine::{self as model, Progress};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
-use kvroute_core::load::Load;
+use kvroute_core::load::{Load, PINNED_BLOCKS, demand_blocks};
+use kvroute_core::pinned::{Pin, Pinned};
 use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
 use kvroute_core::rendezvous::endpoint_id;
 use kvroute_core::slot::Slot;
@@ -80,6 +81,8 @@ struct Record {
     prompt: u64,
     /// The router's estimate of its uncached tokens.
     uncached_estimate: u64,
+    /// The router's estimate of the KV blocks it takes.
+    blocks: u64,
 }
 
 /// N replicas of the vLLM model, routed by R routers under one policy.
@@ -96,8 +99,9 @@ pub struct VllmSim {
     index: OccupancyIndex,
     /// Cache events not yet seen by the routers: (time, replica, event).
     pending: VecDeque<(f64, usize, PoolEvent)>,
-    /// Each router's own requests per replica, by trace position.
-    routers: Vec<Router<Vec<usize>>>,
+    /// Each router's own requests per replica, by trace position, with
+    /// their prompt blocks pinned.
+    routers: Vec<Router<Vec<(usize, Pin)>>>,
     next_router: usize,
     lag_s: f64,
     /// Arrival times of the requests still to come, and the engines' load
@@ -138,6 +142,7 @@ impl VllmSim {
                 .map(|_| Router {
                     policy: policy.boxed_clone(),
                     own: Vec::new(),
+                    pinned: Pinned::new(PINNED_BLOCKS),
                 })
                 .collect(),
             next_router: 0,
@@ -151,6 +156,11 @@ impl VllmSim {
         }
         sim.expect(arrivals);
         sim
+    }
+
+    /// Tokens per engine block.
+    pub fn block_size(&self) -> u64 {
+        self.config.block_size as u64
     }
 
     /// Adds an idle replica (a scale-out).
@@ -260,9 +270,15 @@ impl VllmSim {
     }
 
     /// Routes request number `i` (its position in the trace) with routing
-    /// key `key`, and queues it at its replica. Returns the replica and
-    /// the policy's reason.
-    pub fn route(&mut self, i: usize, request: &TraceRequest, key: RoutingKey) -> (usize, Reason) {
+    /// key `key` (made from its first `key_prefix_blocks` block ids, if it
+    /// was), and queues it at its replica. Returns the replica and the
+    /// policy's reason.
+    pub fn route(
+        &mut self,
+        i: usize,
+        request: &TraceRequest,
+        (key, key_prefix_blocks): (RoutingKey, Option<u32>),
+    ) -> (usize, Reason) {
         let t = request.arrival_s;
         self.observe_until(t);
         self.advance(t);
@@ -296,16 +312,19 @@ impl VllmSim {
             key,
             chain: &hashes[i],
             prompt_tokens: request.input_length,
+            key_prefix_blocks,
+            output_tokens: request.output_length,
         };
         let now = self.epoch + at(t);
-        let block_tokens = self.config.block_size as u64;
+        let block_size = self.config.block_size as u64;
+        let router = &mut self.routers[k];
         let cx = Context {
             index: Some(&self.index),
-            block_tokens,
+            block_tokens: block_size,
             now,
+            pinned: Some(&router.pinned),
         };
         let overhead_ms = self.config.prefill_overhead.as_secs_f64() * 1000.0;
-        let router = &mut self.routers[k];
         let engines = &self.engines;
         let (decision, r, refused) = decide(
             &mut *router.policy,
@@ -314,11 +333,19 @@ impl VllmSim {
             &cx,
             |r, bound_ms| {
                 let fresh = report(engines[r].load(at(t)), now);
-                admission::check(bound_ms, fresh, overhead_ms, block_tokens)
+                admission::check(bound_ms, fresh, overhead_ms)
             },
         );
         router.policy.routed(&req, &endpoints[r]);
-        router.own[r].push(i);
+        let slot = Slot(r as u32);
+        let (admit, growth) = demand_blocks(
+            request.input_length,
+            router.pinned.leading(slot, &hashes[i]),
+            request.output_length,
+            block_size,
+        );
+        let pin = router.pinned.pin(slot, &hashes[i]);
+        router.own[r].push((i, pin));
         let estimate = (decision.cached_blocks as u64 * self.config.block_size as u64)
             .min(request.input_length);
         // Each refusal's round trip is charged to the request's TTFT.
@@ -328,6 +355,7 @@ impl VllmSim {
             reason: Some(decision.reason),
             prompt: request.input_length,
             uncached_estimate: request.input_length - estimate,
+            blocks: admit + growth,
             ..Record::default()
         };
         let added = self.engines[r].add(
@@ -348,10 +376,16 @@ impl VllmSim {
     /// after `reported` not in the engine's report.
     fn own_load(&mut self, k: usize, r: usize, t: f64, reported: f64) -> Load {
         let records = &self.records;
-        let own = &mut self.routers[k].own[r];
-        own.retain(|&i| !records[i].refused && records[i].done.is_none_or(|d| d > t));
+        let router = &mut self.routers[k];
+        let (own, gone) = std::mem::take(&mut router.own[r])
+            .into_iter()
+            .partition(|&(i, _)| !records[i].refused && records[i].done.is_none_or(|d| d > t));
+        router.own[r] = own;
+        for (_, pin) in gone {
+            router.pinned.unpin(pin);
+        }
         let mut load = Load::default();
-        for &i in own.iter() {
+        for &(i, _) in router.own[r].iter() {
             let s = &records[i];
             load.in_flight += 1;
             load.active_tokens += s.prompt;
@@ -363,6 +397,9 @@ impl VllmSim {
                 }
             } else {
                 load.decoding += 1;
+            }
+            if s.arrival > reported {
+                load.unreported_blocks += s.blocks;
             }
         }
         load

@@ -146,9 +146,13 @@ pub struct Load {
     /// the share of the step in progress already done) and waiting
     /// requests' tokens past their cached prefix now.
     pub queued_prefill_tokens: u64,
-    /// Blocks the waiting requests need to be admitted, all of them, less
-    /// what their cached prefixes cover now.
+    /// Blocks the waiting requests take from the free pool to be
+    /// admitted, all of them: every block but the cached ones a running
+    /// request holds now.
     pub waiting_blocks: u64,
+    /// Blocks the requests running and waiting will still take for their
+    /// output.
+    pub growth_blocks: u64,
     /// Output tokens the running requests have still to produce.
     pub remaining_decode_tokens: u64,
     /// Preemptions since the engine started.
@@ -170,6 +174,7 @@ impl Load {
             free_blocks: self.num_blocks - self.used_blocks,
             used_blocks: self.used_blocks,
             waiting_blocks: self.waiting_blocks,
+            growth_blocks: self.growth_blocks,
             remaining_decode_s: mean_tokens * step.as_secs_f64(),
             running: u64::from(self.running),
             waiting: u64::from(self.waiting),
@@ -549,8 +554,16 @@ impl Engine {
             .waiting
             .iter()
             .zip(&hits)
-            .map(|(s, &hit)| (self.pool.blocks_for(s.len()) - hit) as u64)
+            .map(|(s, &hit)| (self.pool.blocks_for(s.len()) - self.pool.held(&s.hashes[..hit])) as u64)
             .sum();
+        // The last output token is never fed back: it needs no KV.
+        let last = |s: &Seq| self.pool.blocks_for(s.prompt + s.max_tokens - 1);
+        let growth_blocks = live()
+            .map(|s| last(s).saturating_sub(s.blocks.len()))
+            .chain(
+                (self.waiting.iter()).map(|s| last(s).saturating_sub(self.pool.blocks_for(s.len()))),
+            )
+            .sum::<usize>() as u64;
         Load {
             waiting: self.waiting.len() as u32,
             running: live().count() as u32,
@@ -559,6 +572,7 @@ impl Engine {
             cached_free_blocks: self.pool.cached_free_blocks() as u64,
             queued_prefill_tokens: queued,
             waiting_blocks,
+            growth_blocks,
             remaining_decode_tokens: live().map(|s| (s.max_tokens - s.output) as u64).sum(),
             preemptions: self.counters.preemptions,
             max_num_seqs: self.config.max_num_seqs as u64,

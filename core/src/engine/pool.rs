@@ -149,6 +149,18 @@ impl BlockPool {
             .count()
     }
 
+    /// How many of `hashes` (cached) a running request holds.
+    pub fn held(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .filter(|h| {
+                self.cached
+                    .get(h)
+                    .is_some_and(|&b| self.blocks[b as usize].ref_cnt > 0)
+            })
+            .count()
+    }
+
     /// Blocks needed to hold `num_tokens` tokens.
     pub fn blocks_for(&self, num_tokens: usize) -> usize {
         num_tokens.div_ceil(self.block_size)

@@ -361,19 +361,20 @@ fn the_load_counts_queued_prefill_memory_and_remaining_decode() {
 }
 
 #[test]
-fn a_waiting_requests_cached_prefix_is_neither_queued_prefill_nor_needed_blocks() {
+fn a_waiting_requests_cached_prefix_is_not_queued_prefill_but_takes_free_blocks() {
     let mut config = config(64);
     config.max_num_seqs = 1;
     let mut d = Driver::new(config);
     d.add(1, 40, 1);
     d.run();
     // Request 2 holds the only seat; request 3 repeats request 1's prompt
-    // and waits: 36 of its 40 tokens (9 blocks) are cached.
+    // and waits: 36 of its 40 tokens (9 blocks) are cached, but no running
+    // request holds them: they are free, and admitting it takes them.
     d.add(2, 8, 5);
     d.step();
     d.add_named(3, 1, 40, 1);
     let load = d.engine.load(d.now);
     assert_eq!(load.waiting, 1);
     assert_eq!(load.queued_prefill_tokens, 4);
-    assert_eq!(load.waiting_blocks, 1);
+    assert_eq!(load.waiting_blocks, 10);
 }

@@ -130,6 +130,7 @@ mod tests {
             index: None,
             block_tokens: 16,
             now: std::time::Instant::now(),
+            pinned: None,
         };
         for key in 0..20 {
             let d = p.rank(&request(key, &[1, 2]), &pool.endpoints, &cx);

@@ -29,14 +29,26 @@
 //!    requests wait behind it and the saving is worth that much more. Below
 //!    one prefill overhead, predictions do not tell endpoints apart. A long
 //!    queue is never joined for a short prefix.
-//! 3. **Warm first.** Among the eligible, the longest cached prefix wins:
-//!    from the engines' reported occupancy when there is an index (exact
-//!    mode), else from this router's own routing history. In exact mode a
-//!    prefix this router sent is counted at its endpoint until the engine
-//!    could have reported it ([`InFlight`]): engines report blocks once
-//!    computed, and a second request with the same new prefix, arriving
-//!    while the first still waits, would otherwise look cold everywhere and
-//!    compute it again elsewhere.
+//! 3. **Warm first, beyond what is shared.** Among the eligible, the
+//!    longest cached prefix wins: from the engines' reported occupancy when
+//!    there is an index (exact mode), else from this router's own routing
+//!    history. In exact mode a prefix this router sent is counted at its
+//!    endpoint until the engine could have reported it ([`InFlight`]):
+//!    engines report blocks once computed, and a second request with the
+//!    same new prefix, arriving while the first still waits, would
+//!    otherwise look cold everywhere and compute it again elsewhere.
+//!
+//!    A prefix that carries more than two endpoints' share of the traffic
+//!    and branches ([`SharedPrefixes`]: a chat template's header, a
+//!    preamble or tool list every prompt starts with) is not warmth: every
+//!    endpoint counts as holding it, in rules 1 to 3 alike. Every endpoint
+//!    that serves any of its requests holds it after the first, so it
+//!    must not decide where a new group or conversation lives: that is
+//!    rendezvous's (rule 4), and the group's later traffic follows the
+//!    prefix of its own that it leaves there. A prefix routing key
+//!    ([`Request::key_prefix_blocks`]) is taken from as many blocks past
+//!    the shared ones ([`RoutingKey::past_shared`]), so groups behind a
+//!    preamble longer than the key still spread.
 //! 4. **Cold keys are deterministic.** Equal prefixes (no prefix at all, in
 //!    particular) are ordered by the rendezvous score of the routing key, so
 //!    every router replica makes the same choice among endpoints that are
@@ -53,9 +65,13 @@
 //!    Router replicas that share a burst's stale report thus stop queueing
 //!    behind each other at the endpoint that looked fastest.
 //!
-//! With a slack of 0 this is `min-ttft` (lowest prediction; ties to the
-//! longest prefix, then rendezvous); with an infinite slack, longest prefix
-//! then rendezvous, ignoring load.
+//! The wait for KV memory in the predictions counts every block a request
+//! takes from the engine's free pool: its cached blocks too, unless a
+//! request in flight there holds them ([`crate::load::demand_blocks`]).
+//!
+//! With a slack of 0 and no shared prefix this is `min-ttft` (lowest
+//! prediction; ties to the longest prefix, then rendezvous); with an
+//! infinite slack, longest prefix then rendezvous, ignoring load.
 //!
 //! Tenancy needs nothing here: salted tenants have different keys and
 //! different block hashes, so they never share a choice by accident.
@@ -65,6 +81,7 @@ use std::time::{Duration, Instant};
 use super::in_flight::InFlight;
 use super::memory::PrefixMemory;
 use super::min_ttft::{Predicted, predict_ttft};
+use super::shared::SharedPrefixes;
 use super::*;
 use crate::load::PrefillModel;
 
@@ -82,7 +99,8 @@ pub struct Config {
     pub engine: PrefillModel,
     /// Blocks per endpoint remembered in approximate mode; in exact mode,
     /// blocks of prefixes in flight (sent, not yet reported) over all
-    /// endpoints. Default: 32768.
+    /// endpoints; and blocks of recent prompts whose share of the traffic
+    /// is counted. Default: 32768.
     pub memory_blocks: usize,
     /// How much longer than predicted an endpoint may make a request wait
     /// before its prefill starts, in milliseconds, before it refuses it
@@ -129,6 +147,7 @@ pub struct Kvroute {
     config: Config,
     memory: PrefixMemory,
     in_flight: InFlight,
+    shared: SharedPrefixes,
     /// Whether the last ranking had an occupancy index.
     exact: bool,
     /// When the last ranking ran, and per endpoint its predictions and
@@ -139,6 +158,8 @@ pub struct Kvroute {
     by_slot: Vec<u32>,
     indexed: Vec<u32>,
     cached: Vec<u32>,
+    /// `cached`, at least the shared depth.
+    credited: Vec<u32>,
     scores: Vec<u64>,
     predicted: Vec<Predicted>,
 }
@@ -149,6 +170,7 @@ impl Kvroute {
         Kvroute {
             memory: PrefixMemory::new(config.memory_blocks),
             in_flight: InFlight::new(config.memory_blocks),
+            shared: SharedPrefixes::new(config.memory_blocks),
             config,
             exact: false,
             ranked_at: None,
@@ -156,10 +178,25 @@ impl Kvroute {
             by_slot: Vec::new(),
             indexed: Vec::new(),
             cached: Vec::new(),
+            credited: Vec::new(),
             scores: Vec::new(),
             predicted: Vec::new(),
         }
     }
+}
+
+/// The key `request` is placed by when `depth` leading blocks are shared:
+/// a prefix key moves past them ([`RoutingKey::past_shared`]), any other
+/// key stays.
+fn placement_key(request: &Request<'_>, depth: u32) -> RoutingKey {
+    let chain = request.chain;
+    let end = request
+        .key_prefix_blocks
+        .map_or(0, |p| (depth as usize).saturating_add(p as usize).min(chain.len()));
+    if depth == 0 || end <= depth as usize {
+        return request.key;
+    }
+    request.key.past_shared(chain[end - 1])
 }
 
 impl Policy for Kvroute {
@@ -189,7 +226,11 @@ impl Policy for Kvroute {
             None => self.memory.longest_prefix(request.chain, &mut self.by_slot),
         }
         per_candidate(&self.by_slot, endpoints, &mut self.cached);
-        scores(request.key, endpoints, &mut self.scores);
+        let depth = self.shared.depth(request.chain, n);
+        self.credited.clear();
+        self.credited
+            .extend(self.cached.iter().map(|&c| c.max(depth)));
+        scores(placement_key(request, depth), endpoints, &mut self.scores);
         let config = &self.config;
         let rate = config.engine.pool_rate(endpoints.iter().map(|e| &e.load));
         predict_ttft(
@@ -197,11 +238,11 @@ impl Policy for Kvroute {
             rate,
             request,
             endpoints,
-            &self.cached,
+            &self.credited,
             cx,
             &mut self.predicted,
         );
-        let (cached, scores) = (&self.cached, &self.scores);
+        let (cached, scores) = (&self.credited, &self.scores);
         let ttft = |i: usize| self.predicted[i].ttft;
         let fastest = (0..n)
             .min_by(|&a, &b| ttft(a).total_cmp(&ttft(b)))
@@ -250,13 +291,13 @@ impl Policy for Kvroute {
         let preferred = (0..n).min_by(preference).expect("non-empty");
         self.ranked_at = Some(cx.now);
         self.predicted_by_slot.clear();
-        let indexed = &self.indexed;
+        let (indexed, held) = (&self.indexed, &self.cached);
         self.predicted_by_slot.extend((0..n).map(|i| {
-            let followed = self.exact && cached[i] > indexed.get(i).copied().unwrap_or(0);
+            let followed = self.exact && held[i] > indexed.get(i).copied().unwrap_or(0);
             (endpoints[i].slot, self.predicted[i], followed)
         }));
         let choice = ranked[0];
-        let reason = match (choice == preferred, cached[choice] > 0) {
+        let reason = match (choice == preferred, cached[choice] > depth) {
             (false, _) => Reason::Spill,
             (true, true) => Reason::Warm,
             (true, false) => Reason::Cold,
@@ -264,11 +305,12 @@ impl Policy for Kvroute {
         Decision {
             ranked,
             reason,
-            cached_blocks: cached[choice],
+            cached_blocks: held[choice],
         }
     }
 
     fn routed(&mut self, request: &Request<'_>, endpoint: &Endpoint) {
+        self.shared.record(request.chain);
         if !self.exact {
             self.memory.record(endpoint.slot, request.chain);
             return;

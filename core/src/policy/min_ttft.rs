@@ -6,7 +6,7 @@
 //! are checked against, and the `kvroute` policy with no latency slack.
 
 use super::*;
-use crate::load::PrefillModel;
+use crate::load::{PrefillModel, demand_blocks};
 
 /// Configuration of [`MinTtft`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -51,7 +51,10 @@ pub(super) struct Predicted {
 
 /// Predictions for `request` at each of `endpoints` (with `cached` leading
 /// blocks each), all at the pool's prefill `rate` (tokens per second, see
-/// [`PrefillModel::pool_rate`]), into `out`.
+/// [`PrefillModel::pool_rate`]), into `out`. The wait for memory is for
+/// every block the request takes from the free pool ([`demand_blocks`]):
+/// its cached blocks too, unless a request in flight there holds them
+/// ([`Context::pinned`]).
 pub(super) fn predict_ttft(
     model: &PrefillModel,
     rate: f64,
@@ -64,9 +67,15 @@ pub(super) fn predict_ttft(
     out.clear();
     out.extend(endpoints.iter().zip(cached).map(|(e, &c)| {
         let uncached = uncached_tokens(request, c, cx.block_tokens);
-        let blocks = uncached.div_ceil(cx.block_tokens.max(1));
+        let pinned = cx.pinned.map_or(0, |p| p.leading(e.slot, request.chain));
+        let (blocks, _) = demand_blocks(
+            request.prompt_tokens,
+            pinned,
+            request.output_tokens,
+            cx.block_tokens,
+        );
         let queued = model.queued_s_at(&e.load, cx.now, rate);
-        let memory = model.memory_wait_s(&e.load, blocks, cx.block_tokens, cx.now);
+        let memory = model.memory_wait_s(&e.load, blocks, cx.now);
         let wait = queued.max(memory);
         Predicted {
             queued: wait,

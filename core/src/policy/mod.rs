@@ -23,6 +23,7 @@ mod random;
 mod rendezvous;
 mod rendezvous_bounded;
 mod round_robin;
+mod shared;
 
 use std::time::Instant;
 
@@ -32,6 +33,7 @@ use crate::hash::BlockHash;
 use crate::index::OccupancyIndex;
 use crate::keys::RoutingKey;
 use crate::load::Load;
+use crate::pinned::Pinned;
 use crate::slot::Slot;
 
 pub use approx_prefix::{ApproxPrefix, Config as ApproxPrefixConfig};
@@ -71,6 +73,14 @@ pub struct Request<'a> {
     pub chain: &'a [BlockHash],
     /// Prompt length in tokens.
     pub prompt_tokens: u64,
+    /// When `key` was made from the prompt's first tokens
+    /// ([`crate::keys::KeyMode::Prefix`]): how many blocks they span.
+    /// The `kvroute` policy then takes the key from as many blocks past
+    /// what many keys share ([`RoutingKey::past_shared`]).
+    pub key_prefix_blocks: Option<u32>,
+    /// The most tokens it may generate (`max_tokens`), 0 when unknown:
+    /// KV blocks it takes as it decodes.
+    pub output_tokens: u64,
 }
 
 /// Pool-wide facts a policy may use.
@@ -83,6 +93,8 @@ pub struct Context<'a> {
     pub block_tokens: u64,
     /// The time of the decision: engine load reports age against it.
     pub now: Instant,
+    /// Blocks held by this router's requests in flight, per endpoint.
+    pub pinned: Option<&'a Pinned>,
 }
 
 /// Why the first endpoint was chosen.

@@ -69,6 +69,7 @@ impl Pool {
             index: Some(&self.index),
             block_tokens: self.block_tokens,
             now: self.now,
+            pinned: None,
         }
     }
 
@@ -93,6 +94,8 @@ pub(crate) fn request(key: u64, chain: &[BlockHash]) -> Request<'_> {
         key: RoutingKey(key),
         chain,
         prompt_tokens: chain.len() as u64 * 16 + 5,
+        key_prefix_blocks: None,
+        output_tokens: 0,
     }
 }
 

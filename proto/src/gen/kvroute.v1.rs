@@ -82,8 +82,10 @@ pub struct LoadReport {
     /// Of `free_blocks`, those holding a cached prefix.
     #[prost(uint64, optional, tag = "8")]
     pub cached_free_blocks: ::core::option::Option<u64>,
-    /// Blocks the waiting requests need to be admitted, all of them, less
-    /// what their cached prefixes cover now.
+    /// Blocks the waiting requests take from the free pool to be admitted,
+    /// all of them: every block but the cached ones a running request holds
+    /// (a cached block nobody holds is in the free pool, and leaves it when
+    /// reused).
     #[prost(uint64, optional, tag = "9")]
     pub waiting_blocks: ::core::option::Option<u64>,
     /// Seconds until the running requests finish decoding, on average
@@ -98,6 +100,11 @@ pub struct LoadReport {
     /// the queue also waits for a seat.
     #[prost(uint32, optional, tag = "12")]
     pub max_num_seqs: ::core::option::Option<u32>,
+    /// Blocks the running and waiting requests will still take for their
+    /// output as they decode (counted against the free pool a new request
+    /// sees). Absent: unknown, taken as none.
+    #[prost(uint64, optional, tag = "13")]
+    pub growth_blocks: ::core::option::Option<u64>,
 }
 /// The engine's whole cache at one moment.
 #[derive(Clone, PartialEq, ::prost::Message)]

@@ -288,6 +288,7 @@ fn engine_load(load: &LoadReport) -> EngineLoad {
                     free_blocks,
                     used_blocks: load.used_blocks,
                     waiting_blocks,
+                    growth_blocks: load.growth_blocks.unwrap_or(0),
                     remaining_decode_s: remaining,
                     running: u64::from(load.running),
                     waiting: u64::from(load.waiting),

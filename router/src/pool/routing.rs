@@ -127,6 +127,7 @@ impl Pool {
             index: inner.exact.then_some(&inner.index),
             block_tokens: inner.settings.hasher.config().block_size as u64,
             now,
+            pinned: Some(inner.load.pinned()),
         };
         let decision = if readable {
             inner.policy.rank(request, &endpoints, &cx)
@@ -172,6 +173,7 @@ impl Pool {
             index: inner.exact.then_some(&inner.index),
             block_tokens,
             now,
+            pinned: Some(inner.load.pinned()),
         };
         let mut leading = Vec::new();
         if inner.exact {
@@ -200,9 +202,9 @@ impl Pool {
                 let uncached = request
                     .prompt_tokens
                     .saturating_sub(u64::from(cached) * block_tokens);
-                let blocks = uncached.div_ceil(block_tokens.max(1));
+                let blocks = inner.demand_blocks(request, m.slot);
                 let queued = prefill.queued_s_at(&load, now, rate);
-                let memory = prefill.memory_wait_s(&load, blocks, block_tokens, now);
+                let memory = prefill.memory_wait_s(&load, blocks, now);
                 ExplainedEndpoint {
                     name: m.spec.name.clone(),
                     routable: inner.is_routable(m, now),
@@ -259,9 +261,13 @@ impl Pool {
         // One lock for all: this is the request path.
         let mut inner = self.lock();
         inner.learn(request, target);
-        let ticket = inner
-            .load
-            .start(target.slot, request.prompt_tokens, uncached_tokens);
+        let block_tokens = inner.settings.hasher.config().block_size as u64;
+        let tokens = (
+            request.prompt_tokens,
+            uncached_tokens,
+            request.output_tokens,
+        );
+        let ticket = (inner.load).start_request(target.slot, request.chain, tokens, block_tokens);
         let trial = inner.outlier.begin(&target.name, now());
         drop(inner);
         let mut load = self.in_flight(ticket);
@@ -271,17 +277,22 @@ impl Pool {
         load
     }
 
-    /// The predicted time to first token at `target` for a request with
+    /// The predicted time to first token at `target` for `request` with
     /// `uncached_tokens` to prefill there, by the policy's prefill model
     /// over the endpoint's load now (before the request is counted).
-    pub fn predicted_ttft(&self, target: &Target, uncached_tokens: u64) -> std::time::Duration {
+    pub fn predicted_ttft(
+        &self,
+        request: &Request<'_>,
+        target: &Target,
+        uncached_tokens: u64,
+    ) -> std::time::Duration {
         let inner = self.lock();
         let load = inner.load.load(target.slot);
-        let block_tokens = inner.settings.hasher.config().block_size as u64;
+        let blocks = inner.demand_blocks(request, target.slot);
         let s = inner.settings.policy.prefill_model().ttft_s(
             &load,
             uncached_tokens,
-            block_tokens,
+            blocks,
             now(),
         );
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
@@ -319,6 +330,20 @@ impl Pool {
 }
 
 impl Inner {
+    /// The KV blocks `request` takes from `slot`'s free pool to be
+    /// admitted ([`kvroute_core::load::demand_blocks`]).
+    fn demand_blocks(&self, request: &Request<'_>, slot: Slot) -> u64 {
+        let block_tokens = self.settings.hasher.config().block_size as u64;
+        let pinned = self.load.pinned().leading(slot, request.chain);
+        kvroute_core::load::demand_blocks(
+            request.prompt_tokens,
+            pinned,
+            request.output_tokens,
+            block_tokens,
+        )
+        .0
+    }
+
     /// What the index says of `chain` for a plan of `targets` among the
     /// endpoints `among` accepts: one more walk of the held prefix, and of
     /// the recently evicted blocks past it.

@@ -39,6 +39,8 @@ fn request() -> Request<'static> {
         key: RoutingKey(1),
         chain: &[],
         prompt_tokens: 10,
+        key_prefix_blocks: None,
+        output_tokens: 0,
     }
 }
 
@@ -283,6 +285,8 @@ async fn a_plan_says_who_held_the_prefix_and_why_they_lost() {
         key: RoutingKey(1),
         chain: &chain,
         prompt_tokens: 100,
+        key_prefix_blocks: None,
+        output_tokens: 0,
     };
     let c_addr = SocketAddr::from(([127, 0, 0, 1], 3));
     let seen = |plan: &Plan| plan.seen.clone().unwrap();

@@ -281,6 +281,9 @@ pub(crate) struct Analysis {
     pub(crate) model: Option<String>,
     pub(crate) chain: Vec<u64>,
     pub(crate) key: RoutingKey,
+    /// Blocks the key's tokens span when it was made from the prompt's
+    /// first tokens ([`RouteRequest::key_prefix_blocks`]).
+    pub(crate) key_prefix_blocks: Option<u32>,
     pub(crate) prompt_tokens: u64,
     /// Whether the policy can rank it: the router read its prompt, or the
     /// policy reads none (else the least loaded endpoint serves it).
@@ -310,6 +313,7 @@ impl Analysis {
             model: None,
             chain: Vec::new(),
             key: RoutingKey(0),
+            key_prefix_blocks: None,
             prompt_tokens: 0,
             readable: false,
             tokenized: false,
@@ -329,6 +333,8 @@ impl Analysis {
             key: self.key,
             chain: &self.chain,
             prompt_tokens: self.prompt_tokens,
+            key_prefix_blocks: self.key_prefix_blocks,
+            output_tokens: self.max_tokens.unwrap_or(0),
         }
     }
 
@@ -578,10 +584,16 @@ fn read(
     drop(raw_messages);
     drop(obj);
     let bytes = forwarded.unwrap_or(bytes);
-    let key = settings.key.key(&KeyInput {
+    let input = KeyInput {
         tenant: tenant.as_deref(),
         conversation: conversation.as_deref(),
         tokens: &prompt.head,
+    };
+    let key = settings.key.key(&input);
+    let block_tokens = settings.hasher.config().block_size as u64;
+    let key_prefix_blocks = settings.key.from_prefix(&input).then(|| {
+        let blocks = (settings.key.prefix_tokens as u64).div_ceil(block_tokens.max(1));
+        u32::try_from(blocks).unwrap_or(u32::MAX)
     });
     let prompt_tokens = if prompt.tokens == 0 {
         // No tokens (not JSON, or content we cannot tokenize): about
@@ -597,10 +609,11 @@ fn read(
         max_tokens: feats.max_tokens,
         chain: prompt.chain,
         key,
+        key_prefix_blocks,
         prompt_tokens,
         readable: prompt.tokens > 0 || reader == Reader::Unread,
         tokenized: prompt.tokens > 0 && reader.exact(),
-        block_tokens: settings.hasher.config().block_size as u64,
+        block_tokens,
         lora: lora.map(|l| l.name.clone()),
         tokens: prompt.all,
         contents: prompt.contents,

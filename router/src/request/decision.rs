@@ -117,8 +117,8 @@ impl Decision {
         self.count_decision(target, first);
         let service = &self.service;
         let uncached = self.analysis.prompt_tokens - cached;
-        let ttft = service.pool.predicted_ttft(target, uncached);
         let a = &self.analysis;
+        let ttft = service.pool.predicted_ttft(&a.request(), target, uncached);
         Attempt {
             target: target.clone(),
             load: service.pool.start(&a.request(), target, uncached),

@@ -299,6 +299,8 @@ fn two_firsts(pool: &Pool) -> (String, String) {
         key: RoutingKey(7),
         chain: &[],
         prompt_tokens: 100,
+        key_prefix_blocks: None,
+        output_tokens: 0,
     };
     let first = || pool.plan(&request, true).targets[0].name.to_string();
     (first(), first())

@@ -33,27 +33,27 @@ fn admission_touches_last_to_first_then_evicts_lru() {
 #[test]
 fn matching_happens_before_insertion() {
     let mut s = sim("round-robin", 1, 100, 10);
-    let first = s.step(&req(0.0, 25, 1, &[1, 2, 3]), RoutingKey(0));
+    let first = s.step(&req(0.0, 25, 1, &[1, 2, 3]), (RoutingKey(0), None));
     assert_eq!((first.cached_tokens, first.uncached_tokens), (0, 25));
     // Same first two blocks: 20 tokens cached. Three blocks would be 30,
     // capped at the prompt's 25.
-    let second = s.step(&req(1.0, 28, 1, &[1, 2, 9]), RoutingKey(0));
+    let second = s.step(&req(1.0, 28, 1, &[1, 2, 9]), (RoutingKey(0), None));
     assert_eq!(second.cached_tokens, 20);
-    let third = s.step(&req(2.0, 25, 1, &[1, 2, 3]), RoutingKey(0));
+    let third = s.step(&req(2.0, 25, 1, &[1, 2, 3]), (RoutingKey(0), None));
     assert_eq!(third.cached_tokens, 25);
 }
 
 #[test]
 fn prefill_is_fifo_per_replica() {
     let mut s = sim("round-robin", 1, 100, 16);
-    let a = s.step(&req(0.0, 10_000, 5, &[]), RoutingKey(0));
-    let b = s.step(&req(0.0, 10_000, 5, &[]), RoutingKey(0));
-    let c = s.step(&req(0.5, 5_000, 5, &[]), RoutingKey(0));
+    let a = s.step(&req(0.0, 10_000, 5, &[]), (RoutingKey(0), None));
+    let b = s.step(&req(0.0, 10_000, 5, &[]), (RoutingKey(0), None));
+    let c = s.step(&req(0.5, 5_000, 5, &[]), (RoutingKey(0), None));
     assert!((a.ttft_s - 1.02).abs() < 1e-9);
     assert!((b.ttft_s - 2.04).abs() < 1e-9, "waits for a: {}", b.ttft_s);
     assert!((c.ttft_s - (2.04 + 0.52 - 0.5)).abs() < 1e-9);
     // Idle again long after: only its own prefill.
-    let d = s.step(&req(100.0, 1_000, 5, &[]), RoutingKey(0));
+    let d = s.step(&req(100.0, 1_000, 5, &[]), (RoutingKey(0), None));
     assert!((d.ttft_s - 0.12).abs() < 1e-9);
 }
 
@@ -61,7 +61,7 @@ fn prefill_is_fifo_per_replica() {
 fn a_router_counts_its_own_requests_until_completion() {
     let mut s = sim("round-robin", 1, 100, 16);
     // Prefill ends at 0.02 + 0.1; completes 0.03 × 10 later.
-    let a = s.step(&req(0.0, 1_000, 10, &[]), RoutingKey(0));
+    let a = s.step(&req(0.0, 1_000, 10, &[]), (RoutingKey(0), None));
     let (end, done) = (a.ttft_s, a.ttft_s + 0.3);
     let mut state = |t: f64| {
         let l = s.routers[0].load(0, t, t);
@@ -80,9 +80,9 @@ fn a_router_counts_its_own_requests_until_completion() {
 fn reports_describe_the_replica_as_of_the_lag() {
     let mut s = sim("round-robin", 1, 100, 16);
     // a: prefill 0 → 1.02, b: 1.02 → 2.04 (both 10,000 tokens), c at 1.5.
-    s.step(&req(0.0, 10_000, 100, &[]), RoutingKey(0));
-    s.step(&req(0.0, 10_000, 100, &[]), RoutingKey(0));
-    s.step(&req(1.5, 1_000, 100, &[]), RoutingKey(0));
+    s.step(&req(0.0, 10_000, 100, &[]), (RoutingKey(0), None));
+    s.step(&req(0.0, 10_000, 100, &[]), (RoutingKey(0), None));
+    s.step(&req(1.5, 1_000, 100, &[]), (RoutingKey(0), None));
     let at = s.epoch;
     let r = s.replicas[0].report(0.52, at);
     // a half done (5,000 left), b waiting (10,000); c not yet arrived.
@@ -109,12 +109,12 @@ fn reports_describe_the_replica_as_of_the_lag() {
 fn cache_contents_reach_the_routers_after_the_lag() {
     let policy = PolicyConfig::by_name("kvroute").unwrap().build();
     let mut s = Sim::new(policy, 2, 0.5, 2, 100, 16);
-    let first = s.step(&req(0.0, 64, 1, &[1, 2, 3, 4]), RoutingKey(1));
+    let first = s.step(&req(0.0, 64, 1, &[1, 2, 3, 4]), (RoutingKey(1), None));
     assert_eq!(s.index.blocks_of(Slot(first.replica as u32)).count(), 0);
     // 0.2 s later the second router does not know yet where the prefix is.
-    s.step(&req(0.2, 64, 1, &[7, 8]), RoutingKey(2));
+    s.step(&req(0.2, 64, 1, &[7, 8]), (RoutingKey(2), None));
     assert_eq!(s.index.blocks_of(Slot(first.replica as u32)).count(), 0);
-    s.step(&req(0.6, 64, 1, &[9]), RoutingKey(3));
+    s.step(&req(0.6, 64, 1, &[9]), (RoutingKey(3), None));
     assert_eq!(s.index.blocks_of(Slot(first.replica as u32)).count(), 4);
     // Routers take turns.
     assert_eq!(s.next_router, 1);
@@ -127,7 +127,7 @@ fn the_index_mirrors_the_caches() {
         .iter()
         .enumerate()
     {
-        s.step(&req(i as f64, 48, 1, ids), RoutingKey(i as u64));
+        s.step(&req(i as f64, 48, 1, ids), (RoutingKey(i as u64), None));
     }
     s.deliver(f64::INFINITY);
     for (r, replica) in s.replicas.iter().enumerate() {
@@ -144,7 +144,7 @@ fn the_index_mirrors_the_caches() {
 fn a_fork_keeps_state_and_adds_an_empty_replica() {
     let mut s = sim("rendezvous", 3, 100, 16);
     for k in 0..30u64 {
-        s.step(&req(k as f64, 32, 1, &[k, k + 100]), RoutingKey(k));
+        s.step(&req(k as f64, 32, 1, &[k, k + 100]), (RoutingKey(k), None));
     }
     let mut kept = s.clone();
     let mut grown = s.clone();
@@ -154,8 +154,8 @@ fn a_fork_keeps_state_and_adds_an_empty_replica() {
     let mut moved = 0;
     for k in 0..30u64 {
         let r = req(100.0 + k as f64, 32, 1, &[k, k + 100]);
-        let a = kept.step(&r, RoutingKey(k));
-        let b = grown.step(&r, RoutingKey(k));
+        let a = kept.step(&r, (RoutingKey(k), None));
+        let b = grown.step(&r, (RoutingKey(k), None));
         if a.replica == b.replica {
             // Same replica, same state: same hit.
             assert_eq!(a.cached_tokens, b.cached_tokens);
@@ -223,7 +223,7 @@ fn min_ttft_is_the_reference_rule() {
             .copied()
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
             .unwrap();
-        let got = s.step(r, RoutingKey(i as u64));
+        let got = s.step(r, (RoutingKey(i as u64), None));
         let (cost, in_flight) = keys[got.replica];
         assert!(
             (cost - best.0).abs() < 1e-9 && in_flight == best.1,
@@ -247,8 +247,8 @@ fn a_burst_across_routers_is_spread_by_refusals() {
             ..KvrouteConfig::default()
         });
         let mut s = Sim::new(config.build(), 2, 0.1, 2, 100, 16);
-        let a = s.step(&req(1.0, 10_000, 5, &[1]), RoutingKey(keys.0));
-        let b = s.step(&req(1.0, 10_000, 5, &[2]), RoutingKey(keys.1));
+        let a = s.step(&req(1.0, 10_000, 5, &[1]), (RoutingKey(keys.0), None));
+        let b = s.step(&req(1.0, 10_000, 5, &[2]), (RoutingKey(keys.1), None));
         (a, b)
     };
     // Keys whose first choice is the same replica.

@@ -63,7 +63,7 @@ fn the_replay_runs_the_engine_model_on_virtual_time() {
     ];
     let mut s = sim("round-robin", &trace, config.clone());
     for (i, r) in trace.iter().enumerate() {
-        s.route(i, r, RoutingKey(0));
+        s.route(i, r, (RoutingKey(0), None));
     }
     let outcomes: Vec<Outcome> = s.finish().into_iter().map(Option::unwrap).collect();
 
@@ -132,7 +132,7 @@ fn a_request_that_can_never_fit_is_refused_and_the_rest_served() {
     let trace = [req(0.0, 64, 1, &[1]), req(0.1, 200, 1, &[2, 3, 4, 5])];
     let mut s = sim("round-robin", &trace, config);
     for (i, r) in trace.iter().enumerate() {
-        s.route(i, r, RoutingKey(0));
+        s.route(i, r, (RoutingKey(0), None));
     }
     assert_eq!(s.refused(), 1);
     let outcomes = s.finish();
