@@ -259,7 +259,8 @@ impl PrefillModel {
         let Some((e, memory)) = fresh.and_then(|e| Some((e, e.memory?))) else {
             return 0.0;
         };
-        (memory.wait_s(blocks.saturating_add(load.unreported_blocks)) - e.age(now).as_secs_f64()).max(0.0)
+        (memory.wait_s(blocks.saturating_add(load.unreported_blocks)) - e.age(now).as_secs_f64())
+            .max(0.0)
     }
 
     /// Seconds the endpoint takes to prefill `uncached_tokens` once it
@@ -727,7 +728,11 @@ mod tests {
         assert_eq!(t.pinned().leading(Slot(0), &[0, 1, 2, 99]), 3);
         t.finish(sent);
         assert_eq!(t.pinned().leading(Slot(0), &[0, 1, 2, 99]), 0);
-        assert_eq!(t.load(Slot(0)).unreported_blocks, 0, "finished before a report");
+        assert_eq!(
+            t.load(Slot(0)).unreported_blocks,
+            0,
+            "finished before a report"
+        );
         // Without memory in the report there is no memory term.
         t.report(Slot(0), report(at, 0, 2, None));
         assert_eq!(m.memory_wait_s(&t.load(Slot(0)), 1000, at), 0.0);

@@ -554,14 +554,17 @@ impl Engine {
             .waiting
             .iter()
             .zip(&hits)
-            .map(|(s, &hit)| (self.pool.blocks_for(s.len()) - self.pool.held(&s.hashes[..hit])) as u64)
+            .map(|(s, &hit)| {
+                (self.pool.blocks_for(s.len()) - self.pool.held(&s.hashes[..hit])) as u64
+            })
             .sum();
         // The last output token is never fed back: it needs no KV.
         let last = |s: &Seq| self.pool.blocks_for(s.prompt + s.max_tokens - 1);
         let growth_blocks = live()
             .map(|s| last(s).saturating_sub(s.blocks.len()))
             .chain(
-                (self.waiting.iter()).map(|s| last(s).saturating_sub(self.pool.blocks_for(s.len()))),
+                (self.waiting.iter())
+                    .map(|s| last(s).saturating_sub(self.pool.blocks_for(s.len()))),
             )
             .sum::<usize>() as u64;
         Load {

@@ -190,9 +190,9 @@ impl Kvroute {
 /// key stays.
 fn placement_key(request: &Request<'_>, depth: u32) -> RoutingKey {
     let chain = request.chain;
-    let end = request
-        .key_prefix_blocks
-        .map_or(0, |p| (depth as usize).saturating_add(p as usize).min(chain.len()));
+    let end = request.key_prefix_blocks.map_or(0, |p| {
+        (depth as usize).saturating_add(p as usize).min(chain.len())
+    });
     if depth == 0 || end <= depth as usize {
         return request.key;
     }

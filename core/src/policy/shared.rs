@@ -150,7 +150,9 @@ mod tests {
 
     /// A chain: `shared` blocks every request has, then `own` of its own.
     fn chain(shared: u64, id: u64, own: u64) -> Vec<BlockHash> {
-        (0..shared).chain((0..own).map(|b| 1_000_000 * (id + 1) + b)).collect()
+        (0..shared)
+            .chain((0..own).map(|b| 1_000_000 * (id + 1) + b))
+            .collect()
     }
 
     #[test]
@@ -176,7 +178,11 @@ mod tests {
         // shared: three of three requests carry it and they branch.
         let mut fresh = SharedPrefixes::new(100);
         fresh.record(&chain(1, 0, 4));
-        assert_eq!(fresh.depth(&chain(1, 1, 4), 8), 0, "two may agree by chance");
+        assert_eq!(
+            fresh.depth(&chain(1, 1, 4), 8),
+            0,
+            "two may agree by chance"
+        );
         fresh.record(&chain(1, 1, 4));
         assert_eq!(fresh.depth(&chain(1, 2, 4), 8), 1);
     }

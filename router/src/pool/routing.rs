@@ -289,12 +289,11 @@ impl Pool {
         let inner = self.lock();
         let load = inner.load.load(target.slot);
         let blocks = inner.demand_blocks(request, target.slot);
-        let s = inner.settings.policy.prefill_model().ttft_s(
-            &load,
-            uncached_tokens,
-            blocks,
-            now(),
-        );
+        let s = inner
+            .settings
+            .policy
+            .prefill_model()
+            .ttft_s(&load, uncached_tokens, blocks, now());
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
     }
 

@@ -175,7 +175,9 @@ fn a_follow_up_whose_cached_blocks_are_free_waits_where_the_engine_would_make_it
     // The router, from the engine's report: the follow-up's 20 cached
     // blocks are no less taken from the free pool.
     let mut pool = Pool::test().replicas(2).holds(0, &b[..20]).holds(1, &[]);
-    let report = engine.load(now).report(Some(10_000.0), Duration::from_millis(30), pool.now);
+    let report = engine
+        .load(now)
+        .report(Some(10_000.0), Duration::from_millis(30), pool.now);
     pool.endpoints[0].load.engine = Some(report);
     let request = request(7, &b);
     let d = Kvroute::new(Config::default()).rank(&request, &pool.endpoints, &pool.cx());
