@@ -26,6 +26,7 @@ mod reliability;
 mod response_cache;
 mod response_cache_redis;
 mod semantic_cache;
+mod shared_prefix;
 mod startup;
 mod support;
 mod tls;

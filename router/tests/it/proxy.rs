@@ -34,6 +34,18 @@ async fn exact_mode_follows_the_cache_and_keeps_load_bounded() {
     let system = long_text(7);
     let holder = stack.warm(&system).await;
     for i in 0..6 {
+        // Two other groups' requests between the group's: a third of the
+        // traffic, a group one endpoint serves best (a prefix most of the
+        // traffic carries is spread instead, see `shared_prefix.rs`).
+        for other in 0..2 {
+            let r = stack
+                .post(
+                    "/v1/chat/completions",
+                    chat(&long_text(100 + 2 * i + other), "q", 1),
+                )
+                .await;
+            assert_eq!(r.status(), 200);
+        }
         let r = stack
             .post(
                 "/v1/chat/completions",
