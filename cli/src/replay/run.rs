@@ -346,10 +346,13 @@ mod tests {
             p2.key(&r(vec![1, 3], None), 0)
         );
         assert_eq!(
-            p2.key(&r(vec![1], None), 0),
-            KeySource::Prefix(1).key(&r(vec![1, 9], None), 0)
+            p2.key(&r(vec![1], None), 0).0,
+            KeySource::Prefix(1).key(&r(vec![1, 9], None), 0).0
         );
+        // A prefix key names its length for the policy; a session key none.
+        assert_eq!(p2.key(&r(vec![1], None), 0).1, Some(2));
         let s = KeySource::Session;
+        assert_eq!(s.key(&r(vec![1], Some("a")), 0).1, None);
         assert_eq!(
             s.key(&r(vec![1], Some("a")), 0),
             s.key(&r(vec![2], Some("a")), 0)
