@@ -136,6 +136,7 @@ fn index(c: &mut Criterion) {
         index: Some(&index),
         block_tokens: 16,
         now: std::time::Instant::now(),
+        pinned: None,
     };
     c.bench_function("kvroute_decision_512_blocks_16_endpoints_1M_entries", |b| {
         b.iter(|| {
@@ -143,6 +144,8 @@ fn index(c: &mut Criterion) {
                 key: RoutingKey(7),
                 chain: &chain,
                 prompt_tokens: 8192,
+                key_prefix_blocks: None,
+                output_tokens: 256,
             };
             policy.rank(black_box(&request), &endpoints, &cx).ranked[0]
         })
