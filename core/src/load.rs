@@ -68,17 +68,23 @@ impl Memory {
     /// Seconds until a new request, behind the waiting ones, has a seat
     /// and `blocks` free blocks, the blocks the others will still take
     /// for their output counted as taken. Running requests free both as
-    /// they finish; taking their finishes as spread evenly over twice
-    /// their mean remaining time, a deficit of D of U used blocks (or
-    /// seats) clears after D / U of it (all of it when D ≥ U).
+    /// they finish, each holding its share of the used blocks: a deficit
+    /// of D of U used blocks held by R requests clears when ⌈D·R/U⌉ of
+    /// them have finished (a deficit of seats, when that many have), all
+    /// R at most. Their finishes are taken as evenly spread over twice
+    /// their mean remaining time, the k-th at k/(R+1) of it: with one
+    /// request running the wait is its whole remaining time, however few
+    /// blocks are missing (the engine frees blocks a request at a time).
     pub fn wait_s(&self, blocks: u64) -> f64 {
-        let clears = |demand: u64, free: u64, held: u64| {
-            if demand <= free || held == 0 {
-                return 0.0;
+        let running = self.running;
+        let finishes = |demand: u64, free: u64, held: u64| -> u64 {
+            if demand <= free || held == 0 || running == 0 {
+                return 0;
             }
-            ((demand - free) as f64 / held as f64).min(1.0)
+            let k = ((demand - free) as f64 * running as f64 / held as f64).ceil();
+            (k as u64).clamp(1, running)
         };
-        let for_blocks = clears(
+        let for_blocks = finishes(
             // Saturating: the counts are an engine's word.
             (self.waiting_blocks)
                 .saturating_add(self.growth_blocks)
@@ -86,14 +92,11 @@ impl Memory {
             self.free_blocks,
             self.used_blocks,
         );
-        let for_seat = self.max_num_seqs.map_or(0.0, |seats| {
-            clears(
-                self.waiting + 1,
-                seats.saturating_sub(self.running),
-                self.running,
-            )
+        let for_seat = self.max_num_seqs.map_or(0, |seats| {
+            finishes(self.waiting + 1, seats.saturating_sub(running), running)
         });
-        for_blocks.max(for_seat) * 2.0 * self.remaining_decode_s.max(0.0)
+        let k = for_blocks.max(for_seat);
+        2.0 * self.remaining_decode_s.max(0.0) * k as f64 / running.saturating_add(1) as f64
     }
 }
 
@@ -678,19 +681,38 @@ mod tests {
         };
         // 60 waiting + 40 of its own fit in 100 free blocks.
         assert_eq!(memory.wait_s(40), 0.0);
-        // 140 needed: 40 of 400 used blocks must free, a tenth of the
-        // running requests, finishing over 2 × 1.5 s: 0.3 s.
-        assert!((memory.wait_s(80) - 0.3).abs() < 1e-9);
+        // 140 needed: 40 of 400 used blocks must free, what one of the 10
+        // running requests holds; finishes spread over 2 × 1.5 s, the
+        // first at 1/11 of it.
+        let first = 3.0 / 11.0;
+        assert!((memory.wait_s(80) - first).abs() < 1e-9);
+        // 41 missing: two must finish.
+        assert!((memory.wait_s(81) - 2.0 * first).abs() < 1e-9);
         // More than all used blocks: every running request must finish.
-        assert!((memory.wait_s(1000) - 3.0).abs() < 1e-9);
+        assert!((memory.wait_s(1000) - 10.0 * first).abs() < 1e-9);
         // Seats: 10 of 12 taken, 2 waiting: a third must free first, one
-        // of the 10 running: a tenth of 3 s.
+        // of the 10 running.
         let seated = Memory {
             max_num_seqs: Some(12),
             ..memory
         };
-        assert!((seated.wait_s(40) - 0.3).abs() < 1e-9);
-        assert!((seated.wait_s(80) - 0.3).abs() < 1e-9, "the longer wait");
+        assert!((seated.wait_s(40) - first).abs() < 1e-9);
+        assert!(
+            (seated.wait_s(81) - 2.0 * first).abs() < 1e-9,
+            "the longer wait"
+        );
+        // One request running: a block short waits for all of it, as the
+        // engine frees its blocks only when it finishes.
+        let one = Memory {
+            running: 1,
+            waiting: 0,
+            waiting_blocks: 0,
+            ..memory
+        };
+        assert!((one.wait_s(101) - 1.5).abs() < 1e-9);
+        // Nothing running frees nothing: no wait to predict.
+        let none = Memory { running: 0, ..one };
+        assert_eq!(none.wait_s(1000), 0.0);
 
         let m = PrefillModel::default();
         let mut t = LoadTracker::new();
@@ -703,26 +725,26 @@ mod tests {
             },
         );
         let load = t.load(Slot(0));
-        assert!((m.memory_wait_s(&load, 80, at) - 0.3).abs() < 1e-9);
+        assert!((m.memory_wait_s(&load, 80, at) - first).abs() < 1e-9);
         // The wait ages like the queue, and bounds the time to first token
         // with the queue (empty here) before the request's own prefill
         // (20 ms + 1,280 tokens at 10,000/s).
         let later = at + Duration::from_millis(100);
-        assert!((m.memory_wait_s(&load, 80, later) - 0.2).abs() < 1e-9);
-        assert!((m.ttft_s(&load, 80 * 16, 80, later) - (0.2 + 0.148)).abs() < 1e-9);
+        assert!((m.memory_wait_s(&load, 80, later) - (first - 0.1)).abs() < 1e-9);
+        assert!((m.ttft_s(&load, 80 * 16, 80, later) - (first - 0.1 + 0.148)).abs() < 1e-9);
         // This router's requests sent since the report take blocks too: a
         // 640-token prompt is 40 more blocks, all of them, cached or not.
         let chain: Vec<u64> = (0..40).collect();
         let sent = t.start_request(Slot(0), &chain, (640, 0, 0), 16);
         let load = t.load(Slot(0));
-        assert!((m.memory_wait_s(&load, 80, at) - 0.6).abs() < 1e-9);
+        assert!((m.memory_wait_s(&load, 80, at) - 2.0 * first).abs() < 1e-9);
         // Output the engines will still write counts as taken: 20 blocks
-        // of growth are a tenth of the used blocks more.
+        // of growth make the 40 missing 60, more than one request holds.
         let grown = Memory {
             growth_blocks: 20,
             ..memory
         };
-        assert!((grown.wait_s(80) - 0.45).abs() < 1e-9);
+        assert!((grown.wait_s(80) - 2.0 * first).abs() < 1e-9);
         // A request that shares the one in flight's prompt takes only its
         // own blocks: the shared ones are held.
         assert_eq!(t.pinned().leading(Slot(0), &[0, 1, 2, 99]), 3);

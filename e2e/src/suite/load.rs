@@ -70,7 +70,8 @@ impl Shape {
 }
 
 /// How a request ended, as its client saw it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// Streamed to the end with usage.
     Ok,
@@ -103,7 +104,7 @@ impl Outcome {
 }
 
 /// One request's measurement.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct Sample {
     /// When it was sent, seconds since the system's start.
     pub t: f64,

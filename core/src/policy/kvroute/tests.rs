@@ -202,12 +202,13 @@ fn a_warm_prefix_is_spilled_when_its_holder_must_first_wait_for_memory() {
     // with R s of decode left on average. This 4,101-token request takes
     // 257 blocks there: 256 are cached, but no request in flight holds
     // them, so they come from the free pool too. A deficit of 347 of 900
-    // used blocks clears in 347/900 × 2R s, then its own 20.5 ms prefill;
-    // elsewhere it takes 430.1 ms, and the prefix saves 429.6 ms (+ 20 ms
-    // overhead) of slack. Warm while 0.7711 R + 0.0205 ≤ 0.4301 + 0.4296,
-    // R ≤ 1.088 s.
+    // used blocks held by 8 requests clears when ⌈347 × 8 / 900⌉ = 4 have
+    // finished, at 4/9 of 2R s, then its own 20.5 ms prefill; elsewhere
+    // it takes 430.1 ms, and the prefix saves 429.6 ms (+ 20 ms overhead)
+    // of slack. Warm while 0.8889 R + 0.0205 ≤ 0.4301 + 0.4296,
+    // R ≤ 0.944 s.
     let chain: Vec<u64> = (1..=256).collect();
-    for (remaining_s, warm) in [(0.0, true), (1.0, true), (1.2, false)] {
+    for (remaining_s, warm) in [(0.0, true), (0.9, true), (1.0, false)] {
         let mut pool = Pool::test().replicas(3).holds(0, &chain);
         pool.endpoints[0].load.engine = Some(EngineLoad {
             waiting: 3,
