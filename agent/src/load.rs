@@ -194,6 +194,10 @@ pub fn report(now: &Scraped, capacity: u64, rate: Option<f64>) -> v1::LoadReport
             .mean_output
             .zip(now.mean_tpot)
             .map(|(output, tpot)| output / 2.0 * tpot),
+        waiting_decode_s: now
+            .mean_output
+            .zip(now.mean_tpot)
+            .map(|(output, tpot)| output * tpot),
         preemptions: now.preemptions.map(|p| p.max(0.0) as u64),
         // Not in vLLM's metrics.
         max_num_seqs: None,
@@ -330,6 +334,8 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 9
         assert_eq!(r.waiting_blocks, Some(94));
         assert_eq!(r.growth_blocks, Some(35));
         assert!((r.remaining_decode_s.unwrap() - 1.5).abs() < 1e-9);
+        // A waiting request decodes all of its 100 tokens once it runs.
+        assert!((r.waiting_decode_s.unwrap() - 3.0).abs() < 1e-9);
         assert_eq!((r.preemptions, r.cached_free_blocks), (Some(7), None));
         // The prefix cache served 30 % of prompt tokens: 70 % is queued.
         let warm = Scraped {

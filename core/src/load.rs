@@ -56,6 +56,9 @@ pub struct Memory {
     pub growth_blocks: u64,
     /// Seconds until the running requests finish, on average.
     pub remaining_decode_s: f64,
+    /// Seconds a waiting request decodes once it runs, on average: the
+    /// blocks it is admitted with are held that long.
+    pub waiting_decode_s: f64,
     /// Requests running, and waiting.
     pub running: u64,
     /// See `running`.
@@ -67,36 +70,51 @@ pub struct Memory {
 impl Memory {
     /// Seconds until a new request, behind the waiting ones, has a seat
     /// and `blocks` free blocks, the blocks the others will still take
-    /// for their output counted as taken. Running requests free both as
-    /// they finish, each holding its share of the used blocks: a deficit
-    /// of D of U used blocks held by R requests clears when ⌈D·R/U⌉ of
-    /// them have finished (a deficit of seats, when that many have), all
-    /// R at most. Their finishes are taken as evenly spread over twice
-    /// their mean remaining time, the k-th at k/(R+1) of it: with one
-    /// request running the wait is its whole remaining time, however few
-    /// blocks are missing (the engine frees blocks a request at a time).
+    /// for their output counted as taken. Requests free both when they
+    /// finish, each holding its share of the blocks: a deficit of D of U
+    /// used blocks held by R running requests clears when ⌈D·R/U⌉ of them
+    /// have finished (a deficit of seats, when that many have), their
+    /// finishes taken as evenly spread over twice their mean remaining
+    /// time, the k-th at k/(R+1) of it. With one request running, one
+    /// block short waits for the whole of its decode. A deficit beyond
+    /// every running request's blocks waits, after them, for the waiting
+    /// requests they make room for to finish in turn, the same way over
+    /// twice `waiting_decode_s`: they hold what they are admitted with for
+    /// their whole decode.
     pub fn wait_s(&self, blocks: u64) -> f64 {
-        let running = self.running;
-        let finishes = |demand: u64, free: u64, held: u64| -> u64 {
-            if demand <= free || held == 0 || running == 0 {
-                return 0;
+        // The first k of n holders of `held` blocks (or seats) to finish,
+        // spread over `span` s, free `deficit`: when the k-th does.
+        let finishes = |deficit: u64, held: u64, n: u64, span: f64| -> f64 {
+            if deficit == 0 || held == 0 || n == 0 {
+                return 0.0;
             }
-            let k = ((demand - free) as f64 * running as f64 / held as f64).ceil();
-            (k as u64).clamp(1, running)
+            let k = ((deficit as f64 * n as f64 / held as f64).ceil() as u64).clamp(1, n);
+            span * k as f64 / n.saturating_add(1) as f64
         };
-        let for_blocks = finishes(
-            // Saturating: the counts are an engine's word.
-            (self.waiting_blocks)
-                .saturating_add(self.growth_blocks)
-                .saturating_add(blocks),
-            self.free_blocks,
-            self.used_blocks,
-        );
-        let for_seat = self.max_num_seqs.map_or(0, |seats| {
-            finishes(self.waiting + 1, seats.saturating_sub(running), running)
+        let running = 2.0 * self.remaining_decode_s.max(0.0);
+        let waiting = 2.0 * self.waiting_decode_s.max(0.0);
+        // Saturating: the counts are an engine's word.
+        let demand = (self.waiting_blocks)
+            .saturating_add(self.growth_blocks)
+            .saturating_add(blocks);
+        let deficit = demand.saturating_sub(self.free_blocks);
+        let for_blocks = if deficit <= self.used_blocks {
+            finishes(deficit, self.used_blocks, self.running, running)
+        } else {
+            finishes(self.used_blocks, self.used_blocks, self.running, running)
+                + finishes(
+                    deficit - self.used_blocks,
+                    self.waiting_blocks,
+                    self.waiting,
+                    waiting,
+                )
+        };
+        let for_seat = self.max_num_seqs.map_or(0.0, |seats| {
+            let free = seats.saturating_sub(self.running);
+            let deficit = (self.waiting + 1).saturating_sub(free);
+            finishes(deficit, self.running, self.running, running)
         });
-        let k = for_blocks.max(for_seat);
-        2.0 * self.remaining_decode_s.max(0.0) * k as f64 / running.saturating_add(1) as f64
+        for_blocks.max(for_seat)
     }
 }
 
@@ -675,6 +693,7 @@ mod tests {
             waiting_blocks: 60,
             growth_blocks: 0,
             remaining_decode_s: 1.5,
+            waiting_decode_s: 2.0,
             running: 10,
             waiting: 2,
             max_num_seqs: None,
@@ -688,8 +707,11 @@ mod tests {
         assert!((memory.wait_s(80) - first).abs() < 1e-9);
         // 41 missing: two must finish.
         assert!((memory.wait_s(81) - 2.0 * first).abs() < 1e-9);
-        // More than all used blocks: every running request must finish.
-        assert!((memory.wait_s(1000) - 10.0 * first).abs() < 1e-9);
+        // More than all used blocks: every running request must finish,
+        // then the two waiting ones, admitted as room frees, holding 60
+        // blocks over a 2 s decode each.
+        let all = 10.0 * first + 2.0 * 2.0 * 2.0 / 3.0;
+        assert!((memory.wait_s(1000) - all).abs() < 1e-9);
         // Seats: 10 of 12 taken, 2 waiting: a third must free first, one
         // of the 10 running.
         let seated = Memory {
@@ -710,6 +732,21 @@ mod tests {
             ..memory
         };
         assert!((one.wait_s(101) - 1.5).abs() < 1e-9);
+        // One request nearly done and one waiting that fills what it frees:
+        // a follow-up of 142 blocks waits for the waiting one's whole
+        // decode (as measured live: ~0.5 s where D/U predicted 40 ms).
+        let behind = Memory {
+            free_blocks: 130,
+            used_blocks: 126,
+            waiting_blocks: 158,
+            growth_blocks: 2,
+            remaining_decode_s: 0.04,
+            waiting_decode_s: 0.48,
+            running: 1,
+            waiting: 1,
+            max_num_seqs: Some(64),
+        };
+        assert!((behind.wait_s(142) - (0.04 + 0.48)).abs() < 1e-9);
         // Nothing running frees nothing: no wait to predict.
         let none = Memory { running: 0, ..one };
         assert_eq!(none.wait_s(1000), 0.0);

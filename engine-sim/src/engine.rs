@@ -53,6 +53,8 @@ pub struct LoadReport {
     pub growth_blocks: u64,
     /// Seconds until the running requests finish, on average.
     pub remaining_decode_s: f64,
+    /// Seconds a waiting request decodes once it runs, on average.
+    pub waiting_decode_s: f64,
     /// Requests preempted so far.
     pub preemptions: u64,
     /// Requests run at once.
@@ -74,6 +76,7 @@ impl LoadReport {
             waiting_blocks: Some(self.waiting_blocks),
             growth_blocks: Some(self.growth_blocks),
             remaining_decode_s: Some(self.remaining_decode_s),
+            waiting_decode_s: Some(self.waiting_decode_s),
             preemptions: Some(self.preemptions),
             max_num_seqs: Some(self.max_num_seqs),
         }
@@ -601,6 +604,7 @@ impl Engine {
             waiting_blocks: memory.waiting_blocks,
             growth_blocks: memory.growth_blocks,
             remaining_decode_s: memory.remaining_decode_s,
+            waiting_decode_s: memory.waiting_decode_s,
             preemptions: load.preemptions,
             max_num_seqs: self.config.max_num_seqs,
         }

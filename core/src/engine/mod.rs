@@ -155,6 +155,8 @@ pub struct Load {
     pub growth_blocks: u64,
     /// Output tokens the running requests have still to produce.
     pub remaining_decode_tokens: u64,
+    /// Output tokens the waiting requests have still to produce.
+    pub waiting_decode_tokens: u64,
     /// Preemptions since the engine started.
     pub preemptions: u64,
     /// Requests it runs at once (`max_num_seqs`).
@@ -170,12 +172,18 @@ impl Load {
         } else {
             self.remaining_decode_tokens as f64 / f64::from(self.running)
         };
+        let waiting_tokens = if self.waiting == 0 {
+            0.0
+        } else {
+            self.waiting_decode_tokens as f64 / f64::from(self.waiting)
+        };
         crate::load::Memory {
             free_blocks: self.num_blocks - self.used_blocks,
             used_blocks: self.used_blocks,
             waiting_blocks: self.waiting_blocks,
             growth_blocks: self.growth_blocks,
             remaining_decode_s: mean_tokens * step.as_secs_f64(),
+            waiting_decode_s: waiting_tokens * step.as_secs_f64(),
             running: u64::from(self.running),
             waiting: u64::from(self.waiting),
             max_num_seqs: Some(self.max_num_seqs),
@@ -577,6 +585,9 @@ impl Engine {
             waiting_blocks,
             growth_blocks,
             remaining_decode_tokens: live().map(|s| (s.max_tokens - s.output) as u64).sum(),
+            waiting_decode_tokens: (self.waiting.iter())
+                .map(|s| s.max_tokens.saturating_sub(s.output) as u64)
+                .sum(),
             preemptions: self.counters.preemptions,
             max_num_seqs: self.config.max_num_seqs as u64,
         }

@@ -422,6 +422,8 @@ async fn load_reports_the_memory_a_wait_is_predicted_from() {
     assert_eq!(load.running, 1);
     assert_eq!((load.free_blocks, load.waiting_blocks), (7, 10));
     assert!((load.remaining_decode_s - 0.12).abs() < 1e-9, "{load:?}");
+    // B, once it runs, holds its blocks for its one token.
+    assert!((load.waiting_decode_s - 0.03).abs() < 1e-9, "{load:?}");
     let proto = load.to_proto();
     assert_eq!(
         (proto.free_blocks, proto.waiting_blocks, proto.preemptions),

@@ -105,6 +105,11 @@ pub struct LoadReport {
     /// sees). Absent: unknown, taken as none.
     #[prost(uint64, optional, tag = "13")]
     pub growth_blocks: ::core::option::Option<u64>,
+    /// Seconds a waiting request decodes once it runs (its output at the
+    /// engine's pace), on average: the blocks a waiting request takes are held
+    /// that long. Absent: twice remaining_decode_s.
+    #[prost(double, optional, tag = "14")]
+    pub waiting_decode_s: ::core::option::Option<f64>,
 }
 /// The engine's whole cache at one moment.
 #[derive(Clone, PartialEq, ::prost::Message)]

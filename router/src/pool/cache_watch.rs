@@ -290,6 +290,10 @@ fn engine_load(load: &LoadReport) -> EngineLoad {
                     waiting_blocks,
                     growth_blocks: load.growth_blocks.unwrap_or(0),
                     remaining_decode_s: remaining,
+                    waiting_decode_s: load
+                        .waiting_decode_s
+                        .filter(|s| s.is_finite() && *s >= 0.0)
+                        .unwrap_or(2.0 * remaining),
                     running: u64::from(load.running),
                     waiting: u64::from(load.waiting),
                     max_num_seqs: load.max_num_seqs.map(u64::from),

@@ -222,6 +222,7 @@ fn a_warm_prefix_is_spilled_when_its_holder_must_first_wait_for_memory() {
                 used_blocks: 900,
                 waiting_blocks: 100,
                 remaining_decode_s: remaining_s,
+                waiting_decode_s: 2.0 * remaining_s,
                 running: 8,
                 waiting: 3,
                 max_num_seqs: None,
