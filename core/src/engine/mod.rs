@@ -167,23 +167,21 @@ impl Load {
     /// What a load report says of memory, with decode steps of `step`: the
     /// running requests' mean remaining output at one token a step.
     pub fn memory(&self, step: Duration) -> crate::load::Memory {
-        let mean_tokens = if self.running == 0 {
-            0.0
-        } else {
-            self.remaining_decode_tokens as f64 / f64::from(self.running)
-        };
-        let waiting_tokens = if self.waiting == 0 {
-            0.0
-        } else {
-            self.waiting_decode_tokens as f64 / f64::from(self.waiting)
+        // Seconds of decode per request: `tokens` over `requests`.
+        let mean_s = |tokens: u64, requests: u32| {
+            if requests == 0 {
+                0.0
+            } else {
+                tokens as f64 / f64::from(requests) * step.as_secs_f64()
+            }
         };
         crate::load::Memory {
             free_blocks: self.num_blocks - self.used_blocks,
             used_blocks: self.used_blocks,
             waiting_blocks: self.waiting_blocks,
             growth_blocks: self.growth_blocks,
-            remaining_decode_s: mean_tokens * step.as_secs_f64(),
-            waiting_decode_s: waiting_tokens * step.as_secs_f64(),
+            remaining_decode_s: mean_s(self.remaining_decode_tokens, self.running),
+            waiting_decode_s: mean_s(self.waiting_decode_tokens, self.waiting),
             running: u64::from(self.running),
             waiting: u64::from(self.waiting),
             max_num_seqs: Some(self.max_num_seqs),
