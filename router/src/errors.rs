@@ -6,6 +6,20 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+use crate::flow::queue::ShedReason;
+
+fn shed_message(reason: ShedReason) -> &'static str {
+    match reason {
+        ShedReason::QueueFull => "the router's queue is full; retry later",
+        ShedReason::WaitLimit => {
+            "no endpoint could start the request within its wait limit; retry later"
+        }
+        ShedReason::Sheddable => {
+            "every endpoint is busy and the request's priority is sheddable; retry later"
+        }
+    }
+}
+
 /// A request the router refuses or cannot serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -43,6 +57,15 @@ pub enum ApiError {
     /// timed out.
     #[error("all endpoints are busy; retry later")]
     Overloaded {
+        /// Seconds to wait.
+        retry_after: u64,
+    },
+    /// Flow control answered the request instead of holding it on
+    /// ([`crate::flow`]).
+    #[error("{}", shed_message(*.reason))]
+    Shed {
+        /// Why.
+        reason: ShedReason,
         /// Seconds to wait.
         retry_after: u64,
     },
@@ -92,7 +115,7 @@ impl ApiError {
             ApiError::Saturated(..) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded { .. } | ApiError::Shed { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -114,6 +137,7 @@ impl ApiError {
             ApiError::NotFound(_) => ("invalid_request_error", "not_found"),
             ApiError::TooLarge { .. } => ("invalid_request_error", "request_too_large"),
             ApiError::Overloaded { .. } => ("rate_limit_error", "overloaded"),
+            ApiError::Shed { reason, .. } => ("rate_limit_error", reason.as_str()),
             ApiError::Unavailable { .. } => ("server_error", "no_ready_endpoint"),
             ApiError::Upstream(_) => ("server_error", "upstream_error"),
             ApiError::Internal(_) => ("server_error", "internal_error"),
@@ -138,6 +162,7 @@ impl ApiError {
     pub fn retry_after(&self) -> Option<u64> {
         match self {
             ApiError::Overloaded { retry_after }
+            | ApiError::Shed { retry_after, .. }
             | ApiError::Unavailable { retry_after }
             | ApiError::Saturated(_, retry_after)
             | ApiError::TenantSaturated(retry_after) => Some(*retry_after),

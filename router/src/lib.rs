@@ -14,6 +14,7 @@ pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod ext_proc;
+pub mod flow;
 pub mod http;
 pub mod listener;
 pub mod metrics;

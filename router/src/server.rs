@@ -258,6 +258,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         service = service.with_response_cache(cache);
     }
     let service = Arc::new(service);
+    tasks.spawn(
+        "flow",
+        Stop::Aborted,
+        service.flow.clone().run(pool.clone()),
+    );
     if let Some(semantic) = (service.response_cache.as_ref()).and_then(|c| c.semantic.clone()) {
         tasks.spawn("semantic-check", Stop::Aborted, semantic.run_checks());
     }

@@ -29,8 +29,8 @@ use tokio::task::JoinHandle;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the {task} task {why}")]
 pub struct TaskDied {
-    /// The task's name: `discovery`, `health-checks`, `api`, `picker` or
-    /// `admin`.
+    /// The task's name: `discovery`, `health-checks`, `flow`, `api`,
+    /// `picker` or `admin`.
     pub task: &'static str,
     /// How it ended: `panicked: <message>`, `returned` or `was cancelled`.
     pub why: String,

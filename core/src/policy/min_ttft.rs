@@ -127,6 +127,10 @@ impl Policy for MinTtft {
         Decision::by_cost(ranked, &self.cached)
     }
 
+    fn predicted_wait_s(&self, candidate: usize) -> Option<f64> {
+        self.predicted.get(candidate).map(|p| p.queued)
+    }
+
     fn boxed_clone(&self) -> Box<dyn Policy> {
         Box::new(self.clone())
     }

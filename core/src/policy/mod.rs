@@ -186,6 +186,14 @@ pub trait Policy: Send + std::fmt::Debug {
         None
     }
 
+    /// The wait before its prefill starts that the last [`rank`](Self::rank)
+    /// predicted for its request at `candidate` (a position in that call's
+    /// candidates), in seconds: queued prefill or KV memory. `None` when
+    /// the policy predicts none (the default).
+    fn predicted_wait_s(&self, _candidate: usize) -> Option<f64> {
+        None
+    }
+
     /// `slot` left the pool; forget it.
     fn endpoint_removed(&mut self, _slot: Slot) {}
 
@@ -339,6 +347,15 @@ impl PolicyConfig {
             PolicyConfig::Kvroute(c) => c.validate(),
             PolicyConfig::MinTtft(c) => c.engine.validate(),
             _ => Ok(()),
+        }
+    }
+
+    /// The `kvroute` policy's `admissionToleranceMs`; `None` for the
+    /// others.
+    pub fn admission_tolerance_ms(&self) -> Option<f64> {
+        match self {
+            PolicyConfig::Kvroute(c) => c.admission_tolerance_ms,
+            _ => None,
         }
     }
 

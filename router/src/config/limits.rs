@@ -58,12 +58,12 @@ pub struct Limits {
     /// Requests in flight per endpoint before it counts as full. Default:
     /// 256.
     pub endpoint_concurrency: u32,
-    /// Requests that may wait when every candidate is full; more get 429.
-    /// Default: 1024.
-    pub queue_size: usize,
-    /// How long a request waits for a free endpoint before 429,
-    /// milliseconds. Default: 5000.
-    pub queue_timeout_ms: u64,
+    /// Replaced by `flowControl.maxQueued`: refused at start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_size: Option<serde_json::Value>,
+    /// Replaced by `flowControl.maxWaitMs`: refused at start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_timeout_ms: Option<serde_json::Value>,
     /// Connecting to an engine, milliseconds. Default: 2000.
     pub connect_timeout_ms: u64,
     /// From sending a request to the engine's response headers,
@@ -133,8 +133,8 @@ impl Default for Limits {
             http2_max_pending_accept_reset_streams: 20,
             http2_max_local_error_reset_streams: 1024,
             endpoint_concurrency: 256,
-            queue_size: 1024,
-            queue_timeout_ms: 5000,
+            queue_size: None,
+            queue_timeout_ms: None,
             connect_timeout_ms: 2000,
             first_byte_timeout_ms: 300_000,
             retry_after_s: 1,

@@ -3,13 +3,15 @@
 //! people change per deployment. Parsed and validated once at start.
 //!
 //! One file per section: [`routing`](Routing), [`tenancy`](Tenancy),
-//! [`limits`](Limits), [`resilience`](Resilience), [`proxy`](Proxy),
+//! [`limits`](Limits), [`flowControl`](FlowControl) and `objectives`,
+//! [`resilience`](Resilience), [`proxy`](Proxy),
 //! [`telemetry`](Telemetry), [`discovery`](Discovery), the listeners and
 //! their TLS; checking a parsed file is `validate.rs`.
 //!
 //! Not here: starting anything from it ([`crate::server`]).
 
 mod discovery;
+mod flow;
 mod headers;
 mod limits;
 mod listeners;
@@ -27,6 +29,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use self::discovery::{Discovery, OperatorDiscovery, StaticDiscovery};
+pub use self::flow::{Band, FlowControl, Objective};
 pub use self::headers::{Header, OptionalHeader};
 pub use self::limits::Limits;
 pub use self::listeners::{DebugEndpoints, ExtProc, GrpcTls, Tls};
@@ -61,6 +64,10 @@ pub struct Config {
     pub routing: Routing,
     /// Tenant isolation.
     pub tenancy: Tenancy,
+    /// Requests held at the router until an endpoint can start them.
+    pub flow_control: FlowControl,
+    /// Priorities requests may name (`x-gateway-inference-objective`).
+    pub objectives: Vec<Objective>,
     /// Limits and timeouts.
     pub limits: Limits,
     /// What is proxied and which headers pass.
@@ -94,6 +101,8 @@ impl Default for Config {
             discovery: Discovery::default(),
             routing: Routing::default(),
             tenancy: Tenancy::default(),
+            flow_control: FlowControl::default(),
+            objectives: Vec::new(),
             limits: Limits::default(),
             proxy: Proxy::default(),
             resilience: Resilience::default(),
@@ -163,6 +172,24 @@ pub enum ConfigError {
     Invalid {
         /// The field, as written in YAML.
         field: &'static str,
+        /// The value.
+        value: String,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// A field of an earlier version, replaced.
+    #[error("{field} was replaced by {instead}: see docs/configuration.md, flow control")]
+    Replaced {
+        /// The old field, as written in YAML.
+        field: &'static str,
+        /// The field that replaced it.
+        instead: &'static str,
+    },
+    /// An entry of a list is bad.
+    #[error("{field}: {reason} (got {value})")]
+    InvalidEntry {
+        /// The field, as written in YAML, with the entry's index.
+        field: String,
         /// The value.
         value: String,
         /// What is wrong.

@@ -205,8 +205,32 @@ fn every_duration_and_count_is_in_range() {
             "discovery.static.reloadMs: must be 1 to 86400000 (one day) (got 18446744073709551615)",
         ),
         (
-            "limits: {queueTimeoutMs: 86400001}",
-            "limits.queueTimeoutMs: must be at most one day (got 86400001)",
+            "limits: {queueTimeoutMs: 5000}",
+            "limits.queueTimeoutMs was replaced by flowControl.maxWaitMs: see docs/configuration.md, flow control",
+        ),
+        (
+            "limits: {queueSize: 0}",
+            "limits.queueSize was replaced by flowControl.maxQueued: see docs/configuration.md, flow control",
+        ),
+        (
+            "flowControl: {maxWaitMs: 0}",
+            "flowControl.maxWaitMs: must be 1 to 86400000 (one day) (got 0)",
+        ),
+        (
+            "flowControl: {holdAboveMs: -1}",
+            "flowControl.holdAboveMs: must be 0 to 86400000 (one day) (got -1)",
+        ),
+        (
+            "flowControl: {bands: [{priority: 1, maxWaitMs: 10}, {priority: 1, maxWaitMs: 20}]}",
+            "flowControl.bands[1].priority: is named by an earlier band (got 1)",
+        ),
+        (
+            "flowControl: {bands: [{priority: 1, maxWaitMs: 86400001}]}",
+            "flowControl.bands[0].maxWaitMs: must be 1 to 86400000 (one day) (got 86400001)",
+        ),
+        (
+            "objectives: [{name: chat, priority: 1}, {name: chat, priority: 2}]",
+            "objectives[1].name: is named by an earlier objective (got chat)",
         ),
         (
             "limits: {retryAfterS: 18446744073709551615}",
@@ -266,7 +290,9 @@ fn every_duration_and_count_is_in_range() {
     }
     for fine in [
         "discovery: {static: {file: e.yaml, reloadMs: 1}}",
-        "limits: {queueTimeoutMs: 0, retryAfterS: 0, queueSize: 0}",
+        "limits: {retryAfterS: 0}",
+        "flowControl: {enabled: false, holdAboveMs: 0, maxQueued: 0, bands: [{priority: -1, maxWaitMs: 1}]}",
+        "objectives: [{name: chat, priority: 10, tenants: [a]}, {name: batch, priority: -1}]",
         "routing: {blockSize: 4096}",
         "resilience: {healthCheck: null, ejectionBaseMs: 86400000, ejectionMaxMs: 86400000}",
     ] {

@@ -15,6 +15,25 @@ impl Config {
         self.validate_durations()?;
         self.validate_counts()?;
         self.validate_urls()?;
+        self.flow_control.validate()?;
+        super::flow::validate_objectives(&self.objectives)?;
+        let l = &self.limits;
+        for (set, field, instead) in [
+            (
+                l.queue_size.is_some(),
+                "limits.queueSize",
+                "flowControl.maxQueued",
+            ),
+            (
+                l.queue_timeout_ms.is_some(),
+                "limits.queueTimeoutMs",
+                "flowControl.maxWaitMs",
+            ),
+        ] {
+            if set {
+                return Err(ConfigError::Replaced { field, instead });
+            }
+        }
         if let Some(cache) = &self.response_cache {
             cache.validate()?;
         }
@@ -175,7 +194,6 @@ impl Config {
             }
         }
         for (field, ms) in [
-            ("limits.queueTimeoutMs", l.queue_timeout_ms),
             ("resilience.snapshotWaitMs", r.snapshot_wait_ms),
             ("limits.retryAfterS", l.retry_after_s.saturating_mul(1000)),
         ] {

@@ -214,6 +214,8 @@ pub struct Metrics {
     pub upstream_ttft_seconds: Histogram,
     /// The response cache's.
     pub response_cache: std::sync::Arc<crate::response_cache::metrics::CacheMetrics>,
+    /// Flow control's.
+    pub flow: crate::flow::metrics::FlowMetrics,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -269,6 +271,7 @@ impl Metrics {
             decision_seconds: Histogram::new(BUCKETS.iter().copied()),
             upstream_ttft_seconds: Histogram::new(BUCKETS.iter().copied()),
             response_cache,
+            flow: Default::default(),
         };
         let r = &mut m.registry;
         // Counters are registered without `_total`, which the encoder adds.
@@ -427,6 +430,7 @@ impl Metrics {
             m.upstream_ttft_seconds.clone(),
         );
         m.response_cache.register(r);
+        m.flow.register(r);
         m
     }
 }

@@ -250,6 +250,7 @@ impl Pool {
                 slot: m.slot,
                 id: m.id,
                 admit_within_ms: None,
+                wait_s: None,
             })
     }
 

@@ -181,6 +181,8 @@ impl Pool {
             .map(|m| m.slot)
         {
             inner.load.report(slot, load);
+            drop(inner);
+            self.changed.notify_waiters();
         }
     }
 

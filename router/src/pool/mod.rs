@@ -107,9 +107,10 @@ pub struct Pool {
     inner: Mutex<Inner>,
     concurrency: u32,
     ready: watch::Sender<usize>,
-    /// Signalled whenever a request ends, for requests queued on full
-    /// endpoints.
-    released: Notify,
+    /// Signalled whenever an endpoint's load changes (a request starts or
+    /// ends, its engine reports or refuses), for requests held at the
+    /// router ([`crate::flow`]).
+    changed: Notify,
     /// The last decisions; its own lock, off the routing one.
     decisions: Mutex<decisions::Decisions>,
 }
@@ -154,7 +155,7 @@ impl Pool {
             }),
             concurrency,
             ready: watch::channel(0).0,
-            released: Notify::new(),
+            changed: Notify::new(),
             decisions: Mutex::default(),
         })
     }
@@ -225,9 +226,10 @@ impl Pool {
         self.lock().index.set_evicted_capacity(blocks);
     }
 
-    /// Resolves at the next end of a request after it is enabled.
-    pub fn released(&self) -> tokio::sync::futures::Notified<'_> {
-        self.released.notified()
+    /// Resolves at the next change of an endpoint's load after it is
+    /// enabled.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
     }
 
     fn publish_ready(&self, inner: &Inner) {

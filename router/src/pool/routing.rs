@@ -9,6 +9,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvroute_core::admission;
 use kvroute_core::contract::Contract;
@@ -20,7 +21,7 @@ use super::{Inner, Pool, now};
 use crate::admin::explain::{Explained, ExplainedEndpoint};
 
 /// One endpoint in a routing plan.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Target {
     /// Its name.
     pub name: Arc<str>,
@@ -33,6 +34,10 @@ pub struct Target {
     /// The policy's bound on the wait before prefill there, milliseconds
     /// ([`kvroute_core::admission`]); set in plans only.
     pub admit_within_ms: Option<u64>,
+    /// The wait before prefill the policy predicts there, seconds; set in
+    /// plans only, by policies that predict one, where the engine's report
+    /// is fresh.
+    pub wait_s: Option<f64>,
 }
 
 /// Where a request should go, in order.
@@ -135,6 +140,11 @@ impl Pool {
             inner.least_loaded.rank(request, &endpoints, &cx)
         };
         let mut full = 0;
+        // Flow control gates on a prediction only where an engine's fresh
+        // report backs it; elsewhere on the concurrency limit alone.
+        let max_age =
+            Duration::from_millis(inner.settings.policy.prefill_model().max_report_age_ms);
+        let reported = |i: usize| (endpoints[i].load.engine).is_some_and(|e| e.age(now) <= max_age);
         let targets: Vec<Target> = decision
             .ranked
             .iter()
@@ -147,6 +157,7 @@ impl Pool {
                 admit_within_ms: (inner.policy.admit_within(i))
                     .filter(|_| readable)
                     .map(admission::bound_ms),
+                wait_s: (inner.policy.predicted_wait_s(i)).filter(|_| readable && reported(i)),
                 ..candidates[i].clone()
             })
             .collect();
@@ -239,6 +250,7 @@ impl Pool {
     /// endpoint's load from now on, until its next report.
     pub fn refused(&self, slot: Slot, refusal: admission::Refusal) {
         self.lock().load.refused(slot, refusal, now());
+        self.changed.notify_waiters();
     }
 
     /// Remembers that a request's first attempt goes to `target` for
@@ -270,6 +282,7 @@ impl Pool {
         let ticket = (inner.load).start_request(target.slot, request.chain, tokens, block_tokens);
         let trial = inner.outlier.begin(&target.name, now());
         drop(inner);
+        self.changed.notify_waiters();
         let mut load = self.in_flight(ticket);
         if trial {
             load.trial = Some(target.name.clone());
@@ -432,6 +445,7 @@ impl Inner {
                     slot: m.slot,
                     id: m.id,
                     admit_within_ms: None,
+                    wait_s: None,
                 };
                 (endpoint, target)
             })
@@ -469,7 +483,7 @@ impl Drop for InFlight {
                 inner.outlier.abandon(&name);
             }
             drop(inner);
-            self.pool.released.notify_waiters();
+            self.pool.changed.notify_waiters();
         }
     }
 }

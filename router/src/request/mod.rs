@@ -27,7 +27,6 @@ pub mod hit_rate;
 mod labels;
 pub mod missed;
 mod observed;
-mod queue;
 mod readiness;
 pub mod recent;
 
@@ -85,8 +84,8 @@ pub struct Service {
     allowed_paths: HashSet<String>,
     /// Request bodies in memory.
     bodies: Arc<BodyBudget>,
-    /// Requests waiting for a free endpoint.
-    queue: queue::Queue,
+    /// Requests held until an endpoint can start them.
+    pub(crate) flow: Arc<crate::flow::Gate>,
     /// Explains running: one at a time.
     explains: Arc<Semaphore>,
     models: Arc<Models>,
@@ -155,6 +154,8 @@ struct Read {
     budget: Option<body::Held>,
     /// When it was admitted.
     started: Instant,
+    /// The tenant its credentials name.
+    tenant: Option<String>,
 }
 
 impl Service {
@@ -176,7 +177,14 @@ impl Service {
             ),
             allowed_paths: config.proxy.allowed_paths.iter().cloned().collect(),
             bodies: BodyBudget::new(&limits, &metrics),
-            queue: queue::Queue::default(),
+            flow: Arc::new(crate::flow::Gate::new(
+                (&config.flow_control, &config.objectives),
+                (config.flow_control.hold_above_ms)
+                    .or(config.routing.policy.admission_tolerance_ms())
+                    .unwrap_or(50.0),
+                limits.retry_after_s,
+                metrics.clone(),
+            )),
             explains: Arc::new(Semaphore::new(1)),
             models: Arc::new(Models::new(&limits)),
             tenant_labels,
@@ -296,21 +304,27 @@ impl Service {
     pub(crate) async fn decide(self: &Arc<Self>, ask: Ask<'_>) -> Result<Decision, ApiError> {
         let among = ask.among;
         let id = ask.id.clone();
+        let objective = crate::flow::objectives::Objectives::named(ask.headers);
         let Read {
             mut labels,
             analysis,
             diverged,
             budget,
             started,
+            tenant,
         } = self.read(ask, Purpose::Route).await?;
-        let planned = self
-            .queue
+        let who = crate::flow::Who {
+            priority: (self.flow.objectives).priority(objective.as_deref(), tenant.as_deref()),
+            flow: tenant.as_deref().unwrap_or(""),
+            bytes: analysis.bytes.len(),
+        };
+        let planned = (self.flow)
             .plan(
                 &self.pool,
-                &self.limits,
                 &analysis.request(),
                 analysis.readable,
                 among,
+                who,
             )
             .await;
         let plan = match planned {
@@ -359,6 +373,7 @@ impl Service {
                     diverged: None,
                     budget: None,
                     started,
+                    tenant: tenant.clone(),
                 };
                 return self
                     .analyzed(read, path, headers, tenant, bytes, purpose)
@@ -366,16 +381,20 @@ impl Service {
             }
             Payload::Bodiless => {
                 let mut labels = Labels::new(self);
-                if let Err(e) = self.identify(headers, &mut labels) {
-                    labels.count(e.status().as_str());
-                    return Err(e);
-                }
+                let tenant = match self.identify(headers, &mut labels) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        labels.count(e.status().as_str());
+                        return Err(e);
+                    }
+                };
                 return Ok(Read {
                     labels,
                     analysis: Analysis::bodiless(),
                     diverged: None,
                     budget: None,
                     started: Instant::now(),
+                    tenant,
                 });
             }
         };
@@ -392,6 +411,7 @@ impl Service {
             diverged: None,
             budget: Some(budget),
             started,
+            tenant: tenant.clone(),
         };
         self.analyzed(read, path, headers, tenant, bytes, purpose)
             .await

@@ -632,7 +632,7 @@ async fn a_clients_router_headers_are_removed_before_the_engine() {
 async fn refusals_are_immediate_responses() {
     let (stack, mut client) = picker("xp-refuse", 1, false, |c| {
         c.limits.endpoint_concurrency = 1;
-        c.limits.queue_size = 0;
+        c.flow_control.max_queued = 0;
     })
     .await;
     // Unparseable JSON: 400.

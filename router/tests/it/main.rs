@@ -10,6 +10,7 @@ mod debug_pool;
 mod discovery;
 mod explain;
 mod ext_proc;
+mod flow;
 mod hardening;
 mod hit_rate;
 mod hostile;

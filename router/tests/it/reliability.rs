@@ -217,7 +217,7 @@ async fn error_paths_have_openai_bodies() {
         |c| {
             c.limits.max_body_bytes = 2048;
             c.limits.endpoint_concurrency = 1;
-            c.limits.queue_size = 0;
+            c.flow_control.max_queued = 0;
         },
     )
     .await;
@@ -267,7 +267,7 @@ async fn error_paths_have_openai_bodies() {
         .await,
     );
 
-    // One slow stream holds the only slot; with no queue the next is 429.
+    // One slow stream holds the only slot; with no room to hold it, the next is 429.
     let hold = stack
         .post(
             "/v1/completions",
@@ -281,7 +281,7 @@ async fn error_paths_have_openai_bodies() {
         .await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
-    check(429, "overloaded")((429, r.json().await.unwrap()));
+    check(429, "flow_queue_full")((429, r.json().await.unwrap()));
     drop(held);
     stack.stop().await;
 

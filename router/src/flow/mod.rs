@@ -1,0 +1,312 @@
+//! Flow control: a request waits at the router, not in an engine's queue,
+//! until an endpoint can start it, and the endpoint is chosen when it is
+//! sent (late binding), by the same ranking as any request, with the
+//! state of that moment.
+//!
+//! 1. **Hold.** A request is sent at once when the policy's first choice
+//!    for it would start its prefill within `flowControl.holdAboveMs`
+//!    (the wait the policy predicts there: queued prefill, KV memory) and
+//!    is under `limits.endpointConcurrency`. Otherwise it waits here. So
+//!    does any request arriving while requests of its priority or higher
+//!    wait: it does not overtake them.
+//! 2. **Dispatch.** When an endpoint's load changes (a request starts or
+//!    ends, its engine reports or refuses) and on a timer (predictions
+//!    age), the held requests get turns in the queue's order
+//!    ([`queue`]): each ranks the endpoints afresh, leaving out those a
+//!    request ahead of it waits for, and is sent when the first it ranks
+//!    can start it now. A warm endpoint is still preferred while the
+//!    policy's slack rule says waiting for it costs less than the prefill
+//!    it saves: the wait is in its predictions.
+//! 3. **Bounds.** Past `maxQueued` or `maxQueuedBytes`, the lowest band
+//!    sheds first; past its wait limit a request is answered; a request
+//!    of negative priority is never held. All get 429 with `Retry-After`
+//!    and the reason as the error's code. A client that goes away while
+//!    held leaves nothing behind: dropping its wait takes it out.
+//!
+//! Without a prediction (policies other than `kvroute` and `min-ttft`, an
+//! unread prompt, or an engine whose load report is missing or older than
+//! `routing.policy.engine.maxReportAgeMs`) an endpoint can start a request
+//! when it is under `limits.endpointConcurrency`.
+//!
+//! Each router replica holds its own queue; priorities and fairness hold
+//! per replica.
+
+pub mod metrics;
+pub mod objectives;
+pub mod queue;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvroute_core::policy::Request;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use self::metrics::{Priority, PriorityReason, Reason};
+use self::queue::{Bounds, Id, Queue, ShedReason, Turn};
+use crate::config::{FlowControl, Objective};
+use crate::errors::ApiError;
+use crate::metrics::Metrics;
+use crate::pool::{Plan, Pool};
+use crate::request::Among;
+
+/// The longest a held request waits for a change before its turn comes
+/// again anyway: predictions age, and an engine may report nothing new.
+const RECHECK: Duration = Duration::from_millis(25);
+
+/// Who a request is, for the queue.
+#[derive(Clone, Debug)]
+pub(crate) struct Who<'a> {
+    /// Its priority.
+    pub(crate) priority: i32,
+    /// Its flow: the tenant, or "" for requests without one.
+    pub(crate) flow: &'a str,
+    /// Its body's size.
+    pub(crate) bytes: usize,
+}
+
+/// The gate requests pass. See the module docs.
+#[derive(Debug)]
+pub(crate) struct Gate {
+    /// What each objective's priority is.
+    pub(crate) objectives: objectives::Objectives,
+    enabled: bool,
+    hold_s: f64,
+    retry_after: u64,
+    state: Mutex<State>,
+    metrics: Arc<Metrics>,
+}
+
+#[derive(Debug)]
+struct State {
+    queue: Queue,
+    turns: HashMap<Id, Arc<Waiter>>,
+}
+
+#[derive(Debug, Default)]
+struct Waiter {
+    turn: Notify,
+    shed: Mutex<Option<ShedReason>>,
+}
+
+/// A held request's place: dropping it takes the request out.
+struct Place<'a> {
+    gate: &'a Gate,
+    id: Id,
+    priority: i32,
+    waiter: Arc<Waiter>,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let mut state = self.gate.lock();
+        state.turns.remove(&self.id);
+        let next = state.queue.leave(self.id);
+        state.hand(next);
+        let priority = self.priority;
+        self.gate
+            .metrics
+            .flow
+            .queued
+            .get_or_create(&Priority { priority })
+            .dec();
+    }
+}
+
+impl State {
+    /// Wakes the request whose turn it is.
+    fn hand(&self, turn: Option<Id>) {
+        if let Some(w) = turn.and_then(|id| self.turns.get(&id)) {
+            w.turn.notify_one();
+        }
+    }
+}
+
+impl Gate {
+    /// A gate configured by `flow`, holding above `hold_ms` (resolved from
+    /// the policy when `flowControl.holdAboveMs` is unset).
+    pub(crate) fn new(
+        (flow, objectives): (&FlowControl, &[Objective]),
+        hold_ms: f64,
+        retry_after: u64,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Gate {
+            objectives: objectives::Objectives::new(objectives),
+            metrics,
+            enabled: flow.enabled,
+            hold_s: hold_ms / 1000.0,
+            retry_after,
+            state: Mutex::new(State {
+                queue: Queue::new(Bounds {
+                    max_queued: flow.max_queued,
+                    max_queued_bytes: flow.max_queued_bytes,
+                    max_wait: Duration::from_millis(flow.max_wait_ms),
+                    band_wait: flow.band_waits(),
+                }),
+                turns: HashMap::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Something changed that may let a held request start.
+    pub(crate) fn kick(&self) {
+        let mut state = self.lock();
+        let turn = state.queue.kick();
+        state.hand(turn);
+    }
+
+    /// Runs until the process ends: a pass at each change of the pool's
+    /// load, and at least every [`RECHECK`] while requests are held.
+    pub(crate) async fn run(self: Arc<Self>, pool: Arc<Pool>) {
+        loop {
+            let changed = pool.changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let held = !self.lock().queue.is_empty();
+            if held {
+                let _ = tokio::time::timeout(RECHECK, changed).await;
+            } else {
+                changed.await;
+            }
+            self.kick();
+        }
+    }
+
+    /// Counts `plan` as dispatched for `reason`.
+    fn dispatched(&self, plan: Plan, reason: &'static str) -> Plan {
+        let labels = Reason { reason };
+        self.metrics.flow.dispatched.get_or_create(&labels).inc();
+        plan
+    }
+
+    /// Whether `plan`'s first target can start the request now.
+    fn can_start(&self, plan: &Plan) -> bool {
+        (plan.targets.first()).is_some_and(|t| t.wait_s.is_none_or(|w| w <= self.hold_s))
+    }
+
+    fn shed(&self, priority: i32, reason: ShedReason) -> ApiError {
+        let labels = PriorityReason {
+            priority,
+            reason: reason.as_str(),
+        };
+        self.metrics.flow.shed.get_or_create(&labels).inc();
+        ApiError::Shed {
+            reason,
+            retry_after: self.retry_after,
+        }
+    }
+
+    /// A plan for `request` from `who` among `among` whose first target
+    /// can start it now, waiting here until there is one (rule 1 to 3);
+    /// 503 when no endpoint is routable, 429 when shed.
+    pub(crate) async fn plan(
+        &self,
+        pool: &Pool,
+        request: &Request<'_>,
+        readable: bool,
+        among: Among<'_>,
+        who: Who<'_>,
+    ) -> Result<Plan, ApiError> {
+        let retry_after = self.retry_after;
+        let unavailable = || ApiError::Unavailable { retry_after };
+        let ahead = self.enabled && self.lock().queue.ahead(who.priority);
+        if !ahead {
+            let plan = pool.plan_among(request, readable, among);
+            if plan.targets.is_empty() && plan.full == 0 {
+                return Err(unavailable());
+            }
+            if !self.enabled {
+                if plan.targets.is_empty() {
+                    return Err(ApiError::Overloaded { retry_after });
+                }
+                return Ok(self.dispatched(plan, "immediate"));
+            }
+            if self.can_start(&plan) {
+                return Ok(self.dispatched(plan, "immediate"));
+            }
+        }
+        let place = {
+            let mut state = self.lock();
+            let now = std::time::Instant::now();
+            let pushed = (state.queue)
+                .push(who.priority, who.flow, who.bytes, now)
+                .map_err(|r| self.shed(who.priority, r))?;
+            for id in &pushed.shed {
+                if let Some(w) = state.turns.remove(id) {
+                    *w.shed.lock().unwrap_or_else(|e| e.into_inner()) = Some(ShedReason::QueueFull);
+                    w.turn.notify_one();
+                }
+            }
+            let waiter = Arc::new(Waiter::default());
+            state.turns.insert(pushed.id, waiter.clone());
+            let turn = pushed.turn.or_else(|| state.queue.kick());
+            state.hand(turn);
+            let deadline = Instant::now() + (pushed.deadline - now);
+            let priority = who.priority;
+            self.metrics
+                .flow
+                .queued
+                .get_or_create(&Priority { priority })
+                .inc();
+            (
+                Place {
+                    gate: self,
+                    id: pushed.id,
+                    priority,
+                    waiter,
+                },
+                deadline,
+            )
+        };
+        let held_at = Instant::now();
+        let (place, deadline) = place;
+        loop {
+            let woke = tokio::time::timeout_at(deadline, place.waiter.turn.notified()).await;
+            if woke.is_err() {
+                return Err(self.shed(who.priority, ShedReason::WaitLimit));
+            }
+            if let Some(r) = *place.waiter.shed.lock().unwrap_or_else(|e| e.into_inner()) {
+                return Err(self.shed(who.priority, r));
+            }
+            let reserved = {
+                let state = self.lock();
+                if !state.queue.has_turn(place.id) {
+                    continue;
+                }
+                state.queue.reserved().to_vec()
+            };
+            let open = |a: &SocketAddr| among(a) && !reserved.contains(a);
+            let plan = pool.plan_among(request, readable, &open);
+            let mut state = self.lock();
+            if plan.targets.is_empty() && plan.full == 0 && reserved.is_empty() {
+                let next = state.queue.turn_done(place.id, Turn::Held(None));
+                state.hand(next);
+                return Err(unavailable());
+            }
+            let first = plan.targets.first().map(|t| t.http);
+            if self.can_start(&plan) {
+                let addr = first.expect("can start");
+                let next = state.queue.turn_done(place.id, Turn::Dispatched(addr));
+                state.turns.remove(&place.id);
+                state.hand(next);
+                let priority = who.priority;
+                (self
+                    .metrics
+                    .flow
+                    .wait_seconds
+                    .get_or_create(&Priority { priority }))
+                .observe(held_at.elapsed().as_secs_f64());
+                return Ok(self.dispatched(plan, "after_wait"));
+            }
+            let next = state.queue.turn_done(place.id, Turn::Held(first));
+            state.hand(next);
+        }
+    }
+}

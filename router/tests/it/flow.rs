@@ -1,0 +1,201 @@
+//! Flow control over real engine sims: requests held at the router until
+//! an endpoint can start them, in priority order, shed with 429, and
+//! nothing left behind by a client that goes away.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use kvroute_router::config::Objective;
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+fn objective(name: &str, priority: i32) -> Objective {
+    Objective {
+        name: name.into(),
+        priority,
+        tenants: None,
+    }
+}
+
+async fn gauge(stack: &Stack, series: &str) -> f64 {
+    sum_of(&stack.metrics().await, series)
+}
+
+/// Polls the router's metrics until `series` reads `value`.
+async fn metric_reaches(stack: &Stack, series: &str, value: f64) {
+    kvroute_testkit::eventually(series, Duration::from_secs(10), || async {
+        (gauge(stack, series).await == value).then_some(())
+    })
+    .await;
+}
+
+/// Sends a short completion naming `objective` in the background; resolves
+/// to its status and when its answer was read whole.
+fn send(stack: &Stack, objective: &str) -> tokio::task::JoinHandle<(u16, Instant)> {
+    let mut r = stack
+        .client
+        .post(stack.url("/v1/completions"))
+        .json(&json!({"prompt": format!("a request of {objective}"), "max_tokens": 3}));
+    if !objective.is_empty() {
+        r = r.header("x-gateway-inference-objective", objective);
+    }
+    tokio::spawn(async move {
+        let r = r.send().await.unwrap();
+        let status = r.status().as_u16();
+        r.bytes().await.unwrap();
+        (status, Instant::now())
+    })
+}
+
+#[tokio::test]
+async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
+    let stack = Stack::start(
+        "flow-priority",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 1;
+            c.objectives = vec![objective("interactive", 10), objective("batch", -1)];
+        },
+    )
+    .await;
+    // A stream holds the one seat until it is dropped.
+    let holder = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
+        )
+        .await;
+    let mut holding = holder.bytes_stream();
+    holding.next().await.unwrap().unwrap();
+
+    let low = send(&stack, "");
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
+    let high = send(&stack, "interactive");
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"10\"}", 1.0).await;
+
+    // Sheddable: refused at once rather than held.
+    let r = stack
+        .client
+        .post(stack.url("/v1/completions"))
+        .header("x-gateway-inference-objective", "batch")
+        .json(&json!({"prompt": "b", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let error: Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "flow_sheddable");
+
+    // A client that gives up while held leaves nothing behind.
+    let gone = send(&stack, "");
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 2.0).await;
+    gone.abort();
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
+
+    drop(holding);
+    let (high, low) = (high.await.unwrap(), low.await.unwrap());
+    assert_eq!((high.0, low.0), (200, 200));
+    assert!(high.1 < low.1, "the higher priority went first");
+    let metrics = stack.metrics().await;
+    assert_eq!(sum_of(&metrics, "kvroute_flow_queued"), 0.0);
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_flow_dispatched_total{reason=\"after_wait\"}"
+        ),
+        2.0
+    );
+    assert_eq!(sum_of(&metrics, "kvroute_flow_wait_seconds_count"), 2.0);
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_flow_shed_total{priority=\"-1\",reason=\"flow_sheddable\"}"
+        ),
+        1.0
+    );
+    eventually("every body's budget is back", || {
+        stack.router.pool.status().iter().all(|e| e.in_flight == 0)
+    })
+    .await;
+    metric_reaches(&stack, "kvroute_request_body_bytes", 0.0).await;
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_no_endpoint_can_start_within_its_wait_limit_gets_429() {
+    let stack = Stack::start(
+        "flow-wait",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 1;
+            c.flow_control.max_wait_ms = 200;
+        },
+    )
+    .await;
+    let holder = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
+        )
+        .await;
+    let mut holding = holder.bytes_stream();
+    holding.next().await.unwrap().unwrap();
+    let r = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "late", "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let error: Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "flow_wait_limit");
+    drop(holding);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_waits_at_the_router_while_the_engine_is_predicted_busy() {
+    // One engine prefilling a long prompt for about a second: a second
+    // request would wait there; it waits at the router instead, under no
+    // concurrency limit, and is sent when the prefill is done.
+    let stack = Stack::start(
+        "flow-predicted",
+        1,
+        true,
+        |c| c.prefill_tokens_per_s = 2000.0,
+        |_| {},
+    )
+    .await;
+    stack.wait_live().await;
+    let long = tokio::spawn({
+        let r = stack
+            .client
+            .post(stack.url("/v1/chat/completions"))
+            .json(&chat(&long_text(1), "summarize", 1));
+        async move { r.send().await.unwrap().status().as_u16() }
+    });
+    eventually("the long prompt is in flight", || {
+        stack.router.pool.status().iter().any(|e| e.in_flight == 1)
+    })
+    .await;
+    let short = send(&stack, "");
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
+    assert_eq!(long.await.unwrap(), 200);
+    assert_eq!(short.await.unwrap().0, 200);
+    let metrics = stack.metrics().await;
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_flow_dispatched_total{reason=\"after_wait\"}"
+        ),
+        1.0
+    );
+    stack.stop().await;
+}
