@@ -46,7 +46,7 @@ use tokio::time::Instant;
 
 use self::metrics::{Priority, PriorityReason, Reason};
 use self::queue::{Bounds, Id, Queue, ShedReason, Turn};
-use crate::config::{FlowControl, Objective};
+use crate::config::Config;
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
 use crate::pool::{Plan, Pool};
@@ -56,22 +56,15 @@ use crate::request::Among;
 /// again anyway: predictions age, and an engine may report nothing new.
 const RECHECK: Duration = Duration::from_millis(25);
 
-/// Who a request is, for the queue.
-#[derive(Clone, Debug)]
-pub(crate) struct Who<'a> {
-    /// Its priority.
-    pub(crate) priority: i32,
-    /// Its flow: the tenant, or "" for requests without one.
-    pub(crate) flow: &'a str,
-    /// Its body's size.
-    pub(crate) bytes: usize,
-}
+/// Who a request is, for the queue: the objective it names, its tenant
+/// (its flow; requests without one share a flow) and its body's size.
+pub(crate) type Who<'a> = (Option<&'a str>, Option<&'a str>, usize);
 
 /// The gate requests pass. See the module docs.
 #[derive(Debug)]
 pub(crate) struct Gate {
     /// What each objective's priority is.
-    pub(crate) objectives: objectives::Objectives,
+    objectives: objectives::Objectives,
     enabled: bool,
     hold_s: f64,
     retry_after: u64,
@@ -125,20 +118,19 @@ impl State {
 }
 
 impl Gate {
-    /// A gate configured by `flow`, holding above `hold_ms` (resolved from
-    /// the policy when `flowControl.holdAboveMs` is unset).
-    pub(crate) fn new(
-        (flow, objectives): (&FlowControl, &[Objective]),
-        hold_ms: f64,
-        retry_after: u64,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    /// The gate `config` asks for: `flowControl.holdAboveMs`, else the
+    /// policy's `admissionToleranceMs`, else 50 ms.
+    pub(crate) fn new(config: &Config, metrics: Arc<Metrics>) -> Self {
+        let flow = &config.flow_control;
+        let hold_ms = (flow.hold_above_ms)
+            .or(config.routing.policy.admission_tolerance_ms())
+            .unwrap_or(50.0);
         Gate {
-            objectives: objectives::Objectives::new(objectives),
+            objectives: objectives::Objectives::new(&config.objectives),
             metrics,
             enabled: flow.enabled,
             hold_s: hold_ms / 1000.0,
-            retry_after,
+            retry_after: config.limits.retry_after_s,
             state: Mutex::new(State {
                 queue: Queue::new(Bounds {
                     max_queued: flow.max_queued,
@@ -212,11 +204,12 @@ impl Gate {
         request: &Request<'_>,
         readable: bool,
         among: Among<'_>,
-        who: Who<'_>,
+        (objective, tenant, bytes): Who<'_>,
     ) -> Result<Plan, ApiError> {
+        let priority = self.objectives.priority(objective, tenant);
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };
-        let ahead = self.enabled && self.lock().queue.ahead(who.priority);
+        let ahead = self.enabled && self.lock().queue.ahead(priority);
         if !ahead {
             let plan = pool.plan_among(request, readable, among);
             if plan.targets.is_empty() && plan.full == 0 {
@@ -236,8 +229,8 @@ impl Gate {
             let mut state = self.lock();
             let now = std::time::Instant::now();
             let pushed = (state.queue)
-                .push(who.priority, who.flow, who.bytes, now)
-                .map_err(|r| self.shed(who.priority, r))?;
+                .push(priority, tenant.unwrap_or(""), bytes, now)
+                .map_err(|r| self.shed(priority, r))?;
             for id in &pushed.shed {
                 if let Some(w) = state.turns.remove(id) {
                     *w.shed.lock().unwrap_or_else(|e| e.into_inner()) = Some(ShedReason::QueueFull);
@@ -249,7 +242,6 @@ impl Gate {
             let turn = pushed.turn.or_else(|| state.queue.kick());
             state.hand(turn);
             let deadline = Instant::now() + (pushed.deadline - now);
-            let priority = who.priority;
             self.metrics
                 .flow
                 .queued
@@ -270,10 +262,10 @@ impl Gate {
         loop {
             let woke = tokio::time::timeout_at(deadline, place.waiter.turn.notified()).await;
             if woke.is_err() {
-                return Err(self.shed(who.priority, ShedReason::WaitLimit));
+                return Err(self.shed(priority, ShedReason::WaitLimit));
             }
             if let Some(r) = *place.waiter.shed.lock().unwrap_or_else(|e| e.into_inner()) {
-                return Err(self.shed(who.priority, r));
+                return Err(self.shed(priority, r));
             }
             let reserved = {
                 let state = self.lock();
@@ -296,7 +288,6 @@ impl Gate {
                 let next = state.queue.turn_done(place.id, Turn::Dispatched(addr));
                 state.turns.remove(&place.id);
                 state.hand(next);
-                let priority = who.priority;
                 (self
                     .metrics
                     .flow

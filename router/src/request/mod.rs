@@ -177,14 +177,7 @@ impl Service {
             ),
             allowed_paths: config.proxy.allowed_paths.iter().cloned().collect(),
             bodies: BodyBudget::new(&limits, &metrics),
-            flow: Arc::new(crate::flow::Gate::new(
-                (&config.flow_control, &config.objectives),
-                (config.flow_control.hold_above_ms)
-                    .or(config.routing.policy.admission_tolerance_ms())
-                    .unwrap_or(50.0),
-                limits.retry_after_s,
-                metrics.clone(),
-            )),
+            flow: Arc::new(crate::flow::Gate::new(config, metrics.clone())),
             explains: Arc::new(Semaphore::new(1)),
             models: Arc::new(Models::new(&limits)),
             tenant_labels,
@@ -313,20 +306,10 @@ impl Service {
             started,
             tenant,
         } = self.read(ask, Purpose::Route).await?;
-        let who = crate::flow::Who {
-            priority: (self.flow.objectives).priority(objective.as_deref(), tenant.as_deref()),
-            flow: tenant.as_deref().unwrap_or(""),
-            bytes: analysis.bytes.len(),
-        };
-        let planned = (self.flow)
-            .plan(
-                &self.pool,
-                &analysis.request(),
-                analysis.readable,
-                among,
-                who,
-            )
-            .await;
+        let bytes = analysis.bytes.len();
+        let who = (objective.as_deref(), tenant.as_deref(), bytes);
+        let (request, readable) = (analysis.request(), analysis.readable);
+        let planned = (self.flow.plan(&self.pool, &request, readable, among, who)).await;
         let plan = match planned {
             Ok(p) => p,
             Err(e) => {
