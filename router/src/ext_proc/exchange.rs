@@ -405,6 +405,9 @@ impl Exchange {
             headers,
             body,
             among: &among,
+            fairness: (headers.get(crate::flow::FAIRNESS_HEADER))
+                .and_then(|v| v.to_str().ok())
+                .filter(|_| self.rules.trusted),
             id: RequestId::of(headers),
         };
         let mut decision = self.service.decide(ask).await.map_err(Stop::Refuse)?;

@@ -56,9 +56,15 @@ use crate::request::Among;
 /// again anyway: predictions age, and an engine may report nothing new.
 const RECHECK: Duration = Duration::from_millis(25);
 
-/// Who a request is, for the queue: the objective it names, its tenant
-/// (its flow; requests without one share a flow) and its body's size.
-pub(crate) type Who<'a> = (Option<&'a str>, Option<&'a str>, usize);
+/// The header a trusted gateway names a request's flow with (the Gateway
+/// API Inference Extension's); honoured only from the picker with
+/// `extProc.trustedNetwork` or `extProc.tls.clientCaFile`.
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+
+/// Who a request is, for the queue: the objective it names, its tenant,
+/// its flow (the trusted gateway's fairness id, else its tenant; requests
+/// with neither share a flow) and its body's size.
+pub(crate) type Who<'a> = (Option<&'a str>, Option<&'a str>, Option<String>, usize);
 
 /// The gate requests pass. See the module docs.
 #[derive(Debug)]
@@ -204,7 +210,7 @@ impl Gate {
         request: &Request<'_>,
         readable: bool,
         among: Among<'_>,
-        (objective, tenant, bytes): Who<'_>,
+        (objective, tenant, flow, bytes): Who<'_>,
     ) -> Result<Plan, ApiError> {
         let priority = self.objectives.priority(objective, tenant);
         let retry_after = self.retry_after;
@@ -229,7 +235,7 @@ impl Gate {
             let mut state = self.lock();
             let now = std::time::Instant::now();
             let pushed = (state.queue)
-                .push(priority, tenant.unwrap_or(""), bytes, now)
+                .push(priority, flow.as_deref().unwrap_or(""), bytes, now)
                 .map_err(|r| self.shed(priority, r))?;
             for id in &pushed.shed {
                 if let Some(w) = state.turns.remove(id) {

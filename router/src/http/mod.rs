@@ -119,6 +119,7 @@ impl Forwarder {
             headers: &parts.headers,
             body,
             among: &|_| true,
+            fairness: None,
             id: id.clone(),
         };
         let decision = self.service.decide(ask).await?;

@@ -19,6 +19,7 @@
 //! Not here: sending, retrying and streaming bytes (the front ends).
 
 mod admitted;
+mod ask;
 pub mod body;
 mod decision;
 mod guard;
@@ -31,7 +32,6 @@ mod readiness;
 pub mod recent;
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +42,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 pub(crate) use self::admitted::Admitted;
+pub(crate) use self::ask::{Among, Ask, Payload};
 use self::body::{BodyBudget, Received};
 pub(crate) use self::decision::{Attempt, Decision, refusal, routers_own};
 pub(crate) use self::guard::Guard;
@@ -68,9 +69,6 @@ const EXPLAIN_WAIT: Duration = Duration::from_secs(10);
 /// The `model` label of requests whose model the endpoints do not serve:
 /// labels come only from served models, so clients cannot add series.
 const UNKNOWN_MODEL: &str = "unknown";
-
-/// The endpoints a request may go to.
-pub(crate) type Among<'a> = &'a (dyn Fn(&SocketAddr) -> bool + Sync);
 
 /// The decision service's shared state.
 #[derive(Debug)]
@@ -107,31 +105,6 @@ pub struct Service {
     pub(crate) warnings: Warnings,
     /// The exact response cache, when on (the HTTP front end's).
     pub response_cache: Option<Arc<crate::response_cache::ResponseCache>>,
-}
-
-/// A request as a front end hands it over.
-pub(crate) struct Ask<'a> {
-    /// The path, without the query.
-    pub(crate) path: &'a str,
-    pub(crate) headers: &'a HeaderMap,
-    pub(crate) body: Payload,
-    /// The endpoints it may go to.
-    pub(crate) among: Among<'a>,
-    /// Its id.
-    pub(crate) id: RequestId,
-}
-
-/// A request's body as a front end has it.
-pub(crate) enum Payload {
-    /// Still to be read, within its limits (the HTTP forwarder).
-    Stream(axum::body::Body),
-    /// Admitted at its headers and received (the picker).
-    Received(Box<Admitted>),
-    /// Read by the caller (explain, [`Service::measure`]).
-    Read(Bytes),
-    /// None (the picker: headers that end the request): nothing to read,
-    /// so the least loaded endpoint.
-    Bodiless,
 }
 
 /// What a decision is for.
@@ -298,6 +271,7 @@ impl Service {
         let among = ask.among;
         let id = ask.id.clone();
         let objective = crate::flow::objectives::Objectives::named(ask.headers);
+        let fairness = ask.fairness.map(str::to_owned);
         let Read {
             mut labels,
             analysis,
@@ -306,8 +280,13 @@ impl Service {
             started,
             tenant,
         } = self.read(ask, Purpose::Route).await?;
-        let bytes = analysis.bytes.len();
-        let who = (objective.as_deref(), tenant.as_deref(), bytes);
+        let flow = fairness.or_else(|| tenant.clone());
+        let who = (
+            objective.as_deref(),
+            tenant.as_deref(),
+            flow,
+            analysis.bytes.len(),
+        );
         let (request, readable) = (analysis.request(), analysis.readable);
         let planned = (self.flow.plan(&self.pool, &request, readable, among, who)).await;
         let plan = match planned {
@@ -579,6 +558,7 @@ impl Service {
             headers,
             body: Payload::Read(body),
             among: &|_| true,
+            fairness: None,
             id: RequestId::of(headers),
         };
         let a = self.read(ask, Purpose::Explain).await?.analysis;
@@ -618,6 +598,7 @@ impl Service {
             headers,
             body: Payload::Read(body),
             among: &|_| true,
+            fairness: None,
             id: RequestId::of(headers),
         };
         let decision = self.decide(ask).await?;

@@ -112,6 +112,7 @@ async fn attempts_know_who_held_more_and_why_it_lost() {
         headers: &headers,
         body: Payload::Read(bytes),
         among: &|_| true,
+        fairness: None,
         id: RequestId::of(&headers),
     };
     let path = "/v1/chat/completions";

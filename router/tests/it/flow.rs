@@ -33,12 +33,24 @@ async fn metric_reaches(stack: &Stack, series: &str, value: f64) {
 /// Sends a short completion naming `objective` in the background; resolves
 /// to its status and when its answer was read whole.
 fn send(stack: &Stack, objective: &str) -> tokio::task::JoinHandle<(u16, Instant)> {
+    send_as(stack, objective, None)
+}
+
+/// [`send`] from `tenant` (`x-tenant`).
+fn send_as(
+    stack: &Stack,
+    objective: &str,
+    tenant: Option<&str>,
+) -> tokio::task::JoinHandle<(u16, Instant)> {
     let mut r = stack
         .client
         .post(stack.url("/v1/completions"))
         .json(&json!({"prompt": format!("a request of {objective}"), "max_tokens": 3}));
     if !objective.is_empty() {
         r = r.header("x-gateway-inference-objective", objective);
+    }
+    if let Some(t) = tenant {
+        r = r.header("x-tenant", t);
     }
     tokio::spawn(async move {
         let r = r.send().await.unwrap();
@@ -122,6 +134,50 @@ async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
     })
     .await;
     metric_reaches(&stack, "kvroute_request_body_bytes", 0.0).await;
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn tenants_take_turns_whoever_queued_more() {
+    let stack = Stack::start(
+        "flow-fair",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 1;
+            c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
+        },
+    )
+    .await;
+    let holder = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
+        )
+        .await;
+    let mut holding = holder.bytes_stream();
+    holding.next().await.unwrap().unwrap();
+    let mut noisy = Vec::new();
+    for n in 1..=3 {
+        noisy.push(send_as(&stack, "", Some("noisy")));
+        metric_reaches(&stack, "kvroute_flow_queued", f64::from(n)).await;
+    }
+    let quiet = send_as(&stack, "", Some("quiet"));
+    metric_reaches(&stack, "kvroute_flow_queued", 4.0).await;
+    drop(holding);
+    let quiet = quiet.await.unwrap();
+    let mut noisy_done = Vec::new();
+    for n in noisy {
+        noisy_done.push(n.await.unwrap());
+    }
+    assert!(noisy_done.iter().chain([&quiet]).all(|(s, _)| *s == 200));
+    // noisy's first, then quiet's, then noisy's others.
+    assert!(noisy_done[0].1 < quiet.1, "noisy's first went first");
+    assert!(
+        quiet.1 < noisy_done[1].1,
+        "quiet's went before noisy's second"
+    );
     stack.stop().await;
 }
 
