@@ -40,6 +40,8 @@ use crate::suite::system::{EngineSetup, NUM_GPU_BLOCKS, Setup, System, free_port
 
 /// The peer that is SGLang's gateway.
 const SMG: &str = "smg";
+/// kvroute with its flow control off: every request sent on arrival.
+const NO_FLOW: &str = "kvroute-no-flow";
 
 /// How long a run may take beyond its load: starting the system, and the
 /// last sessions' turns.
@@ -52,7 +54,8 @@ const SMG_STARTUP: Duration = Duration::from_secs(60);
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The systems kvroute is compared with (comma-separated): `smg`
-    /// (SGLang's gateway, cache-aware) or a kvroute baseline policy
+    /// (SGLang's gateway, cache-aware), `kvroute-no-flow` (kvroute with
+    /// `flowControl.enabled: false`) or a kvroute baseline policy
     /// (`round-robin`, `least-loaded`, …).
     #[arg(long, value_delimiter = ',', default_value = "smg,round-robin", value_parser = peer)]
     pub peers: Vec<String>,
@@ -89,10 +92,13 @@ pub struct Args {
 /// A peer's name, if it is one.
 fn peer(name: &str) -> Result<String, String> {
     let policies = PolicyConfig::NAMES.iter().filter(|n| **n != "kvroute");
-    if name == SMG || policies.clone().any(|n| *n == name) {
+    if name == SMG || name == NO_FLOW || policies.clone().any(|n| *n == name) {
         return Ok(name.to_owned());
     }
-    let known: Vec<&str> = std::iter::once(SMG).chain(policies.copied()).collect();
+    let known: Vec<&str> = [SMG, NO_FLOW]
+        .into_iter()
+        .chain(policies.copied())
+        .collect();
     Err(format!(
         "unknown peer {name:?}; the peers are {}",
         known.join(", ")
@@ -256,7 +262,7 @@ async fn one_run(
     let pods = args.pods as usize;
     let through_smg = system == SMG;
     let policy = match system {
-        SMG => "kvroute",
+        SMG | NO_FLOW => "kvroute",
         name => PolicyConfig::NAMES
             .into_iter()
             .find(|n| *n == name)
@@ -273,6 +279,11 @@ async fn one_run(
         engine: EngineSetup {
             num_gpu_blocks: args.blocks,
             ..EngineSetup::suite()
+        },
+        router_yaml: if system == NO_FLOW {
+            "flowControl: {enabled: false}\n".to_owned()
+        } else {
+            String::new()
         },
         ..Setup::new(pods)
     };

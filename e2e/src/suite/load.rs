@@ -48,6 +48,8 @@ pub struct Shape {
     pub max_tokens: u64,
     /// Seed of the content.
     pub seed: u64,
+    /// Headers every request carries (a tenant, an objective).
+    pub headers: &'static [(&'static str, &'static str)],
 }
 
 impl Shape {
@@ -65,6 +67,7 @@ impl Shape {
             duration,
             max_tokens: 24,
             seed: 7,
+            headers: &[],
         }
     }
 }
@@ -329,7 +332,7 @@ async fn session(
         if turns > 1 {
             body["prompt_cache_key"] = json!(format!("conversation-{}-{i}", shape.seed));
         }
-        let (sample, reply) = send(client, rotation, &body, t0).await;
+        let (sample, reply) = send(client, rotation, &body, shape.headers, t0).await;
         let ok = sample.outcome == Outcome::Ok;
         samples
             .lock()
@@ -349,15 +352,16 @@ async fn send(
     client: &reqwest::Client,
     rotation: &Rotation,
     body: &Value,
+    headers: &[(&str, &str)],
     t0: Instant,
 ) -> (Sample, String) {
     let addr = rotation.pick();
-    let (first, reply) = chat(client, addr, body, &[], t0).await;
+    let (first, reply) = chat(client, addr, body, headers, t0).await;
     if !(rotation.retry && matches!(first.outcome, Outcome::Unanswered(_))) {
         return (first, reply);
     }
     rotation.retried.fetch_add(1, Ordering::Relaxed);
-    let (mut again, reply) = chat(client, rotation.other(addr), body, &[], t0).await;
+    let (mut again, reply) = chat(client, rotation.other(addr), body, headers, t0).await;
     // The client waited for both attempts.
     again.ttft = again.ttft.map(|ttft| ttft + (again.t - first.t));
     again.t = first.t;

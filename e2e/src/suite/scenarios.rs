@@ -96,7 +96,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 13] = [
+pub const NAMES: [&str; 15] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -110,6 +110,8 @@ pub const NAMES: [&str; 13] = [
     "missed_causes",
     "response_cache",
     "semantic_cache",
+    "overload",
+    "noisy_tenant",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -128,6 +130,8 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "missed_causes" => super::missed_causes::run(ctx, s).await,
         "response_cache" => super::response_cache::run(ctx, s).await,
         "semantic_cache" => super::semantic_cache::run(ctx, s).await,
+        "overload" => super::flow::overload(ctx, s).await,
+        "noisy_tenant" => super::flow::noisy_tenant(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }

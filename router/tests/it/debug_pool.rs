@@ -22,6 +22,7 @@ async fn debug_pool_shows_each_endpoint_s_share_of_decisions_and_of_cold_keys() 
     let mut routed: HashMap<String, (u32, u32)> = HashMap::new();
     // Twelve prompts no engine holds: cold keys, placed by rendezvous.
     for seed in 0..12 {
+        stack.wait_idle().await;
         let r = stack
             .post("/v1/chat/completions", chat(&long_text(100 + seed), "q", 1))
             .await;
@@ -32,6 +33,7 @@ async fn debug_pool_shows_each_endpoint_s_share_of_decisions_and_of_cold_keys() 
         entry.1 += 1;
     }
     // One more cold, then six warm on its holder.
+    stack.wait_idle().await;
     let holder = stack.warm(&long_text(7)).await;
     routed.entry(holder.clone()).or_default().0 += 7;
     routed.entry(holder.clone()).or_default().1 += 1;

@@ -21,15 +21,7 @@ async fn cold_keys_behind_a_shared_template_block_spread_as_rendezvous_says() {
         let key = format!("conversation-{g}");
         let mut body = chat(&format!("{preamble}{}", long_text(g)), "hello", 1);
         body["prompt_cache_key"] = json!(key);
-        // Each cold key meets an idle pool: a report taken while the last
-        // request was queued would otherwise make its endpoint look busy.
-        eventually("the pool is idle", || {
-            let status = stack.router.pool.status();
-            status
-                .iter()
-                .all(|e| e.in_flight == 0 && e.queue_seconds == 0.0)
-        })
-        .await;
+        stack.wait_idle().await;
         let before = stack.router.pool.index_entries();
         let r = stack.post("/v1/chat/completions", body).await;
         assert_eq!(r.status(), 200);

@@ -141,6 +141,19 @@ impl Stack {
         .await;
     }
 
+    /// Waits until no endpoint has a request in flight or a queue by its
+    /// engine's last report: a report taken while the previous request
+    /// queued would make its endpoint look busy to the next one.
+    pub async fn wait_idle(&self) {
+        eventually("the pool is idle", || {
+            let status = self.router.pool.status();
+            status
+                .iter()
+                .all(|e| e.in_flight == 0 && e.queue_seconds == 0.0)
+        })
+        .await;
+    }
+
     /// Sends one chat with `system` and waits until the blocks it left on
     /// its endpoint reach the router's index; returns that endpoint.
     pub async fn warm(&self, system: &str) -> String {
