@@ -40,6 +40,10 @@ pub struct FlowControl {
     pub max_wait_ms: u64,
     /// Per priority, another `maxWaitMs`.
     pub bands: Vec<Band>,
+    /// While a priority has had requests in this many milliseconds, lower
+    /// ones leave room at each endpoint for the largest of them (its KV
+    /// blocks and a seat); 0: no room kept. Default: 10000.
+    pub reserve_window_ms: u64,
 }
 
 /// A priority band's own settings.
@@ -61,6 +65,7 @@ impl Default for FlowControl {
             max_queued_bytes: 256 << 20,
             max_wait_ms: 30_000,
             bands: Vec::new(),
+            reserve_window_ms: 10_000,
         }
     }
 }
@@ -92,6 +97,13 @@ impl FlowControl {
             if !(1..=MAX_DURATION_MS).contains(&ms) {
                 return Err(invalid(&field, &ms, "must be 1 to 86400000 (one day)"));
             }
+        }
+        if self.reserve_window_ms > MAX_DURATION_MS {
+            return Err(invalid(
+                "flowControl.reserveWindowMs",
+                &self.reserve_window_ms,
+                "must be 0 to 86400000 (one day)",
+            ));
         }
         Ok(())
     }

@@ -217,6 +217,10 @@ fn every_duration_and_count_is_in_range() {
             "flowControl.maxWaitMs: must be 1 to 86400000 (one day) (got 0)",
         ),
         (
+            "flowControl: {reserveWindowMs: 86400001}",
+            "flowControl.reserveWindowMs: must be 0 to 86400000 (one day) (got 86400001)",
+        ),
+        (
             "flowControl: {holdAboveMs: -1}",
             "flowControl.holdAboveMs: must be 0 to 86400000 (one day) (got -1)",
         ),

@@ -17,7 +17,10 @@
 //!    can start it now. A warm endpoint is still preferred while the
 //!    policy's slack rule says waiting for it costs less than the prefill
 //!    it saves: the wait is in its predictions.
-//! 3. **Bounds.** Past `maxQueued` or `maxQueuedBytes`, the lowest band
+//! 3. **Room for higher priorities** ([`reserve`]): a lower priority is
+//!    sent only where it leaves room for the largest recent request of a
+//!    higher one.
+//! 4. **Bounds.** Past `maxQueued` or `maxQueuedBytes`, the lowest band
 //!    sheds first; past its wait limit a request is answered; a request
 //!    of negative priority is never held. All get 429 with `Retry-After`
 //!    and the reason as the error's code. A client that goes away while
@@ -34,6 +37,7 @@
 pub mod metrics;
 pub mod objectives;
 pub mod queue;
+pub mod reserve;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -81,6 +85,7 @@ pub(crate) struct Gate {
 #[derive(Debug)]
 struct State {
     queue: Queue,
+    reserve: reserve::Reserve,
     turns: HashMap<Id, Arc<Waiter>>,
 }
 
@@ -145,6 +150,7 @@ impl Gate {
                     band_wait: flow.band_waits(),
                 }),
                 turns: HashMap::new(),
+                reserve: reserve::Reserve::new(Duration::from_millis(flow.reserve_window_ms)),
             }),
         }
     }
@@ -184,9 +190,26 @@ impl Gate {
         plan
     }
 
-    /// Whether `plan`'s first target can start the request now.
-    fn can_start(&self, plan: &Plan) -> bool {
-        (plan.targets.first()).is_some_and(|t| t.wait_s.is_none_or(|w| w <= self.hold_s))
+    /// Whether `plan`'s first target can start `request` now, leaving
+    /// `room` blocks (and a seat) there for a higher priority.
+    fn can_start(
+        &self,
+        pool: &Pool,
+        request: &Request<'_>,
+        plan: &Plan,
+        room: Option<u64>,
+    ) -> bool {
+        let Some(t) = plan.targets.first() else {
+            return false;
+        };
+        t.wait_s.is_none_or(|w| w <= self.hold_s)
+            && room.is_none_or(|blocks| pool.leaves_room(request, t, blocks, self.hold_s))
+    }
+
+    /// The room a request of `priority` leaves for higher ones now.
+    fn room(&self, priority: i32) -> Option<u64> {
+        let now = std::time::Instant::now();
+        self.lock().reserve.for_priority(priority, now)
     }
 
     fn shed(&self, priority: i32, reason: ShedReason) -> ApiError {
@@ -202,7 +225,7 @@ impl Gate {
     }
 
     /// A plan for `request` from `who` among `among` whose first target
-    /// can start it now, waiting here until there is one (rule 1 to 3);
+    /// can start it now, waiting here until there is one (rules 1 to 4);
     /// 503 when no endpoint is routable, 429 when shed.
     pub(crate) async fn plan(
         &self,
@@ -215,7 +238,12 @@ impl Gate {
         let priority = self.objectives.priority(objective, tenant);
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };
-        let ahead = self.enabled && self.lock().queue.ahead(priority);
+        let ahead = self.enabled && {
+            let mut state = self.lock();
+            let now = std::time::Instant::now();
+            state.reserve.saw(priority, pool.blocks_of(request), now);
+            state.queue.ahead(priority)
+        };
         if !ahead {
             let plan = pool.plan_among(request, readable, among);
             if plan.targets.is_empty() && plan.full == 0 {
@@ -227,7 +255,7 @@ impl Gate {
                 }
                 return Ok(self.dispatched(plan, "immediate"));
             }
-            if self.can_start(&plan) {
+            if self.can_start(pool, request, &plan, self.room(priority)) {
                 return Ok(self.dispatched(plan, "immediate"));
             }
         }
@@ -282,6 +310,7 @@ impl Gate {
             };
             let open = |a: &SocketAddr| among(a) && !reserved.contains(a);
             let plan = pool.plan_among(request, readable, &open);
+            let start = self.can_start(pool, request, &plan, self.room(priority));
             let mut state = self.lock();
             if plan.targets.is_empty() && plan.full == 0 && reserved.is_empty() {
                 let next = state.queue.turn_done(place.id, Turn::Held(None));
@@ -289,7 +318,7 @@ impl Gate {
                 return Err(unavailable());
             }
             let first = plan.targets.first().map(|t| t.http);
-            if self.can_start(&plan) {
+            if start {
                 let addr = first.expect("can start");
                 let next = state.queue.turn_done(place.id, Turn::Dispatched(addr));
                 state.turns.remove(&place.id);

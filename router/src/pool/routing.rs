@@ -310,6 +310,34 @@ impl Pool {
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
     }
 
+    /// Whether `target` can start `request` within `hold_s` and still
+    /// have a seat and `extra_blocks` of KV memory free for another
+    /// request ([`crate::flow`]'s room for higher priorities). Memory is
+    /// judged from the engine's fresh report; without one, the seat alone.
+    pub fn leaves_room(
+        &self,
+        request: &Request<'_>,
+        target: &Target,
+        extra_blocks: u64,
+        hold_s: f64,
+    ) -> bool {
+        let inner = self.lock();
+        let load = inner.load.load(target.slot);
+        if load.in_flight.saturating_add(2) > self.concurrency {
+            return false;
+        }
+        let blocks = inner.demand_blocks(request, target.slot) + extra_blocks;
+        let model = inner.settings.policy.prefill_model();
+        model.memory_wait_s(&load, blocks, now()) <= hold_s
+    }
+
+    /// KV blocks `request` takes in all, prompt and output.
+    pub fn blocks_of(&self, request: &Request<'_>) -> u64 {
+        let block_tokens = self.lock().settings.hasher.config().block_size as u64;
+        let tokens = request.prompt_tokens + request.output_tokens;
+        tokens.div_ceil(block_tokens.max(1))
+    }
+
     /// Lets the policy learn that `target` serves `request` (approximate
     /// mode remembers where prefixes went).
     pub fn learn(&self, request: &Request<'_>, target: &Target) {

@@ -70,6 +70,9 @@ async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
         |c| {
             c.limits.endpoint_concurrency = 1;
             c.objectives = vec![objective("interactive", 10), objective("batch", -1)];
+            // One seat: kept for priority 10, no lower request would go
+            // while it had requests in the window.
+            c.flow_control.reserve_window_ms = 0;
         },
     )
     .await;
@@ -134,6 +137,40 @@ async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
     })
     .await;
     metric_reaches(&stack, "kvroute_request_body_bytes", 0.0).await;
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn lower_priorities_leave_a_seat_for_a_recent_higher_one() {
+    let stack = Stack::start(
+        "flow-room",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 2;
+            c.objectives = vec![objective("interactive", 10)];
+        },
+    )
+    .await;
+    // A priority-10 request in the window: lower ones keep a seat for it.
+    assert_eq!(send(&stack, "interactive").await.unwrap().0, 200);
+    let first = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
+        )
+        .await;
+    let mut holding = first.bytes_stream();
+    holding.next().await.unwrap().unwrap();
+    // One seat is free, but taking it would leave none for priority 10.
+    let low = send(&stack, "");
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
+    let high = send(&stack, "interactive").await.unwrap();
+    assert_eq!(high.0, 200, "the seat kept was there for it");
+    assert_eq!(gauge(&stack, "kvroute_flow_queued{priority=\"0\"}").await, 1.0);
+    drop(holding);
+    assert_eq!(low.await.unwrap().0, 200);
     stack.stop().await;
 }
 
