@@ -17,9 +17,10 @@
 //!    can start it now. A warm endpoint is still preferred while the
 //!    policy's slack rule says waiting for it costs less than the prefill
 //!    it saves: the wait is in its predictions.
-//! 3. **Room for higher priorities** ([`reserve`]): a lower priority is
+//! 3. **Room for higher priorities and light flows** ([`reserve`],
+//!    [`shares`]): a lower priority, or a flow far over its fair share, is
 //!    sent only where it leaves room for the largest recent request of a
-//!    higher one.
+//!    higher priority, or of a flow under its share.
 //! 4. **Bounds.** Past `maxQueued` or `maxQueuedBytes`, the lowest band
 //!    sheds first; past its wait limit a request is answered; a request
 //!    of negative priority is never held. All get 429 with `Retry-After`
@@ -38,6 +39,7 @@ pub mod metrics;
 pub mod objectives;
 pub mod queue;
 pub mod reserve;
+pub mod shares;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -86,6 +88,7 @@ pub(crate) struct Gate {
 struct State {
     queue: Queue,
     reserve: reserve::Reserve,
+    shares: shares::Shares,
     turns: HashMap<Id, Arc<Waiter>>,
 }
 
@@ -151,6 +154,7 @@ impl Gate {
                 }),
                 turns: HashMap::new(),
                 reserve: reserve::Reserve::new(Duration::from_millis(flow.reserve_window_ms)),
+                shares: shares::Shares::new(Duration::from_millis(flow.reserve_window_ms)),
             }),
         }
     }
@@ -183,33 +187,42 @@ impl Gate {
         }
     }
 
-    /// Counts `plan` as dispatched for `reason`.
-    fn dispatched(&self, plan: Plan, reason: &'static str) -> Plan {
+    /// Counts `plan` of `flow` as dispatched for `reason`.
+    fn dispatched(&self, plan: Plan, flow: &str, reason: &'static str) -> Plan {
+        let now = std::time::Instant::now();
+        self.lock().shares.dispatched(flow, now);
         let labels = Reason { reason };
         self.metrics.flow.dispatched.get_or_create(&labels).inc();
         plan
     }
 
     /// Whether `plan`'s first target can start `request` now, leaving
-    /// `room` blocks (and a seat) there for a higher priority.
-    fn can_start(
-        &self,
-        pool: &Pool,
-        request: &Request<'_>,
-        plan: &Plan,
-        room: Option<u64>,
-    ) -> bool {
+    /// `room` blocks (and a seat) there for a higher priority or a lighter
+    /// flow.
+    fn start(&self, pool: &Pool, request: &Request<'_>, plan: &Plan, room: Option<u64>) -> Start {
         let Some(t) = plan.targets.first() else {
-            return false;
+            return Start::Busy;
         };
-        t.wait_s.is_none_or(|w| w <= self.hold_s)
-            && room.is_none_or(|blocks| pool.leaves_room(request, t, blocks, self.hold_s))
+        if !t.wait_s.is_none_or(|w| w <= self.hold_s) {
+            return Start::Busy;
+        }
+        if room.is_none_or(|blocks| pool.leaves_room(request, t, blocks, self.hold_s)) {
+            Start::Now
+        } else {
+            Start::Room
+        }
     }
 
-    /// The room a request of `priority` leaves for higher ones now.
-    fn room(&self, priority: i32) -> Option<u64> {
+    /// The room a request of `priority` from `flow` leaves now for higher
+    /// priorities and for flows under their share.
+    fn room(&self, priority: i32, flow: &str) -> Option<u64> {
         let now = std::time::Instant::now();
-        self.lock().reserve.for_priority(priority, now)
+        let state = self.lock();
+        let (band, share) = (
+            state.reserve.for_priority(priority, now),
+            state.shares.for_flow(flow, now),
+        );
+        band.max(share)
     }
 
     fn shed(&self, priority: i32, reason: ShedReason) -> ApiError {
@@ -236,12 +249,15 @@ impl Gate {
         (objective, tenant, flow, bytes): Who<'_>,
     ) -> Result<Plan, ApiError> {
         let priority = self.objectives.priority(objective, tenant);
+        let flow = flow.as_deref().unwrap_or("");
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };
         let ahead = self.enabled && {
             let mut state = self.lock();
             let now = std::time::Instant::now();
-            state.reserve.saw(priority, pool.blocks_of(request), now);
+            let blocks = pool.blocks_of(request);
+            state.reserve.saw(priority, blocks, now);
+            state.shares.saw(flow, blocks, now);
             state.queue.ahead(priority)
         };
         if !ahead {
@@ -253,17 +269,17 @@ impl Gate {
                 if plan.targets.is_empty() {
                     return Err(ApiError::Overloaded { retry_after });
                 }
-                return Ok(self.dispatched(plan, "immediate"));
+                return Ok(self.dispatched(plan, flow, "immediate"));
             }
-            if self.can_start(pool, request, &plan, self.room(priority)) {
-                return Ok(self.dispatched(plan, "immediate"));
+            if self.start(pool, request, &plan, self.room(priority, flow)) == Start::Now {
+                return Ok(self.dispatched(plan, flow, "immediate"));
             }
         }
         let place = {
             let mut state = self.lock();
             let now = std::time::Instant::now();
             let pushed = (state.queue)
-                .push(priority, flow.as_deref().unwrap_or(""), bytes, now)
+                .push(priority, flow, bytes, now)
                 .map_err(|r| self.shed(priority, r))?;
             for id in &pushed.shed {
                 if let Some(w) = state.turns.remove(id) {
@@ -310,7 +326,7 @@ impl Gate {
             };
             let open = |a: &SocketAddr| among(a) && !reserved.contains(a);
             let plan = pool.plan_among(request, readable, &open);
-            let start = self.can_start(pool, request, &plan, self.room(priority));
+            let start = self.start(pool, request, &plan, self.room(priority, flow));
             let mut state = self.lock();
             if plan.targets.is_empty() && plan.full == 0 && reserved.is_empty() {
                 let next = state.queue.turn_done(place.id, Turn::Held(None));
@@ -318,21 +334,38 @@ impl Gate {
                 return Err(unavailable());
             }
             let first = plan.targets.first().map(|t| t.http);
-            if start {
+            if start == Start::Now {
                 let addr = first.expect("can start");
                 let next = state.queue.turn_done(place.id, Turn::Dispatched(addr));
                 state.turns.remove(&place.id);
                 state.hand(next);
+                drop(state);
                 (self
                     .metrics
                     .flow
                     .wait_seconds
                     .get_or_create(&Priority { priority }))
                 .observe(held_at.elapsed().as_secs_f64());
-                return Ok(self.dispatched(plan, "after_wait"));
+                return Ok(self.dispatched(plan, flow, "after_wait"));
             }
-            let next = state.queue.turn_done(place.id, Turn::Held(first));
+            // Held to leave room for others: the endpoint is theirs to take.
+            // Held because every endpoint is full: the best of those is its
+            // own, should it free during the pass.
+            let waits_for = (first.or(plan.first_full)).filter(|_| start == Start::Busy);
+            let next = state.queue.turn_done(place.id, Turn::Held(waits_for));
             state.hand(next);
         }
     }
+}
+
+/// Whether a request can start at its first target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Start {
+    /// Now.
+    Now,
+    /// Not within `holdAboveMs`, or no target under its limit.
+    Busy,
+    /// Only by taking the room kept for a higher priority or a lighter
+    /// flow.
+    Room,
 }

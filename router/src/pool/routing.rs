@@ -47,6 +47,8 @@ pub struct Plan {
     pub targets: Vec<Target>,
     /// Routable endpoints that were at their limit.
     pub full: usize,
+    /// The best ranked of those.
+    pub first_full: Option<SocketAddr>,
     /// The policy's reason for the first.
     pub reason: Reason,
     /// Leading blocks the policy believes the first holds.
@@ -139,7 +141,7 @@ impl Pool {
         } else {
             inner.least_loaded.rank(request, &endpoints, &cx)
         };
-        let mut full = 0;
+        let (mut full, mut first_full) = (0, None);
         // Flow control gates on a prediction only where an engine's fresh
         // report backs it; elsewhere on the concurrency limit alone.
         let max_age =
@@ -151,6 +153,9 @@ impl Pool {
             .filter(|&&i| {
                 let under = endpoints[i].load.in_flight < self.concurrency;
                 full += usize::from(!under);
+                if !under && first_full.is_none() {
+                    first_full = Some(candidates[i].http);
+                }
                 under
             })
             .map(|&i| Target {
@@ -166,6 +171,7 @@ impl Pool {
         Plan {
             targets,
             full,
+            first_full,
             reason: decision.reason,
             cached_blocks: decision.cached_blocks,
             seen,

@@ -168,9 +168,54 @@ async fn lower_priorities_leave_a_seat_for_a_recent_higher_one() {
     metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
     let high = send(&stack, "interactive").await.unwrap();
     assert_eq!(high.0, 200, "the seat kept was there for it");
-    assert_eq!(gauge(&stack, "kvroute_flow_queued{priority=\"0\"}").await, 1.0);
+    assert_eq!(
+        gauge(&stack, "kvroute_flow_queued{priority=\"0\"}").await,
+        1.0
+    );
     drop(holding);
     assert_eq!(low.await.unwrap().0, 200);
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_tenant_far_over_its_share_leaves_a_seat_for_the_others() {
+    let stack = Stack::start(
+        "flow-share",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 2;
+            c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
+        },
+    )
+    .await;
+    assert_eq!(send_as(&stack, "", Some("quiet")).await.unwrap().0, 200);
+    for _ in 0..4 {
+        assert_eq!(send_as(&stack, "", Some("noisy")).await.unwrap().0, 200);
+    }
+    let first = stack
+        .client
+        .post(stack.url("/v1/completions"))
+        .header("x-tenant", "noisy")
+        .json(&json!({"prompt": "hold", "max_tokens": 500, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut holding = first.bytes_stream();
+    holding.next().await.unwrap().unwrap();
+    // One seat is free, but noisy is far over its share: it is kept.
+    let noisy = send_as(&stack, "", Some("noisy"));
+    metric_reaches(&stack, "kvroute_flow_queued", 1.0).await;
+    let quiet = send_as(&stack, "", Some("quiet")).await.unwrap();
+    assert_eq!(quiet.0, 200, "the seat kept was there for quiet");
+    drop(holding);
+    let noisy = noisy.await.unwrap();
+    assert_eq!(noisy.0, 200);
+    assert!(
+        quiet.1 < noisy.1,
+        "quiet went ahead of noisy's held request"
+    );
     stack.stop().await;
 }
 
@@ -184,6 +229,9 @@ async fn tenants_take_turns_whoever_queued_more() {
         |c| {
             c.limits.endpoint_concurrency = 1;
             c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
+            // Turns alone: with one seat, room kept for the lighter tenant
+            // would hold noisy back until the window passes.
+            c.flow_control.reserve_window_ms = 0;
         },
     )
     .await;
