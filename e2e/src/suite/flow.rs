@@ -61,14 +61,16 @@ fn p99_ms(samples: &[Sample]) -> f64 {
     report::quantile(&mut ttfts, 0.99) * 1e3
 }
 
-/// Requests served whole per second over the load's duration.
-fn served_per_s(ctx: &Ctx, runs: &[Vec<Sample>]) -> f64 {
-    let ok = runs
-        .iter()
-        .flatten()
+/// Requests served per second: those served whole, over the time from
+/// the first sent to the last first token (a flood the pool cannot keep
+/// up with drains past the load's duration).
+fn served_per_s(runs: &[Vec<Sample>]) -> f64 {
+    let ok: Vec<&Sample> = (runs.iter().flatten())
         .filter(|x| x.outcome == Outcome::Ok)
-        .count();
-    ok as f64 / ctx.duration.as_secs_f64()
+        .collect();
+    let start = ok.iter().map(|x| x.t).fold(f64::INFINITY, f64::min);
+    let end = (ok.iter().filter_map(|x| Some(x.t + x.ttft?))).fold(0.0, f64::max);
+    ok.len() as f64 / (end - start).max(1e-3)
 }
 
 /// Requests that ended otherwise than served or refused with 429: a 5xx,
@@ -105,7 +107,7 @@ pub async fn overload(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     s.figure("flood_refused_429", refused_429(&held[1]) as f64);
     s.figure("priority_refused_429", refused_429(&held[0]) as f64);
     let offered = (held.iter().map(Vec::len).sum::<usize>()) as f64 / ctx.duration.as_secs_f64();
-    let (served, unheld_served) = (served_per_s(ctx, &held), served_per_s(ctx, &unheld));
+    let (served, unheld_served) = (served_per_s(&held), served_per_s(&unheld));
     s.figure("offered_per_s", offered);
     s.figure("served_per_s", served);
     s.figure("unheld_served_per_s", unheld_served);
