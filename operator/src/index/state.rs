@@ -46,6 +46,7 @@ pub(super) fn channel(namespace: &str, name: &str) -> watch::Sender<PoolState> {
         endpoints: Vec::new(),
         policy: None,
         pool_exists: false,
+        objectives: Vec::new(),
     })
 }
 

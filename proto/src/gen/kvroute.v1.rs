@@ -645,6 +645,25 @@ pub struct PoolState {
     /// deleted); `endpoints` is then empty.
     #[prost(bool, tag = "6")]
     pub pool_exists: bool,
+    /// The pool's `InferenceObjective`s (inference.networking.x-k8s.io/v1alpha2,
+    /// in the pool's namespace, whose `spec.poolRef` names this pool), sorted by
+    /// name: the priorities a request names with its
+    /// `x-gateway-inference-objective` header. The full set, not a delta.
+    #[prost(message, repeated, tag = "7")]
+    pub objectives: ::prost::alloc::vec::Vec<Objective>,
+}
+/// One `InferenceObjective` of a pool.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Objective {
+    /// The InferenceObjective's metadata name: the value a request's
+    /// `x-gateway-inference-objective` header gives.
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    /// `spec.priority`; 0 when unset. Higher is served first; a negative
+    /// priority is sheddable (refused rather than held when every endpoint is
+    /// saturated).
+    #[prost(int32, tag = "2")]
+    pub priority: i32,
 }
 /// One engine pod of a pool.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

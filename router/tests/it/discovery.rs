@@ -289,6 +289,7 @@ fn state(version: u64, endpoints: Vec<v1::Endpoint>, policy: RoutingPolicy) -> P
         endpoints,
         policy: Some(policy),
         pool_exists: true,
+        objectives: Vec::new(),
     }
 }
 
@@ -452,6 +453,7 @@ async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
         endpoints: Vec::new(),
         policy: None,
         pool_exists: false,
+        objectives: Vec::new(),
     });
     eventually("version 8 is applied", || names(&pool).is_empty()).await;
     task.abort();
