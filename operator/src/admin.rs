@@ -24,7 +24,7 @@ pub struct Admin {
     pub metrics: Arc<Metrics>,
     /// Reads the gauges; called once per scrape of `/metrics`.
     pub gauges: Arc<dyn Fn() -> Gauges + Send + Sync>,
-    /// True once the initial lists of pools, policies and pods are in.
+    /// True once the initial lists are in (see [`crate::watch`]).
     pub ready: watch::Receiver<bool>,
 }
 
@@ -82,7 +82,7 @@ async fn readyz(State(admin): State<Admin>) -> Response {
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: the initial lists of InferencePools, CacheRoutingPolicies and Pods are not in yet\n",
+            "not ready: the initial lists of InferencePools, CacheRoutingPolicies, Services, Pods and InferenceObjectives are not in yet\n",
         )
             .into_response()
     }

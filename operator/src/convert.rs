@@ -1,6 +1,7 @@
 //! Kubernetes objects to the index's inputs: `InferencePool` to
 //! [`PoolSpec`], `Pod` to [`PodInfo`], `CacheRoutingPolicy` to
-//! [`PolicySpec`]. Pure functions, so the watchers stay thin and the mapping
+//! [`PolicySpec`], `Service` to [`ServiceInfo`], `InferenceObjective` to
+//! [`ObjectiveSpec`]. Pure functions, so the watchers stay thin and the mapping
 //! is tested without an API server.
 //!
 //! Nothing is validated here: a value the index's types cannot hold becomes
@@ -16,8 +17,10 @@ use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::ObjectMeta;
 
 use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
-use crate::api::{CacheRoutingPolicy, InferencePool};
-use crate::index::{Observed, PickerRef, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
+use crate::api::{CacheRoutingPolicy, InferenceObjective, InferencePool};
+use crate::index::{
+    ObjectiveSpec, Observed, PickerRef, PodInfo, PolicySpec, PoolSpec, ServiceInfo,
+};
 
 #[cfg(test)]
 mod tests;
@@ -159,6 +162,23 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
         slow_start_seconds: Some(u32::try_from(spec.slow_start_seconds).unwrap_or(u32::MAX)),
         tenant_header: spec.tenancy.tenant_header.clone(),
         observed: observed(&policy.metadata, policy.status.as_ref()),
+    })
+}
+
+/// The index's view of `objective`; `None` if it has no namespace or name.
+///
+/// The pool is `spec.poolRef.name` only when the reference is to an
+/// `InferencePool` of `inference.networking.k8s.io` (an empty group reads as
+/// that default); any other reference gives no pool, so the objective
+/// applies to none. An unset priority is 0. (A priority outside `i32` never
+/// gets here: the object does not deserialize.)
+pub fn objective(objective: &InferenceObjective) -> Option<ObjectiveSpec> {
+    let (namespace, name) = namespace_name(&objective.metadata)?;
+    Some(ObjectiveSpec {
+        namespace,
+        name,
+        pool: objective.spec.pool_ref.pool().map(str::to_owned),
+        priority: objective.spec.priority.unwrap_or(0),
     })
 }
 

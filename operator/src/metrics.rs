@@ -71,7 +71,7 @@ impl Default for Metrics {
         );
         registry.register(
             "kvroute_operator_errors",
-            "Failed API calls by what was attempted (status_patch, event, lease, watch), and watched objects kvroute could not read (decode)",
+            "Failed API calls by what was attempted (status_patch, event, lease, watch), watched objects kvroute could not read (decode), and watches of an optional kind whose CRD is not installed (crd_missing, once per attempt)",
             m.errors.clone(),
         );
         registry.register(
@@ -81,7 +81,7 @@ impl Default for Metrics {
         );
         registry.register(
             "kvroute_operator_watch_restarts",
-            "Watches relisted after their first list or failed, by kind (InferencePool, CacheRoutingPolicy, Pod)",
+            "Watches relisted after their first list or failed, by kind (InferencePool, CacheRoutingPolicy, Service, Pod, InferenceObjective)",
             m.watch_restarts.clone(),
         );
         registry.register(
@@ -102,7 +102,7 @@ pub struct Gauges {
     pub subscribers: usize,
     /// Whether this replica holds the lease.
     pub leader: bool,
-    /// Whether the initial lists of pools, policies and pods are in.
+    /// Whether the initial lists are in (see [`crate::watch`]).
     pub ready: bool,
 }
 
@@ -123,8 +123,9 @@ impl Metrics {
         self.reconciles.inc();
     }
 
-    /// A failed API call, or an object that could not be read; `what` is
-    /// one of "status_patch", "event", "lease", "watch", "decode".
+    /// A failed API call, an object that could not be read, or a watch
+    /// attempt that found its optional CRD missing; `what` is one of
+    /// "status_patch", "event", "lease", "watch", "decode", "crd_missing".
     pub fn error(&self, what: &'static str) {
         self.errors.get_or_create(&What { what }).inc();
     }
@@ -134,8 +135,9 @@ impl Metrics {
         self.status_patches.get_or_create(&Kind { kind }).inc();
     }
 
-    /// A watch of `kind` (InferencePool, CacheRoutingPolicy, Pod) restarted:
-    /// relisted after the first list, or failed.
+    /// A watch of `kind` (InferencePool, CacheRoutingPolicy, Service, Pod,
+    /// InferenceObjective) restarted: relisted after the first list, or
+    /// failed (not for a missing optional CRD: that is `crd_missing`).
     pub fn watch_restart(&self, kind: &'static str) {
         self.watch_restarts.get_or_create(&Kind { kind }).inc();
     }
@@ -187,7 +189,7 @@ impl Metrics {
         );
         r.register(
             "kvroute_operator_ready",
-            "1 once the initial lists of pools, policies and pods are in",
+            "1 once the initial lists of pools, policies, Services, pods and (when their CRD is installed) objectives are in",
             gauge(usize::from(gauges.ready)),
         );
         kvroute_telemetry::metrics::encode(&[&self.registry, &r])

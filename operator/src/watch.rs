@@ -1,5 +1,6 @@
-//! The Kubernetes watchers: `InferencePool`, `CacheRoutingPolicy`, `Pod`
-//! and `Service` (for endpoint picker references) watch streams, converted ([`crate::convert`]) and fed to the [`Index`].
+//! The Kubernetes watchers: `InferencePool`, `CacheRoutingPolicy`, `Pod`,
+//! `Service` (for endpoint picker references) and `InferenceObjective` watch
+//! streams, converted ([`crate::convert`]) and fed to the [`Index`].
 //!
 //! A thin edge: an added or changed object becomes `apply_*`, a removed one
 //! `delete_*`, and a (re)list is buffered from `Init` to `InitDone` and then
@@ -21,10 +22,21 @@
 //! routers and the status writer wait for it. A later relist keeps the old
 //! objects until the new list is complete, so readiness never goes back.
 //!
+//! An optional CRD: `InferenceObjective` is alpha upstream, and a cluster
+//! may not have its CRD. The API then answers its watch with 404, which
+//! counts as an empty first list: readiness does not wait for a kind the
+//! cluster does not serve, and pools carry no objectives. The first 404
+//! logs one warning (per process) naming the CRD and how to install it;
+//! every 404 counts as `errors_total{what="crd_missing"}` (not as a `watch`
+//! error); the watch keeps retrying with its backoff (at most about a
+//! minute apart), so objectives appear once the CRD is installed. Any
+//! other error (403 included: RBAC without the rule) holds readiness back,
+//! as for the other kinds.
+//!
 //! Not here: deciding anything about the objects (the index), writing
 //! status, leader election.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use futures_util::future::BoxFuture;
@@ -38,9 +50,9 @@ use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch as flag;
 
-use crate::api::{CacheRoutingPolicy, InferencePool};
+use crate::api::{CacheRoutingPolicy, InferenceObjective, InferencePool};
 use crate::convert;
-use crate::index::{Index, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
+use crate::index::{Index, ObjectiveSpec, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
 use crate::metrics::Metrics;
 
 /// Which namespaces the operator watches.
@@ -76,6 +88,9 @@ trait Watched: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Dese
     /// The index's view of an object.
     type Spec: Clone + Send;
     const KIND: &'static str;
+    /// How to install the kind's CRD, when the operator runs without it
+    /// (a 404 then reads as "no objects"); `None` for a kind it needs.
+    const OPTIONAL_CRD: Option<&'static str> = None;
     fn convert(&self) -> Option<Self::Spec>;
     fn apply(index: &mut Index, spec: Self::Spec);
     fn delete(index: &mut Index, namespace: &str, name: &str);
@@ -177,6 +192,34 @@ impl Watched for Service {
     }
 }
 
+impl Watched for InferenceObjective {
+    type Spec = ObjectiveSpec;
+    const KIND: &'static str = "InferenceObjective";
+    const OPTIONAL_CRD: Option<&'static str> = Some(
+        "install the CRD inferenceobjectives.inference.networking.x-k8s.io: \
+         `kubectl apply --server-side -f crds/inferenceobjectives.inference.networking.x-k8s.io.yaml` \
+         from kvroute, or the Gateway API Inference Extension's manifests",
+    );
+    fn convert(&self) -> Option<ObjectiveSpec> {
+        convert::objective(self)
+    }
+    fn apply(index: &mut Index, spec: ObjectiveSpec) {
+        index.apply_objective(spec);
+    }
+    fn delete(index: &mut Index, namespace: &str, name: &str) {
+        index.delete_objective(namespace, name);
+    }
+    fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<ObjectiveSpec>) {
+        match namespace {
+            Some(ns) => index.reset_objectives_in(ns, specs),
+            None => index.reset_objectives(specs),
+        }
+    }
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<ObjectiveSpec> {
+        index.objective(namespace, name).cloned()
+    }
+}
+
 /// Decodes a watched object into `T` and then the index's view. `Ok(None)`
 /// for an object without a namespace or name (the API never sends one);
 /// `Err` for one `T` cannot read, after logging and counting it.
@@ -196,8 +239,21 @@ fn decode<T: Watched>(object: DynamicObject, metrics: &Metrics) -> Result<Option
     }
 }
 
-/// Watches pools, policies, Services and pods in `scope`, feeding `index`; sets
-/// `ready` once every watch has its first list in. Runs until cancelled:
+/// Whether `error` says the API does not serve the watched kind (its CRD is
+/// not installed): 404, with or without a `Status` body.
+fn not_served(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.is_not_found(),
+        watcher::Error::WatchError(status) => status.is_not_found(),
+        _ => false,
+    }
+}
+
+/// Watches pools, policies, Services, pods and objectives in `scope`,
+/// feeding `index`; sets `ready` once every watch has its first list in (an
+/// objective watch without its CRD counts as listed). Runs until cancelled:
 /// watch errors are retried with backoff, never returned.
 pub async fn run_watchers(
     client: Client,
@@ -208,9 +264,10 @@ pub async fn run_watchers(
 ) {
     let namespaces = scope.watches();
     let lists = InitialLists {
-        pending: Arc::new(AtomicUsize::new(namespaces.len() * 4)),
+        pending: Arc::new(AtomicUsize::new(namespaces.len() * 5)),
         ready: Arc::new(ready),
     };
+    let warned_missing_crd = Arc::new(AtomicBool::new(false));
     let mut watches: Vec<BoxFuture<'static, ()>> = Vec::new();
     for namespace in namespaces {
         let feed = Feed {
@@ -219,10 +276,12 @@ pub async fn run_watchers(
             index: index.clone(),
             metrics: metrics.clone(),
             lists: lists.clone(),
+            warned_missing_crd: warned_missing_crd.clone(),
         };
         watches.push(watch::<InferencePool>(feed.clone()).boxed());
         watches.push(watch::<CacheRoutingPolicy>(feed.clone()).boxed());
         watches.push(watch::<Service>(feed.clone()).boxed());
+        watches.push(watch::<InferenceObjective>(feed.clone()).boxed());
         watches.push(watch::<Pod>(feed).boxed());
     }
     futures_util::future::join_all(watches).await;
@@ -254,6 +313,9 @@ struct Feed {
     index: Arc<Mutex<Index>>,
     metrics: Arc<Metrics>,
     lists: InitialLists,
+    /// Set by the first watch that finds an optional CRD missing, so the
+    /// warning is logged once, not once per namespace and retry.
+    warned_missing_crd: Arc<AtomicBool>,
 }
 
 /// One watch: objects of kind `T` in the feed's namespace.
@@ -264,6 +326,7 @@ async fn watch<T: Watched>(feed: Feed) {
         index,
         metrics,
         lists,
+        warned_missing_crd,
     } = feed;
     let resource = ApiResource::erase::<T>(&());
     let api: Api<DynamicObject> = match &namespace {
@@ -279,6 +342,10 @@ async fn watch<T: Watched>(feed: Feed) {
     let mut relist = Vec::new();
     let mut unreadable = Vec::new();
     let mut listed_once = false;
+    // Whether this watch counted towards readiness yet (its first list, or
+    // its optional CRD found missing), and whether the CRD is missing now.
+    let mut counted = false;
+    let mut missing = false;
     while let Some(event) = events.next().await {
         match event {
             Ok(Event::Apply(o)) => {
@@ -317,8 +384,29 @@ async fn watch<T: Watched>(feed: Feed) {
                 tracing::info!(kind = T::KIND, namespace = ?namespace, objects = listed.len(), "listed");
                 T::reset(&mut index, namespace.as_deref(), listed);
                 drop(index);
-                if !listed_once {
-                    listed_once = true;
+                listed_once = true;
+                if std::mem::take(&mut missing) {
+                    tracing::info!(kind = T::KIND, namespace = ?namespace, "the CRD is installed now");
+                }
+                if !std::mem::replace(&mut counted, true) {
+                    lists.done();
+                }
+            }
+            Err(error) if T::OPTIONAL_CRD.is_some() && not_served(&error) => {
+                metrics.error("crd_missing");
+                if !warned_missing_crd.swap(true, Ordering::Relaxed) {
+                    let how = T::OPTIONAL_CRD.unwrap_or_default();
+                    tracing::warn!(kind = T::KIND, %error,
+                        "the {kind} CRD is not installed, so pools carry no {kind}s until \
+                         it is (retrying); {how}", kind = T::KIND);
+                } else {
+                    tracing::debug!(kind = T::KIND, namespace = ?namespace, %error, "still not served");
+                }
+                // No CRD, no objects: forget any listed before it went.
+                if !std::mem::replace(&mut missing, true) {
+                    T::reset(&mut lock(), namespace.as_deref(), Vec::new());
+                }
+                if !std::mem::replace(&mut counted, true) {
                     lists.done();
                 }
             }

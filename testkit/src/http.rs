@@ -117,11 +117,19 @@ fn handle(
         ));
     }
     let ok = |v: Value| Ok(respond(StatusCode::OK, &v));
-    match (route(path)?, method) {
+    let route = route(path)?;
+    if let Route::Collection(rt, _) | Route::Object(rt, ..) = route
+        && !store.serves(rt)
+    {
+        return Err(not_found(path));
+    }
+    match (route, method) {
         (Route::Version, &Method::GET) => ok(version()),
         (Route::CoreVersions, &Method::GET) => ok(core_versions()),
-        (Route::Groups, &Method::GET) => ok(groups()),
-        (Route::Resources(group, version), &Method::GET) => ok(resource_list(group, version)),
+        (Route::Groups, &Method::GET) => ok(groups(store)),
+        (Route::Resources(group, version), &Method::GET) => {
+            ok(resource_list(store, group, version))
+        }
         (Route::Collection(rt, ns), &Method::GET) => {
             let filter = Filter::parse(
                 query.get("labelSelector").map(String::as_str),
@@ -244,9 +252,10 @@ fn core_versions() -> Value {
     })
 }
 
-fn groups() -> Value {
+fn groups(store: &Store) -> Value {
     let mut groups: Vec<Value> = Vec::new();
-    for rt in RESOURCES.iter().filter(|r| !r.group.is_empty()) {
+    let served = RESOURCES.iter().filter(|r| store.serves(r));
+    for rt in served.filter(|r| !r.group.is_empty()) {
         if groups.iter().any(|g| g["name"] == rt.group) {
             continue;
         }
@@ -260,9 +269,10 @@ fn groups() -> Value {
     json!({ "kind": "APIGroupList", "apiVersion": "v1", "groups": groups })
 }
 
-fn resource_list(group: &str, version: &str) -> Value {
+fn resource_list(store: &Store, group: &str, version: &str) -> Value {
     let mut resources = Vec::new();
-    for rt in resource::in_group_version(group, version) {
+    let served = resource::in_group_version(group, version).into_iter();
+    for rt in served.filter(|r| store.serves(r)) {
         resources.push(json!({
             "name": rt.plural,
             "singularName": rt.singular,

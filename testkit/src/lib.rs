@@ -12,10 +12,13 @@
 //!
 //! ## Resources
 //!
-//! All namespaced: core `v1` `pods` and `events`, `coordination.k8s.io/v1`
-//! `leases`, `events.k8s.io/v1` `events`, `inference.networking.k8s.io/v1`
-//! `inferencepools`, `kvroute.dev/v1alpha1` `cacheroutingpolicies`. Every
-//! other path is a 404 `Status`.
+//! All namespaced: core `v1` `pods`, `services` and `events`,
+//! `coordination.k8s.io/v1` `leases`, `events.k8s.io/v1` `events`,
+//! `inference.networking.k8s.io/v1` `inferencepools`, `kvroute.dev/v1alpha1`
+//! `cacheroutingpolicies`, `inference.networking.x-k8s.io/v1alpha2`
+//! `inferenceobjectives`. Every other path is a 404 `Status`, and so are a
+//! type's paths while [`FakeApiServer::uninstall`] hides it (a cluster
+//! without that CRD).
 //!
 //! ## What it implements
 //!
@@ -182,6 +185,24 @@ preferences: {{}}
     /// The current resourceVersion.
     pub fn resource_version(&self) -> u64 {
         self.store.resource_version()
+    }
+
+    /// Stops serving a type over HTTP, as in a cluster without its CRD: its
+    /// paths answer 404 and discovery leaves it out. Unlike deleting a CRD,
+    /// objects stay stored (the test helpers still reach them) and open
+    /// watches go on. Returns whether the type is one the server knows.
+    pub fn uninstall(&self, api_version: &str, kind: &str) -> bool {
+        resource::by_kind(api_version, kind)
+            .map(|rt| self.store.set_served(rt, false))
+            .is_some()
+    }
+
+    /// Serves a type [`uninstall`](Self::uninstall)ed before again, as
+    /// when its CRD is installed. Returns whether the server knows the type.
+    pub fn install(&self, api_version: &str, kind: &str) -> bool {
+        resource::by_kind(api_version, kind)
+            .map(|rt| self.store.set_served(rt, true))
+            .is_some()
     }
 
     /// Creates or replaces an object, `status` included, without preconditions.

@@ -95,6 +95,14 @@ pub const RESOURCES: &[ResourceType] = &[
         kind: "CacheRoutingPolicy",
         namespaced: true,
     },
+    ResourceType {
+        group: "inference.networking.x-k8s.io",
+        version: "v1alpha2",
+        plural: "inferenceobjectives",
+        singular: "inferenceobjective",
+        kind: "InferenceObjective",
+        namespaced: true,
+    },
 ];
 
 /// The resource type served at `group/version/plural`.

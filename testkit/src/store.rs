@@ -6,7 +6,7 @@
 //! `spec`/`status` separation, generation). Not responsible for HTTP or for
 //! turning changes into watch events (see `http` and `watch`).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use json_patch::PatchOperation;
@@ -89,6 +89,8 @@ struct Inner {
 pub struct Store {
     inner: Mutex<Inner>,
     changes: broadcast::Sender<Arc<Change>>,
+    /// Types the HTTP surface does not serve, as if their CRD were absent.
+    unserved: Mutex<BTreeSet<&'static ResourceType>>,
 }
 
 impl Default for Store {
@@ -96,6 +98,7 @@ impl Default for Store {
         Self {
             inner: Mutex::default(),
             changes: broadcast::channel(HISTORY_LEN).0,
+            unserved: Mutex::default(),
         }
     }
 }
@@ -199,6 +202,22 @@ fn apply_json_patch(doc: &mut Value, patch: &Value) -> Result<(), ApiError> {
 impl Store {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the HTTP surface serves `rt`.
+    pub fn serves(&self, rt: &'static ResourceType) -> bool {
+        let unserved = self.unserved.lock().unwrap_or_else(PoisonError::into_inner);
+        !unserved.contains(rt)
+    }
+
+    /// Starts (`true`) or stops serving `rt` over HTTP.
+    pub fn set_served(&self, rt: &'static ResourceType, served: bool) {
+        let mut unserved = self.unserved.lock().unwrap_or_else(PoisonError::into_inner);
+        if served {
+            unserved.remove(rt);
+        } else {
+            unserved.insert(rt);
+        }
     }
 
     /// The current resourceVersion.

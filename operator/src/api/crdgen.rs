@@ -18,7 +18,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 use kube::CustomResourceExt;
 use serde_json::Value;
 
-use super::{CacheRoutingPolicy, InferencePool};
+use super::{CacheRoutingPolicy, InferenceObjective, InferencePool};
 
 /// The first lines of every rendered CRD file.
 const HEADER: &str = "# Generated from the Rust types in operator/src/api by\n\
@@ -34,11 +34,13 @@ pub struct CrdFile {
 }
 
 /// Every CRD kvroute defines, as installed: `InferencePool` (upstream's
-/// schema) and `CacheRoutingPolicy`.
+/// schema), `CacheRoutingPolicy` and `InferenceObjective` (upstream's
+/// schema; optional: the operator runs without it).
 pub fn crds() -> Vec<CustomResourceDefinition> {
     vec![
         without_nullable(InferencePool::crd()),
         without_nullable(CacheRoutingPolicy::crd()),
+        without_nullable(InferenceObjective::crd()),
     ]
 }
 
@@ -139,7 +141,8 @@ mod tests {
             names,
             [
                 "inferencepools.inference.networking.k8s.io.yaml",
-                "cacheroutingpolicies.kvroute.dev.yaml"
+                "cacheroutingpolicies.kvroute.dev.yaml",
+                "inferenceobjectives.inference.networking.x-k8s.io.yaml",
             ]
         );
     }

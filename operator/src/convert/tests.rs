@@ -297,3 +297,60 @@ fn out_of_range_policy_numbers_are_rejected_by_the_index() {
     assert_eq!(spec.slow_start_seconds, Some(u32::MAX));
     assert!(spec.validate().unwrap_err().contains("slow start seconds"));
 }
+
+fn objective_object(spec: serde_json::Value) -> Result<InferenceObjective, serde_json::Error> {
+    serde_json::from_value(json!({
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"namespace": "ml", "name": "chat"},
+        "spec": spec,
+    }))
+}
+
+#[test]
+fn an_objective_names_its_pool_and_priority() {
+    let with = |spec| objective(&objective_object(spec).unwrap()).unwrap();
+    assert_eq!(
+        with(json!({"priority": -5, "poolRef": {"name": "llama"}})),
+        ObjectiveSpec {
+            namespace: "ml".into(),
+            name: "chat".into(),
+            pool: Some("llama".into()),
+            priority: -5,
+        }
+    );
+    let unset = with(json!({"poolRef": {"name": "llama"}}));
+    assert_eq!(unset.priority, 0, "unset means 0");
+    let spelled_out = json!({"poolRef": {
+        "group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "llama",
+    }});
+    assert_eq!(with(spelled_out).pool.as_deref(), Some("llama"));
+    let empty_group = json!({"poolRef": {"group": "", "name": "llama"}});
+    assert_eq!(with(empty_group).pool.as_deref(), Some("llama"));
+}
+
+#[test]
+fn an_objective_referencing_another_kind_names_no_pool() {
+    for pool_ref in [
+        json!({"group": "inference.networking.x-k8s.io", "name": "llama"}),
+        json!({"kind": "Service", "name": "llama"}),
+        json!({"group": "example.com", "kind": "InferencePool", "name": "llama"}),
+    ] {
+        let object = objective_object(json!({"priority": 3, "poolRef": pool_ref})).unwrap();
+        assert_eq!(objective(&object).unwrap().pool, None, "{pool_ref}");
+    }
+}
+
+#[test]
+fn a_priority_outside_i32_cannot_be_read() {
+    for priority in [
+        json!(2_147_483_648_i64),
+        json!(-2_147_483_649_i64),
+        json!(1.5),
+    ] {
+        let object = objective_object(json!({"priority": priority, "poolRef": {"name": "p"}}));
+        assert!(object.is_err(), "{priority}");
+    }
+    let edge = objective_object(json!({"priority": i32::MIN, "poolRef": {"name": "p"}}));
+    assert_eq!(objective(&edge.unwrap()).unwrap().priority, i32::MIN);
+}

@@ -1,17 +1,20 @@
-//! The index: a synchronous, in-memory model of the pools, pods and
-//! policies the operator watches, and the per-pool states it publishes.
+//! The index: a synchronous, in-memory model of the pools, pods, policies,
+//! Services and objectives the operator watches, and the per-pool states it
+//! publishes.
 //!
 //! Watch events become calls: `apply_*` for an added or changed object,
 //! `delete_*` for a removed one, `reset_*` for a relist (the watch
 //! restarted: everything not in the list is gone). After each call the index
 //! recomputes the pools the change can affect and publishes each pool whose
-//! state ([`PoolState`]: endpoints and effective policy) actually changed,
+//! state ([`PoolState`]: endpoints, effective policy and objectives) actually
+//! changed,
 //! with a higher version, on that pool's [`watch`] channel
 //! ([`Index::watch_pool`]). Status for the status writer is computed on
 //! demand ([`Index::pool_status`], [`Index::policy_status`]).
 //!
-//! Inputs are plain structs ([`PoolSpec`], [`PodInfo`], [`PolicySpec`]), so
-//! the index and its tests need no Kubernetes API.
+//! Inputs are plain structs ([`PoolSpec`], [`PodInfo`], [`PolicySpec`],
+//! [`ServiceInfo`], [`ObjectiveSpec`]), so the index and its tests need no
+//! Kubernetes API.
 //!
 //! Not here: watching the API and converting objects (the watchers), writing
 //! status, serving routers ([`crate::grpc`]), locking (callers share it as
@@ -19,8 +22,11 @@
 //!
 //! Readiness: until the first `reset_*` of each kind, the index knows only
 //! part of the cluster (every pool looks absent or empty), so the operator
-//! should serve routers only once all three initial lists are in.
+//! should serve routers only once every initial list is in. Objectives are
+//! the exception the watchers make: without their (alpha) CRD there is no
+//! list to wait for, and pools carry none.
 
+mod objectives;
 mod observed;
 mod pods;
 mod policy;
@@ -39,6 +45,7 @@ use kvroute_core::contract::EngineCache;
 use kvroute_proto::v1::PoolState;
 use tokio::sync::watch;
 
+pub use self::objectives::ObjectiveSpec;
 pub use self::observed::Observed;
 pub use self::pods::PodInfo;
 pub use self::policy::{PolicySpec, default_policy};
@@ -50,7 +57,8 @@ pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
 use self::state::Content;
 use self::store::Namespaced;
 
-/// Pools, pods and policies, and the state published for each pool.
+/// Pools, pods, policies, Services and objectives, and the state published
+/// for each pool.
 #[derive(Debug)]
 pub struct Index {
     pools: Namespaced<PoolSpec>,
@@ -58,6 +66,8 @@ pub struct Index {
     policies: Namespaced<PolicySpec>,
     /// Services, for the pools' endpoint picker references.
     services: Namespaced<ServiceInfo>,
+    /// `InferenceObjective`s, for the pools they name.
+    objectives: Namespaced<ObjectiveSpec>,
     /// One channel per existing or watched pool.
     states: Namespaced<watch::Sender<PoolState>>,
     /// Bumped on every change that can alter a status.
@@ -102,6 +112,7 @@ impl Index {
             pods: Namespaced::default(),
             policies: Namespaced::default(),
             services: Namespaced::default(),
+            objectives: Namespaced::default(),
             states: Namespaced::default(),
             changes: watch::Sender::new(0),
             clock,
@@ -355,6 +366,58 @@ impl Index {
         self.changes.send_modify(|n| *n += 1);
     }
 
+    /// Objective `namespace/name`, if the index has it.
+    pub fn objective(&self, namespace: &str, name: &str) -> Option<&ObjectiveSpec> {
+        self.objectives.get(namespace, name)
+    }
+
+    /// Adds or replaces an objective: the pools it named and names now are
+    /// recomputed.
+    pub fn apply_objective(&mut self, objective: ObjectiveSpec) {
+        let (ns, name) = (objective.namespace.clone(), objective.name.clone());
+        let pool = objective.pool.clone();
+        let old = self.objectives.insert(&ns, &name, objective);
+        if old.as_ref() == self.objectives.get(&ns, &name) {
+            return;
+        }
+        if let Some(old_pool) = old
+            .and_then(|o| o.pool)
+            .filter(|p| Some(p) != pool.as_ref())
+        {
+            self.refresh(&ns, &old_pool);
+        }
+        if let Some(pool) = pool {
+            self.refresh(&ns, &pool);
+        }
+    }
+
+    /// Removes an objective.
+    pub fn delete_objective(&mut self, namespace: &str, name: &str) {
+        if let Some(pool) = self.objectives.remove(namespace, name).and_then(|o| o.pool) {
+            self.refresh(namespace, &pool);
+        }
+    }
+
+    /// Replaces the objectives of `namespace` with `objectives`; other
+    /// namespaces keep theirs. Items outside `namespace` are ignored.
+    pub fn reset_objectives_in(&mut self, namespace: &str, objectives: Vec<ObjectiveSpec>) {
+        self.objectives.retain(|ns, _, _| ns != namespace);
+        for item in objectives.into_iter().filter(|i| i.namespace == namespace) {
+            let name = item.name.clone();
+            self.objectives.insert(namespace, &name, item);
+        }
+        self.refresh_all();
+    }
+
+    /// Replaces every objective with `objectives` (a relist).
+    pub fn reset_objectives(&mut self, objectives: Vec<ObjectiveSpec>) {
+        self.objectives = objectives
+            .into_iter()
+            .map(|o| (o.namespace.clone(), o.name.clone(), o))
+            .collect();
+        self.refresh_all();
+    }
+
     /// Wakes the status writer when a pool of `namespace` names Service
     /// `name` as its picker (other Services change no status).
     fn service_changed(&mut self, namespace: &str, name: &str) {
@@ -431,10 +494,12 @@ impl Index {
             .attached_policy(namespace, name)
             .map_or_else(default_policy, PolicySpec::routing_policy);
         let pods = self.pods.in_namespace(namespace).map(|(_, p)| p);
+        let objectives = self.objectives.in_namespace(namespace).map(|(_, o)| o);
         Content {
             exists: true,
             endpoints: pods::endpoints(pool, pods, policy.cache_port),
             policy: Some(policy),
+            objectives: objectives::of_pool(objectives, name),
         }
     }
 

@@ -33,6 +33,9 @@ pub(super) struct Content {
     pub(super) endpoints: Vec<v1::Endpoint>,
     /// The effective policy; `None` when it does not exist.
     pub(super) policy: Option<v1::RoutingPolicy>,
+    /// Its `InferenceObjective`s, sorted by name; empty when it does not
+    /// exist.
+    pub(super) objectives: Vec<v1::Objective>,
 }
 
 /// A channel for pool `namespace/name` holding "does not exist", version 0:
@@ -56,7 +59,8 @@ pub(super) fn publish(tx: &watch::Sender<PoolState>, content: Content, clock: Cl
     tx.send_if_modified(|state| {
         let same = state.pool_exists == content.exists
             && state.endpoints == content.endpoints
-            && state.policy == content.policy;
+            && state.policy == content.policy
+            && state.objectives == content.objectives;
         if same {
             return false;
         }
@@ -64,6 +68,7 @@ pub(super) fn publish(tx: &watch::Sender<PoolState>, content: Content, clock: Cl
         state.pool_exists = content.exists;
         state.endpoints = content.endpoints;
         state.policy = content.policy;
+        state.objectives = content.objectives;
         true
     })
 }

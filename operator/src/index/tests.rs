@@ -5,6 +5,7 @@
 mod builders;
 mod endpoints;
 mod engines;
+mod objectives;
 mod policies;
 mod publishing;
 

@@ -14,9 +14,9 @@
 //!
 //! What it changes:
 //! - Applies `crds/*.yaml` (server-side apply, field manager
-//!   `kvroute-cluster-test`) and leaves them installed. The InferencePool
-//!   CRD is applied only when absent, as the Helm chart does: upstream's is
-//!   compatible.
+//!   `kvroute-cluster-test`) and leaves them installed. The upstream CRDs
+//!   (InferencePool, InferenceObjective) are applied only when absent, as
+//!   the Helm chart does: upstream's are compatible.
 //! - Creates the namespace `kvroute-test-<unix seconds>-<pid>` (labelled
 //!   `app.kubernetes.io/created-by=kvroute-cluster-test`) holding an
 //!   InferencePool, a CacheRoutingPolicy, two `pause` pods and the
@@ -160,8 +160,8 @@ async fn scenario(client: Client, namespace: String) {
         .expect("the operator stops cleanly");
 }
 
-/// Applies `crds/*.yaml`, except an InferencePool CRD already there, and
-/// waits for each to be Established.
+/// Applies `crds/*.yaml`, except an upstream CRD already there, and waits
+/// for each to be Established.
 async fn install_crds(client: &Client) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds");
@@ -176,7 +176,7 @@ async fn install_crds(client: &Client) {
         let crd: CustomResourceDefinition =
             serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let name = crd.metadata.name.clone().expect("a named CRD");
-        let upstream = crd.spec.group == "inference.networking.k8s.io";
+        let upstream = crd.spec.group.starts_with("inference.networking.");
         if upstream && crds.get_opt(&name).await.expect("read CRDs").is_some() {
             eprintln!("keeping the installed {name}");
         } else {

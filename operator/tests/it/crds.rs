@@ -1,14 +1,14 @@
 //! The CRDs and the API types: the checked-in `crds/*.yaml` match the types,
-//! manifests written for the upstream Gateway API Inference Extension parse
-//! unchanged, policies get their defaults, and `validate()` names the field
-//! that breaks a rule.
+//! manifests written for the upstream Gateway API Inference Extension
+//! (InferencePool, InferenceObjective) parse unchanged, policies get their
+//! defaults, and `validate()` names the field that breaks a rule.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kvroute_operator::api::{
-    self, AppProtocol, CacheRoutingPolicy, FailureMode, InferencePool, PolicyName, Port,
-    ValidationError,
+    self, AppProtocol, CacheRoutingPolicy, FailureMode, InferenceObjective, InferencePool,
+    PolicyName, Port, ValidationError,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -115,7 +115,8 @@ fn crds_have_status_subresources_and_upstream_names() {
         names,
         [
             "inferencepools.inference.networking.k8s.io",
-            "cacheroutingpolicies.kvroute.dev"
+            "cacheroutingpolicies.kvroute.dev",
+            "inferenceobjectives.inference.networking.x-k8s.io",
         ]
     );
     for crd in &crds {
@@ -153,6 +154,10 @@ fn crds_have_status_subresources_and_upstream_names() {
         columns,
         ["Target", "Policy", "Slack", "Ready", "Accepted", "Age"]
     );
+    let objective = &crds[2];
+    assert_eq!(objective.spec.versions[0].name, "v1alpha2");
+    // An x-k8s.io group needs no API approval.
+    assert_eq!(objective.metadata.annotations, None);
 }
 
 #[test]
@@ -341,7 +346,11 @@ fn schema_errors(path: &str, schema: &Value, value: &Value) -> Vec<String> {
 
 #[test]
 fn every_fixture_conforms_to_the_generated_schema() {
-    for (index, prefix) in [(0, "inferencepool-"), (1, "cacheroutingpolicy-")] {
+    for (index, prefix) in [
+        (0, "inferencepool-"),
+        (1, "cacheroutingpolicy-"),
+        (2, "inferenceobjective-"),
+    ] {
         let schema = schema_of(index);
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
         let mut seen = 0;
@@ -456,4 +465,74 @@ fn validate_requires_a_port_for_a_service_picker() {
     pool.spec.endpoint_picker_ref.as_mut().unwrap().port = None;
     let err = error_of(&pool);
     assert_eq!(err.field, "spec.endpointPickerRef.port");
+}
+
+#[test]
+fn upstream_objectives_parse_with_defaults() {
+    let (minimal, raw): (InferenceObjective, Value) = parse("inferenceobjective-minimal.yaml");
+    assert_round_trips("inferenceobjective-minimal.yaml", &minimal, &raw);
+    assert_eq!(minimal.validate(), Ok(()));
+    assert_eq!(minimal.spec.priority, None);
+    let pool_ref = &minimal.spec.pool_ref;
+    assert_eq!(
+        (pool_ref.group.as_str(), pool_ref.kind.as_str()),
+        ("inference.networking.k8s.io", "InferencePool")
+    );
+    assert_eq!(pool_ref.pool(), Some("qwen-pool"));
+
+    let (sheddable, raw): (InferenceObjective, Value) = parse("inferenceobjective-priority.yaml");
+    assert_round_trips("inferenceobjective-priority.yaml", &sheddable, &raw);
+    assert_eq!(sheddable.spec.priority, Some(-10));
+    assert_eq!(sheddable.spec.pool_ref, minimal.spec.pool_ref);
+
+    let (reported, raw): (InferenceObjective, Value) = parse("inferenceobjective-status.yaml");
+    assert_eq!(serde_json::to_value(&reported).unwrap(), raw);
+    let conditions = &reported.status.unwrap().conditions;
+    assert_eq!(conditions[0].reason, "Pending");
+}
+
+#[test]
+fn the_objective_schema_defaults_its_pool_ref_and_takes_any_integer() {
+    let schema = schema_of(2);
+    let spec = &schema["properties"]["spec"];
+    assert_eq!(spec["required"], serde_json::json!(["poolRef"]));
+    let pool_ref = &spec["properties"]["poolRef"]["properties"];
+    assert_eq!(pool_ref["group"]["default"], "inference.networking.k8s.io");
+    assert_eq!(pool_ref["kind"]["default"], "InferencePool");
+    // Upstream's priority is any integer: kvroute's i32 is the watcher's
+    // reading, not a schema rule.
+    let priority = &spec["properties"]["priority"];
+    assert_eq!(priority["type"], "integer");
+    assert_eq!(priority.get("format"), None);
+}
+
+#[test]
+fn validate_names_a_bad_pool_ref() {
+    let (objective, _): (InferenceObjective, Value) = parse("inferenceobjective-minimal.yaml");
+    let with = |edit: fn(&mut InferenceObjective)| {
+        let mut bad = objective.clone();
+        edit(&mut bad);
+        let err = bad.validate().expect_err("the objective is invalid");
+        let raw = serde_json::to_value(&bad).unwrap();
+        let by_pattern = err.rule.starts_with("must be") && !err.rule.contains("long");
+        // The schema check here skips patterns; lengths it sees.
+        assert_eq!(
+            schema_errors("", &schema_of(2), &raw).is_empty(),
+            by_pattern,
+            "{err}"
+        );
+        err
+    };
+    let empty = with(|o| o.spec.pool_ref.name.clear());
+    assert_eq!(empty.field, "spec.poolRef.name");
+    let kind = with(|o| o.spec.pool_ref.kind = "Inference Pool".into());
+    assert_eq!(kind.field, "spec.poolRef.kind");
+    let group = with(|o| o.spec.pool_ref.group = "Not_A.Group".into());
+    assert_eq!(group.field, "spec.poolRef.group");
+
+    // Another kind is valid; it just names no pool of kvroute's.
+    let mut service = objective.clone();
+    service.spec.pool_ref.kind = "Service".into();
+    assert_eq!(service.validate(), Ok(()));
+    assert_eq!(service.spec.pool_ref.pool(), None);
 }

@@ -6,6 +6,7 @@ mod cli;
 mod cluster;
 mod crds;
 mod engines;
+mod objectives;
 mod process;
 mod status_writer;
 mod support;

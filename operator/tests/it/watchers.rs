@@ -13,7 +13,8 @@ use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-async fn client(api: &FakeApiServer) -> kube::Client {
+/// A kube-rs client of `api`.
+pub(crate) async fn client(api: &FakeApiServer) -> kube::Client {
     let kubeconfig = Kubeconfig::from_yaml(&api.kubeconfig_yaml()).unwrap();
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await

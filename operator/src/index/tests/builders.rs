@@ -1,10 +1,11 @@
 //! Fixture builders: `PodInfo::test("a").ip("10.0.0.1").ready()`,
-//! `PoolSpec::test("llama")`, `PolicySpec::test("p", "llama")`. Everything
-//! defaults to namespace `ml` and the label `app=llama`.
+//! `PoolSpec::test("llama")`, `PolicySpec::test("p", "llama")`,
+//! `ObjectiveSpec::test("chat", "llama").priority(10)`. Everything defaults
+//! to namespace `ml` and the label `app=llama`.
 
 use kvroute_core::keys::KeyMode;
 
-use crate::index::{PodInfo, PolicySpec, PoolSpec};
+use crate::index::{ObjectiveSpec, PodInfo, PolicySpec, PoolSpec};
 
 pub(crate) const NS: &str = "ml";
 
@@ -131,6 +132,34 @@ impl PolicySpec {
 
     pub(crate) fn latency_slack(mut self, slack: f64) -> Self {
         self.latency_slack = Some(slack);
+        self
+    }
+}
+
+impl ObjectiveSpec {
+    /// Objective `name` in `ml` for pool `pool`, priority 0.
+    pub(crate) fn test(name: &str, pool: &str) -> Self {
+        ObjectiveSpec {
+            namespace: NS.into(),
+            name: name.into(),
+            pool: Some(pool.into()),
+            priority: 0,
+        }
+    }
+
+    pub(crate) fn priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Its `poolRef` names another kind of object: no pool.
+    pub(crate) fn no_pool(mut self) -> Self {
+        self.pool = None;
+        self
+    }
+
+    pub(crate) fn in_namespace(mut self, namespace: &str) -> Self {
+        self.namespace = namespace.into();
         self
     }
 }
