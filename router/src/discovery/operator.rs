@@ -182,6 +182,14 @@ impl Watcher {
     /// Applies one newer state.
     fn apply(&mut self, state: &PoolState) {
         self.version = Some(state.version);
+        let objectives = (state.objectives.iter()).map(|o| (o.name.clone(), o.priority));
+        if self.pool.set_objectives(objectives.collect()) {
+            tracing::info!(
+                version = state.version,
+                objectives = state.objectives.len(),
+                "the pool's InferenceObjectives from the operator"
+            );
+        }
         if !state.pool_exists {
             tracing::warn!(
                 version = state.version,

@@ -248,7 +248,7 @@ impl Gate {
         among: Among<'_>,
         (objective, tenant, flow, bytes): Who<'_>,
     ) -> Result<Plan, ApiError> {
-        let priority = self.objectives.priority(objective, tenant);
+        let priority = (self.objectives).priority(objective, tenant, &pool.objectives());
         let flow = flow.as_deref().unwrap_or("");
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };

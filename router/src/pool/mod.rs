@@ -48,7 +48,7 @@ pub use routing::{InFlight, Lost, Plan, Seen, Target};
 pub use startup::{GaveUp, Waiting};
 pub use status::{EndpointStatus, TierStats};
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvroute_core::hash::BlockHash;
@@ -113,6 +113,8 @@ pub struct Pool {
     changed: Notify,
     /// The last decisions; its own lock, off the routing one.
     decisions: Mutex<decisions::Decisions>,
+    /// The pool's `InferenceObjective`s from the operator: name → priority.
+    objectives: Mutex<Arc<HashMap<String, i32>>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -157,6 +159,7 @@ impl Pool {
             ready: watch::channel(0).0,
             changed: Notify::new(),
             decisions: Mutex::default(),
+            objectives: Mutex::default(),
         })
     }
 
@@ -224,6 +227,23 @@ impl Pool {
     /// (`limits.maxEvictedBlocks`).
     pub fn set_evicted_capacity(&self, blocks: usize) {
         self.lock().index.set_evicted_capacity(blocks);
+    }
+
+    /// Replaces the pool's objectives (the operator's); returns whether
+    /// they changed.
+    pub fn set_objectives(&self, objectives: HashMap<String, i32>) -> bool {
+        let mut current = self.objectives.lock().unwrap_or_else(|e| e.into_inner());
+        let changed = **current != objectives;
+        *current = Arc::new(objectives);
+        changed
+    }
+
+    /// The pool's objectives (the operator's): name → priority.
+    pub fn objectives(&self) -> Arc<HashMap<String, i32>> {
+        self.objectives
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Resolves at the next change of an endpoint's load after it is

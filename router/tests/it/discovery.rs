@@ -366,11 +366,22 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
     p.hash_seed = Some("0".into());
     let mut abc = ab();
     abc.push(endpoint("c:8000", "10.0.0.3", true));
-    op.publish(state(6, abc.clone(), p.clone()));
+    let objective = |name: &str, priority| v1::Objective {
+        name: name.into(),
+        priority,
+    };
+    let mut six = state(6, abc.clone(), p.clone());
+    six.objectives = vec![objective("batch", -1), objective("critical", 20)];
+    op.publish(six);
     eventually("version 6 is applied", || {
         pool.settings().key.mode == KeyMode::Prefix
     })
     .await;
+    let cluster = pool.objectives();
+    assert_eq!(
+        (cluster.get("critical"), cluster.get("batch")),
+        (Some(&20), Some(&-1))
+    );
     assert_eq!(
         endpoints(&pool),
         [
@@ -404,6 +415,10 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
     assert_eq!(pool.settings().hasher.config().block_size, 32);
     let (x, y) = two_firsts(&pool);
     assert_ne!(x, y, "still round robin");
+    assert!(
+        pool.objectives().is_empty(),
+        "a state without objectives has none"
+    );
 
     task.abort();
     op.stop().await;
