@@ -173,6 +173,10 @@ fn render_recorded(r: &Recorded) -> String {
         "cached    {} tokens (expected {})",
         r.cached_tokens, r.expected_cached_tokens
     );
+    if let Some(held) = r.held_seconds {
+        let because = r.held_because.as_deref().unwrap_or("-");
+        let _ = writeln!(s, "held      {:.3} s at the router ({because})", held);
+    }
     let _ = writeln!(s, "missed    {missed} tokens");
     for (cause, tokens) in &r.missed {
         let why = match (cause.as_str(), &r.routed_elsewhere_reason) {

@@ -121,4 +121,12 @@ pub struct Recorded {
     /// Why an endpoint holding more of the prefix lost, with
     /// `routed_elsewhere` tokens.
     pub routed_elsewhere_reason: Option<String>,
+    /// How long flow control held it at the router, seconds; absent when
+    /// it was sent at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_seconds: Option<f64>,
+    /// Why it was held when it arrived: `requests_ahead`,
+    /// `endpoints_full`, `predicted_wait` or `room_reserved`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_because: Option<String>,
 }

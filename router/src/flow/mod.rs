@@ -247,20 +247,19 @@ impl Gate {
         readable: bool,
         among: Among<'_>,
         (objective, tenant, flow, bytes): Who<'_>,
-    ) -> Result<Plan, ApiError> {
+    ) -> Result<(Plan, Option<Held>), ApiError> {
         let priority = (self.objectives).priority(objective, tenant, &pool.objectives());
         let flow = flow.as_deref().unwrap_or("");
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };
-        let ahead = self.enabled && {
+        let because = if !(self.enabled && {
             let mut state = self.lock();
             let now = std::time::Instant::now();
             let blocks = pool.blocks_of(request);
             state.reserve.saw(priority, blocks, now);
             state.shares.saw(flow, blocks, now);
             state.queue.ahead(priority)
-        };
-        if !ahead {
+        }) {
             let plan = pool.plan_among(request, readable, among);
             if plan.targets.is_empty() && plan.full == 0 {
                 return Err(unavailable());
@@ -269,12 +268,17 @@ impl Gate {
                 if plan.targets.is_empty() {
                     return Err(ApiError::Overloaded { retry_after });
                 }
-                return Ok(self.dispatched(plan, flow, "immediate"));
+                return Ok((self.dispatched(plan, flow, "immediate"), None));
             }
-            if self.start(pool, request, &plan, self.room(priority, flow)) == Start::Now {
-                return Ok(self.dispatched(plan, flow, "immediate"));
+            match self.start(pool, request, &plan, self.room(priority, flow)) {
+                Start::Now => return Ok((self.dispatched(plan, flow, "immediate"), None)),
+                Start::Room => "room_reserved",
+                Start::Busy if plan.targets.is_empty() => "endpoints_full",
+                Start::Busy => "predicted_wait",
             }
-        }
+        } else {
+            "requests_ahead"
+        };
         let place = {
             let mut state = self.lock();
             let now = std::time::Instant::now();
@@ -340,13 +344,12 @@ impl Gate {
                 state.turns.remove(&place.id);
                 state.hand(next);
                 drop(state);
-                (self
-                    .metrics
-                    .flow
-                    .wait_seconds
-                    .get_or_create(&Priority { priority }))
-                .observe(held_at.elapsed().as_secs_f64());
-                return Ok(self.dispatched(plan, flow, "after_wait"));
+                let seconds = held_at.elapsed().as_secs_f64();
+                (self.metrics.flow.wait_seconds)
+                    .get_or_create(&Priority { priority })
+                    .observe(seconds);
+                let held = Held { seconds, because };
+                return Ok((self.dispatched(plan, flow, "after_wait"), Some(held)));
             }
             // Held to leave room for others: the endpoint is theirs to take.
             // Held because every endpoint is full: the best of those is its
@@ -356,6 +359,18 @@ impl Gate {
             state.hand(next);
         }
     }
+}
+
+/// How long a request was held, and why it was held when it arrived.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Held {
+    pub seconds: f64,
+    /// `requests_ahead` (requests of its priority or higher were held),
+    /// `endpoints_full` (every endpoint at `endpointConcurrency`),
+    /// `predicted_wait` (its first choice would make it wait longer than
+    /// `holdAboveMs`) or `room_reserved` (starting it would take the room
+    /// kept for a higher priority or a lighter tenant).
+    pub because: &'static str,
 }
 
 /// Whether a request can start at its first target.

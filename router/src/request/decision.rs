@@ -18,6 +18,7 @@ use super::guard::{Expected, Guard};
 use super::labels::Labels;
 use super::missed::Known;
 use super::{RequestId, Service, body};
+use crate::flow::Held;
 use crate::metrics::{ModelTenant, Why};
 use crate::pool::{Fault, InFlight, Lost, Plan, Target};
 use crate::prompt::Analysis;
@@ -42,6 +43,8 @@ pub(crate) struct Decision {
     /// Endpoints whose engine refused the request for its bound
     /// ([`kvroute_core::admission`]), at most `MAX_REFUSALS`.
     refused: Vec<Slot>,
+    /// How long flow control held it, and why.
+    held: Option<Held>,
 }
 
 /// One attempt at an endpoint: the load it holds there until dropped.
@@ -69,7 +72,7 @@ impl Decision {
         service: &Arc<Service>,
         (labels, id): (Labels, RequestId),
         (analysis, diverged): (Analysis, Option<u32>),
-        plan: Plan,
+        (plan, held): (Plan, Option<Held>),
         budget: Option<body::Held>,
     ) -> Self {
         let by = labels.model_tenant();
@@ -85,6 +88,7 @@ impl Decision {
             id,
             diverged,
             refused: Vec::new(),
+            held,
         }
     }
 
@@ -251,6 +255,7 @@ impl Decision {
             id: self.id.clone(),
             key: a.key.0,
             first_block: a.chain.first().copied(),
+            held: self.held,
         }
     }
 

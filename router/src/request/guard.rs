@@ -48,6 +48,8 @@ pub(crate) struct Expected {
     pub(crate) key: u64,
     /// The first block's hash.
     pub(crate) first_block: Option<u64>,
+    /// How long flow control held it, and why.
+    pub(crate) held: Option<crate::flow::Held>,
 }
 
 impl Guard {

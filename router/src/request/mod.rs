@@ -289,7 +289,7 @@ impl Service {
         );
         let (request, readable) = (analysis.request(), analysis.readable);
         let planned = (self.flow.plan(&self.pool, &request, readable, among, who)).await;
-        let plan = match planned {
+        let planned = match planned {
             Ok(p) => p,
             Err(e) => {
                 labels.count(e.status().as_str());
@@ -303,7 +303,7 @@ impl Service {
             self,
             (labels, id),
             (analysis, diverged),
-            plan,
+            planned,
             budget,
         ))
     }

@@ -80,6 +80,7 @@ impl Service {
             expected_cached: e.cached,
             usage,
             split,
+            held: e.held,
         });
     }
 

@@ -95,6 +95,7 @@ pub struct Entry {
     /// What the engine reported.
     pub usage: Usage,
     pub split: Split,
+    pub held: Option<crate::flow::Held>,
 }
 
 impl Entry {
@@ -119,6 +120,8 @@ impl Entry {
                 .map(|(c, n)| (c.as_str().to_owned(), *n))
                 .collect(),
             routed_elsewhere_reason: self.split.lost.map(|l| l.as_str().to_owned()),
+            held_seconds: self.held.map(|h| h.seconds),
+            held_because: self.held.map(|h| h.because.to_owned()),
         }
     }
 }
@@ -198,6 +201,10 @@ mod tests {
                 tokens: [0, 8, 16, 0, 0, 0, 0, 0],
                 lost: Some(crate::pool::Lost::Queue),
             },
+            held: Some(crate::flow::Held {
+                seconds: 0.25,
+                because: "endpoints_full",
+            }),
         }
     }
 
@@ -219,5 +226,7 @@ mod tests {
             [("routed_elsewhere".into(), 16), ("partial_block".into(), 8)]
         );
         assert_eq!(r.routed_elsewhere_reason.as_deref(), Some("queue"));
+        assert_eq!(r.held_seconds, Some(0.25));
+        assert_eq!(r.held_because.as_deref(), Some("endpoints_full"));
     }
 }

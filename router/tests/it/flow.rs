@@ -52,6 +52,7 @@ fn send_as(
     if let Some(t) = tenant {
         r = r.header("x-tenant", t);
     }
+    r = r.header("x-request-id", format!("held-{objective}"));
     tokio::spawn(async move {
         let r = r.send().await.unwrap();
         let status = r.status().as_u16();
@@ -115,6 +116,26 @@ async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
     let (high, low) = (high.await.unwrap(), low.await.unwrap());
     assert_eq!((high.0, low.0), (200, 200));
     assert!(high.1 < low.1, "the higher priority went first");
+    // Its record says how long it was held, and why.
+    let url = format!(
+        "http://{}/debug/requests/held-interactive",
+        stack.router.admin_addr
+    );
+    let record: Value = kvroute_testkit::eventually("the record", Duration::from_secs(10), || {
+        let url = url.clone();
+        async move {
+            let r = reqwest::get(&url).await.ok()?;
+            (r.status() == 200).then_some(())?;
+            r.json().await.ok()
+        }
+    })
+    .await;
+    assert!(record["held_seconds"].as_f64().unwrap() > 0.0, "{record}");
+    let because = record["held_because"].as_str().unwrap();
+    assert!(
+        ["endpoints_full", "predicted_wait"].contains(&because),
+        "{record}"
+    );
     let metrics = stack.metrics().await;
     assert_eq!(sum_of(&metrics, "kvroute_flow_queued"), 0.0);
     assert_eq!(
