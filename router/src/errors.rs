@@ -69,6 +69,13 @@ pub enum ApiError {
         /// Seconds to wait.
         retry_after: u64,
     },
+    /// The router is shutting down: a request it would hold is answered
+    /// at once instead.
+    #[error("this router is shutting down; retry (another replica will take it)")]
+    ShuttingDown {
+        /// Seconds to wait.
+        retry_after: u64,
+    },
     /// No endpoint is ready.
     #[error("no ready endpoint for this pool")]
     Unavailable {
@@ -116,7 +123,9 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded { .. } | ApiError::Shed { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable { .. } | ApiError::ShuttingDown { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -139,6 +148,7 @@ impl ApiError {
             ApiError::Overloaded { .. } => ("rate_limit_error", "overloaded"),
             ApiError::Shed { reason, .. } => ("rate_limit_error", reason.as_str()),
             ApiError::Unavailable { .. } => ("server_error", "no_ready_endpoint"),
+            ApiError::ShuttingDown { .. } => ("server_error", "router_shutting_down"),
             ApiError::Upstream(_) => ("server_error", "upstream_error"),
             ApiError::Internal(_) => ("server_error", "internal_error"),
             ApiError::Timeout(_) => ("server_error", "upstream_timeout"),
@@ -164,6 +174,7 @@ impl ApiError {
             ApiError::Overloaded { retry_after }
             | ApiError::Shed { retry_after, .. }
             | ApiError::Unavailable { retry_after }
+            | ApiError::ShuttingDown { retry_after }
             | ApiError::Saturated(_, retry_after)
             | ApiError::TenantSaturated(retry_after) => Some(*retry_after),
             _ => None,

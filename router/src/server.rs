@@ -258,16 +258,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         service = service.with_response_cache(cache);
     }
     let service = Arc::new(service);
+    let (stop, stopped) = watch::channel(false);
     tasks.spawn(
         "flow",
         Stop::Aborted,
-        service.flow.clone().run(pool.clone()),
+        service.flow.clone().run(pool.clone(), stopped.clone()),
     );
     if let Some(semantic) = (service.response_cache.as_ref()).and_then(|c| c.semantic.clone()) {
         tasks.spawn("semantic-check", Stop::Aborted, semantic.run_checks());
     }
 
-    let (stop, stopped) = watch::channel(false);
     let caps = listener::fit_to_open_files(
         api.as_ref().map_or(0, |_| config.limits.max_connections),
         config.ext_proc.as_ref().map_or(0, |e| e.max_connections),

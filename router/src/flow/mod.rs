@@ -43,11 +43,12 @@ pub mod shares;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvroute_core::policy::Request;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use self::metrics::{Priority, PriorityReason, Reason};
@@ -82,6 +83,8 @@ pub(crate) struct Gate {
     retry_after: u64,
     state: Mutex<State>,
     metrics: Arc<Metrics>,
+    /// Set when the router begins to shut down: nothing is held any more.
+    closed: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -142,6 +145,7 @@ impl Gate {
         Gate {
             objectives: objectives::Objectives::new(&config.objectives),
             metrics,
+            closed: AtomicBool::new(false),
             enabled: flow.enabled,
             hold_s: hold_ms / 1000.0,
             retry_after: config.limits.retry_after_s,
@@ -171,19 +175,47 @@ impl Gate {
     }
 
     /// Runs until the process ends: a pass at each change of the pool's
-    /// load, and at least every [`RECHECK`] while requests are held.
-    pub(crate) async fn run(self: Arc<Self>, pool: Arc<Pool>) {
-        loop {
-            let changed = pool.changed();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let held = !self.lock().queue.is_empty();
-            if held {
-                let _ = tokio::time::timeout(RECHECK, changed).await;
-            } else {
-                changed.await;
+    /// load, and at least every [`RECHECK`] while requests are held. When
+    /// `stop` turns true (the router shuts down), every held request is
+    /// answered 503 with `Retry-After` at once, and so is every later one
+    /// that would be held: the drain never waits on, or drops, a held
+    /// request.
+    pub(crate) async fn run(self: Arc<Self>, pool: Arc<Pool>, mut stop: watch::Receiver<bool>) {
+        let closing = async {
+            let _ = stop.wait_for(|s| *s).await;
+            self.closed.store(true, Ordering::Relaxed);
+            for w in self.lock().turns.values() {
+                w.turn.notify_one();
             }
-            self.kick();
+            std::future::pending::<()>().await;
+        };
+        let passes = async {
+            loop {
+                let changed = pool.changed();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                let held = !self.lock().queue.is_empty();
+                if held {
+                    let _ = tokio::time::timeout(RECHECK, changed).await;
+                } else {
+                    changed.await;
+                }
+                self.kick();
+            }
+        };
+        tokio::join!(closing, passes);
+    }
+
+    /// 503 for a request held, or about to be, while the router shuts
+    /// down; counted as shed for `shutdown`.
+    fn closing(&self, priority: i32) -> ApiError {
+        let labels = PriorityReason {
+            priority,
+            reason: "shutdown",
+        };
+        self.metrics.flow.shed.get_or_create(&labels).inc();
+        ApiError::ShuttingDown {
+            retry_after: self.retry_after,
         }
     }
 
@@ -279,6 +311,9 @@ impl Gate {
         } else {
             "requests_ahead"
         };
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(self.closing(priority));
+        }
         let place = {
             let mut state = self.lock();
             let now = std::time::Instant::now();
@@ -317,6 +352,9 @@ impl Gate {
             let woke = tokio::time::timeout_at(deadline, place.waiter.turn.notified()).await;
             if woke.is_err() {
                 return Err(self.shed(priority, ShedReason::WaitLimit));
+            }
+            if self.closed.load(Ordering::Relaxed) {
+                return Err(self.closing(priority));
             }
             if let Some(r) = *place.waiter.shed.lock().unwrap_or_else(|e| e.into_inner()) {
                 return Err(self.shed(priority, r));

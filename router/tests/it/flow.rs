@@ -361,3 +361,51 @@ async fn a_request_waits_at_the_router_while_the_engine_is_predicted_busy() {
     );
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn a_held_request_gets_503_with_retry_after_when_the_router_shuts_down() {
+    let stack = Stack::start(
+        "flow-shutdown",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 1;
+            c.flow_control.reserve_window_ms = 0;
+        },
+    )
+    .await;
+    let holder = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
+        )
+        .await;
+    let mut holding = holder.bytes_stream();
+    holding.next().await.unwrap().unwrap();
+    let held = stack
+        .client
+        .post(stack.url("/v1/completions"))
+        .json(&json!({"prompt": "held", "max_tokens": 1}))
+        .send();
+    let held = tokio::spawn(held);
+    metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
+
+    let Stack {
+        sims, router, dir, ..
+    } = stack;
+    let shutdown = tokio::spawn(router.shutdown());
+    let r = held.await.unwrap().unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let error: Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "router_shutting_down");
+    // The stream in flight still flows while the router drains.
+    holding.next().await.unwrap().unwrap();
+    drop(holding);
+    shutdown.await.unwrap();
+    for s in sims {
+        s.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
