@@ -75,7 +75,7 @@ impl FlowMetrics {
         );
         r.register(
             "kvroute_flow_shed",
-            "Requests answered 429 by flow control, by priority and reason: flow_queue_full (flowControl.maxQueued or maxQueuedBytes), flow_wait_limit (maxWaitMs), flow_sheddable (negative priority with no endpoint to start it)",
+            "Requests answered 429 by flow control, by priority and reason: flow_queue_full (flowControl.maxQueued or maxQueuedBytes), flow_wait_limit (maxWaitMs), flow_sheddable (negative priority with no endpoint to start it); answered 503 at shutdown: shutdown",
             self.shed.clone(),
         );
         r.register(
