@@ -284,14 +284,17 @@ impl Gate {
         let flow = flow.as_deref().unwrap_or("");
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };
-        let because = if !(self.enabled && {
+        let ahead = self.enabled && {
             let mut state = self.lock();
             let now = std::time::Instant::now();
             let blocks = pool.blocks_of(request);
             state.reserve.saw(priority, blocks, now);
             state.shares.saw(flow, blocks, now);
             state.queue.ahead(priority)
-        }) {
+        };
+        let because = if ahead {
+            "requests_ahead"
+        } else {
             let plan = pool.plan_among(request, readable, among);
             if plan.targets.is_empty() && plan.full == 0 {
                 return Err(unavailable());
@@ -308,8 +311,6 @@ impl Gate {
                 Start::Busy if plan.targets.is_empty() => "endpoints_full",
                 Start::Busy => "predicted_wait",
             }
-        } else {
-            "requests_ahead"
         };
         if self.closed.load(Ordering::Relaxed) {
             return Err(self.closing(priority));
