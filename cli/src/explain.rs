@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use kvroute_router::admin::explain::{Explanation, Recorded};
+use kvroute_router::explain::{Explanation, Recorded};
 use serde_json::{Value, json};
 
 /// Flags of `kvroute explain`.

@@ -13,6 +13,7 @@ pub mod admin;
 pub mod config;
 pub mod discovery;
 pub mod errors;
+pub mod explain;
 pub mod ext_proc;
 pub mod flow;
 pub mod http;

@@ -246,11 +246,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     tasks.spawn(
         "health-checks",
         Stop::Aborted,
-        crate::pool::health_checks::run(
-            pool.clone(),
-            metrics.clone(),
-            config.resilience.health_check.clone(),
-        ),
+        crate::pool::health_checks::run(pool.clone(), config.resilience.health_check.clone(), {
+            let metrics = metrics.clone();
+            move |events| metrics.health(events)
+        }),
     );
     let mut service = Service::new(pool.clone(), metrics.clone(), tenancy, &config);
     if let Some(cache) = response_cache {

@@ -1,8 +1,6 @@
 //! The admin port: probes, `/metrics`, and the `/debug` endpoints (the
 //! pool's state, explain, volatile prefixes) behind their access rule.
 
-pub mod explain;
-
 use std::sync::Arc;
 
 use axum::Router;

@@ -2,8 +2,8 @@
 //! passed (so each restoration is logged when it happens) and, when
 //! `resilience.healthCheck` is set, sends `GET path` to every endpoint at
 //! once and reports each result to the pool's state machine
-//! ([`super::outliers`]), which decides what a result means; it logs and
-//! counts the events that come back.
+//! ([`super::outliers`]), which decides what a result means; the events
+//! that come back go to `report` (the router logs and counts them).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,14 +15,13 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::HealthCheck;
-use crate::metrics::Metrics;
-use crate::pool::Pool;
+use crate::pool::{HealthEvents, Pool};
 
 /// How often ejections are expired when there are no health checks.
 const TICK: Duration = Duration::from_secs(1);
 
 /// Runs until aborted.
-pub async fn run(pool: Arc<Pool>, metrics: Arc<Metrics>, check: Option<HealthCheck>) {
+pub async fn run(pool: Arc<Pool>, check: Option<HealthCheck>, report: impl Fn(HealthEvents)) {
     let mut connector = HttpConnector::new();
     let timeout = Duration::from_millis(check.as_ref().map_or(1000, |c| c.timeout_ms));
     connector.set_connect_timeout(Some(timeout));
@@ -37,7 +36,7 @@ pub async fn run(pool: Arc<Pool>, metrics: Arc<Metrics>, check: Option<HealthChe
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
-        metrics.health(pool.tick());
+        report(pool.tick());
         let Some(check) = &check else {
             continue;
         };
@@ -50,7 +49,7 @@ pub async fn run(pool: Arc<Pool>, metrics: Arc<Metrics>, check: Option<HealthChe
             }
         });
         for (name, passed) in futures_util::future::join_all(probes).await {
-            metrics.health(pool.checked(&name, passed));
+            report(pool.checked(&name, passed));
         }
     }
 }

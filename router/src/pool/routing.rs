@@ -18,7 +18,7 @@ use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
 use kvroute_core::slot::Slot;
 
 use super::{Inner, Pool, now};
-use crate::admin::explain::{Explained, ExplainedEndpoint};
+use crate::explain::{Explained, ExplainedEndpoint};
 
 /// One endpoint in a routing plan.
 #[derive(Clone, Debug, PartialEq)]

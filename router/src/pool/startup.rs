@@ -23,8 +23,7 @@
 //! No clock and no I/O: `now` is passed in, the one event is returned.
 //!
 //! Not here: which endpoints exist and what their streams did (the pool
-//! passes them in as [`Engine`]s), `/readyz` itself
-//! ([`crate::admin::readyz`]).
+//! passes them in as [`Engine`]s), `/readyz` itself (the admin port).
 
 use std::fmt;
 use std::time::{Duration, Instant};

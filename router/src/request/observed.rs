@@ -13,7 +13,7 @@ use super::hit_rate::Usage;
 use super::labels::Labels;
 use super::missed::{self, Cause};
 use super::recent::Entry;
-use crate::admin::explain::Recorded;
+use crate::explain::Recorded;
 use crate::metrics::{Model, ModelReason, ModelTenantCause};
 
 impl Service {

@@ -18,7 +18,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::hit_rate::Usage;
 use super::missed::Split;
-use crate::admin::explain::Recorded;
+use crate::explain::Recorded;
 
 /// The request id header.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");

@@ -2,7 +2,7 @@
 //! for a request and the decision it would make, with no state changed.
 
 use crate::support::*;
-use kvroute_router::admin::explain::Explanation;
+use kvroute_router::explain::Explanation;
 use serde_json::{Value, json};
 
 async fn explain(stack: &Stack, body: Value) -> reqwest::Response {
