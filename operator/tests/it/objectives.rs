@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::support::Operator;
+use crate::support::{Operator, until};
 use crate::watchers::client;
 use kvroute_operator::index::Index;
 use kvroute_operator::metrics::{Gauges, Metrics};
@@ -16,7 +16,6 @@ use kvroute_proto::v1::PoolState;
 use kvroute_testkit::FakeApiServer;
 use serde_json::{Value, json};
 use tokio::sync::watch;
-use tonic::Streaming;
 
 const NS: &str = "ml";
 const OBJECTIVE_API: &str = "inference.networking.x-k8s.io/v1alpha2";
@@ -62,30 +61,6 @@ fn objectives(state: &PoolState) -> Vec<(&str, i32)> {
         .iter()
         .map(|o| (o.name.as_str(), o.priority))
         .collect()
-}
-
-/// The first state on `stream` for which `done` holds, within `within`.
-async fn until(
-    stream: &mut Streaming<PoolState>,
-    within: Duration,
-    what: &str,
-    done: impl Fn(&PoolState) -> bool,
-) -> PoolState {
-    let wait = async {
-        loop {
-            let state = stream
-                .message()
-                .await
-                .expect("the stream is healthy")
-                .expect("the stream is open");
-            if done(&state) {
-                return state;
-            }
-        }
-    };
-    tokio::time::timeout(within, wait)
-        .await
-        .unwrap_or_else(|_| panic!("not within {within:?}: {what}"))
 }
 
 #[tokio::test]

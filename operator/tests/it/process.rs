@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::support::Operator;
+use crate::support::{self, Operator};
 use k8s_openapi::jiff::Timestamp;
 use kvroute_proto::v1::PoolState;
 use kvroute_testkit::FakeApiServer;
@@ -26,21 +26,7 @@ async fn next(stream: &mut Streaming<PoolState>) -> PoolState {
 /// The first state on `stream` for which `done` holds, within [`PROMPTLY`]
 /// (the states before it may be skipped or intermediate).
 async fn until(stream: &mut Streaming<PoolState>, done: impl Fn(&PoolState) -> bool) -> PoolState {
-    let wait = async {
-        loop {
-            let state = stream
-                .message()
-                .await
-                .expect("the stream is healthy")
-                .expect("the stream is open");
-            if done(&state) {
-                return state;
-            }
-        }
-    };
-    tokio::time::timeout(PROMPTLY, wait)
-        .await
-        .expect("the expected state within 1 s")
+    support::until(stream, PROMPTLY, "the expected state", done).await
 }
 
 /// Waits, up to [`PROMPTLY`], until `check` returns something for the API

@@ -147,3 +147,27 @@ impl Drop for Operator {
         }
     }
 }
+
+/// The first state on `stream` for which `done` holds, within `within`.
+pub async fn until(
+    stream: &mut Streaming<PoolState>,
+    within: Duration,
+    what: &str,
+    done: impl Fn(&PoolState) -> bool,
+) -> PoolState {
+    let wait = async {
+        loop {
+            let state = stream
+                .message()
+                .await
+                .expect("the stream is healthy")
+                .expect("the stream is open");
+            if done(&state) {
+                return state;
+            }
+        }
+    };
+    tokio::time::timeout(within, wait)
+        .await
+        .unwrap_or_else(|_| panic!("not within {within:?}: {what}"))
+}
