@@ -61,6 +61,21 @@ fn send_as(
     })
 }
 
+/// A stream that holds one seat until dropped, its first chunk read.
+async fn hold_a_seat(
+    stack: &Stack,
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + use<> {
+    let holder = stack
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
+        )
+        .await;
+    let mut holding = Box::pin(holder.bytes_stream());
+    holding.next().await.unwrap().unwrap();
+    holding
+}
+
 #[tokio::test]
 async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
     let stack = Stack::start(
@@ -78,14 +93,7 @@ async fn held_requests_go_by_priority_and_leave_nothing_when_abandoned() {
     )
     .await;
     // A stream holds the one seat until it is dropped.
-    let holder = stack
-        .post(
-            "/v1/completions",
-            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
-        )
-        .await;
-    let mut holding = holder.bytes_stream();
-    holding.next().await.unwrap().unwrap();
+    let holding = hold_a_seat(&stack).await;
 
     let low = send(&stack, "");
     metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
@@ -176,14 +184,7 @@ async fn lower_priorities_leave_a_seat_for_a_recent_higher_one() {
     .await;
     // A priority-10 request in the window: lower ones keep a seat for it.
     assert_eq!(send(&stack, "interactive").await.unwrap().0, 200);
-    let first = stack
-        .post(
-            "/v1/completions",
-            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
-        )
-        .await;
-    let mut holding = first.bytes_stream();
-    holding.next().await.unwrap().unwrap();
+    let holding = hold_a_seat(&stack).await;
     // One seat is free, but taking it would leave none for priority 10.
     let low = send(&stack, "");
     metric_reaches(&stack, "kvroute_flow_queued{priority=\"0\"}", 1.0).await;
@@ -256,14 +257,7 @@ async fn tenants_take_turns_whoever_queued_more() {
         },
     )
     .await;
-    let holder = stack
-        .post(
-            "/v1/completions",
-            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
-        )
-        .await;
-    let mut holding = holder.bytes_stream();
-    holding.next().await.unwrap().unwrap();
+    let holding = hold_a_seat(&stack).await;
     let mut noisy = Vec::new();
     for n in 1..=3 {
         noisy.push(send_as(&stack, "", Some("noisy")));
@@ -300,14 +294,7 @@ async fn a_request_no_endpoint_can_start_within_its_wait_limit_gets_429() {
         },
     )
     .await;
-    let holder = stack
-        .post(
-            "/v1/completions",
-            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
-        )
-        .await;
-    let mut holding = holder.bytes_stream();
-    holding.next().await.unwrap().unwrap();
+    let holding = hold_a_seat(&stack).await;
     let r = stack
         .post(
             "/v1/completions",
@@ -375,14 +362,7 @@ async fn a_held_request_gets_503_with_retry_after_when_the_router_shuts_down() {
         },
     )
     .await;
-    let holder = stack
-        .post(
-            "/v1/completions",
-            json!({"prompt": "hold", "max_tokens": 500, "stream": true}),
-        )
-        .await;
-    let mut holding = holder.bytes_stream();
-    holding.next().await.unwrap().unwrap();
+    let mut holding = hold_a_seat(&stack).await;
     let held = stack
         .client
         .post(stack.url("/v1/completions"))
