@@ -302,7 +302,7 @@ async fn one_run(
         ..Shape::standard(pods, Duration::from_secs(args.duration))
     };
     let samples = load::run(shape, Rotation::new(addrs), Instant::now()).await;
-    write_samples(&logs, &samples)?;
+    load::write_samples(&logs.join("requests.jsonl"), &samples)?;
     let after = engine_requests(&sys).await?;
     let served: Vec<u64> = after
         .iter()
@@ -310,19 +310,6 @@ async fn one_run(
         .map(|(a, b)| a.saturating_sub(*b))
         .collect();
     Ok(row(system, k, &samples, &served))
-}
-
-/// Every request as its client saw it, one JSON object per line, into
-/// `requests.jsonl` beside the run's logs: the per-request view behind the
-/// percentiles.
-fn write_samples(logs: &Path, samples: &[Sample]) -> anyhow::Result<()> {
-    let mut out = String::new();
-    for s in samples {
-        out += &serde_json::to_string(s).context("serializing a sample")?;
-        out.push('\n');
-    }
-    let path = logs.join("requests.jsonl");
-    std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Every pod's finished requests, by its engine.

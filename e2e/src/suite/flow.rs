@@ -4,6 +4,11 @@
 //! comparison, off (`flowControl.enabled: false`: every request committed
 //! to an engine on arrival), over fresh pods each run.
 
+use std::collections::BTreeMap;
+
+use kvroute_telemetry::metrics;
+
+use super::balance;
 use super::load::{self, Outcome, Rotation, Sample, Shape};
 use super::report::{self, Scenario};
 use super::scenarios::Ctx;
@@ -37,12 +42,16 @@ fn stream(
 }
 
 /// Runs `shapes` at once through a fresh system whose routers get `yaml`;
-/// the samples of each shape.
+/// the samples of each shape. The fleet's view is kept beside the logs:
+/// each shape's requests (`requests-<label>.jsonl`), each router's
+/// metrics at the end (`router-<i>.prom`), and, under `prefix`, the
+/// balance of all requests over the pods and the queue's figures.
 async fn run(
     ctx: &Ctx,
-    name: &str,
+    s: &mut Scenario,
+    (name, prefix): (&str, &str),
     yaml: String,
-    shapes: &[Shape],
+    shapes: &[(&str, Shape)],
 ) -> anyhow::Result<Vec<Vec<Sample>>> {
     let setup = Setup {
         router_yaml: yaml,
@@ -52,8 +61,86 @@ async fn run(
     let rotation = Rotation::new(system.router_addrs());
     let runs = shapes
         .iter()
-        .map(|&shape| load::run(shape, rotation.clone(), system.t0));
-    Ok(futures_util::future::join_all(runs).await)
+        .map(|&(_, shape)| load::run(shape, rotation.clone(), system.t0));
+    let samples = futures_util::future::join_all(runs).await;
+    let logs = ctx.out.join("logs").join(name);
+    for ((label, _), samples) in shapes.iter().zip(&samples) {
+        load::write_samples(&logs.join(format!("requests-{label}.jsonl")), samples)?;
+    }
+    let mut texts = Vec::new();
+    for i in 0..system.router_addrs().len() {
+        let text = system.router_metrics(i).await?;
+        std::fs::write(logs.join(format!("router-{i}.prom")), &text)?;
+        texts.push(text);
+    }
+    balance::figures(s, prefix, &samples.concat(), &system.pod_names());
+    queue_figures(s, prefix, &texts);
+    Ok(samples)
+}
+
+/// The queue's figures from the routers' metrics `texts`, under
+/// `prefix`: requests sent at once and after a wait, and, per priority,
+/// the wait of those held (p50 and p99 from the histogram's buckets).
+pub(super) fn queue_figures(s: &mut Scenario, prefix: &str, texts: &[String]) {
+    let mut sent = [0.0; 2];
+    let mut by_priority: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for line in texts.iter().flat_map(|t| t.lines()) {
+        let Some(m) = metrics::parse_line(line) else {
+            continue;
+        };
+        match m.name {
+            "kvroute_flow_dispatched_total" => match m.label("reason") {
+                Some("immediate") => sent[0] += m.value,
+                Some("after_wait") => sent[1] += m.value,
+                _ => {}
+            },
+            "kvroute_flow_wait_seconds_bucket" => {
+                let priority = m.label("priority").unwrap_or_default().to_owned();
+                let le = m.label("le").and_then(|v| v.parse().ok());
+                let le = le.unwrap_or(f64::INFINITY);
+                let buckets = by_priority.entry(priority).or_default();
+                match buckets.iter_mut().find(|(b, _)| *b == le) {
+                    Some((_, n)) => *n += m.value,
+                    None => buckets.push((le, m.value)),
+                }
+            }
+            _ => {}
+        }
+    }
+    s.figure(&format!("{prefix}sent_at_once"), sent[0]);
+    s.figure(&format!("{prefix}sent_after_wait"), sent[1]);
+    for (priority, mut buckets) in by_priority {
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (q, name) in [(0.5, "p50"), (0.99, "p99")] {
+            let ms = bucket_quantile(&buckets, q) * 1e3;
+            s.figure(
+                &format!("{prefix}priority_{priority}_held_wait_{name}_ms"),
+                ms,
+            );
+        }
+    }
+}
+
+/// Quantile `q` of a cumulative histogram's `(le, count)` buckets, in
+/// order, interpolated within its bucket (0 when empty; the largest finite
+/// bound when it falls in the last).
+fn bucket_quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    if total == 0.0 {
+        return 0.0;
+    }
+    let rank = q * total;
+    let (mut lo, mut below) = (0.0, 0.0);
+    for &(le, n) in buckets {
+        if n >= rank {
+            if le.is_infinite() {
+                return lo;
+            }
+            return lo + (le - lo) * (rank - below) / (n - below).max(1e-9);
+        }
+        (lo, below) = (le, n);
+    }
+    lo
 }
 
 fn p99_ms(samples: &[Sample]) -> f64 {
@@ -96,9 +183,17 @@ pub async fn overload(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let priority = stream(ctx, 0.2, 11, PRIORITY);
     let flood = stream(ctx, 6.0, 13, &[]);
     let yaml = |flow: &str| format!("{OBJECTIVES}{flow}");
-    let alone = run(ctx, "overload-alone", yaml(FLOW), &[priority]).await?;
-    let held = run(ctx, "overload", yaml(FLOW), &[priority, flood]).await?;
-    let unheld = run(ctx, "overload-unheld", yaml(FLOW_OFF), &[priority, flood]).await?;
+    let both = [("priority", priority), ("flood", flood)];
+    let alone = run(ctx, s, ("overload-alone", "alone_"), yaml(FLOW), &both[..1]).await?;
+    let held = run(ctx, s, ("overload", ""), yaml(FLOW), &both).await?;
+    let unheld = run(
+        ctx,
+        s,
+        ("overload-unheld", "unheld_"),
+        yaml(FLOW_OFF),
+        &both,
+    )
+    .await?;
     let (alone_p99, p99, unheld_p99) = (p99_ms(&alone[0]), p99_ms(&held[0]), p99_ms(&unheld[0]));
     s.figure("priority_alone_ttft_p99_ms", alone_p99);
     s.figure("priority_ttft_p99_ms", p99);
@@ -146,9 +241,24 @@ pub async fn noisy_tenant(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     let (a, b) = (stream(ctx, 0.5, 21, A), stream(ctx, 0.5, 23, B));
     let noisy = stream(ctx, 2.5, 25, NOISY);
     let yaml = |flow: &str| format!("{TENANCY}{flow}");
-    let quiet = run(ctx, "noisy_tenant-quiet", yaml(FLOW), &[a, b]).await?;
-    let held = run(ctx, "noisy_tenant", yaml(FLOW), &[a, b, noisy]).await?;
-    let unheld = run(ctx, "noisy_tenant-unheld", yaml(FLOW_OFF), &[a, b, noisy]).await?;
+    let all = [("a", a), ("b", b), ("noisy", noisy)];
+    let quiet = run(
+        ctx,
+        s,
+        ("noisy_tenant-quiet", "alone_"),
+        yaml(FLOW),
+        &all[..2],
+    )
+    .await?;
+    let held = run(ctx, s, ("noisy_tenant", ""), yaml(FLOW), &all).await?;
+    let unheld = run(
+        ctx,
+        s,
+        ("noisy_tenant-unheld", "unheld_"),
+        yaml(FLOW_OFF),
+        &all,
+    )
+    .await?;
     // Two decode steps: what one request ahead at dispatch may cost.
     let steps_ms = 2.0 * f64::from(ITL_MS);
     let mut met = true;
@@ -183,4 +293,30 @@ pub async fn noisy_tenant(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         ),
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_quantile_is_interpolated_within_its_bucket() {
+        let buckets = [
+            (0.01, 50.0),
+            (0.1, 90.0),
+            (1.0, 100.0),
+            (f64::INFINITY, 100.0),
+        ];
+        assert_eq!(bucket_quantile(&buckets, 0.25), 0.005);
+        assert!((bucket_quantile(&buckets, 0.7) - 0.055).abs() < 1e-9);
+        assert!((bucket_quantile(&buckets, 0.99) - 0.91).abs() < 1e-9);
+        assert_eq!(
+            bucket_quantile(&[(0.01, 0.0), (f64::INFINITY, 0.0)], 0.5),
+            0.0
+        );
+        assert_eq!(
+            bucket_quantile(&[(0.01, 1.0), (f64::INFINITY, 4.0)], 0.99),
+            0.01
+        );
+    }
 }

@@ -123,6 +123,18 @@ pub struct Sample {
     pub ttft: Option<f64>,
 }
 
+/// Every request as its client saw it, one JSON object per line, into
+/// `path`: the per-request view behind the percentiles.
+pub fn write_samples(path: &std::path::Path, samples: &[Sample]) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let mut out = String::new();
+    for s in samples {
+        out += &serde_json::to_string(s).context("serializing a sample")?;
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+}
+
 /// Which routers take requests: a Service's ready endpoints.
 #[derive(Debug)]
 pub struct Rotation {
