@@ -52,7 +52,7 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
             "/debug/requests/{id}",
             get(
                 |State(p): State<Arc<Service>>, Path(id): Path<String>| async move {
-                    p.recorded(&id).map(axum::Json).ok_or_else(|| {
+                    p.accounting.recorded(&id).map(axum::Json).ok_or_else(|| {
                         ApiError::NotFound(format!(
                             "no recent request {id}: the router keeps the last {} served requests with usage",
                             crate::request::recent::RECENT
@@ -67,7 +67,7 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
         )
         .route(
             "/debug/prefixes",
-            get(|State(p): State<Arc<Service>>| async move { axum::Json(p.volatile_prefixes()) }),
+            get(|State(p): State<Arc<Service>>| async move { axum::Json(p.accounting.volatile_prefixes()) }),
         )
         .layer(axum::middleware::from_fn(
             move |request: Request, next: axum::middleware::Next| {

@@ -458,7 +458,7 @@ impl Exchange {
                 .service
                 .pool
                 .failed(&attempt.target.name, Fault::Status);
-            self.service.metrics.health(failed);
+            self.service.accounting.metrics.health(failed);
         }
         decision.commit(attempt, status, sent)
     }

@@ -166,7 +166,7 @@ impl Forwarder {
                 }
             };
             let name = attempt.target.name.clone();
-            let warnings = &self.service.warnings;
+            let warnings = &self.service.accounting.warnings;
             match first {
                 Ok((response, _))
                     if let Some(refusal) =
@@ -241,7 +241,7 @@ impl Forwarder {
         sent: Instant,
     ) -> (Outcome, Attempt) {
         let (target, hang) = (&attempt.target.name, attempt.hang);
-        let timeout = hang.unwrap_or(self.service.hang_cap());
+        let timeout = hang.unwrap_or(self.service.accounting.hang_cap());
         let timed_out = || {
             let e = format!(
                 "{target} sent no response within {} ms",
@@ -288,8 +288,9 @@ impl Forwarder {
             };
         if let Err((_, Some(Fault::Timeout))) = &outcome {
             let fault = Some(Fault::Timeout);
-            self.service
-                .failure(&attempt.target, Fault::Timeout.as_str(), fault);
+            let service = &self.service;
+            let kind = Fault::Timeout.as_str();
+            (service.accounting).failure(&service.pool, &attempt.target, kind, fault);
         }
         (outcome, attempt)
     }

@@ -24,7 +24,7 @@ impl Service {
         cap: usize,
     ) -> Result<Admitted, ApiError> {
         let started = Instant::now();
-        let mut labels = Labels::uncounted(self);
+        let mut labels = Labels::uncounted(&self.accounting);
         let tenant = self.identify(headers, &mut labels)?;
         let declared = headers
             .get(header::CONTENT_LENGTH)

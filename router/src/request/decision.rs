@@ -2,7 +2,7 @@
 //! each attempt goes and what it holds, and the one commit that counts
 //! where the response began. Every counter a routed request moves is moved
 //! here (or by the [`Guard`] the commit returns), whichever front end sent
-//! it.
+//! it, into the [`Accounting`] it holds with the pool.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,17 +17,19 @@ use kvroute_core::slot::Slot;
 use super::guard::{Expected, Guard};
 use super::labels::Labels;
 use super::missed::Known;
-use super::{RequestId, Service, body};
+use super::{Accounting, RequestId, body};
 use crate::flow::Held;
 use crate::metrics::{ModelTenant, Why};
-use crate::pool::{Fault, InFlight, Lost, Plan, Target};
+use crate::pool::{Fault, InFlight, Lost, Plan, Pool, Target};
 use crate::prompt::Analysis;
 
-/// A decided request ([`Service::decide`]). Dropped before a commit or an
-/// answer, it counts the request as 499 (the client went away).
+/// A decided request ([`super::Service::decide`]). Dropped before a
+/// commit or an answer, it counts the request as 499 (the client went
+/// away).
 #[derive(Debug)]
 pub(crate) struct Decision {
-    service: Arc<Service>,
+    accounting: Arc<Accounting>,
+    pool: Arc<Pool>,
     labels: Labels,
     pub(super) analysis: Analysis,
     plan: Plan,
@@ -69,17 +71,18 @@ pub(crate) struct Attempt {
 impl Decision {
     /// A routed request: counted as routed with its prompt tokens.
     pub(super) fn new(
-        service: &Arc<Service>,
+        (accounting, pool): (&Arc<Accounting>, &Arc<Pool>),
         (labels, id): (Labels, RequestId),
         (analysis, diverged): (Analysis, Option<u32>),
         (plan, held): (Plan, Option<Held>),
         budget: Option<body::Held>,
     ) -> Self {
         let by = labels.model_tenant();
-        service.count_routed(&by, analysis.prompt_tokens);
+        accounting.count_routed(&by, analysis.prompt_tokens);
         Decision {
             cached: analysis.expected_cached(plan.cached_blocks),
-            service: service.clone(),
+            accounting: accounting.clone(),
+            pool: pool.clone(),
             labels,
             analysis,
             plan,
@@ -119,18 +122,17 @@ impl Decision {
         let first = n == 0;
         let cached = if first { self.cached } else { 0 };
         self.count_decision(target, first);
-        let service = &self.service;
         let uncached = self.analysis.prompt_tokens - cached;
         let a = &self.analysis;
-        let ttft = service.pool.predicted_ttft(&a.request(), target, uncached);
+        let ttft = self.pool.predicted_ttft(&a.request(), target, uncached);
         Attempt {
             target: target.clone(),
-            load: service.pool.start(&a.request(), target, uncached),
+            load: self.pool.start(&a.request(), target, uncached),
             cached,
             first,
             learned: true,
             known: self.known(Some(n % self.plan.targets.len())),
-            hang: service.hang.of(a.stream, a.max_tokens, ttft),
+            hang: self.accounting.hang.of(a.stream, a.max_tokens, ttft),
         }
     }
 
@@ -148,12 +150,11 @@ impl Decision {
     /// Attempts start over at the new plan's first target.
     pub(crate) fn refused(&mut self, attempt: Attempt, refusal: Refusal) {
         drop(attempt.load);
-        let service = &self.service;
-        service.metrics.admission_refusals.inc();
-        service.pool.refused(attempt.target.slot, refusal);
+        self.accounting.metrics.admission_refusals.inc();
+        self.pool.refused(attempt.target.slot, refusal);
         self.refused.push(attempt.target.slot);
         let a = &self.analysis;
-        let plan = service.pool.plan(&a.request(), a.readable);
+        let plan = self.pool.plan(&a.request(), a.readable);
         if !plan.targets.is_empty() {
             self.cached = a.expected_cached(plan.cached_blocks);
             self.plan = plan;
@@ -168,7 +169,6 @@ impl Decision {
         self.count_decision(&target, true);
         let prompt_tokens = self.analysis.prompt_tokens;
         let load = self
-            .service
             .pool
             .hold(&target, prompt_tokens, prompt_tokens - self.cached);
         Attempt {
@@ -188,10 +188,7 @@ impl Decision {
         self.count_decision(&target, false);
         let at = self.plan.targets.iter().position(|t| t.slot == target.slot);
         let prompt_tokens = self.analysis.prompt_tokens;
-        let load = self
-            .service
-            .pool
-            .hold(&target, prompt_tokens, prompt_tokens);
+        let load = self.pool.hold(&target, prompt_tokens, prompt_tokens);
         Attempt {
             target,
             load,
@@ -207,31 +204,30 @@ impl Decision {
     /// (`status`, `transport`, …), the endpoint's `fault` when it is one.
     pub(crate) fn failed(&self, attempt: Attempt, kind: &'static str, fault: Option<Fault>) {
         drop(attempt.load);
-        self.service.failure(&attempt.target, kind, fault);
+        self.accounting
+            .failure(&self.pool, &attempt.target, kind, fault);
     }
 
     /// The response of `attempt`, sent at `sent`, began with `status`: the
     /// policy learns where it went, and the returned guard follows the
     /// response and counts the request when it ends.
     pub(crate) fn commit(mut self, attempt: Attempt, status: StatusCode, sent: Instant) -> Guard {
-        let service = &self.service;
+        let metrics = &self.accounting.metrics;
         if attempt.first {
-            service.metrics.first_choice.inc();
-            service
-                .metrics
+            metrics.first_choice.inc();
+            metrics
                 .expected_cached_tokens
                 .get_or_create(&self.by)
                 .inc_by(attempt.cached);
         }
         if !attempt.learned {
-            service
-                .pool
-                .learn(&self.analysis.request(), &attempt.target);
+            self.pool.learn(&self.analysis.request(), &attempt.target);
         }
         let expected = self.expected(&attempt);
         let labels = self.labels.hand_over();
         let load = (attempt.load, attempt.target.name);
-        Guard::new(service, load, sent, labels, status, expected)
+        let holds = (&self.accounting, &self.pool);
+        Guard::new(holds, load, sent, labels, status, expected)
     }
 
     /// The request was answered with `status` without a response to follow
@@ -240,7 +236,7 @@ impl Decision {
         self.labels.count(status.as_str());
     }
 
-    /// Never counted as a request ([`Service::measure`]).
+    /// Never counted as a request ([`super::Service::measure`]).
     pub(super) fn forget(self) {
         self.labels.forget();
     }
@@ -260,7 +256,7 @@ impl Decision {
     }
 
     /// Attributes the missed tokens of `attempt` as if its engine found
-    /// what was expected cached there ([`Service::measure`]).
+    /// what was expected cached there ([`super::Service::measure`]).
     pub(super) fn attribute_expected(&self, attempt: &Attempt) {
         let e = self.expected(attempt);
         let usage = super::hit_rate::Usage {
@@ -268,7 +264,7 @@ impl Decision {
             cached_tokens: e.cached,
         };
         let name = &attempt.target.name;
-        (self.service).missed(&self.labels, name, &e, usage, None);
+        (self.accounting).missed(&self.labels, name, &e, usage, None);
     }
 
     /// What the router knew of the request at target `at` (by position;
@@ -316,13 +312,12 @@ impl Decision {
     /// recent decisions.
     fn count_decision(&self, target: &Target, first: bool) {
         let reason = if first {
-            self.service.pool.decided(target, self.plan.reason);
+            self.pool.decided(target, self.plan.reason);
             self.plan.reason.as_str()
         } else {
             "retry"
         };
-        self.service
-            .metrics
+        (self.accounting.metrics)
             .routing_decisions
             .get_or_create(&Why { reason })
             .inc();
@@ -349,15 +344,4 @@ pub(crate) fn refusal(status: StatusCode, headers: &axum::http::HeaderMap) -> Op
     }
     let value = |name| headers.get(name)?.to_str().ok();
     Refusal::parse(value(QUEUED_TOKENS_HEADER)?, value(WAITING_HEADER)?)
-}
-
-impl Service {
-    /// Counts a failed attempt at `target` (`kind`), and the endpoint's
-    /// `fault` against it when it is one.
-    pub(crate) fn failure(&self, target: &Target, kind: &'static str, fault: Option<Fault>) {
-        if let Some(fault) = fault {
-            self.metrics.health(self.pool.failed(&target.name, fault));
-        }
-        self.metrics.upstream_failure(&target.name, kind);
-    }
 }

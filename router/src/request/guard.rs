@@ -1,7 +1,8 @@
 //! A served request's response, as either front end follows it: the first
 //! byte ends the prefill, the end counts the request and reads the
 //! engine's `usage` against what the router expected, a broken stream
-//! ejects the endpoint.
+//! ejects the endpoint. It counts into the [`Accounting`] it holds with
+//! the pool.
 
 use std::sync::Arc;
 
@@ -10,10 +11,9 @@ use tokio::time::Instant;
 
 use super::labels::Labels;
 use super::missed::{self, Known};
-use super::{RequestId, Service};
+use super::{Accounting, RequestId};
 use crate::metrics::Model;
-use crate::pool::Fault;
-use crate::pool::InFlight;
+use crate::pool::{Fault, InFlight, Pool};
 use crate::request::hit_rate::{Usage, UsageScan};
 
 /// A served request's hold on its endpoint's load; dropping it (the client
@@ -22,7 +22,8 @@ use crate::request::hit_rate::{Usage, UsageScan};
 /// when the body completed, `stream_error` when it broke, 499 when the
 /// client left first.
 pub(crate) struct Guard {
-    service: Arc<Service>,
+    accounting: Arc<Accounting>,
+    pool: Arc<Pool>,
     load: InFlight,
     name: Arc<str>,
     sent: Instant,
@@ -54,9 +55,9 @@ pub(crate) struct Expected {
 
 impl Guard {
     /// Follows the response of a request sent to endpoint `name` at `sent`
-    /// holding `load`, answered with `status`.
+    /// holding `load`, answered with `status`, counted into `accounting`.
     pub(crate) fn new(
-        service: &Arc<Service>,
+        (accounting, pool): (&Arc<Accounting>, &Arc<Pool>),
         (load, name): (InFlight, Arc<str>),
         sent: Instant,
         labels: Labels,
@@ -64,7 +65,8 @@ impl Guard {
         expected: Expected,
     ) -> Self {
         Guard {
-            service: service.clone(),
+            accounting: accounting.clone(),
+            pool: pool.clone(),
             load,
             name,
             sent,
@@ -85,7 +87,7 @@ impl Guard {
     /// its headers go out: `endpoint=…; expected-cached=N;
     /// expected-missed=cause:N,…`.
     pub(crate) fn cache_header(&self) -> Option<axum::http::HeaderValue> {
-        if !self.service.cache_header {
+        if !self.accounting.cache_header {
             return None;
         }
         let e = &self.expected;
@@ -115,8 +117,7 @@ impl Guard {
     fn first_byte(&mut self) {
         self.first = false;
         self.load.first_token();
-        self.service
-            .metrics
+        (self.accounting.metrics)
             .upstream_ttft_seconds
             .observe(self.sent.elapsed().as_secs_f64());
     }
@@ -124,13 +125,13 @@ impl Guard {
     /// The response ended.
     pub(crate) fn done(&mut self) {
         if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
-            let succeeded = self.service.pool.succeeded(&self.name);
-            self.service.metrics.health(succeeded);
+            let succeeded = self.pool.succeeded(&self.name);
+            self.accounting.metrics.health(succeeded);
             if self.status.is_success() {
                 match self.usage.usage() {
                     Some((usage, id)) => {
                         let (labels, name) = (&self.labels, &self.name);
-                        (self.service).missed(labels, name, &self.expected, usage, id.clone());
+                        (self.accounting).missed(labels, name, &self.expected, usage, id.clone());
                         self.observed(usage, id);
                     }
                     None => self.unreported(),
@@ -141,21 +142,18 @@ impl Guard {
 
     /// The response broke off.
     pub(crate) fn broke(&mut self, error: &str) {
-        let service = &self.service;
-        if let Some(times) = service.warnings.admit(&self.name, "stream") {
+        let accounting = &self.accounting;
+        if let Some(times) = accounting.warnings.admit(&self.name, "stream") {
             tracing::warn!(endpoint = %self.name, error, times, "upstream stream broke");
         }
-        service
-            .metrics
-            .health(service.pool.failed(&self.name, Fault::Stream));
-        service.metrics.upstream_failure(&self.name, "stream");
+        (accounting.metrics).health(self.pool.failed(&self.name, Fault::Stream));
+        accounting.metrics.upstream_failure(&self.name, "stream");
         self.labels.count("stream_error");
     }
 
     /// Counts the prompt tokens of a response without usage.
     fn unreported(&self) {
-        self.service
-            .metrics
+        (self.accounting.metrics)
             .unreported_prompt_tokens
             .get_or_create(&Model {
                 model: self.labels.model.clone(),
@@ -167,14 +165,18 @@ impl Guard {
     /// router expected, and logs a sustained gap.
     fn observed(&self, usage: Usage, id: Option<String>) {
         let by = self.labels.model_tenant();
-        let m = &self.service.metrics;
+        let m = &self.accounting.metrics;
         m.observed_prompt_tokens
             .get_or_create(&by)
             .inc_by(usage.prompt_tokens);
         m.observed_cached_tokens
             .get_or_create(&by)
             .inc_by(usage.cached_tokens);
-        let mut gap = self.service.gap.lock().unwrap_or_else(|e| e.into_inner());
+        let mut gap = self
+            .accounting
+            .gap
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let now = Instant::now().into_std();
         let model = self.labels.model.as_str();
         let expected = &self.expected;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::Service;
+use super::Accounting;
 use crate::metrics::{ModelStatus, ModelTenant};
 
 /// Counts a request under `kvroute_requests_total` exactly once: with its
@@ -12,18 +12,18 @@ use crate::metrics::{ModelStatus, ModelTenant};
 /// when it is streamed back ([`hand_over`](Self::hand_over)).
 #[derive(Debug)]
 pub(crate) struct Labels {
-    service: Arc<Service>,
+    accounting: Arc<Accounting>,
     pub(crate) model: String,
-    /// The tenant, as a bounded label (see [`Service::tenant_label`]).
+    /// The tenant, as a bounded label (see [`Accounting::tenant_label`]).
     pub(crate) tenant: String,
     counted: bool,
 }
 
 impl Labels {
     /// Labels of a request not yet counted nor analyzed.
-    pub(crate) fn new(service: &Arc<Service>) -> Self {
+    pub(crate) fn new(accounting: &Arc<Accounting>) -> Self {
         Labels {
-            service: service.clone(),
+            accounting: accounting.clone(),
             model: String::new(),
             tenant: String::new(),
             counted: false,
@@ -31,8 +31,8 @@ impl Labels {
     }
 
     /// Labels of a request never counted (an explain).
-    pub(crate) fn uncounted(service: &Arc<Service>) -> Self {
-        let mut labels = Labels::new(service);
+    pub(crate) fn uncounted(accounting: &Arc<Accounting>) -> Self {
+        let mut labels = Labels::new(accounting);
         labels.counted = true;
         labels
     }
@@ -46,7 +46,11 @@ impl Labels {
                 model: self.model.clone(),
                 status: status.to_owned(),
             };
-            self.service.metrics.requests.get_or_create(&labels).inc();
+            self.accounting
+                .metrics
+                .requests
+                .get_or_create(&labels)
+                .inc();
         }
         first
     }
@@ -63,7 +67,7 @@ impl Labels {
     pub(crate) fn hand_over(&mut self) -> Labels {
         self.counted = true;
         Labels {
-            service: self.service.clone(),
+            accounting: self.accounting.clone(),
             model: std::mem::take(&mut self.model),
             tenant: std::mem::take(&mut self.tenant),
             counted: false,
@@ -71,7 +75,7 @@ impl Labels {
     }
 
     /// Never counted: a decision only measured, not served
-    /// ([`Service::measure`]).
+    /// ([`super::Service::measure`]).
     pub(crate) fn forget(mut self) {
         self.counted = true;
     }

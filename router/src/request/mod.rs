@@ -16,8 +16,13 @@
 //! 4. The plan: the pool's ranking among the endpoints the request may go
 //!    to, waiting in the bounded queue while all are full ([`queue`]).
 //!
+//! What a routed request moves, every counter and record, is the
+//! [`Accounting`]'s: the decision and its guard hold it and the pool, not
+//! this service.
+//!
 //! Not here: sending, retrying and streaming bytes (the front ends).
 
+mod accounting;
 mod admitted;
 mod ask;
 pub mod body;
@@ -41,6 +46,7 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
+pub use self::accounting::Accounting;
 pub(crate) use self::admitted::Admitted;
 pub(crate) use self::ask::{Among, Ask, Payload};
 use self::body::{BodyBudget, Received};
@@ -51,17 +57,14 @@ pub use self::recent::RequestId;
 use crate::config::{Config, Limits};
 use crate::errors::ApiError;
 use crate::explain::Explanation;
-use crate::metrics::{Metrics, ModelTenant, Outcome};
+use crate::metrics::{Metrics, Outcome};
 use crate::models::{ModelList, Models};
 use crate::pool::Pool;
 use crate::prompt::body::Api;
 use crate::prompt::conversations::{Conversations, Memo};
-use crate::prompt::prefixes::{Offender, Volatility};
 use crate::prompt::{Analysis, Input, Prompts, Reader, Scope, TREE_EXPANSION};
-use crate::request::hit_rate::Gap;
 use crate::settings::Settings;
 use crate::tenancy::Tenancy;
-use crate::throttle::Warnings;
 
 /// How long an explain waits for the one before it (503 after).
 const EXPLAIN_WAIT: Duration = Duration::from_secs(10);
@@ -75,8 +78,8 @@ const UNKNOWN_MODEL: &str = "unknown";
 pub struct Service {
     /// The pool requests go to.
     pub pool: Arc<Pool>,
-    /// Counters and histograms.
-    pub metrics: Arc<Metrics>,
+    /// What routed requests are counted and recorded in.
+    pub accounting: Arc<Accounting>,
     prompts: Prompts,
     limits: Limits,
     allowed_paths: HashSet<String>,
@@ -87,22 +90,6 @@ pub struct Service {
     /// Explains running: one at a time.
     explains: Arc<Semaphore>,
     models: Arc<Models>,
-    /// Tenants named in metrics.
-    tenant_labels: HashSet<String>,
-    /// Expected against observed hit rate, per model.
-    gap: std::sync::Mutex<Gap>,
-    /// Volatile prefix detection.
-    prefixes: std::sync::Mutex<Volatility>,
-    /// The `evicted` share of prompt tokens, per model label.
-    pressure: std::sync::Mutex<std::collections::HashMap<String, missed::Pressure>>,
-    /// Recent requests' missed tokens.
-    recent: recent::Recent,
-    /// `telemetry.cacheHeader`.
-    pub(crate) cache_header: bool,
-    /// When an attempt counts as hung.
-    hang: hang::Deadline,
-    /// Per-request warnings, throttled per endpoint and reason.
-    pub(crate) warnings: Warnings,
     /// The exact response cache, when on (the HTTP front end's).
     pub response_cache: Option<Arc<crate::response_cache::ResponseCache>>,
 }
@@ -135,10 +122,7 @@ impl Service {
     /// A service over `pool` configured by `config`.
     pub fn new(pool: Arc<Pool>, metrics: Arc<Metrics>, tenancy: Tenancy, config: &Config) -> Self {
         let limits = config.limits.clone();
-        let tenant_labels = tenancy
-            .tenants()
-            .chain(config.telemetry.tenant_labels.iter().cloned())
-            .collect();
+        let accounting = Arc::new(Accounting::new(metrics.clone(), &tenancy, config));
         let conversations = Conversations::new(metrics.conversation_evictions.clone());
         Service {
             pool,
@@ -153,17 +137,9 @@ impl Service {
             flow: Arc::new(crate::flow::Gate::new(config, metrics.clone())),
             explains: Arc::new(Semaphore::new(1)),
             models: Arc::new(Models::new(&limits)),
-            tenant_labels,
-            gap: std::sync::Mutex::default(),
-            prefixes: std::sync::Mutex::default(),
-            pressure: std::sync::Mutex::default(),
-            recent: recent::Recent::default(),
-            cache_header: config.telemetry.cache_header,
-            hang: hang::Deadline::new(&config.resilience, &config.limits),
-            warnings: Warnings::default(),
             response_cache: None,
             limits,
-            metrics,
+            accounting,
         }
     }
 
@@ -199,11 +175,6 @@ impl Service {
         job: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
         self.prompts.run(self.limits.retry_after_s, job).await
-    }
-
-    /// The longest an attempt waits for its first byte ([`hang::Deadline::cap`]).
-    pub(crate) fn hang_cap(&self) -> Duration {
-        self.hang.cap()
     }
 
     /// `limits.firstByteTimeoutMs`.
@@ -248,8 +219,8 @@ impl Service {
         purpose: Purpose,
     ) -> Result<(Labels, Option<String>), ApiError> {
         let mut labels = match purpose {
-            Purpose::Route => Labels::new(self),
-            Purpose::Explain => Labels::uncounted(self),
+            Purpose::Route => Labels::new(&self.accounting),
+            Purpose::Explain => Labels::uncounted(&self.accounting),
         };
         let checked = self
             .allowed(path)
@@ -296,11 +267,12 @@ impl Service {
                 return Err(e);
             }
         };
-        self.metrics
+        self.accounting
+            .metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
         Ok(Decision::new(
-            self,
+            (&self.accounting, &self.pool),
             (labels, id),
             (analysis, diverged),
             planned,
@@ -342,7 +314,7 @@ impl Service {
                     .await;
             }
             Payload::Bodiless => {
-                let mut labels = Labels::new(self);
+                let mut labels = Labels::new(&self.accounting);
                 let tenant = match self.identify(headers, &mut labels) {
                     Ok(t) => t,
                     Err(e) => {
@@ -416,7 +388,7 @@ impl Service {
             }
         }
         if purpose == Purpose::Route {
-            read.diverged = self.volatile(&read.analysis, &read.labels, own);
+            read.diverged = self.accounting.volatile(&read.analysis, &read.labels, own);
         }
         Ok(read)
     }
@@ -428,7 +400,7 @@ impl Service {
         labels: &mut Labels,
     ) -> Result<Option<String>, ApiError> {
         let tenant = self.tenancy().tenant(headers)?;
-        labels.tenant = self.tenant_label(tenant.as_deref());
+        labels.tenant = self.accounting.tenant_label(tenant.as_deref());
         Ok(tenant)
     }
 
@@ -470,7 +442,7 @@ impl Service {
             self.limits.max_tokenize_bytes,
         );
         if reader == Reader::TooLarge {
-            self.metrics.prompts_not_tokenized.inc();
+            self.accounting.metrics.prompts_not_tokenized.inc();
         }
         let _parsing = match held {
             Some(h) if reader.builds_tree(Api::of(path)) => {
@@ -500,7 +472,8 @@ impl Service {
                 Memo::Hit => "hit",
                 Memo::Miss => "miss",
             };
-            self.metrics
+            self.accounting
+                .metrics
                 .conversation_prompts
                 .get_or_create(&Outcome { result })
                 .inc();
@@ -610,62 +583,19 @@ impl Service {
         Ok(target.name.to_string())
     }
 
-    /// `tenant` as a metric label: a tenant of the API-key map or of
-    /// `telemetry.tenantLabels`, `none` without one, else `other`.
-    fn tenant_label(&self, tenant: Option<&str>) -> String {
-        match tenant {
-            None => "none".into(),
-            Some(t) if self.tenant_labels.contains(t) => t.into(),
-            Some(_) => "other".into(),
-        }
-    }
-
-    /// Looks for where a routed request of `tenant` (a hash) left a recent
-    /// prompt whose later contents recur (see
-    /// [`prefixes`](crate::prompt::prefixes)), and returns that block;
-    /// counts an early one as a volatile prefix.
-    fn volatile(&self, analysis: &Analysis, labels: &Labels, tenant: u64) -> Option<u32> {
-        let mut v = self.prefixes.lock().unwrap_or_else(|e| e.into_inner());
-        let first = analysis.chain.first().copied();
-        let d = v.observe(tenant, first, &analysis.contents)?;
-        if !d.early() {
-            return Some(d.block as u32);
-        }
-        v.record(
-            &d,
-            analysis.block_tokens as usize,
-            &labels.model,
-            &labels.tenant,
-        );
-        drop(v);
-        self.metrics
-            .volatile_prefix_requests
-            .get_or_create(&labels.model_tenant())
-            .inc();
-        Some(d.block as u32)
-    }
-
-    /// The recurring volatile prefixes, most frequent first.
-    pub fn volatile_prefixes(&self) -> Vec<Offender> {
-        self.prefixes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .offenders()
-    }
-
     /// What the endpoints serve (see [`Models`]).
     pub async fn models(self: &Arc<Self>) -> Arc<ModelList> {
         self.models.get(|| self.pool.addresses()).await
     }
 
-    /// Counts a request's `{model, tenant}` labels as routed with its
-    /// prompt tokens.
-    fn count_routed(&self, by: &ModelTenant, prompt_tokens: u64) {
-        self.metrics.routed.inc();
-        self.metrics
-            .prompt_tokens
-            .get_or_create(by)
-            .inc_by(prompt_tokens);
+    /// The exposition text of `/metrics`, with the gauges that are set
+    /// when read (`kvroute_cache_pressure`, the response cache's) as of now.
+    pub fn render_metrics(&self) -> String {
+        self.accounting.set_pressure();
+        if let Some(cache) = &self.response_cache {
+            cache.refresh_gauges();
+        }
+        self.accounting.metrics.render(&self.pool)
     }
 }
 

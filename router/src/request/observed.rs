@@ -1,13 +1,13 @@
 //! What a served request's usage tells, after its response: its missed
 //! tokens counted by cause ([`super::missed`]), the pressure window behind
 //! `kvroute_cache_pressure`, and the ring of recent requests behind
-//! `GET /debug/requests/{id}`.
+//! `GET /debug/requests/{id}`, all kept by the [`Accounting`].
 
 use std::sync::Arc;
 
 use tokio::time::Instant;
 
-use super::Service;
+use super::Accounting;
 use super::guard::Expected;
 use super::hit_rate::Usage;
 use super::labels::Labels;
@@ -16,7 +16,7 @@ use super::recent::Entry;
 use crate::explain::Recorded;
 use crate::metrics::{Model, ModelReason, ModelTenantCause};
 
-impl Service {
+impl Accounting {
     /// Attributes the missed tokens of a request `labels` sent to
     /// `endpoint` expecting `e`, whose engine reported `usage` in its
     /// response `response_id` ([`missed`]): counted, in the pressure
@@ -84,9 +84,8 @@ impl Service {
         });
     }
 
-    /// The exposition text of `/metrics`, with `kvroute_cache_pressure`
-    /// as of now.
-    pub fn render_metrics(&self) -> String {
+    /// Sets `kvroute_cache_pressure` as of now.
+    pub(super) fn set_pressure(&self) {
         let now = Instant::now().into_std();
         let mut p = self.pressure.lock().unwrap_or_else(|e| e.into_inner());
         for (model, window) in p.iter_mut() {
@@ -97,11 +96,6 @@ impl Service {
                 })
                 .set(window.share(now));
         }
-        drop(p);
-        if let Some(cache) = &self.response_cache {
-            cache.refresh_gauges();
-        }
-        self.metrics.render(&self.pool)
     }
 
     /// A recent request's record, by its `x-request-id` or the engine's

@@ -13,7 +13,7 @@ impl Service {
         // Checked first, so the wait's end is noticed on every call.
         let (snapshots, gave_up) = self.pool.startup();
         if let Some(g) = gave_up {
-            self.metrics.snapshot_waits_expired.inc();
+            self.accounting.metrics.snapshot_waits_expired.inc();
             tracing::warn!(
                 missing = %g,
                 waited_ms = g.waited.as_millis() as u64,
