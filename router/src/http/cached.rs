@@ -17,10 +17,11 @@ use axum::http::request::Parts;
 use self::record::record;
 use super::Forwarder;
 use crate::errors::ApiError;
+use crate::prompt::body::Api;
 use crate::request::{Payload, RequestId};
 use crate::response_cache::answer::Answer;
 use crate::response_cache::coalesce::Joined;
-use crate::response_cache::key::{self, Api, Cacheable, Classified};
+use crate::response_cache::key::{self, Cacheable, Classified};
 use crate::response_cache::metrics::ModelResult;
 use crate::response_cache::semantic::{Found, SIMILARITY_HEADER};
 use crate::response_cache::{RESULT_HEADER, ResponseCache, unix_ms};
@@ -218,7 +219,7 @@ impl Forwarder {
 fn answer_id(c: &Cacheable, id: &RequestId) -> String {
     let prefix = match c.form.api {
         Api::Chat => "chatcmpl",
-        Api::Completion => "cmpl",
+        Api::Completion | Api::Other => "cmpl",
     };
     format!("{prefix}-{}", id.header().to_str().unwrap_or_default())
 }

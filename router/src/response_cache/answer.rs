@@ -5,12 +5,17 @@
 //! deltas, finish reason, `usage` when asked for, `[DONE]`), with a fresh
 //! `id` and `created`. Its usage says every prompt token was cached.
 //!
+//! Answers are of chat or completions only ([`Form::api`]); an
+//! [`Api::Other`] answer is never read, and renders as completions only
+//! for the match to be whole.
+//!
 //! Not here: reading a stream into one ([`super::capture`]).
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::key::{Api, Form};
+use super::key::Form;
+use crate::prompt::body::Api;
 
 /// The longest content delta a streamed hit sends, bytes.
 const DELTA_BYTES: usize = 256;
@@ -55,7 +60,7 @@ pub struct ToolCall {
 impl Answer {
     /// The answer in a complete, non-streamed response body of `api`;
     /// `None` unless it is one successful choice with a finish reason and
-    /// usage and without logprobs.
+    /// usage and without logprobs, of chat or completions.
     pub fn of_json(api: Api, body: &[u8]) -> Option<Answer> {
         let v: Value = serde_json::from_slice(body).ok()?;
         let [choice] = v["choices"].as_array()?.as_slice() else {
@@ -73,6 +78,7 @@ impl Answer {
             ..Answer::default()
         };
         match api {
+            Api::Other => return None,
             Api::Completion => answer.content = choice["text"].as_str()?.to_owned(),
             Api::Chat => {
                 let message = &choice["message"];
@@ -128,7 +134,7 @@ impl Answer {
                     "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": self.finish_reason}],
                 })
             }
-            Api::Completion => json!({
+            Api::Completion | Api::Other => json!({
                 "id": id, "object": "text_completion", "created": created, "model": self.model,
                 "choices": [{"index": 0, "text": self.content, "logprobs": null, "finish_reason": self.finish_reason}],
             }),
@@ -141,7 +147,7 @@ impl Answer {
     fn events(&self, form: Form, id: &str, created: u64) -> Vec<u8> {
         let object = match form.api {
             Api::Chat => "chat.completion.chunk",
-            Api::Completion => "text_completion",
+            Api::Completion | Api::Other => "text_completion",
         };
         let mut out = Vec::with_capacity(self.content.len() * 2 + 512);
         let mut emit = |choices: Value, usage: Option<Value>| {
@@ -158,7 +164,7 @@ impl Answer {
             Api::Chat => {
                 json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
             }
-            Api::Completion => {
+            Api::Completion | Api::Other => {
                 json!([{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}])
             }
         };
@@ -176,7 +182,7 @@ impl Answer {
         for part in split(&self.content) {
             let delta = match form.api {
                 Api::Chat => json!({"content": part}),
-                Api::Completion => json!(part),
+                Api::Completion | Api::Other => json!(part),
             };
             emit(piece(delta, None), None);
         }
@@ -186,7 +192,7 @@ impl Answer {
         }
         let end = match form.api {
             Api::Chat => json!({}),
-            Api::Completion => json!(""),
+            Api::Completion | Api::Other => json!(""),
         };
         emit(piece(end, Some(&self.finish_reason)), None);
         if form.include_usage {

@@ -22,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::Value;
 
 use super::answer::{Answer, ToolCall};
-use super::key::Api;
+use crate::prompt::body::Api;
 
 /// How an answer is being read.
 #[derive(Debug)]
@@ -207,6 +207,8 @@ impl Capture {
         }
         let a = &mut self.answer;
         match self.api {
+            // Never stored: only chat and completions are cached.
+            Api::Other => self.spoiled = true,
             Api::Completion => a.content.push_str(choice["text"].as_str().unwrap_or("")),
             Api::Chat => {
                 let delta = &choice["delta"];

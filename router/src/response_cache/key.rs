@@ -2,7 +2,9 @@
 //! request's path, headers, tenant and body in; a [`Classified`] out.
 //!
 //! The rules, in order (the first that applies decides):
-//! 1. Only `/v1/chat/completions` and `/v1/completions` are cached.
+//! 1. Only `/v1/chat/completions` and `/v1/completions` are cached: the
+//!    prompt reader's [`Api`] says which API a path is, and
+//!    [`Api::Other`] is passed by.
 //! 2. `Cache-Control: no-store`: neither read nor stored. `no-cache`: not
 //!    served from the cache, but the new answer is stored.
 //! 3. The body is a JSON object naming a `model`, with a canonical form
@@ -45,6 +47,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use self::canon::Members;
+use crate::prompt::body::Api;
 use crate::prompt::json_skim;
 
 /// The header opting a sampled request (`temperature` not 0) in.
@@ -62,27 +65,6 @@ pub const EXCLUDED: [&str; 8] = [
     "request_id",
     "priority",
 ];
-
-/// The two cached APIs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Api {
-    /// `/v1/chat/completions`.
-    Chat,
-    /// `/v1/completions`.
-    Completion,
-}
-
-impl Api {
-    /// The API at `path`, if cached.
-    pub fn of(path: &str) -> Option<Api> {
-        match path {
-            "/v1/chat/completions" => Some(Api::Chat),
-            "/v1/completions" => Some(Api::Completion),
-            _ => None,
-        }
-    }
-}
 
 /// The key an answer is stored under.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -103,7 +85,8 @@ impl Key {
 /// How a cacheable request asked to be answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Form {
-    /// Its API.
+    /// Its API: chat or completions, never [`Api::Other`] ([`classify`]
+    /// passes it by).
     pub api: Api,
     /// `stream: true`.
     pub stream: bool,
@@ -171,9 +154,10 @@ pub fn classify(
     body: &[u8],
     roots: impl Fn(&str) -> Vec<String>,
 ) -> Classified {
-    let Some(api) = Api::of(path) else {
+    let api = Api::of(path);
+    if api == Api::Other {
         return Classified::Bypass("path");
-    };
+    }
     let control = directives(headers);
     if control.iter().any(|d| d == "no-store") {
         return Classified::Bypass("no_store");
@@ -235,7 +219,7 @@ pub fn classify(
     let question = question
         .filter(|_| keying.semantic)
         .and_then(|(context, text)| {
-            let asked = members.iter_mut().find(|(k, _)| k == asked(api))?;
+            let asked = members.iter_mut().find(|(k, _)| Some(&**k) == asked(api))?;
             asked.1 = context;
             let rest = body_digest(&mut members)?;
             let context = digest(&keying.secret, CONTEXT_TAG, &present, &head, &rest);
@@ -285,11 +269,12 @@ const RULES: [&str; 10] = [
     "kv_transfer_params",
 ];
 
-/// The member holding an API's question.
-fn asked(api: Api) -> &'static str {
+/// The member holding an API's question (none for an API not cached).
+fn asked(api: Api) -> Option<&'static str> {
     match api {
-        Api::Chat => "messages",
-        Api::Completion => "prompt",
+        Api::Chat => Some("messages"),
+        Api::Completion => Some("prompt"),
+        Api::Other => None,
     }
 }
 
@@ -325,14 +310,14 @@ impl<'b> Read<'b> {
                 refused = canon::MEMBERS;
                 return Err(json_skim::Rejected);
             }
-            let read_as = (key == asked(api)).then_some(api);
+            let read_as = (Some(&*key) == asked(api)).then_some(api);
             let digested = match read_as {
                 Some(Api::Chat) => chat::messages(value, asking),
                 Some(Api::Completion) => canon::digest(value).map(|d| {
                     let text = asking.then(|| chat::text_of(value)).flatten();
                     (d, Some((chat::BLANK, text)))
                 }),
-                None => canon::digest(value).map(|d| (d, None)),
+                Some(Api::Other) | None => canon::digest(value).map(|d| (d, None)),
             };
             let (digest, question) = digested.map_err(|why| {
                 refused = why;
@@ -375,7 +360,7 @@ fn nondeterministic(read: &Read<'_>, api: Api, sampled: bool) -> Option<&'static
     let logprobs = match (api, read.scalar("logprobs")) {
         (_, None | Some(Value::Null)) => false,
         (Api::Chat, Some(v)) => v.as_bool() != Some(false),
-        (Api::Completion, Some(_)) => true,
+        (Api::Completion | Api::Other, Some(_)) => true,
     };
     if logprobs || present("top_logprobs") || present("prompt_logprobs") {
         return Some("logprobs");
