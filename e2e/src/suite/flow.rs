@@ -12,7 +12,7 @@ use super::balance;
 use super::load::{self, Outcome, Rotation, Sample, Shape};
 use super::report::{self, Scenario};
 use super::scenarios::Ctx;
-use super::system::{ITL_MS, Setup, TENANT_HEADER};
+use super::system::{ITL_MS, Setup, System, TENANT_HEADER};
 
 /// Pods in both scenarios.
 const PODS: usize = 4;
@@ -67,15 +67,42 @@ async fn run(
     for ((label, _), samples) in shapes.iter().zip(&samples) {
         load::write_samples(&logs.join(format!("requests-{label}.jsonl")), samples)?;
     }
-    let mut texts = Vec::new();
-    for i in 0..system.router_addrs().len() {
-        let text = system.router_metrics(i).await?;
-        std::fs::write(logs.join(format!("router-{i}.prom")), &text)?;
-        texts.push(text);
+    let texts = routers_metrics(&system).await?;
+    for (i, text) in texts.iter().enumerate() {
+        std::fs::write(logs.join(format!("router-{i}.prom")), text)?;
     }
     balance::figures(s, prefix, &samples.concat(), &system.pod_names());
     queue_figures(s, prefix, &texts);
     Ok(samples)
+}
+
+/// The three runs of scenario `name`, its routers' YAML `yaml` followed
+/// by a `flowControl:` block: the first `count` of `shapes` with flow
+/// control (logs under `<name>-<suffix>`), all of `shapes` with it, and
+/// all without it (`<name>-unheld`).
+async fn runs(
+    ctx: &Ctx,
+    s: &mut Scenario,
+    (name, yaml): (&str, &str),
+    (suffix, count): (&str, usize),
+    shapes: &[(&str, Shape)],
+) -> anyhow::Result<[Vec<Vec<Sample>>; 3]> {
+    let (on, off) = (format!("{yaml}{FLOW}"), format!("{yaml}{FLOW_OFF}"));
+    let first = (&*format!("{name}-{suffix}"), "alone_");
+    let alone = run(ctx, s, first, on.clone(), &shapes[..count]).await?;
+    let held = run(ctx, s, (name, ""), on, shapes).await?;
+    let unheld_name = format!("{name}-unheld");
+    let unheld = run(ctx, s, (&unheld_name, "unheld_"), off, shapes).await?;
+    Ok([alone, held, unheld])
+}
+
+/// Every router's `/metrics`.
+pub(super) async fn routers_metrics(system: &System) -> anyhow::Result<Vec<String>> {
+    let mut texts = Vec::new();
+    for i in 0..system.router_addrs().len() {
+        texts.push(system.router_metrics(i).await?);
+    }
+    Ok(texts)
 }
 
 /// The queue's figures from the routers' metrics `texts`, under
@@ -182,18 +209,8 @@ pub async fn overload(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     const PRIORITY: &[(&str, &str)] = &[("x-gateway-inference-objective", "interactive")];
     let priority = stream(ctx, 0.2, 11, PRIORITY);
     let flood = stream(ctx, 6.0, 13, &[]);
-    let yaml = |flow: &str| format!("{OBJECTIVES}{flow}");
     let both = [("priority", priority), ("flood", flood)];
-    let alone = run(ctx, s, ("overload-alone", "alone_"), yaml(FLOW), &both[..1]).await?;
-    let held = run(ctx, s, ("overload", ""), yaml(FLOW), &both).await?;
-    let unheld = run(
-        ctx,
-        s,
-        ("overload-unheld", "unheld_"),
-        yaml(FLOW_OFF),
-        &both,
-    )
-    .await?;
+    let [alone, held, unheld] = runs(ctx, s, ("overload", OBJECTIVES), ("alone", 1), &both).await?;
     let (alone_p99, p99, unheld_p99) = (p99_ms(&alone[0]), p99_ms(&held[0]), p99_ms(&unheld[0]));
     s.figure("priority_alone_ttft_p99_ms", alone_p99);
     s.figure("priority_ttft_p99_ms", p99);
@@ -240,25 +257,8 @@ pub async fn noisy_tenant(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     const NOISY: &[(&str, &str)] = &[(TENANT_HEADER, "noisy")];
     let (a, b) = (stream(ctx, 0.5, 21, A), stream(ctx, 0.5, 23, B));
     let noisy = stream(ctx, 2.5, 25, NOISY);
-    let yaml = |flow: &str| format!("{TENANCY}{flow}");
     let all = [("a", a), ("b", b), ("noisy", noisy)];
-    let quiet = run(
-        ctx,
-        s,
-        ("noisy_tenant-quiet", "alone_"),
-        yaml(FLOW),
-        &all[..2],
-    )
-    .await?;
-    let held = run(ctx, s, ("noisy_tenant", ""), yaml(FLOW), &all).await?;
-    let unheld = run(
-        ctx,
-        s,
-        ("noisy_tenant-unheld", "unheld_"),
-        yaml(FLOW_OFF),
-        &all,
-    )
-    .await?;
+    let [quiet, held, unheld] = runs(ctx, s, ("noisy_tenant", TENANCY), ("quiet", 2), &all).await?;
     // Two decode steps: what one request ahead at dispatch may cost.
     let steps_ms = 2.0 * f64::from(ITL_MS);
     let mut met = true;

@@ -289,10 +289,7 @@ async fn steady_state(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         let logs = ctx.out.join("logs").join(&name);
         load::write_samples(&logs.join("requests.jsonl"), &samples)?;
         if policy == "kvroute" {
-            let mut texts = Vec::new();
-            for i in 0..system.router_addrs().len() {
-                texts.push(system.router_metrics(i).await?);
-            }
+            let texts = super::flow::routers_metrics(&system).await?;
             super::flow::queue_figures(s, prefix, &texts);
         }
         if prefix.is_empty() {

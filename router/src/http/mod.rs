@@ -290,7 +290,7 @@ impl Forwarder {
             let fault = Some(Fault::Timeout);
             let service = &self.service;
             let kind = Fault::Timeout.as_str();
-            (service.accounting).failure(&service.pool, &attempt.target, kind, fault);
+            (service.accounting).failure(&service.pool, &attempt.target.name, kind, fault);
         }
         (outcome, attempt)
     }

@@ -21,7 +21,7 @@ use super::missed::Pressure;
 use super::recent::Recent;
 use crate::config::Config;
 use crate::metrics::{Metrics, ModelTenant};
-use crate::pool::{Fault, Pool, Target};
+use crate::pool::{Fault, Pool};
 use crate::prompt::Analysis;
 use crate::prompt::prefixes::{Offender, Volatility};
 use crate::tenancy::Tenancy;
@@ -95,20 +95,20 @@ impl Accounting {
             .inc_by(prompt_tokens);
     }
 
-    /// Counts a failed attempt at `target` (`kind`), and tells `pool` of
-    /// the endpoint's `fault` when it is one, counting what that did to
-    /// its health.
+    /// Counts a failed attempt at endpoint `name` (`kind`), and tells
+    /// `pool` of the endpoint's `fault` when it is one, counting what that
+    /// did to its health.
     pub(crate) fn failure(
         &self,
         pool: &Pool,
-        target: &Target,
+        name: &str,
         kind: &'static str,
         fault: Option<Fault>,
     ) {
         if let Some(fault) = fault {
-            self.metrics.health(pool.failed(&target.name, fault));
+            self.metrics.health(pool.failed(name, fault));
         }
-        self.metrics.upstream_failure(&target.name, kind);
+        self.metrics.upstream_failure(name, kind);
     }
 
     /// Looks for where a routed request of `tenant` (a hash) left a recent

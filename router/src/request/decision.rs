@@ -205,7 +205,7 @@ impl Decision {
     pub(crate) fn failed(&self, attempt: Attempt, kind: &'static str, fault: Option<Fault>) {
         drop(attempt.load);
         self.accounting
-            .failure(&self.pool, &attempt.target, kind, fault);
+            .failure(&self.pool, &attempt.target.name, kind, fault);
     }
 
     /// The response of `attempt`, sent at `sent`, began with `status`: the

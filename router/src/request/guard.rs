@@ -146,8 +146,7 @@ impl Guard {
         if let Some(times) = accounting.warnings.admit(&self.name, "stream") {
             tracing::warn!(endpoint = %self.name, error, times, "upstream stream broke");
         }
-        (accounting.metrics).health(self.pool.failed(&self.name, Fault::Stream));
-        accounting.metrics.upstream_failure(&self.name, "stream");
+        accounting.failure(&self.pool, &self.name, "stream", Some(Fault::Stream));
         self.labels.count("stream_error");
     }
 
