@@ -133,16 +133,20 @@ struct Setup {
 
 impl Setup {
     fn new(settings: Settings, exact: bool) -> Setup {
+        Setup::with(settings, exact, Config::default())
+    }
+
+    fn with(settings: Settings, exact: bool, config: Config) -> Setup {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        let config = Config::default();
         let metrics = Arc::new(Metrics::default());
         let pool = Pool::new(settings, &config.resilience, 256);
         pool.set_evicted_capacity(config.limits.max_evicted_blocks);
         let tenancy = Tenancy::load(&config.tenancy).unwrap();
         let service = Arc::new(Service::new(pool.clone(), metrics, tenancy, &config));
+
         let specs = (0..ENDPOINTS)
             .map(|i| EndpointSpec {
                 name: format!("engine-{i}"),
@@ -307,6 +311,19 @@ fn decisions(c: &mut Criterion) {
         g.bench_with_input(
             BenchmarkId::new(format!("follow_up_{mode}"), "220KiB"),
             &next,
+            |b, body| b.iter(|| black_box(setup.decide(body))),
+        );
+    }
+    // Flow control on (the default, above) and off: what the gate adds to
+    // a request sent at once.
+    let mut off = Config::default();
+    off.flow_control.enabled = false;
+    let setup = Setup::with(settings(None, PolicyConfig::default()), false, off);
+    for kib in SIZES_KIB {
+        let body = Bytes::from(chat(kib, None).to_string());
+        g.bench_with_input(
+            BenchmarkId::new("approx_flow_off", format!("{kib}KiB")),
+            &body,
             |b, body| b.iter(|| black_box(setup.decide(body))),
         );
     }

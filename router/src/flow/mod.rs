@@ -238,7 +238,7 @@ impl Gate {
         if !t.wait_s.is_none_or(|w| w <= self.hold_s) {
             return Start::Busy;
         }
-        if room.is_none_or(|blocks| pool.leaves_room(request, t, blocks, self.hold_s)) {
+        if room.is_none_or(|blocks| pool.leaves_room(request, plan, blocks, self.hold_s)) {
             Start::Now
         } else {
             Start::Room

@@ -2,20 +2,67 @@
 //! back from an engine, so while a priority has had requests in the last
 //! `flowControl.reserveWindowMs`, a lower one is sent to an endpoint only
 //! if that leaves room there for the largest request the higher one had in
-//! the window (its KV blocks and a seat). A critical request then finds
-//! room without waiting for a flood's requests to finish, at the cost of
-//! that room standing empty while the higher priority is quiet (at most
-//! one such request's blocks per endpoint). Pure: the clock is passed in.
+//! the window (its KV blocks and a seat), and only if the prefill it adds
+//! there ends within `holdAboveMs` (so the higher one's prefill starts
+//! within it too). A critical request then finds room without waiting for
+//! a flood's requests to finish, at the cost of that room standing empty
+//! while the higher priority is quiet (at most one such request's blocks
+//! per endpoint) and of the longest lower prefills waiting for a quiet
+//! endpoint. Pure: the clock is passed in.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+/// The largest value seen over a sliding window, in two buckets: the
+/// current one and the one before. A value is kept for one to two
+/// windows; constant state.
+#[derive(Clone, Copy, Debug)]
+pub struct Largest {
+    /// When the current bucket began.
+    since: Instant,
+    current: u64,
+    previous: u64,
+}
+
+impl Largest {
+    pub fn new(now: Instant) -> Self {
+        Largest {
+            since: now,
+            current: 0,
+            previous: 0,
+        }
+    }
+
+    /// Moves the buckets on to `now`.
+    fn roll(&mut self, now: Instant, window: Duration) {
+        let age = now.saturating_duration_since(self.since);
+        if age >= window {
+            self.previous = if age >= 2 * window { 0 } else { self.current };
+            self.current = 0;
+            self.since = now;
+        }
+    }
+
+    pub fn saw(&mut self, value: u64, now: Instant, window: Duration) {
+        self.roll(now, window);
+        self.current = self.current.max(value);
+    }
+
+    /// The largest in the last one to two windows, at `now`; `None` when
+    /// nothing was seen.
+    pub fn get(&self, now: Instant, window: Duration) -> Option<u64> {
+        let mut at = *self;
+        at.roll(now, window);
+        Some(at.current.max(at.previous)).filter(|&v| v > 0)
+    }
+}
 
 /// The largest recent request per priority. Priorities come from the
 /// configured objectives (or 0), so it holds a few entries.
 #[derive(Debug)]
 pub struct Reserve {
     window: Duration,
-    largest: BTreeMap<i32, (Instant, u64)>,
+    largest: BTreeMap<i32, Largest>,
 }
 
 impl Reserve {
@@ -27,17 +74,13 @@ impl Reserve {
         }
     }
 
-    /// A request of `priority` taking `blocks` arrived at `now`. Kept: the
-    /// largest, until it leaves the window (then the next one to arrive,
-    /// whatever its size: an approximation that needs one entry).
+    /// A request of `priority` taking `blocks` arrived at `now`.
     pub fn saw(&mut self, priority: i32, blocks: u64, now: Instant) {
         if self.window.is_zero() {
             return;
         }
-        let entry = self.largest.entry(priority).or_insert((now, blocks));
-        if blocks >= entry.1 || now.saturating_duration_since(entry.0) > self.window {
-            *entry = (now, blocks);
-        }
+        let entry = self.largest.entry(priority).or_insert(Largest::new(now));
+        entry.saw(blocks.max(1), now, self.window);
     }
 
     /// Blocks a request of `priority` must leave free where it goes, at
@@ -45,8 +88,7 @@ impl Reserve {
     /// `None` when none had any.
     pub fn for_priority(&self, priority: i32, now: Instant) -> Option<u64> {
         (self.largest.range(priority.saturating_add(1)..))
-            .filter(|(_, (at, _))| now.saturating_duration_since(*at) <= self.window)
-            .map(|(_, &(_, blocks))| blocks)
+            .filter_map(|(_, l)| l.get(now, self.window))
             .max()
     }
 }
@@ -67,11 +109,25 @@ mod tests {
         assert_eq!(r.for_priority(0, t0 + s(2)), Some(90));
         assert_eq!(r.for_priority(5, t0 + s(2)), Some(40));
         assert_eq!(r.for_priority(10, t0 + s(2)), None, "nothing above 10");
-        // The largest ages out of the window: a smaller one replaces it.
-        assert_eq!(r.for_priority(5, t0 + s(11)), None);
-        r.saw(10, 20, t0 + s(12));
-        assert_eq!(r.for_priority(5, t0 + s(12)), Some(20));
-        assert_eq!(r.for_priority(-1, t0 + s(30)), None, "all quiet");
+        // Kept one to two windows: the bucket of t0 ends at t0 + 20 s.
+        assert_eq!(r.for_priority(5, t0 + s(19)), Some(40));
+        r.saw(10, 20, t0 + s(21));
+        assert_eq!(r.for_priority(5, t0 + s(21)), Some(20));
+        assert_eq!(r.for_priority(-1, t0 + s(60)), None, "all quiet");
+    }
+
+    #[test]
+    fn the_largest_is_kept_one_to_two_windows() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let w = s(10);
+        let mut l = Largest::new(t0);
+        assert_eq!(l.get(t0, w), None);
+        l.saw(50, t0 + s(9), w);
+        l.saw(10, t0 + s(12), w);
+        assert_eq!(l.get(t0 + s(12), w), Some(50), "one window on");
+        assert_eq!(l.get(t0 + s(22), w), Some(10), "two windows on");
+        assert_eq!(l.get(t0 + s(40), w), None);
     }
 
     #[test]

@@ -18,6 +18,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::reserve::Largest;
+
 /// Flows followed at most.
 pub const MAX_FLOWS: usize = 1024;
 
@@ -26,8 +28,8 @@ struct Flow {
     /// Dispatches, decayed to `at`.
     count: f64,
     at: Instant,
-    /// The largest request it had, and when (kept as in `Reserve`).
-    largest: (Instant, u64),
+    /// The largest request it had (kept as in `Reserve`).
+    largest: Largest,
 }
 
 /// The flows' recent dispatches. See the module docs.
@@ -44,8 +46,7 @@ impl Flow {
     }
 
     fn recent(&self, now: Instant, window: Duration) -> bool {
-        now.saturating_duration_since(self.at) <= window
-            || now.saturating_duration_since(self.largest.0) <= window
+        now.saturating_duration_since(self.at) <= window || self.largest.get(now, window).is_some()
     }
 }
 
@@ -74,7 +75,7 @@ impl Shares {
         self.flows.entry(Arc::from(name)).or_insert(Flow {
             count: 0.0,
             at: now,
-            largest: (now, 0),
+            largest: Largest::new(now),
         })
     }
 
@@ -84,10 +85,7 @@ impl Shares {
             return;
         }
         let window = self.window;
-        let f = self.flow(flow, now);
-        if blocks >= f.largest.1 || now.saturating_duration_since(f.largest.0) > window {
-            f.largest = (now, blocks);
-        }
+        self.flow(flow, now).largest.saw(blocks.max(1), now, window);
     }
 
     /// A request of `flow` was sent to an endpoint at `now`.
@@ -119,8 +117,8 @@ impl Shares {
             return None;
         }
         (recent.iter())
-            .filter(|(c, f)| *c < mean && now.saturating_duration_since(f.largest.0) <= window)
-            .map(|(_, f)| f.largest.1)
+            .filter(|(c, _)| *c < mean)
+            .filter_map(|(_, f)| f.largest.get(now, window))
             .max()
     }
 }

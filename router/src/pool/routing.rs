@@ -316,25 +316,39 @@ impl Pool {
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
     }
 
-    /// Whether `target` can start `request` within `hold_s` and still
-    /// have a seat and `extra_blocks` of KV memory free for another
-    /// request ([`crate::flow`]'s room for higher priorities). Memory is
-    /// judged from the engine's fresh report; without one, the seat alone.
+    /// Whether `plan`'s first target can start `request` and still have,
+    /// for another request, a seat and `extra_blocks` of KV memory free
+    /// within `hold_s`, and its prefill start within `hold_s`: the queued
+    /// prefill, this request's included, takes at most `hold_s`, or, for a
+    /// request whose own prefill is longer, none is queued before it
+    /// ([`crate::flow`]'s room for higher priorities). Memory is judged
+    /// from the engine's fresh report (without one, the seat alone), the
+    /// prefill queue as the policy predicts it.
     pub fn leaves_room(
         &self,
         request: &Request<'_>,
-        target: &Target,
+        plan: &Plan,
         extra_blocks: u64,
         hold_s: f64,
     ) -> bool {
+        let Some(target) = plan.targets.first() else {
+            return false;
+        };
         let inner = self.lock();
         let load = inner.load.load(target.slot);
         if load.in_flight.saturating_add(2) > self.concurrency {
             return false;
         }
+        let block_tokens = inner.settings.hasher.config().block_size as u64;
+        let cached = u64::from(plan.cached_blocks) * block_tokens;
+        let uncached = request.prompt_tokens.saturating_sub(cached);
         let blocks = inner.demand_blocks(request, target.slot) + extra_blocks;
         let model = inner.settings.policy.prefill_model();
-        model.memory_wait_s(&load, blocks, now()) <= hold_s
+        let (queued, own) = (
+            model.queued_s(&load, now()),
+            model.prefill_s(&load, uncached),
+        );
+        queued + own <= hold_s.max(own) && model.memory_wait_s(&load, blocks, now()) <= hold_s
     }
 
     /// KV blocks `request` takes in all, prompt and output.
