@@ -146,7 +146,6 @@ impl Setup {
         pool.set_evicted_capacity(config.limits.max_evicted_blocks);
         let tenancy = Tenancy::load(&config.tenancy).unwrap();
         let service = Arc::new(Service::new(pool.clone(), metrics, tenancy, &config));
-
         let specs = (0..ENDPOINTS)
             .map(|i| EndpointSpec {
                 name: format!("engine-{i}"),
@@ -319,24 +318,26 @@ fn decisions(c: &mut Criterion) {
     let mut off = Config::default();
     off.flow_control.enabled = false;
     let setup = Setup::with(settings(None, PolicyConfig::default()), false, off);
-    for kib in SIZES_KIB {
-        let body = Bytes::from(chat(kib, None).to_string());
-        g.bench_with_input(
-            BenchmarkId::new("approx_flow_off", format!("{kib}KiB")),
-            &body,
-            |b, body| b.iter(|| black_box(setup.decide(body))),
-        );
-    }
+    every_size(&mut g, "approx_flow_off", &setup);
     let setup = Setup::new(settings(None, PolicyConfig::RoundRobin), false);
+    every_size(&mut g, "round_robin", &setup);
+    g.finish();
+}
+
+/// `setup`'s decision for a chat of each of [`SIZES_KIB`], as `name`.
+fn every_size(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    setup: &Setup,
+) {
     for kib in SIZES_KIB {
         let body = Bytes::from(chat(kib, None).to_string());
         g.bench_with_input(
-            BenchmarkId::new("round_robin", format!("{kib}KiB")),
+            BenchmarkId::new(name, format!("{kib}KiB")),
             &body,
             |b, body| b.iter(|| black_box(setup.decide(body))),
         );
     }
-    g.finish();
 }
 
 /// A random unit vector of `dim` dimensions.

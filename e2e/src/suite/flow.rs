@@ -12,7 +12,7 @@ use super::balance;
 use super::load::{self, Outcome, Rotation, Sample, Shape};
 use super::report::{self, Scenario};
 use super::scenarios::Ctx;
-use super::system::{ITL_MS, NUM_GPU_BLOCKS, Setup, System, TENANT_HEADER};
+use super::system::{EngineSetup, ITL_MS, NUM_GPU_BLOCKS, Setup, System, TENANT_HEADER};
 
 /// Pods in both scenarios.
 const PODS: usize = 4;
@@ -204,7 +204,7 @@ fn refused_429(samples: &[Sample]) -> usize {
 
 /// The priority stream's share of what the pool serves, and the whole
 /// load offered over it. Four pods serve about three times the standard
-/// load's rate (measured: 16 to 17 requests a second against 5.5).
+/// load's rate (measured: 16 to 17 requests a second against about 5.8).
 const SERVES_STANDARD: f64 = 3.0;
 const PRIORITY_SHARE: f64 = 0.2;
 const OFFERED: f64 = 2.0;
@@ -213,9 +213,10 @@ const RESERVE_WINDOW_S: f64 = 10.0;
 
 /// The room the routers keep for `priority`'s requests, in blocks, on
 /// average over its requests: the largest of its requests sent in the
-/// reserve window before each (prompt and output, 16-token blocks).
+/// reserve window before each (prompt and output, in the suite's blocks).
 fn mean_reserve_blocks(priority: &[Sample], max_tokens: u64) -> f64 {
-    let blocks = |x: &Sample| (x.prompt_tokens + max_tokens).div_ceil(16) as f64;
+    let block_tokens = u64::from(EngineSetup::suite().block_size);
+    let blocks = |x: &Sample| (x.prompt_tokens + max_tokens).div_ceil(block_tokens) as f64;
     let ok: Vec<&Sample> = (priority.iter())
         .filter(|x| x.outcome == Outcome::Ok)
         .collect();
