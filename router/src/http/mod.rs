@@ -133,15 +133,23 @@ impl Forwarder {
         // ranking is tried again from the top, as Envoy retries a host. An
         // engine's admission refusal is not an attempt: the request is
         // planned again and starts over.
-        let (mut n, mut tried) = (0, 0);
+        let (mut n, mut tried, mut skipped) = (0, 0, 0);
         while tried < self.attempts as usize {
             let targets = decision.targets();
             let target = &targets[n % targets.len()].clone();
             let bound = decision.admit_within(target);
             // Held until dropped: whether this attempt fails, the client
             // goes away while it waits, or the response ends.
-            let attempt = decision.send(n, target);
-            (n, tried) = (n + 1, tried + 1);
+            let Some(attempt) = decision.send(n, target) else {
+                // Ejected, or its one trial taken, since the plan.
+                (n, skipped) = (n + 1, skipped + 1);
+                if skipped >= targets.len() {
+                    last_error = ApiError::Unavailable { retry_after: 1 };
+                    break;
+                }
+                continue;
+            };
+            (n, tried, skipped) = (n + 1, tried + 1, 0);
             let sent = Instant::now();
             let (body, id) = (decision.body(), decision.id());
             let upstream = upstream::request(parts, body, target, id, bound, &self.private_headers);

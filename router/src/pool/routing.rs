@@ -269,15 +269,21 @@ impl Pool {
     /// Counts a request sent to `target` and lets the policy learn it.
     /// The count ends when the returned guard is dropped, however the
     /// request ends: completion, error, client disconnect, stream reset or
-    /// timeout.
+    /// timeout. `None`, counting nothing, when `target` no longer admits a
+    /// request (ejected, or half-open with its trial in flight, since the
+    /// plan): checked under the same lock that begins a trial, so
+    /// concurrent requests cannot both be one.
     pub fn start(
         self: &Arc<Self>,
         request: &Request<'_>,
         target: &Target,
         uncached_tokens: u64,
-    ) -> InFlight {
+    ) -> Option<InFlight> {
         // One lock for all: this is the request path.
         let mut inner = self.lock();
+        if !inner.outlier.admits(&target.name, now()) {
+            return None;
+        }
         inner.learn(request, target);
         let block_tokens = inner.settings.hasher.config().block_size as u64;
         let tokens = (
@@ -293,7 +299,7 @@ impl Pool {
         if trial {
             load.trial = Some(target.name.clone());
         }
-        load
+        Some(load)
     }
 
     /// The predicted time to first token at `target` for `request` with

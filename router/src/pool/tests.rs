@@ -73,7 +73,7 @@ async fn endpoint_changes_keep_slots_and_forget_the_removed() {
         .into_iter()
         .find(|t| &*t.name == "a")
         .unwrap();
-    let ticket = p.start(&request(), &a, 10);
+    let ticket = p.start(&request(), &a, 10).expect("admitted");
     p.set_endpoints(vec![spec("a", 1), spec("c", 3)]);
     let status = p.status();
     let names: Vec<&str> = status.iter().map(|s| s.name.as_str()).collect();
@@ -88,7 +88,9 @@ async fn full_endpoints_are_left_out_of_the_plan() {
     let p = pool(1);
     p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
     let first = p.plan(&request(), true);
-    let t = p.start(&request(), &first.targets[0], 10);
+    let t = p
+        .start(&request(), &first.targets[0], 10)
+        .expect("admitted");
     let second = p.plan(&request(), true);
     assert_eq!(second.targets.len(), 1);
     assert_eq!(second.full, 1);
@@ -125,6 +127,31 @@ async fn ejection_backs_off_exponentially_and_readmits() {
     // A good answer after re-admission clears the history.
     let _ = p.succeeded("a");
     assert!(!p.failed("a", Fault::Status).ejected());
+}
+
+#[tokio::test(start_paused = true)]
+async fn of_plans_made_while_half_open_only_the_first_start_is_the_trial() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    assert!(p.failed("a", Fault::Timeout).ejected());
+    tokio::time::advance(Duration::from_millis(1001)).await;
+    // Both plans were made before either request started.
+    let (one, two) = (p.plan(&request(), true), p.plan(&request(), true));
+    let a = |plan: &Plan| {
+        plan.targets
+            .iter()
+            .find(|t| &*t.name == "a")
+            .unwrap()
+            .clone()
+    };
+    let trial = p.start(&request(), &a(&one), 10).expect("the trial");
+    assert!(
+        p.start(&request(), &a(&two), 10).is_none(),
+        "one trial at a time"
+    );
+    // Ended unjudged: the next request is the trial.
+    drop(trial);
+    assert!(p.start(&request(), &a(&two), 10).is_some());
 }
 
 #[tokio::test]
@@ -175,7 +202,7 @@ async fn unreadable_requests_go_to_the_least_loaded() {
         .into_iter()
         .find(|t| &*t.name == "a")
         .unwrap();
-    let t1 = p.start(&request(), &busy, 10);
+    let t1 = p.start(&request(), &busy, 10).expect("admitted");
     for _ in 0..3 {
         assert_eq!(p.plan(&request(), false).targets[0].name.as_ref(), "b");
     }
@@ -215,7 +242,9 @@ async fn a_dropped_guard_ends_the_load() {
     let p = pool(8);
     p.set_endpoints(vec![spec("a", 1)]);
     let target = p.plan(&request(), true).targets[0].clone();
-    let mut guards: Vec<InFlight> = (0..5).map(|_| p.start(&request(), &target, 10)).collect();
+    let mut guards: Vec<InFlight> = (0..5)
+        .map(|_| p.start(&request(), &target, 10).expect("admitted"))
+        .collect();
     guards[0].first_token();
     assert_eq!(p.status()[0].in_flight, 5);
     assert_eq!(p.status()[0].prefill_tokens, 40);
@@ -304,7 +333,7 @@ async fn a_plan_says_who_held_the_prefix_and_why_they_lost() {
     assert_eq!(seen(&plan).outside, Some((2, Lost::Ejection)));
     // c full: left out, and why.
     let c = plan.targets.iter().find(|t| &*t.name == "c").unwrap();
-    let _busy = p.start(&r, c, 100);
+    let _busy = p.start(&r, c, 100).expect("admitted");
     assert_eq!(seen(&p.plan(&r, true)).outside, Some((3, Lost::Queue)));
     // Unreadable prompts say nothing.
     assert_eq!(p.plan(&r, false).seen, None);

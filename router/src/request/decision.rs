@@ -117,23 +117,25 @@ impl Decision {
     }
 
     /// Attempt `n` (0 the first), sent now to `target`: counted by its
-    /// reason, holding `target`'s load, and learned by the policy.
-    pub(crate) fn send(&self, n: usize, target: &Target) -> Attempt {
+    /// reason, holding `target`'s load, and learned by the policy. `None`
+    /// when `target` no longer admits a request ([`Pool::start`]).
+    pub(crate) fn send(&self, n: usize, target: &Target) -> Option<Attempt> {
         let first = n == 0;
         let cached = if first { self.cached } else { 0 };
-        self.count_decision(target, first);
         let uncached = self.analysis.prompt_tokens - cached;
         let a = &self.analysis;
         let ttft = self.pool.predicted_ttft(&a.request(), target, uncached);
-        Attempt {
+        let load = self.pool.start(&a.request(), target, uncached)?;
+        self.count_decision(target, first);
+        Some(Attempt {
             target: target.clone(),
-            load: self.pool.start(&a.request(), target, uncached),
+            load,
             cached,
             first,
             learned: true,
             known: self.known(Some(n % self.plan.targets.len())),
             hang: self.accounting.hang.of(a.stream, a.max_tokens, ttft),
-        }
+        })
     }
 
     /// The bound on the wait before prefill to send with an attempt at

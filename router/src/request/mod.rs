@@ -576,7 +576,8 @@ impl Service {
         };
         let decision = self.decide(ask).await?;
         let target = decision.targets()[0].clone();
-        let attempt = decision.send(0, &target);
+        let attempt =
+            (decision.send(0, &target)).ok_or(ApiError::Unavailable { retry_after: 1 })?;
         decision.attribute_expected(&attempt);
         drop(attempt);
         decision.forget();

@@ -144,11 +144,11 @@ async fn attempts_know_who_held_more_and_why_it_lost() {
     let targets = d.targets().to_vec();
     assert_eq!(&*targets[0].name, "b", "the longest prefix first");
     let bs = d.analysis.block_tokens;
-    let first = d.send(0, &targets[0]);
+    let first = d.send(0, &targets[0]).expect("admitted");
     assert_eq!(first.known.held, 4 * bs);
     assert_eq!(first.known.elsewhere, Some((2 * bs, Lost::Load)));
     assert_eq!(first.known.prompt_tokens, Some(d.analysis.prompt_tokens));
-    let retry = d.send(1, &targets[1]);
+    let retry = d.send(1, &targets[1]).expect("admitted");
     assert_eq!(retry.known.held, 2 * bs);
     assert_eq!(retry.known.elsewhere, Some((4 * bs, Lost::Retry)));
     d.forget();
