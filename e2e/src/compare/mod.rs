@@ -431,6 +431,7 @@ mod tests {
         let sample = |outcome, ttft_ms: f64| Sample {
             t: 0.0,
             endpoint: None,
+            id: None,
             outcome,
             prompt_tokens: 100,
             cached_tokens: 50,

@@ -62,6 +62,7 @@ pub async fn send(
             s.unwrap_or(Sample {
                 t: 0.0,
                 endpoint: None,
+                id: None,
                 outcome: Outcome::Failed("its task failed".into()),
                 prompt_tokens: 0,
                 cached_tokens: 0,

@@ -96,6 +96,7 @@ mod tests {
         Sample {
             t: 0.0,
             endpoint: None,
+            id: None,
             outcome,
             prompt_tokens: prompt,
             cached_tokens: cached,

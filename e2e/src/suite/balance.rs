@@ -114,6 +114,7 @@ mod tests {
         let sample = |pod: &str, ttft: f64| Sample {
             t: 0.0,
             endpoint: Some(pod.to_owned()),
+            id: None,
             outcome: Outcome::Ok,
             prompt_tokens: 100,
             cached_tokens: 0,

@@ -43,7 +43,8 @@ fn stream(
 
 /// Runs `shapes` at once through a fresh system whose routers get `yaml`;
 /// the samples of each shape. The fleet's view is kept beside the logs:
-/// each shape's requests (`requests-<label>.jsonl`), each router's
+/// each shape's requests (`requests-<label>.jsonl`) and its slowest with
+/// their routers' records (`slowest-<label>.jsonl`), each router's
 /// metrics at the end (`router-<i>.prom`), and, under `prefix`, the
 /// balance of all requests over the pods and the queue's figures.
 async fn run(
@@ -66,6 +67,8 @@ async fn run(
     let logs = ctx.out.join("logs").join(name);
     for ((label, _), samples) in shapes.iter().zip(&samples) {
         load::write_samples(&logs.join(format!("requests-{label}.jsonl")), samples)?;
+        let slowest = slowest(&system, samples, SLOWEST).await;
+        std::fs::write(logs.join(format!("slowest-{label}.jsonl")), slowest)?;
     }
     let texts = routers_metrics(&system).await?;
     for (i, text) in texts.iter().enumerate() {
@@ -94,6 +97,33 @@ async fn runs(
     let unheld_name = format!("{name}-unheld");
     let unheld = run(ctx, s, (&unheld_name, "unheld_"), off, shapes).await?;
     Ok([alone, held, unheld])
+}
+
+/// Requests of each shape whose routers' records are kept.
+const SLOWEST: usize = 10;
+
+/// The `n` slowest requests to their first token in `samples`, each as
+/// its client saw it beside its router's record (`/debug/requests/{id}`:
+/// how long it was held and why, what it found cached), one JSON object
+/// per line: where a tail request's time went.
+async fn slowest(system: &System, samples: &[Sample], n: usize) -> String {
+    let mut slowest: Vec<&Sample> = samples.iter().filter(|s| s.ttft.is_some()).collect();
+    slowest.sort_by(|a, b| b.ttft.unwrap_or(0.0).total_cmp(&a.ttft.unwrap_or(0.0)));
+    let mut out = String::new();
+    for sample in slowest.into_iter().take(n) {
+        let mut router = serde_json::Value::Null;
+        for i in 0..system.router_addrs().len() {
+            if let Some(id) = &sample.id
+                && let Ok(recorded) = system.recorded(i, id).await
+            {
+                router = recorded;
+                break;
+            }
+        }
+        out += &serde_json::json!({"client": sample, "router": router}).to_string();
+        out.push('\n');
+    }
+    out
 }
 
 /// Every router's `/metrics`.
@@ -360,6 +390,7 @@ mod tests {
         let sample = |t: f64, prompt_tokens: u64, outcome: Outcome| Sample {
             t,
             endpoint: None,
+            id: None,
             outcome,
             prompt_tokens,
             cached_tokens: 0,

@@ -113,6 +113,9 @@ pub struct Sample {
     pub t: f64,
     /// The pod that served it, per the router's response header.
     pub endpoint: Option<String>,
+    /// Its `x-request-id`, as the router answered it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
     /// How it ended.
     pub outcome: Outcome,
     /// Prompt tokens, as the engine reported.
@@ -407,6 +410,7 @@ pub async fn stream(
     let mut sample = Sample {
         t: sent.duration_since(t0).as_secs_f64(),
         endpoint: None,
+        id: None,
         outcome: Outcome::Ok,
         prompt_tokens: 0,
         cached_tokens: 0,
@@ -434,6 +438,9 @@ pub async fn stream(
         .get(ENDPOINT_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(|e| pod_name(e).to_owned());
+    sample.id = (response.headers().get("x-request-id"))
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     if !response.status().is_success() {
         sample.outcome = Outcome::Refused(response.status().as_u16());
         return (sample, String::new());

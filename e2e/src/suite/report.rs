@@ -388,6 +388,7 @@ mod tests {
         Sample {
             t,
             endpoint: Some("pod-0".into()),
+            id: None,
             outcome,
             prompt_tokens: prompt,
             cached_tokens: cached,

@@ -157,7 +157,10 @@ impl Gate {
                     band_wait: flow.band_waits(),
                 }),
                 turns: HashMap::new(),
-                reserve: reserve::Reserve::new(Duration::from_millis(flow.reserve_window_ms)),
+                reserve: reserve::Reserve::new(
+                    Duration::from_millis(flow.reserve_window_ms),
+                    std::time::Instant::now(),
+                ),
                 shares: shares::Shares::new(Duration::from_millis(flow.reserve_window_ms)),
             }),
         }
@@ -252,7 +255,7 @@ impl Gate {
         let state = self.lock();
         let (band, share) = (
             state.reserve.for_priority(priority, now),
-            state.shares.for_flow(flow, now),
+            state.shares.for_flow(flow, now, state.reserve.any(now)),
         );
         band.max(share)
     }

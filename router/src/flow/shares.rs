@@ -4,7 +4,8 @@
 //! those to finish. So a flow over its fair share of recent dispatches is
 //! sent to an endpoint only if that leaves room there for the largest
 //! recent request of a flow under its share (its KV blocks and a seat), as
-//! [`super::reserve`] does for priorities.
+//! [`super::reserve`] does for priorities (at least the largest of any
+//! request while that flow is new).
 //!
 //! A flow's recent dispatches are a count that decays with time constant
 //! `flowControl.reserveWindowMs`. Its fair share is the mean count of the
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::reserve::Largest;
+use super::reserve::Sizes;
 
 /// Flows followed at most.
 pub const MAX_FLOWS: usize = 1024;
@@ -28,8 +29,8 @@ struct Flow {
     /// Dispatches, decayed to `at`.
     count: f64,
     at: Instant,
-    /// The largest request it had (kept as in `Reserve`).
-    largest: Largest,
+    /// Its recent requests' sizes (kept as in `Reserve`).
+    sizes: Sizes,
 }
 
 /// The flows' recent dispatches. See the module docs.
@@ -46,7 +47,7 @@ impl Flow {
     }
 
     fn recent(&self, now: Instant, window: Duration) -> bool {
-        now.saturating_duration_since(self.at) <= window || self.largest.get(now, window).is_some()
+        now.saturating_duration_since(self.at) <= window || self.sizes.recent(now, window)
     }
 }
 
@@ -75,7 +76,7 @@ impl Shares {
         self.flows.entry(Arc::from(name)).or_insert(Flow {
             count: 0.0,
             at: now,
-            largest: Largest::new(now),
+            sizes: Sizes::new(now),
         })
     }
 
@@ -85,7 +86,7 @@ impl Shares {
             return;
         }
         let window = self.window;
-        self.flow(flow, now).largest.saw(blocks.max(1), now, window);
+        self.flow(flow, now).sizes.saw(blocks, now, window);
     }
 
     /// A request of `flow` was sent to an endpoint at `now`.
@@ -100,9 +101,10 @@ impl Shares {
     }
 
     /// Blocks a request of `flow` must leave free where it goes, at `now`:
-    /// when it is over its fair share, the largest recent request of a
-    /// flow under it; `None` otherwise.
-    pub fn for_flow(&self, flow: &str, now: Instant) -> Option<u64> {
+    /// when it is over its fair share, the room a flow under it keeps
+    /// ([`Sizes::room`], with `any` the largest request of any); `None`
+    /// otherwise.
+    pub fn for_flow(&self, flow: &str, now: Instant, any: u64) -> Option<u64> {
         let window = self.window;
         let own = self.flows.get(flow)?.count_at(now, window);
         let recent: Vec<(f64, &Flow)> = (self.flows.values())
@@ -118,7 +120,7 @@ impl Shares {
         }
         (recent.iter())
             .filter(|(c, _)| *c < mean)
-            .filter_map(|(_, f)| f.largest.get(now, window))
+            .filter_map(|(_, f)| f.sizes.room(now, window, any))
             .max()
     }
 }
@@ -141,11 +143,14 @@ mod tests {
             s.dispatched("noisy", t0 + ms(i));
         }
         let now = t0 + ms(100);
-        assert_eq!(s.for_flow("noisy", now), Some(50));
-        assert_eq!(s.for_flow("quiet", now), None, "under its share");
-        assert_eq!(s.for_flow("unknown", now), None);
+        assert_eq!(s.for_flow("noisy", now, 0), Some(50));
+        // In their first window the light flows have not shown their sizes.
+        assert_eq!(s.for_flow("noisy", now, 80), Some(80), "the largest of any");
+        assert_eq!(s.for_flow("noisy", now + ms(10_000), 80), Some(50));
+        assert_eq!(s.for_flow("quiet", now, 0), None, "under its share");
+        assert_eq!(s.for_flow("unknown", now, 0), None);
         // Long after, every count has decayed and nobody is recent.
-        assert_eq!(s.for_flow("noisy", t0 + ms(60_000)), None);
+        assert_eq!(s.for_flow("noisy", t0 + ms(60_000), 0), None);
     }
 
     #[test]
@@ -157,11 +162,11 @@ mod tests {
             s.saw(flow, 40, t0 + ms(i as u64));
             s.dispatched(flow, t0 + ms(i as u64));
         }
-        assert_eq!(s.for_flow("a", t0 + ms(10)), None);
+        assert_eq!(s.for_flow("a", t0 + ms(10), 0), None);
         // One flow alone has no share to be over.
         let mut alone = Shares::new(ms(10_000));
         alone.dispatched("a", t0);
-        assert_eq!(alone.for_flow("a", t0), None);
+        assert_eq!(alone.for_flow("a", t0, 0), None);
     }
 
     #[test]
@@ -176,6 +181,6 @@ mod tests {
         off.saw("a", 10, t0);
         off.dispatched("a", t0);
         assert!(off.flows.is_empty());
-        assert_eq!(off.for_flow("a", t0), None);
+        assert_eq!(off.for_flow("a", t0, 0), None);
     }
 }
