@@ -201,8 +201,9 @@ pub fn long_text(seed: usize) -> String {
         .collect()
 }
 
-/// An upstream that records each request's headers and answers a minimal
-/// completion.
+/// An upstream that records each request's headers (and up to 64 KiB of
+/// it) and answers a minimal completion once it has read the whole body,
+/// so closing the connection resets nothing the router still sends.
 pub async fn recording_upstream() -> (
     std::net::SocketAddr,
     tokio::sync::mpsc::UnboundedReceiver<String>,
@@ -218,6 +219,19 @@ pub async fn recording_upstream() -> (
                 let mut buf = vec![0u8; 65536];
                 let n = socket.read(&mut buf).await.unwrap_or(0);
                 let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let length = (head.to_ascii_lowercase().lines())
+                    .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
+                    .unwrap_or(0usize);
+                let read = (buf[..n].windows(4))
+                    .position(|w| w == b"\r\n\r\n")
+                    .map_or(0, |at| n - (at + 4));
+                let mut rest = length.saturating_sub(read);
+                while rest > 0 {
+                    match socket.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(m) => rest = rest.saturating_sub(m),
+                    }
+                }
                 let _ = tx.send(head);
                 let body = "{\"choices\": []}";
                 let response = format!(
