@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::support::child::{free_addr, memory_kb};
+use crate::support::child::memory_kb;
 use crate::support::*;
 use kvroute_core::policy::PolicyConfig;
 use kvroute_router::config::ResponseCache;
@@ -237,17 +237,15 @@ async fn bodies_padded_with_numbers_cost_about_their_size() {
         .await
         .unwrap();
     let dir = upstream_dir("padded-bodies", upstream);
-    let (listen, admin) = (free_addr(), free_addr());
     let yaml = format!(
-        "listen: {listen}\nadminListen: {admin}\n\
-         discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
+        "discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
          resilience:\n  healthCheck: null\n\
          limits:\n  bodyReadTimeoutMs: 600000\n  bodyMinBytesPerS: 1\n\
          responseCache:\n  backend: embedded\n  semantic:\n    embeddings:\n      url: http://{}\n      model: kvroute-sim\n",
         dir.join("endpoints.yaml").display(),
         embedder.http_addr,
     );
-    let router = spawn_router(&dir, &yaml);
+    let (router, listen, _) = spawn_router(&dir, &yaml);
     let pid = router.0.id();
     let client = reqwest::Client::new();
     let url = format!("http://{listen}/v1/chat/completions");

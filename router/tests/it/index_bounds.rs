@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::support::{chat, spawn_router, temp_dir};
-use child::{free_addr, memory_kb};
+use child::memory_kb;
 use fake_cache::{Attack, FakeCache};
 
 /// The router's bound per endpoint and tier in this test.
@@ -109,15 +109,12 @@ async fn a_flooding_engine_is_held_to_the_routers_bounds() {
         ),
     )
     .unwrap();
-    let (listen, admin) = (free_addr(), free_addr());
     let yaml = format!(
-        "listen: {listen}\n\
-         adminListen: {admin}\n\
-         discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
+        "discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
          limits:\n  maxIndexBlocksPerEndpoint: {BOUND}\n  maxOffloadedBlocksPerEndpoint: {BOUND}\n",
         dir.join("endpoints.yaml").display()
     );
-    let router = spawn_router(&dir, &yaml);
+    let (router, listen, admin) = spawn_router(&dir, &yaml);
     let log = dir.join("router.log");
     let pid = router.0.id();
     let client = Client {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::support::{chat, spawn_router, temp_dir, write_endpoints};
-use child::{free_addr, memory_kb};
+use child::memory_kb;
 use serde_json::json;
 
 /// The size of the large request body, about.
@@ -44,16 +44,12 @@ async fn a_large_chat_costs_at_most_a_few_times_its_body() {
     let sim = kvroute_engine_sim::start(sim_config).await.unwrap();
     let dir = temp_dir("memory");
     write_endpoints(&dir, &[&sim], false);
-    let listen = free_addr();
-    let admin = free_addr();
     let yaml = format!(
-        "listen: {listen}\n\
-         adminListen: {admin}\n\
-         discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
+        "discovery:\n  static:\n    file: {}\n    reloadMs: 100\n\
          limits:\n  maxBodyBytes: 67108864\n  maxTokenizeBytes: 67108864\n",
         dir.join("endpoints.yaml").display()
     );
-    let router = spawn_router(&dir, &yaml);
+    let (router, listen, _) = spawn_router(&dir, &yaml);
     let log = dir.join("router.log");
     let pid = router.0.id();
     let client = reqwest::Client::new();

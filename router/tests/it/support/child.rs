@@ -16,6 +16,43 @@ impl Drop for Router {
     }
 }
 
+/// Starts the router `program` with the configuration file `config`
+/// (its listeners on port 0), its stderr into `log`, and waits for it to
+/// print where it listens: the router, its API address and its admin
+/// address. Chosen by the router, they cannot be taken by another test
+/// in between. Panics with the log if it exits first.
+pub fn spawn(
+    program: &std::path::Path,
+    config: &std::path::Path,
+    log: &std::path::Path,
+) -> (Router, SocketAddr, SocketAddr) {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(program)
+        .arg("--config")
+        .arg(config)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let router = Router(child);
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let (mut api, mut admin) = (None, None);
+    while api.is_none() || admin.is_none() {
+        let Some(Ok(line)) = lines.next() else {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            panic!("the router exited before it listened; its log:\n{log}");
+        };
+        let at = |prefix: &str| line.strip_prefix(prefix)?.parse::<SocketAddr>().ok();
+        api = api.or(at("kvroute-router: API on http://"));
+        admin = admin.or(at("kvroute-router: admin on http://"));
+    }
+    // Read on, so that the router never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (router, api.unwrap(), admin.unwrap())
+}
+
 /// A loopback address nothing listens on right now.
 pub fn free_addr() -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

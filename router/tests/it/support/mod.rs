@@ -52,21 +52,18 @@ pub fn upstream_dir(name: &str, upstream: std::net::SocketAddr) -> PathBuf {
     dir
 }
 
-/// The router binary as a child process with `yaml` for its config,
-/// written to `dir/router.yaml`; its log goes to `dir/router.log`.
-pub fn spawn_router(dir: &std::path::Path, yaml: &str) -> child::Router {
-    use std::process::{Command, Stdio};
+/// Runs the router binary with `yaml` (without listeners: both on port 0)
+/// in `dir`, its log in `dir/router.log`: the child, its API address and
+/// its admin address.
+pub fn spawn_router(
+    dir: &std::path::Path,
+    yaml: &str,
+) -> (child::Router, std::net::SocketAddr, std::net::SocketAddr) {
     let config = dir.join("router.yaml");
+    let yaml = format!("listen: 127.0.0.1:0\nadminListen: 127.0.0.1:0\n{yaml}");
     std::fs::write(&config, yaml).unwrap();
-    child::Router(
-        Command::new(env!("CARGO_BIN_EXE_kvroute-router"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("router.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    )
+    let program = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute-router"));
+    child::spawn(program, &config, &dir.join("router.log"))
 }
 
 /// Polls `check` until it holds; fails the test after 10 s.
