@@ -38,8 +38,9 @@ fn rss() -> u64 {
 /// The sum of `kvroute_flow_queued` in `metrics`.
 fn queued(metrics: &str) -> usize {
     (metrics.lines())
-        .filter(|l| l.starts_with("kvroute_flow_queued{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter_map(kvroute_telemetry::metrics::parse_line)
+        .filter(|m| m.name == "kvroute_flow_queued")
+        .map(|m| m.value)
         .sum::<f64>() as usize
 }
 

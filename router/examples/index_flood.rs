@@ -26,12 +26,11 @@ mod child;
 mod fake_cache;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use child::{Router, free_addr, memory_kb};
+use child::memory_kb;
 use fake_cache::{Attack, FakeCache};
 use serde_json::json;
 
@@ -161,11 +160,10 @@ async fn run(mode: String, args: Vec<String>) {
         ),
     )
     .unwrap();
-    let (listen, admin) = (free_addr(), free_addr());
     std::fs::write(
         dir.join("router.yaml"),
         format!(
-            "listen: {listen}\nadminListen: {admin}\n\
+            "listen: 127.0.0.1:0\nadminListen: 127.0.0.1:0\n\
              discovery:\n  static:\n    file: {}\n    reloadMs: 1000\n\
              telemetry:\n  logFormat: text\n",
             dir.join("endpoints.yaml").display()
@@ -184,15 +182,8 @@ async fn run(mode: String, args: Vec<String>) {
         "{} is missing: build it (see the module docs)",
         binary.display()
     );
-    let router = Router(
-        Command::new(&binary)
-            .arg("--config")
-            .arg(dir.join("router.yaml"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (router, listen, admin) =
+        child::spawn(&binary, &dir.join("router.yaml"), &dir.join("router.log"));
     let pid = router.0.id();
     let live = |text: &str| {
         ["sim-a", "sim-b", "hostile"].iter().all(|e| {

@@ -53,12 +53,6 @@ pub fn spawn(
     (router, api.unwrap(), admin.unwrap())
 }
 
-/// A loopback address nothing listens on right now.
-pub fn free_addr() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
-
 /// `VmHWM` (peak resident set) and `VmRSS` of `pid`, in kB.
 pub fn memory_kb(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
