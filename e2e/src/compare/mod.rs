@@ -33,6 +33,7 @@ use serde::Serialize;
 
 use crate::bench::{install_smg, smg_args};
 use crate::suite::balance::Balance;
+use crate::suite::flow::{routers_metrics, slowest};
 use crate::suite::load::{self, Outcome, Rotation, Sample, Shape};
 use crate::suite::procs::{Bins, Proc};
 use crate::suite::report::{hit_ratio, quantile};
@@ -303,6 +304,12 @@ async fn one_run(
     };
     let samples = load::run(shape, Rotation::new(addrs), Instant::now()).await;
     load::write_samples(&logs.join("requests.jsonl"), &samples)?;
+    // The requests at and above the p90, each beside its router's record.
+    let tenth = slowest(&sys, &samples, samples.len().div_ceil(10)).await;
+    std::fs::write(logs.join("slowest.jsonl"), tenth)?;
+    for (i, text) in routers_metrics(&sys).await?.iter().enumerate() {
+        std::fs::write(logs.join(format!("router-{i}.prom")), text)?;
+    }
     let after = engine_requests(&sys).await?;
     let served: Vec<u64> = after
         .iter()

@@ -106,7 +106,7 @@ const SLOWEST: usize = 10;
 /// its client saw it beside its router's record (`/debug/requests/{id}`:
 /// how long it was held and why, what it found cached), one JSON object
 /// per line: where a tail request's time went.
-async fn slowest(system: &System, samples: &[Sample], n: usize) -> String {
+pub(crate) async fn slowest(system: &System, samples: &[Sample], n: usize) -> String {
     let mut slowest: Vec<&Sample> = samples.iter().filter(|s| s.ttft.is_some()).collect();
     slowest.sort_by(|a, b| b.ttft.unwrap_or(0.0).total_cmp(&a.ttft.unwrap_or(0.0)));
     let mut out = String::new();
@@ -127,7 +127,7 @@ async fn slowest(system: &System, samples: &[Sample], n: usize) -> String {
 }
 
 /// Every router's `/metrics`.
-pub(super) async fn routers_metrics(system: &System) -> anyhow::Result<Vec<String>> {
+pub(crate) async fn routers_metrics(system: &System) -> anyhow::Result<Vec<String>> {
     let mut texts = Vec::new();
     for i in 0..system.router_addrs().len() {
         texts.push(system.router_metrics(i).await?);
