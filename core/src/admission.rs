@@ -137,6 +137,7 @@ impl Load {
         self.unreported_prefill_tokens = 0;
         self.unreported_requests = 0;
         self.unreported_blocks = 0;
+        self.finished_since_report = (0, 0);
     }
 }
 

@@ -118,6 +118,20 @@ impl Memory {
     }
 }
 
+impl Memory {
+    /// The memory with `requests` of the running ones finished, and the
+    /// `blocks` they held free again.
+    pub fn without(self, (requests, blocks): (u32, u64)) -> Memory {
+        let blocks = blocks.min(self.used_blocks);
+        Memory {
+            free_blocks: self.free_blocks.saturating_add(blocks),
+            used_blocks: self.used_blocks - blocks,
+            running: self.running.saturating_sub(u64::from(requests)),
+            ..self
+        }
+    }
+}
+
 impl EngineLoad {
     /// How old the report is at `now`.
     pub fn age(&self, now: Instant) -> Duration {
@@ -146,6 +160,10 @@ pub struct Load {
     /// report take from its free pool, output included
     /// ([`demand_blocks`]), until they finish.
     pub unreported_blocks: u64,
+    /// Requests this router sent before the engine's last report that
+    /// finished since, and the KV blocks they held: the report counts them
+    /// as running, but the engine has freed them.
+    pub finished_since_report: (u32, u64),
     /// The engine's own report, if it sends one.
     pub engine: Option<EngineLoad>,
 }
@@ -280,6 +298,7 @@ impl PrefillModel {
         let Some((e, memory)) = fresh.and_then(|e| Some((e, e.memory?))) else {
             return 0.0;
         };
+        let memory = memory.without(load.finished_since_report);
         (memory.wait_s(blocks.saturating_add(load.unreported_blocks)) - e.age(now).as_secs_f64())
             .max(0.0)
     }
@@ -490,15 +509,20 @@ impl LoadTracker {
         }
     }
 
-    /// The request finished (completed, failed or cancelled).
+    /// The request finished (completed, failed or cancelled). Sent before
+    /// the engine's last report, it frees what that report counts it as
+    /// holding: its blocks, but those another request in flight there
+    /// still holds (other routers' requests are not known here).
     pub fn finish(&mut self, mut ticket: Ticket) {
-        if let Some(pin) = ticket.pin.take() {
-            self.pinned.unpin(pin);
-        }
+        let still_held = ticket.pin.take().map_or(0, |pin| self.pinned.unpin(pin));
         if let Some(entry) = self.live(&ticket) {
+            let load = &mut entry.load;
             if entry.reports == ticket.reports {
-                let load = &mut entry.load;
                 load.unreported_blocks = load.unreported_blocks.saturating_sub(ticket.blocks);
+            } else {
+                let (requests, blocks) = &mut load.finished_since_report;
+                *requests += 1;
+                *blocks += ticket.blocks.saturating_sub(still_held);
             }
             match ticket.phase {
                 Phase::Prefill => Self::end_prefill(entry, &ticket),
@@ -527,6 +551,7 @@ impl LoadTracker {
         entry.load.unreported_prefill_tokens = 0;
         entry.load.unreported_requests = 0;
         entry.load.unreported_blocks = 0;
+        entry.load.finished_since_report = (0, 0);
         entry.reports += 1;
     }
 
@@ -571,6 +596,7 @@ mod tests {
                 unreported_prefill_tokens: 1050,
                 unreported_requests: 2,
                 unreported_blocks: 0,
+                finished_since_report: (0, 0),
                 engine: None
             }
         );
@@ -795,6 +821,48 @@ mod tests {
         // Without memory in the report there is no memory term.
         t.report(Slot(0), report(at, 0, 2, None));
         assert_eq!(m.memory_wait_s(&t.load(Slot(0)), 1000, at), 0.0);
+    }
+
+    #[test]
+    fn a_request_that_finishes_after_a_report_frees_its_blocks_at_once() {
+        let memory = Memory {
+            free_blocks: 0,
+            used_blocks: 200,
+            running: 2,
+            remaining_decode_s: 0.5,
+            ..Memory::default()
+        };
+        let (m, mut t, at) = (PrefillModel::default(), LoadTracker::new(), Instant::now());
+        // Two requests of 100 blocks each (99 of prompt, 1 of output); the
+        // second shares the first's 10 leading blocks.
+        let own: Vec<u64> = (0..99).collect();
+        let mut shared: Vec<u64> = (0..10).collect();
+        shared.extend(1000..1089);
+        let first = t.start_request(Slot(0), &own, (99 * 16, 0, 2), 16);
+        let second = t.start_request(Slot(0), &shared, (99 * 16, 0, 2), 16);
+        let reported = EngineLoad {
+            memory: Some(memory),
+            ..report(at, 0, 0, None)
+        };
+        t.report(Slot(0), reported);
+        // 50 blocks wait for one of the two to finish: 2 × 0.5 s / 3.
+        let wait = |t: &LoadTracker| m.memory_wait_s(&t.load(Slot(0)), 50, at);
+        assert!((wait(&t) - 1.0 / 3.0).abs() < 1e-9);
+        // The first finishes: the report still counts it, this router knows
+        // better. Its 100 blocks are free but the 10 the second holds.
+        t.finish(first);
+        assert_eq!(t.load(Slot(0)).finished_since_report, (1, 90));
+        assert_eq!(wait(&t), 0.0);
+        assert!(m.memory_wait_s(&t.load(Slot(0)), 91, at) > 0.0);
+        // A request sent after the report was never in it: it only stops
+        // counting as unreported.
+        let late = t.start_request(Slot(0), &[7], (16, 0, 2), 16);
+        t.finish(late);
+        assert_eq!(t.load(Slot(0)).finished_since_report, (1, 90));
+        // The next report covers what finished.
+        t.report(Slot(0), reported);
+        assert_eq!(t.load(Slot(0)).finished_since_report, (0, 0));
+        t.finish(second);
     }
 
     #[test]

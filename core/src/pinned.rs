@@ -80,21 +80,26 @@ impl Pinned {
         Pin(id)
     }
 
-    /// The request of `pin` finished. A pin of a forgotten endpoint is
-    /// ignored.
-    pub fn unpin(&mut self, pin: Pin) {
+    /// The request of `pin` finished; returns how many of its blocks other
+    /// requests in flight there still hold. A pin of a forgotten endpoint
+    /// is ignored.
+    pub fn unpin(&mut self, pin: Pin) -> u64 {
         let Some((slot, chain)) = self.chains.remove(&pin.0) else {
-            return;
+            return 0;
         };
         self.blocks -= chain.len();
+        let mut still_held = 0;
         for b in chain {
             if let Some(n) = self.held.get_mut(&(slot, b)) {
                 *n -= 1;
                 if *n == 0 {
                     self.held.remove(&(slot, b));
+                } else {
+                    still_held += 1;
                 }
             }
         }
+        still_held
     }
 
     /// Forgets `slot`: its requests' pins are ignored from now on.
