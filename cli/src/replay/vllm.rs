@@ -100,8 +100,8 @@ pub struct VllmSim {
     /// Cache events not yet seen by the routers: (time, replica, event).
     pending: VecDeque<(f64, usize, PoolEvent)>,
     /// Each router's own requests per replica, by trace position, with
-    /// their prompt blocks pinned.
-    routers: Vec<Router<Vec<(usize, Pin)>>>,
+    /// their prompt blocks pinned until they finish.
+    routers: Vec<Router<Vec<Own>>>,
     next_router: usize,
     lag_s: f64,
     /// Arrival times of the requests still to come, and the engines' load
@@ -109,6 +109,18 @@ pub struct VllmSim {
     arrivals: VecDeque<f64>,
     observed: VecDeque<Vec<model::Load>>,
     epoch: Instant,
+}
+
+/// A router's request in flight, or finished since the report it sees.
+#[derive(Clone, Debug)]
+struct Own {
+    /// Its trace position.
+    i: usize,
+    /// Its prompt blocks, pinned until it finishes.
+    pin: Option<Pin>,
+    /// Once finished, the blocks it freed: its own, less those another of
+    /// the router's requests there still held.
+    freed: u64,
 }
 
 fn at(t: f64) -> Duration {
@@ -345,7 +357,11 @@ impl VllmSim {
             block_size,
         );
         let pin = router.pinned.pin(slot, &hashes[i]);
-        router.own[r].push((i, pin));
+        router.own[r].push(Own {
+            i,
+            pin: Some(pin),
+            freed: 0,
+        });
         let estimate = (decision.cached_blocks as u64 * self.config.block_size as u64)
             .min(request.input_length);
         // Each refusal's round trip is charged to the request's TTFT.
@@ -377,16 +393,29 @@ impl VllmSim {
     fn own_load(&mut self, k: usize, r: usize, t: f64, reported: f64) -> Load {
         let records = &self.records;
         let router = &mut self.routers[k];
-        let (own, gone) = std::mem::take(&mut router.own[r])
+        // Kept until the report covers their end: one sent before the
+        // report that finished since frees its blocks at once, as the
+        // router counts it live ([`kvroute_core::load::LoadTracker::finish`]).
+        let (own, gone): (Vec<Own>, Vec<Own>) = std::mem::take(&mut router.own[r])
             .into_iter()
-            .partition(|&(i, _)| !records[i].refused && records[i].done.is_none_or(|d| d > t));
+            .partition(|o| !records[o.i].refused && records[o.i].done.is_none_or(|d| d > reported));
         router.own[r] = own;
-        for (_, pin) in gone {
+        for pin in gone.into_iter().filter_map(|o| o.pin) {
             router.pinned.unpin(pin);
         }
         let mut load = Load::default();
-        for &(i, _) in router.own[r].iter() {
-            let s = &records[i];
+        for o in router.own[r].iter_mut() {
+            let s = &records[o.i];
+            if s.done.is_some_and(|d| d <= t) {
+                if let Some(pin) = o.pin.take() {
+                    o.freed = s.blocks.saturating_sub(router.pinned.unpin(pin));
+                }
+                if s.arrival <= reported {
+                    load.finished_since_report.0 += 1;
+                    load.finished_since_report.1 += o.freed;
+                }
+                continue;
+            }
             load.in_flight += 1;
             load.active_tokens += s.prompt;
             if s.first_token.is_none_or(|f| f > t) {
