@@ -116,9 +116,7 @@ impl Memory {
         });
         for_blocks.max(for_seat)
     }
-}
 
-impl Memory {
     /// The memory with `requests` of the running ones finished, and the
     /// `blocks` they held free again.
     pub fn without(self, (requests, blocks): (u32, u64)) -> Memory {
