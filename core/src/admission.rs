@@ -15,12 +15,14 @@
 //!    milliseconds.
 //! 2. An engine that supports the check (engine-sim does; vLLM ignores the
 //!    header, and nothing changes) compares it with its own wait at
-//!    arrival. Longer: it answers `503` at once, with its queue in
-//!    [`QUEUED_TOKENS_HEADER`] and [`WAITING_HEADER`], and does no work.
-//! 3. The router takes those as a fresh load report of that endpoint
-//!    ([`Load::refused`]) and decides again, at most [`MAX_REFUSALS`] times
-//!    per request; an endpoint that refused once is not asked to check
-//!    again for that request, so the check never turns a request away.
+//!    arrival, counting the blocks the request takes from its free pool.
+//!    Longer: it answers `503` at once, with its load report in
+//!    [`LOAD_HEADER`], and does no work.
+//! 3. The router takes that as a fresh load report of that endpoint
+//!    ([`Load::refused`]): its queue and its KV memory, every replica's
+//!    sends in them. It decides again, at most [`MAX_REFUSALS`] times per
+//!    request; an endpoint that refused once is not asked to check again
+//!    for that request, so the check never turns a request away.
 //!
 //! A refusal costs one round trip to the engine; a collision costs the
 //! prefill of the request ahead. Engines keep no state for it and routers
@@ -36,42 +38,12 @@ use crate::load::{EngineLoad, Load, PrefillModel};
 /// Request header: refuse this request unless its prefill can start within
 /// this many milliseconds.
 pub const ADMIT_WITHIN_HEADER: &str = "x-kvroute-admit-within-ms";
-/// Refusal header: prompt tokens the engine has still to prefill.
-pub const QUEUED_TOKENS_HEADER: &str = "x-kvroute-queued-prefill-tokens";
-/// Refusal header: requests waiting to be scheduled.
-pub const WAITING_HEADER: &str = "x-kvroute-waiting";
+/// Refusal header: the engine's load at that moment, a
+/// `kvroute.v1.LoadReport` as WatchCache sends it, in protobuf, base64
+/// (standard alphabet, padded).
+pub const LOAD_HEADER: &str = "x-kvroute-load";
 /// Refusals one request takes before it is sent without a bound.
 pub const MAX_REFUSALS: usize = 3;
-
-/// What a refusing engine says of its queue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Refusal {
-    /// Prompt tokens it has still to prefill.
-    pub queued_prefill_tokens: u64,
-    /// Requests waiting to be scheduled.
-    pub waiting: u32,
-}
-
-impl Refusal {
-    /// Reads a refusal from its two header values; `None` unless both are
-    /// plain numbers (then the answer is an ordinary 503).
-    pub fn parse(queued: &str, waiting: &str) -> Option<Self> {
-        Some(Refusal {
-            queued_prefill_tokens: queued.trim().parse().ok()?,
-            waiting: waiting.trim().parse().ok()?,
-        })
-    }
-}
-
-impl Refusal {
-    /// What an engine whose load is `report` says when it refuses.
-    pub fn of(report: &EngineLoad) -> Self {
-        Refusal {
-            queued_prefill_tokens: report.queued_prefill_tokens.unwrap_or(0),
-            waiting: report.waiting,
-        }
-    }
-}
 
 /// Whether an engine whose request would wait `wait_s` before its prefill
 /// starts refuses one that asked to start within `bound_ms`.
@@ -79,12 +51,11 @@ pub fn refuses(bound_ms: u64, wait_s: f64) -> bool {
     wait_s * 1000.0 > bound_ms as f64
 }
 
-/// An engine's check of a request that asked to start within `bound_ms`,
-/// against its own `report` taken at that moment (`engine_wait_s`): the
-/// refusal to answer with, or `None` to admit it.
-pub fn check(bound_ms: u64, report: EngineLoad, overhead_ms: f64) -> Option<Refusal> {
-    let wait = engine_wait_s(report, overhead_ms);
-    refuses(bound_ms, wait).then(|| Refusal::of(&report))
+/// An engine's check of a request that asked to start within `bound_ms`
+/// and takes `blocks` KV blocks from its free pool, against its own
+/// `report` taken at that moment (`engine_wait_s`): whether it admits it.
+pub fn admits(bound_ms: u64, report: EngineLoad, overhead_ms: f64, blocks: u64) -> bool {
+    !refuses(bound_ms, engine_wait_s(report, overhead_ms, blocks))
 }
 
 /// The header value for a bound of `bound_s` seconds: whole milliseconds,
@@ -93,13 +64,13 @@ pub fn bound_ms(bound_s: f64) -> u64 {
     (bound_s.max(0.0) * 1000.0).ceil().min(u64::MAX as f64) as u64
 }
 
-/// The wait before prefill an engine predicts for a new request from its
-/// own `report`, taken at the moment it checks: its queued prefill at its
-/// rate plus `overhead_ms` per waiting request, or the wait for KV memory
-/// of the requests ahead, whichever is longer. It leaves out the request's
-/// own blocks, which the router counts, so it refuses a little less often
-/// than the router's own figures would.
-fn engine_wait_s(report: EngineLoad, overhead_ms: f64) -> f64 {
+/// The wait before prefill an engine predicts for a new request that
+/// takes `blocks` from its free pool, from its own `report` taken at the
+/// moment it checks: its queued prefill at its rate plus `overhead_ms` per
+/// waiting request, or the wait for a seat and KV memory behind the
+/// requests ahead, whichever is longer. The router predicts the same from
+/// a report and its own sends; the engine sees every router's.
+fn engine_wait_s(report: EngineLoad, overhead_ms: f64, blocks: u64) -> f64 {
     let model = PrefillModel {
         prefill_overhead_ms: overhead_ms,
         ..PrefillModel::default()
@@ -112,28 +83,18 @@ fn engine_wait_s(report: EngineLoad, overhead_ms: f64) -> f64 {
     let rate = model.rate(&load);
     model
         .queued_s_at(&load, now, rate)
-        .max(model.memory_wait_s(&load, 0, now))
+        .max(model.memory_wait_s(&load, blocks, now))
 }
 
 impl Load {
-    /// Takes an engine's refusal at `now` as its fresh load report: its
-    /// queue as it said, and none of this router's requests unreported (it
-    /// saw them all). An endpoint whose engine never reported keeps
-    /// counting on this router's own figures, with the refusal's queue in
-    /// a report of its own.
-    pub fn refused(&mut self, refusal: Refusal, now: Instant) {
-        let engine = self.engine.get_or_insert(EngineLoad {
-            waiting: 0,
-            running: 0,
-            kv_usage: 0.0,
-            queued_prefill_tokens: None,
-            prefill_tokens_per_s: None,
-            memory: None,
+    /// Takes an engine's refusal at `now`: the load it answered with is
+    /// its fresh report, covering every request this router sent there so
+    /// far (it saw them all).
+    pub fn refused(&mut self, report: EngineLoad, now: Instant) {
+        self.engine = Some(EngineLoad {
             reported_at: now,
+            ..report
         });
-        engine.queued_prefill_tokens = Some(refusal.queued_prefill_tokens);
-        engine.waiting = refusal.waiting;
-        engine.reported_at = now;
         self.unreported_prefill_tokens = 0;
         self.unreported_requests = 0;
         self.unreported_blocks = 0;
@@ -146,20 +107,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::load::PrefillModel;
-
-    #[test]
-    fn refusal_headers_are_plain_numbers() {
-        assert_eq!(
-            Refusal::parse("1200", " 3"),
-            Some(Refusal {
-                queued_prefill_tokens: 1200,
-                waiting: 3
-            })
-        );
-        assert_eq!(Refusal::parse("-1", "3"), None);
-        assert_eq!(Refusal::parse("12", "x"), None);
-    }
+    use crate::load::{Memory, PrefillModel};
 
     #[test]
     fn a_bound_is_whole_milliseconds_rounded_up() {
@@ -184,18 +132,65 @@ mod tests {
         let now = t0 + Duration::from_secs(5);
         // The router's own count: 4,000 tokens and 2 overheads.
         assert!((model.queued_s_at(&load, now, 10_000.0) - 0.44).abs() < 1e-9);
-        load.refused(
-            Refusal {
-                queued_prefill_tokens: 10_000,
-                waiting: 1,
-            },
-            now,
-        );
+        load.refused(report(10_000, 1, None, t0), now);
         // The engine's word: 1 s of tokens and one request waiting.
         assert!((model.queued_s_at(&load, now, 10_000.0) - 1.02).abs() < 1e-9);
         assert_eq!(load.unreported_requests, 0);
         // It ages like any report.
         let later = now + Duration::from_millis(500);
         assert!((model.queued_s_at(&load, later, 10_000.0) - 0.52).abs() < 1e-9);
+    }
+
+    /// A report with `queued` tokens, `waiting` requests and `memory`,
+    /// taken at `at`.
+    fn report(queued: u64, waiting: u32, memory: Option<Memory>, at: Instant) -> EngineLoad {
+        EngineLoad {
+            waiting,
+            running: 1,
+            kv_usage: 0.5,
+            queued_prefill_tokens: Some(queued),
+            prefill_tokens_per_s: None,
+            memory,
+            reported_at: at,
+        }
+    }
+
+    /// One request running that holds 200 of 256 blocks and decodes for
+    /// another 0.5 s.
+    fn busy() -> Memory {
+        Memory {
+            free_blocks: 56,
+            used_blocks: 200,
+            remaining_decode_s: 0.5,
+            running: 1,
+            ..Memory::default()
+        }
+    }
+
+    #[test]
+    fn the_check_counts_the_blocks_the_request_takes() {
+        let now = Instant::now();
+        let engine = report(0, 0, Some(busy()), now);
+        // 56 blocks fit; 57 wait for the running request to finish, in
+        // 0.5 s.
+        assert!(admits(50, engine, 0.0, 56));
+        assert!(!admits(50, engine, 0.0, 57));
+        assert!(admits(600, engine, 0.0, 57));
+    }
+
+    #[test]
+    fn a_refusal_brings_the_engines_memory() {
+        let t0 = Instant::now();
+        let model = PrefillModel::default();
+        // The router's last report saw the pool empty.
+        let mut load = Load {
+            engine: Some(report(0, 0, Some(Memory::default()), t0)),
+            ..Load::default()
+        };
+        let now = t0 + Duration::from_millis(100);
+        assert_eq!(model.memory_wait_s(&load, 100, now), 0.0);
+        // Another replica's request runs there now: the refusal says so.
+        load.refused(report(0, 0, Some(busy()), t0), now);
+        assert!((model.memory_wait_s(&load, 100, now) - 0.5).abs() < 1e-9);
     }
 }

@@ -533,11 +533,11 @@ impl LoadTracker {
     }
 
     /// An engine refused a request sent to `slot` ([`crate::admission`]):
-    /// its answer is a fresh report of its queue, covering every request
-    /// sent so far.
-    pub fn refused(&mut self, slot: Slot, refusal: crate::admission::Refusal, now: Instant) {
+    /// the load it answered with is a fresh report, covering every
+    /// request sent so far.
+    pub fn refused(&mut self, slot: Slot, report: EngineLoad, now: Instant) {
         let entry = self.entry(slot);
-        entry.load.refused(refusal, now);
+        entry.load.refused(report, now);
         entry.reports += 1;
     }
 

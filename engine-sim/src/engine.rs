@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
-use kvroute_core::admission::{self, Refusal};
+use kvroute_core::admission;
 use kvroute_core::engine::pool::PoolEvent as ModelEvent;
 use kvroute_core::engine::{self as model, Progress, Refused, RequestId};
 use kvroute_core::hash::{BlockDigest, BlockExtras, BlockHash, BlockHasher, HashConfig, Lora};
@@ -84,7 +84,7 @@ impl LoadReport {
 }
 
 /// Why a request was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
     /// Prompt plus output exceeds the model length.
     #[error(
@@ -117,15 +117,18 @@ pub enum EngineError {
     /// The request asked to start its prefill sooner than the queue
     /// allows ([`kvroute_core::admission`]).
     #[error(
-        "the engine would not start this request within the {bound_ms} ms it asked for: {} prompt tokens queued, {} requests waiting",
-        refusal.queued_prefill_tokens,
-        refusal.waiting
+        "the engine would not start this request within the {bound_ms} ms it asked for: {} prompt tokens queued, {} requests waiting, {} KV blocks free of the {blocks} it takes",
+        load.queued_prefill_tokens,
+        load.waiting,
+        load.free_blocks
     )]
     Busy {
         /// The bound the request carried.
         bound_ms: u64,
-        /// The engine's queue, for the router.
-        refusal: Refusal,
+        /// KV blocks it takes from the free pool.
+        blocks: u64,
+        /// The engine's load, for the router.
+        load: LoadReport,
     },
 }
 
@@ -357,8 +360,14 @@ impl Engine {
                     std::time::Instant::now(),
                 );
                 let overhead_ms = overhead.as_secs_f64() * 1000.0;
-                if let Some(refusal) = admission::check(bound_ms, report, overhead_ms) {
-                    return Err(EngineError::Busy { bound_ms, refusal });
+                let blocks = state.model.demand(&hashes, job.prompt.len());
+                if !admission::admits(bound_ms, report, overhead_ms, blocks) {
+                    let load = self.load(&state);
+                    return Err(EngineError::Busy {
+                        bound_ms,
+                        blocks,
+                        load,
+                    });
                 }
             }
             let id = state.next_id;

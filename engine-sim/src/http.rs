@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream;
@@ -369,18 +369,16 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
                 e.to_string(),
             );
         }
-        Err(e @ EngineError::Busy { refusal, .. }) => {
+        Err(e @ EngineError::Busy { load, .. }) => {
             let mut response = error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ServiceUnavailableError",
                 e.to_string(),
             );
-            let headers = response.headers_mut();
-            headers.insert(
-                admission::QUEUED_TOKENS_HEADER,
-                refusal.queued_prefill_tokens.into(),
-            );
-            headers.insert(admission::WAITING_HEADER, refusal.waiting.into());
+            let header = kvroute_proto::load::to_header(&load.to_proto());
+            if let Ok(value) = HeaderValue::from_str(&header) {
+                response.headers_mut().insert(admission::LOAD_HEADER, value);
+            }
             return response;
         }
         Err(e) => return bad_request(e.to_string()),

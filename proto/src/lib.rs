@@ -29,6 +29,7 @@
 
 pub mod feed;
 mod hash_algorithm;
+pub mod load;
 mod routing_policy;
 mod sequence;
 pub mod tls;

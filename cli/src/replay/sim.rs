@@ -30,7 +30,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use kvroute_core::admission::{self, MAX_REFUSALS, Refusal};
+use kvroute_core::admission::{self, MAX_REFUSALS};
 use kvroute_core::index::{CacheEvent, OccupancyIndex};
 use kvroute_core::keys::RoutingKey;
 use kvroute_core::load::{EngineLoad, Load};
@@ -199,7 +199,8 @@ impl Router<VecDeque<Served>> {
 
 /// `policy`'s decision for `request` with admission checks (see the
 /// module docs): `engine(r, bound_ms)` is replica `r`'s answer to a
-/// request that asks to start within `bound_ms`, a refusal or `None`.
+/// request that asks to start within `bound_ms`: the load it refuses
+/// with, or `None`.
 /// Returns the decision, the replica it went to and how many times it was
 /// refused.
 pub(super) fn decide(
@@ -207,7 +208,7 @@ pub(super) fn decide(
     request: &Request<'_>,
     endpoints: &mut [Endpoint],
     cx: &Context<'_>,
-    mut engine: impl FnMut(usize, u64) -> Option<Refusal>,
+    mut engine: impl FnMut(usize, u64) -> Option<EngineLoad>,
 ) -> (Decision, usize, usize) {
     let mut refused = Vec::new();
     loop {
@@ -390,8 +391,7 @@ impl Sim {
             &cx,
             |r, bound_ms| {
                 let wait = (replicas[r].free_at - t).max(0.0);
-                admission::refuses(bound_ms, wait)
-                    .then(|| Refusal::of(&replicas[r].queue_at(t, cx.now)))
+                admission::refuses(bound_ms, wait).then(|| replicas[r].queue_at(t, cx.now))
             },
         );
         router.policy.routed(&req, &self.endpoints[r]);

@@ -345,7 +345,8 @@ impl VllmSim {
             &cx,
             |r, bound_ms| {
                 let fresh = report(engines[r].load(at(t)), now);
-                admission::check(bound_ms, fresh, overhead_ms)
+                let blocks = engines[r].demand(&hashes[i], request.input_length as usize);
+                (!admission::admits(bound_ms, fresh, overhead_ms, blocks)).then_some(fresh)
             },
         );
         router.policy.routed(&req, &endpoints[r]);

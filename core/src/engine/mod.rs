@@ -330,6 +330,19 @@ impl Engine {
         Ok(())
     }
 
+    /// Blocks a request of `num_tokens` tokens whose prompt's full blocks
+    /// hash to `hashes` takes from the free pool if admitted now: all of
+    /// them but the cached ones a running request holds.
+    pub fn demand(&self, hashes: &[BlockHash], num_tokens: usize) -> u64 {
+        let hit = self.pool.lookup(hashes, num_tokens);
+        self.takes(&hashes[..hit], num_tokens)
+    }
+
+    /// [`demand`](Self::demand) with its cached prefix `hit` looked up.
+    fn takes(&self, hit: &[BlockHash], num_tokens: usize) -> u64 {
+        (self.pool.blocks_for(num_tokens) - self.pool.held(hit)) as u64
+    }
+
     /// Records the hash of the next full block of `id`'s sequence (an
     /// output block, once its tokens are known). Ignored for an unknown id.
     pub fn add_block_hash(&mut self, id: RequestId, hash: BlockHash) {
@@ -560,9 +573,7 @@ impl Engine {
             .waiting
             .iter()
             .zip(&hits)
-            .map(|(s, &hit)| {
-                (self.pool.blocks_for(s.len()) - self.pool.held(&s.hashes[..hit])) as u64
-            })
+            .map(|(s, &hit)| self.takes(&s.hashes[..hit], s.len()))
             .sum();
         // The last output token is never fed back: it needs no KV.
         let last = |s: &Seq| self.pool.blocks_for(s.prompt + s.max_tokens - 1);

@@ -449,17 +449,54 @@ async fn a_request_bounded_below_the_queue_is_refused_with_it() {
     // Two seconds of A queued ahead: a bound of 1.5 s is refused, with
     // the queue; 2.5 s is met; no bound is never refused.
     let refused = e.generate(job(10_000, Some(1500))).await.unwrap_err();
-    assert_eq!(
-        refused,
-        EngineError::Busy {
-            bound_ms: 1500,
-            refusal: Refusal {
-                queued_prefill_tokens: 2000,
-                waiting: 0
-            }
-        }
-    );
+    let EngineError::Busy {
+        bound_ms: 1500,
+        load,
+        ..
+    } = refused
+    else {
+        panic!("{refused:?}");
+    };
+    assert_eq!((load.queued_prefill_tokens, load.waiting), (2000, 0));
     assert!(refused.to_string().contains("1500 ms"), "{refused}");
     assert!(e.generate(job(20_000, Some(2500))).await.is_ok());
     assert!(e.generate(job(30_000, None)).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_whose_blocks_are_not_free_is_refused_with_the_memory() {
+    let e = engine(|c| {
+        c.block_size = 4;
+        c.num_gpu_blocks = 10;
+        c.itl_ms = 30.0;
+    });
+    let job = |prompt: std::ops::Range<u32>, admit_within_ms| Job {
+        prompt: prompt.collect(),
+        max_tokens: 5,
+        cache_salt: None,
+        lora: None,
+        admit_within_ms,
+    };
+    // A runs, holding 3 of the 10 blocks; nothing is queued for prefill.
+    let mut a = e.generate(job(1..9, None)).await.unwrap();
+    a.tokens.recv().await.unwrap();
+    // B's 32 tokens take 8 blocks: it would wait for A's decode.
+    let refused = e.generate(job(100..132, Some(50))).await.unwrap_err();
+    let EngineError::Busy {
+        blocks: 8, load, ..
+    } = refused
+    else {
+        panic!("{refused:?}");
+    };
+    assert_eq!((load.free_blocks, load.running), (7, 1));
+    assert!(refused.to_string().contains("7 KV blocks free of the 8"));
+    // A prompt of 7 blocks whose first 2 are A's takes 5: they are free.
+    let shared: Vec<u32> = (1..9).chain(100..120).collect();
+    let admitted = e
+        .generate(Job {
+            prompt: shared,
+            ..job(0..0, Some(50))
+        })
+        .await;
+    assert!(admitted.is_ok());
 }

@@ -24,7 +24,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use kvroute_core::index::{CacheEvent, IndexError};
-use kvroute_core::load::{EngineLoad, Memory};
+use kvroute_core::load::EngineLoad;
 use kvroute_proto::v1::cache_reporter_client::CacheReporterClient;
 use kvroute_proto::v1::{CacheUpdate, LoadReport, WatchCacheRequest, cache_update::Update};
 use kvroute_proto::{ResyncReason, SequenceCheck, Verdict};
@@ -265,43 +265,8 @@ impl Watcher<'_> {
     }
 }
 
+/// `load` as the pool keeps it, received now (the pool's clock, tokio's,
+/// paused in tests, ages it).
 fn engine_load(load: &LoadReport) -> EngineLoad {
-    EngineLoad {
-        waiting: load.waiting,
-        running: load.running,
-        kv_usage: load.kv_usage,
-        queued_prefill_tokens: load.queued_prefill_tokens,
-        // A rate must be positive and finite to divide by.
-        prefill_tokens_per_s: load
-            .prefill_tokens_per_s
-            .filter(|r| r.is_finite() && *r > 0.0),
-        // Memory predicts a wait only when the engine says all of it.
-        memory: match (
-            load.free_blocks,
-            load.waiting_blocks,
-            load.remaining_decode_s,
-        ) {
-            (Some(free_blocks), Some(waiting_blocks), Some(remaining))
-                if remaining.is_finite() && remaining >= 0.0 =>
-            {
-                Some(Memory {
-                    free_blocks,
-                    used_blocks: load.used_blocks,
-                    waiting_blocks,
-                    growth_blocks: load.growth_blocks.unwrap_or(0),
-                    remaining_decode_s: remaining,
-                    waiting_decode_s: load
-                        .waiting_decode_s
-                        .filter(|s| s.is_finite() && *s >= 0.0)
-                        .unwrap_or(2.0 * remaining),
-                    running: u64::from(load.running),
-                    waiting: u64::from(load.waiting),
-                    max_num_seqs: load.max_num_seqs.map(u64::from),
-                })
-            }
-            _ => None,
-        },
-        // The pool's clock (tokio's, paused in tests) ages the report.
-        reported_at: tokio::time::Instant::now().into_std(),
-    }
+    kvroute_proto::load::engine_load(load, tokio::time::Instant::now().into_std())
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kvroute_core::admission;
 use kvroute_core::contract::Contract;
-use kvroute_core::load::Ticket;
+use kvroute_core::load::{EngineLoad, Ticket};
 use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
 use kvroute_core::slot::Slot;
 
@@ -252,10 +252,10 @@ impl Pool {
     }
 
     /// `slot`'s engine refused a request it could not start within the
-    /// bound ([`kvroute_core::admission`]): its queue as it said is the
-    /// endpoint's load from now on, until its next report.
-    pub fn refused(&self, slot: Slot, refusal: admission::Refusal) {
-        self.lock().load.refused(slot, refusal, now());
+    /// bound ([`kvroute_core::admission`]): the load it answered with is
+    /// the endpoint's from now on, until its next report.
+    pub fn refused(&self, slot: Slot, report: EngineLoad) {
+        self.lock().load.refused(slot, report, now());
         self.changed.notify_waiters();
     }
 

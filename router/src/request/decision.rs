@@ -11,7 +11,8 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use kvroute_core::admission::{MAX_REFUSALS, Refusal};
+use kvroute_core::admission::{LOAD_HEADER, MAX_REFUSALS};
+use kvroute_core::load::EngineLoad;
 use kvroute_core::slot::Slot;
 
 use super::guard::{Expected, Guard};
@@ -146,14 +147,14 @@ impl Decision {
         target.admit_within_ms.filter(|_| asked)
     }
 
-    /// `attempt`'s engine refused it for its bound and said its queue: that
+    /// `attempt`'s engine refused it for its bound and said its load: that
     /// becomes the endpoint's load, and the request is planned again with
     /// it (the old plan stays when every endpoint is now at its limit).
     /// Attempts start over at the new plan's first target.
-    pub(crate) fn refused(&mut self, attempt: Attempt, refusal: Refusal) {
+    pub(crate) fn refused(&mut self, attempt: Attempt, report: EngineLoad) {
         drop(attempt.load);
         self.accounting.metrics.admission_refusals.inc();
-        self.pool.refused(attempt.target.slot, refusal);
+        self.pool.refused(attempt.target.slot, report);
         self.refused.push(attempt.target.slot);
         let a = &self.analysis;
         let plan = self.pool.plan(&a.request(), a.readable);
@@ -338,12 +339,14 @@ pub(crate) fn routers_own(name: &axum::http::HeaderName) -> bool {
 }
 
 /// An engine's admission refusal ([`kvroute_core::admission`]): a 503
-/// with its queue in two headers.
-pub(crate) fn refusal(status: StatusCode, headers: &axum::http::HeaderMap) -> Option<Refusal> {
-    use kvroute_core::admission::{QUEUED_TOKENS_HEADER, WAITING_HEADER};
+/// with its load report in a header, received now.
+pub(crate) fn refusal(status: StatusCode, headers: &axum::http::HeaderMap) -> Option<EngineLoad> {
     if status != StatusCode::SERVICE_UNAVAILABLE {
         return None;
     }
-    let value = |name| headers.get(name)?.to_str().ok();
-    Refusal::parse(value(QUEUED_TOKENS_HEADER)?, value(WAITING_HEADER)?)
+    let report = kvroute_proto::load::from_header(headers.get(LOAD_HEADER)?.as_bytes())?;
+    Some(kvroute_proto::load::engine_load(
+        &report,
+        Instant::now().into_std(),
+    ))
 }

@@ -89,7 +89,8 @@ fn greedy(user: &str) -> serde_json::Value {
 async fn an_admission_refusal_the_router_did_not_ask_for_ejects_no_engine() {
     // Engines that refuse as if a bound had been asked for.
     let refusing = |_: &str| {
-        let headers = "x-kvroute-queued-prefill-tokens: 100000\r\nx-kvroute-waiting: 9\r\n";
+        // A LoadReport: 9 waiting, 100,000 tokens queued.
+        let headers = "x-kvroute-load: CAkooI0G\r\n";
         ("503 Service Unavailable", headers, "{}")
     };
     let (a, _) = engine(refusing).await;
