@@ -68,10 +68,19 @@ const RECHECK: Duration = Duration::from_millis(25);
 /// `extProc.trustedNetwork` or `extProc.tls.clientCaFile`.
 pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 
-/// Who a request is, for the queue: the objective it names, its tenant,
-/// its flow (the trusted gateway's fairness id, else its tenant; requests
-/// with neither share a flow) and its body's size.
-pub(crate) type Who<'a> = (Option<&'a str>, Option<&'a str>, Option<String>, usize);
+/// Who a request is, for the queue.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Who {
+    /// The objective it names.
+    pub(crate) objective: Option<String>,
+    /// Its tenant.
+    pub(crate) tenant: Option<String>,
+    /// Its flow: the trusted gateway's fairness id, else its tenant;
+    /// requests with neither share a flow.
+    pub(crate) flow: Option<String>,
+    /// Its body's size.
+    pub(crate) bytes: usize,
+}
 
 /// The gate requests pass. See the module docs.
 #[derive(Debug)]
@@ -166,6 +175,11 @@ impl Gate {
         }
     }
 
+    /// Whether requests are held here (`flowControl.enabled`).
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -222,10 +236,13 @@ impl Gate {
         }
     }
 
-    /// Counts `plan` of `flow` as dispatched for `reason`.
-    fn dispatched(&self, plan: Plan, flow: &str, reason: &'static str) -> Plan {
+    /// Counts `plan` of `flow` as dispatched for `reason`; in the flow's
+    /// share only the first time (`again` false).
+    fn dispatched(&self, plan: Plan, flow: &str, reason: &'static str, again: bool) -> Plan {
         let now = std::time::Instant::now();
-        self.lock().shares.dispatched(flow, now);
+        if !again {
+            self.lock().shares.dispatched(flow, now);
+        }
         let labels = Reason { reason };
         self.metrics.flow.dispatched.get_or_create(&labels).inc();
         plan
@@ -274,25 +291,30 @@ impl Gate {
 
     /// A plan for `request` from `who` among `among` whose first target
     /// can start it now, waiting here until there is one (rules 1 to 4);
-    /// 503 when no endpoint is routable, 429 when shed.
+    /// 503 when no endpoint is routable, 429 when shed. `again`: the
+    /// request was planned before and an engine refused it
+    /// ([`kvroute_core::admission`]); it is not counted as arriving again.
     pub(crate) async fn plan(
         &self,
         pool: &Pool,
-        request: &Request<'_>,
-        readable: bool,
+        (request, readable): (&Request<'_>, bool),
         among: Among<'_>,
-        (objective, tenant, flow, bytes): Who<'_>,
+        who: &Who,
+        again: bool,
     ) -> Result<(Plan, Option<Held>), ApiError> {
+        let (objective, tenant) = (who.objective.as_deref(), who.tenant.as_deref());
         let priority = (self.objectives).priority(objective, tenant, &pool.objectives());
-        let flow = flow.as_deref().unwrap_or("");
+        let (flow, bytes) = (who.flow.as_deref().unwrap_or(""), who.bytes);
         let retry_after = self.retry_after;
         let unavailable = || ApiError::Unavailable { retry_after };
         let ahead = self.enabled && {
             let mut state = self.lock();
             let now = std::time::Instant::now();
-            let blocks = pool.blocks_of(request);
-            state.reserve.saw(priority, blocks, now);
-            state.shares.saw(flow, blocks, now);
+            if !again {
+                let blocks = pool.blocks_of(request);
+                state.reserve.saw(priority, blocks, now);
+                state.shares.saw(flow, blocks, now);
+            }
             state.queue.ahead(priority)
         };
         let because = if ahead {
@@ -306,10 +328,10 @@ impl Gate {
                 if plan.targets.is_empty() {
                     return Err(ApiError::Overloaded { retry_after });
                 }
-                return Ok((self.dispatched(plan, flow, "immediate"), None));
+                return Ok((self.dispatched(plan, flow, "immediate", again), None));
             }
             match self.start(pool, request, &plan, self.room(priority, flow)) {
-                Start::Now => return Ok((self.dispatched(plan, flow, "immediate"), None)),
+                Start::Now => return Ok((self.dispatched(plan, flow, "immediate", again), None)),
                 Start::Room => "room_reserved",
                 Start::Busy if plan.targets.is_empty() => "endpoints_full",
                 Start::Busy => "predicted_wait",
@@ -391,7 +413,7 @@ impl Gate {
                     .get_or_create(&Priority { priority })
                     .observe(seconds);
                 let held = Held { seconds, because };
-                return Ok((self.dispatched(plan, flow, "after_wait"), Some(held)));
+                return Ok((self.dispatched(plan, flow, "after_wait", again), Some(held)));
             }
             // Held to leave room for others: the endpoint is theirs to take.
             // Held because every endpoint is full: the best of those is its

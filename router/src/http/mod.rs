@@ -181,6 +181,10 @@ impl Forwarder {
                         bound.and_then(|_| refusal(response.status(), response.headers())) =>
                 {
                     decision.refused(attempt, refusal);
+                    if let Err(e) = self.service.plan_again(&mut decision).await {
+                        (last_error, last_response) = (e, None);
+                        break;
+                    }
                     (n, tried) = (0, tried - 1);
                 }
                 Ok((response, _)) if retried(response.status()) => {

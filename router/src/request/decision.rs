@@ -19,7 +19,7 @@ use super::guard::{Expected, Guard};
 use super::labels::Labels;
 use super::missed::Known;
 use super::{Accounting, RequestId, body};
-use crate::flow::Held;
+use crate::flow::{Held, Who};
 use crate::metrics::{ModelTenant, Why};
 use crate::pool::{Fault, InFlight, Lost, Plan, Pool, Target};
 use crate::prompt::Analysis;
@@ -48,6 +48,8 @@ pub(crate) struct Decision {
     refused: Vec<Slot>,
     /// How long flow control held it, and why.
     held: Option<Held>,
+    /// Who it is, for flow control, should it be planned again.
+    pub(super) who: Who,
 }
 
 /// One attempt at an endpoint: the load it holds there until dropped.
@@ -75,7 +77,7 @@ impl Decision {
         (accounting, pool): (&Arc<Accounting>, &Arc<Pool>),
         (labels, id): (Labels, RequestId),
         (analysis, diverged): (Analysis, Option<u32>),
-        (plan, held): (Plan, Option<Held>),
+        (plan, held, who): (Plan, Option<Held>, Who),
         budget: Option<body::Held>,
     ) -> Self {
         let by = labels.model_tenant();
@@ -93,6 +95,7 @@ impl Decision {
             diverged,
             refused: Vec::new(),
             held,
+            who,
         }
     }
 
@@ -148,19 +151,28 @@ impl Decision {
     }
 
     /// `attempt`'s engine refused it for its bound and said its load: that
-    /// becomes the endpoint's load, and the request is planned again with
-    /// it (the old plan stays when every endpoint is now at its limit).
-    /// Attempts start over at the new plan's first target.
+    /// becomes the endpoint's load. The request is to be planned again
+    /// with it ([`super::Service::plan_again`]).
     pub(crate) fn refused(&mut self, attempt: Attempt, report: EngineLoad) {
         drop(attempt.load);
         self.accounting.metrics.admission_refusals.inc();
         self.pool.refused(attempt.target.slot, report);
         self.refused.push(attempt.target.slot);
-        let a = &self.analysis;
-        let plan = self.pool.plan(&a.request(), a.readable);
-        if !plan.targets.is_empty() {
-            self.cached = a.expected_cached(plan.cached_blocks);
-            self.plan = plan;
+    }
+
+    /// Planned again, after being held `held` more: attempts start over at
+    /// `plan`'s first target. An empty plan (every endpoint at its limit)
+    /// keeps the old one.
+    pub(super) fn planned(&mut self, plan: Plan, held: Option<Held>) {
+        if plan.targets.is_empty() {
+            return;
+        }
+        self.cached = self.analysis.expected_cached(plan.cached_blocks);
+        self.plan = plan;
+        if let Some(more) = held {
+            let seconds = self.held.map_or(0.0, |h| h.seconds) + more.seconds;
+            let because = self.held.map_or(more.because, |h| h.because);
+            self.held = Some(Held { seconds, because });
         }
     }
 

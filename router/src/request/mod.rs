@@ -251,16 +251,15 @@ impl Service {
             started,
             tenant,
         } = self.read(ask, Purpose::Route).await?;
-        let flow = fairness.or_else(|| tenant.clone());
-        let who = (
-            objective.as_deref(),
-            tenant.as_deref(),
-            flow,
-            analysis.bytes.len(),
-        );
-        let (request, readable) = (analysis.request(), analysis.readable);
-        let planned = (self.flow.plan(&self.pool, &request, readable, among, who)).await;
-        let planned = match planned {
+        let who = crate::flow::Who {
+            objective,
+            flow: fairness.or_else(|| tenant.clone()),
+            tenant,
+            bytes: analysis.bytes.len(),
+        };
+        let request = (&analysis.request(), analysis.readable);
+        let planned = (self.flow.plan(&self.pool, request, among, &who, false)).await;
+        let (plan, held) = match planned {
             Ok(p) => p,
             Err(e) => {
                 labels.count(e.status().as_str());
@@ -275,9 +274,28 @@ impl Service {
             (&self.accounting, &self.pool),
             (labels, id),
             (analysis, diverged),
-            planned,
+            (plan, held, who),
             budget,
         ))
+    }
+
+    /// Plans `decision` again once an engine refused it
+    /// ([`Decision::refused`]): through flow control, as on arrival, so it
+    /// waits here while no endpoint can start it. Without flow control, at
+    /// once. An error (shed, shutting down) is the request's answer.
+    pub(crate) async fn plan_again(&self, decision: &mut Decision) -> Result<(), ApiError> {
+        let a = &decision.analysis;
+        let (plan, held) = if self.flow.enabled() {
+            let request = (&a.request(), a.readable);
+            (self
+                .flow
+                .plan(&self.pool, request, &|_| true, &decision.who, true))
+            .await?
+        } else {
+            (self.pool.plan(&a.request(), a.readable), None)
+        };
+        decision.planned(plan, held);
+        Ok(())
     }
 
     /// Admits a request and reads it, as [`decide`](Self::decide) and

@@ -389,3 +389,45 @@ async fn a_held_request_gets_503_with_retry_after_when_the_router_shuts_down() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn a_request_an_engine_refuses_for_memory_waits_at_the_router() {
+    // One engine whose KV memory a long decode sent behind the router's
+    // back fills (no load reports: the router does not know). The request
+    // is refused with the engine's load, and then waits here, not in the
+    // engine, until the prediction says the blocks are free.
+    let small = |c: &mut kvroute_engine_sim::Config| {
+        c.num_gpu_blocks = 180;
+        c.itl_ms = 20.0;
+    };
+    let stack = Stack::start("flow-refused", 1, false, small, |_| {}).await;
+    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
+    let hog = tokio::spawn({
+        let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
+        async move { r.send().await.unwrap().status().as_u16() }
+    });
+    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
+    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
+        let url = metrics.clone();
+        async move {
+            let text = get_text(&url).await;
+            (sum_of(&text, "vllm:generation_tokens_total") >= 2.0).then_some(())
+        }
+    })
+    .await;
+    let r = stack
+        .post("/v1/chat/completions", chat(&long_text(1), "go", 2))
+        .await;
+    assert_eq!(r.status(), 200);
+    let metrics = stack.metrics().await;
+    assert_eq!(sum_of(&metrics, "kvroute_admission_refusals_total"), 1.0);
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_flow_dispatched_total{reason=\"after_wait\"}"
+        ),
+        1.0
+    );
+    assert_eq!(hog.await.unwrap(), 200);
+    stack.stop().await;
+}
