@@ -69,7 +69,7 @@ const RECHECK: Duration = Duration::from_millis(25);
 pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 
 /// Who a request is, for the queue.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Who {
     /// The objective it names.
     pub(crate) objective: Option<String>,

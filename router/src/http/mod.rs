@@ -3,8 +3,8 @@
 //! the first target, retrying on the next ones while no response byte has
 //! been received, commits the attempt whose response begins
 //! ([`Decision::commit`]) and streams that response back frame by frame as
-//! the engine sends it. With the response cache on, a request goes
-//! through it first ([`cached`]).
+//! the engine sends it ([`respond`]). With the response cache on, a request
+//! goes through it first ([`cached`]).
 //!
 //! Not here: admission, reading the prompt, the plan and every count
 //! ([`crate::request`]); the listeners' limits ([`crate::listener`]).
@@ -12,18 +12,18 @@
 mod cached;
 mod clients;
 mod headers;
+mod respond;
 mod routes;
 mod upstream;
 
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::http::header::{self, HeaderName, HeaderValue};
+use axum::http::header::{self, HeaderName};
 use axum::http::request::Parts;
 use axum::http::{Request, Response, StatusCode};
 use bytes::Bytes;
-use futures_util::stream;
-use http_body_util::{BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -35,8 +35,8 @@ pub(crate) use self::routes::routes;
 use crate::config::Config;
 use crate::errors::ApiError;
 use crate::pool::Fault;
-use crate::request::recent::{CACHE_HEADER, REQUEST_ID};
-use crate::request::{Ask, Attempt, Decision, Guard, Payload, RequestId, Service, refusal};
+use crate::request::recent::REQUEST_ID;
+use crate::request::{Ask, Attempt, Decision, Payload, RequestId, Service, refusal};
 
 /// An attempt's outcome: the response and its first body frame, or why it
 /// failed and whether that is the endpoint's fault.
@@ -201,7 +201,8 @@ impl Forwarder {
                 }
                 Ok((response, first)) => {
                     let guard = decision.commit(attempt, response.status(), sent);
-                    return self.respond(response, first, &name, guard);
+                    let header = self.endpoint_header.as_ref();
+                    return respond::respond(header, response, first, &name, guard);
                 }
                 Err((e, fault)) => {
                     // Dropping the response future or body first cancels
@@ -305,78 +306,6 @@ impl Forwarder {
             (service.accounting).failure(&service.pool, &attempt.target.name, kind, fault);
         }
         (outcome, attempt)
-    }
-
-    /// Streams the engine's response back frame by frame, `first` first.
-    /// The guard records the first byte and the end; a broken stream ejects
-    /// the endpoint and, for event streams, ends with an error event.
-    fn respond(
-        &self,
-        response: Response<Incoming>,
-        first: Option<Frame<Bytes>>,
-        endpoint: &str,
-        guard: Guard,
-    ) -> Response<Body> {
-        let (mut parts, incoming) = response.into_parts();
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        let length = parts.headers.get(header::CONTENT_LENGTH).cloned();
-        end_to_end(&mut parts.headers);
-        // A sized response stays sized (the body passes through whole).
-        if let Some(length) = length {
-            parts.headers.insert(header::CONTENT_LENGTH, length);
-        }
-        if let Some(name) = &self.endpoint_header
-            && let Ok(v) = HeaderValue::from_str(endpoint)
-        {
-            parts.headers.insert(name.clone(), v);
-        }
-        if let Some(v) = guard.cache_header() {
-            parts.headers.insert(CACHE_HEADER, v);
-        }
-        let first = first.map(Ok);
-        let frames = stream::unfold(Some((incoming, guard, first)), move |state| async move {
-            let (mut incoming, mut guard, first) = state?;
-            let next = match first {
-                Some(frame) => Some(frame),
-                None => incoming.frame().await,
-            };
-            match next {
-                Some(Ok(frame)) => {
-                    if let Some(data) = frame.data_ref() {
-                        guard.data(data);
-                    }
-                    // A sized body may not be polled past its last byte.
-                    if hyper::body::Body::is_end_stream(&incoming) {
-                        guard.done();
-                    }
-                    let next = Some((incoming, guard, None));
-                    Some((Ok::<_, std::io::Error>(frame), next))
-                }
-                Some(Err(e)) => {
-                    guard.broke(&e.to_string());
-                    if sse {
-                        let event = serde_json::json!({"error": {
-                            "message": format!("the engine's stream broke: {e}"),
-                            "type": "server_error",
-                            "code": "upstream_stream_error",
-                        }});
-                        let bytes = Bytes::from(format!("data: {event}\n\n"));
-                        Some((Ok(Frame::data(bytes)), None))
-                    } else {
-                        Some((Err(std::io::Error::other(e)), None))
-                    }
-                }
-                None => {
-                    guard.done();
-                    None
-                }
-            }
-        });
-        Response::from_parts(parts, Body::new(StreamBody::new(frames)))
     }
 }
 
