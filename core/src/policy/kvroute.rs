@@ -344,12 +344,12 @@ impl Policy for Kvroute {
 
     fn admit_within(&self, candidate: usize) -> Option<f64> {
         let tolerance_s = self.config.admission_tolerance_ms? / 1000.0;
-        Some(self.predicted_wait_s(candidate)? + tolerance_s)
+        Some(self.predicted(candidate)?.queued + tolerance_s)
     }
 
-    fn predicted_wait_s(&self, candidate: usize) -> Option<f64> {
+    fn predicted(&self, candidate: usize) -> Option<Predicted> {
         let (_, predicted, _) = self.predicted_by_slot.get(candidate)?;
-        Some(predicted.queued)
+        Some(*predicted)
     }
 
     fn endpoint_removed(&mut self, slot: Slot) {

@@ -41,7 +41,7 @@ impl MinTtft {
 
 /// What [`PrefillModel`] predicts for a request at one endpoint, seconds.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Predicted {
+pub struct Predicted {
     /// The wait before its own prefill: queued prefill, or KV memory.
     pub queued: f64,
     /// Time to first token: the longer of the queue and the wait for KV
@@ -127,8 +127,8 @@ impl Policy for MinTtft {
         Decision::by_cost(ranked, &self.cached)
     }
 
-    fn predicted_wait_s(&self, candidate: usize) -> Option<f64> {
-        self.predicted.get(candidate).map(|p| p.queued)
+    fn predicted(&self, candidate: usize) -> Option<Predicted> {
+        self.predicted.get(candidate).copied()
     }
 
     fn boxed_clone(&self) -> Box<dyn Policy> {

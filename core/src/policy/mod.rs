@@ -40,7 +40,7 @@ pub use approx_prefix::{ApproxPrefix, Config as ApproxPrefixConfig};
 pub use exact_prefix_load::{Config as ExactPrefixLoadConfig, ExactPrefixLoad};
 pub use kvroute::{Config as KvrouteConfig, Kvroute};
 pub use least_loaded::LeastLoaded;
-pub use min_ttft::{Config as MinTtftConfig, MinTtft};
+pub use min_ttft::{Config as MinTtftConfig, MinTtft, Predicted};
 pub use modulo::Modulo;
 pub use parameters::PolicyParameters;
 pub use random::{Config as RandomConfig, Random};
@@ -186,11 +186,11 @@ pub trait Policy: Send + std::fmt::Debug {
         None
     }
 
-    /// The wait before its prefill starts that the last [`rank`](Self::rank)
-    /// predicted for its request at `candidate` (a position in that call's
-    /// candidates), in seconds: queued prefill or KV memory. `None` when
-    /// the policy predicts none (the default).
-    fn predicted_wait_s(&self, _candidate: usize) -> Option<f64> {
+    /// What the last [`rank`](Self::rank) predicted for its request at
+    /// `candidate` (a position in that call's candidates): the wait before
+    /// its prefill starts and its time to first token. `None` when the
+    /// policy predicts none (the default).
+    fn predicted(&self, _candidate: usize) -> Option<Predicted> {
         None
     }
 
@@ -355,6 +355,14 @@ impl PolicyConfig {
     pub fn admission_tolerance_ms(&self) -> Option<f64> {
         match self {
             PolicyConfig::Kvroute(c) => c.admission_tolerance_ms,
+            _ => None,
+        }
+    }
+
+    /// The `kvroute` policy's `latencySlack`; `None` for the others.
+    pub fn latency_slack(&self) -> Option<f64> {
+        match self {
+            PolicyConfig::Kvroute(c) => Some(c.latency_slack),
             _ => None,
         }
     }

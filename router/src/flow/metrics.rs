@@ -32,7 +32,7 @@ pub struct PriorityReason {
 /// `{reason}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Reason {
-    /// `immediate` or `after_wait`.
+    /// `immediate`, `after_wait` or `spilled`.
     pub reason: &'static str,
 }
 
@@ -80,7 +80,7 @@ impl FlowMetrics {
         );
         r.register(
             "kvroute_flow_dispatched",
-            "Requests sent to an endpoint by flow control, by reason: immediate (an endpoint could start it on arrival), after_wait (held first)",
+            "Requests sent to an endpoint by flow control, by reason: immediate (an endpoint could start it on arrival), after_wait (held first), spilled (held, then sent past a first choice that could not start it, once waiting for it cost what it saves)",
             self.dispatched.clone(),
         );
     }

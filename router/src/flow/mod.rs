@@ -16,7 +16,13 @@
 //!    request ahead of it waits for, and is sent when the first it ranks
 //!    can start it now. A warm endpoint is still preferred while the
 //!    policy's slack rule says waiting for it costs less than the prefill
-//!    it saves: the wait is in its predictions.
+//!    it saves: the wait is in its predictions. **Patience:** predictions
+//!    of a wait can be too short again and again, so once a request has
+//!    been held for as long as its first choice saves it over the next
+//!    one (times `latencySlack`), it goes to that next one if it can
+//!    start it now ([`Gate::spill`], counted `spilled`); a cold key, which
+//!    saves nothing anywhere, goes to the first endpoint in its rendezvous
+//!    order that can start it.
 //! 3. **Room for higher priorities and light flows** ([`reserve`],
 //!    [`shares`]): a lower priority, or a flow far over its fair share, is
 //!    sent only where it leaves room for the largest recent request of a
@@ -89,6 +95,8 @@ pub(crate) struct Gate {
     objectives: objectives::Objectives,
     enabled: bool,
     hold_s: f64,
+    /// The `kvroute` policy's `latencySlack`, for patience ([`Gate::spill`]).
+    latency_slack: Option<f64>,
     retry_after: u64,
     state: Mutex<State>,
     metrics: Arc<Metrics>,
@@ -157,6 +165,7 @@ impl Gate {
             closed: AtomicBool::new(false),
             enabled: flow.enabled,
             hold_s: hold_ms / 1000.0,
+            latency_slack: config.routing.policy.latency_slack(),
             retry_after: config.limits.retry_after_s,
             state: Mutex::new(State {
                 queue: Queue::new(Bounds {
@@ -262,6 +271,40 @@ impl Gate {
             Start::Now
         } else {
             Start::Room
+        }
+    }
+
+    /// Patience (rule 2): a plan for a held request whose first choice
+    /// cannot start it, without that endpoint: the policy's next choice,
+    /// when it can start the request now and the prefill the first choice
+    /// would save over it is at most what the request has waited
+    /// (`held_s`, times the policy's `latencySlack`). Then the next
+    /// without that one too, and so on. `None` while the wait is worth
+    /// it, or without predictions (policies other than `kvroute`).
+    fn spill(
+        &self,
+        (pool, request, readable): (&Pool, &Request<'_>, bool),
+        among: Among<'_>,
+        plan: &Plan,
+        except: &[SocketAddr],
+        (held_s, room): (f64, Option<u64>),
+    ) -> Option<Plan> {
+        let slack = self.latency_slack?;
+        let first = plan.targets.first()?;
+        let first_prefill = first.prefill_s?;
+        let mut except = [except, &[first.http]].concat();
+        loop {
+            let other = pool.plan_except(request, readable, among, &except);
+            let next = other.targets.first()?;
+            // Checked apart: an infinite slack times no saving is NaN.
+            let saved = next.prefill_s? - first_prefill;
+            if saved > 0.0 && slack * saved > held_s {
+                return None;
+            }
+            if self.start(pool, request, &other, room) == Start::Now {
+                return Some(other);
+            }
+            except.push(next.http);
         }
     }
 
@@ -392,9 +435,24 @@ impl Gate {
                 }
                 state.queue.reserved().to_vec()
             };
-            let open = |a: &SocketAddr| among(a) && !reserved.contains(a);
-            let plan = pool.plan_among(request, readable, &open);
-            let start = self.start(pool, request, &plan, self.room(priority, flow));
+            let plan = pool.plan_except(request, readable, among, &reserved);
+            let room = self.room(priority, flow);
+            let mut start = self.start(pool, request, &plan, room);
+            let held_s = held_at.elapsed().as_secs_f64();
+            let spilled = (start == Start::Busy)
+                .then(|| {
+                    self.spill(
+                        (pool, request, readable),
+                        among,
+                        &plan,
+                        &reserved,
+                        (held_s, room),
+                    )
+                })
+                .flatten();
+            if spilled.is_some() {
+                start = Start::Now;
+            }
             let mut state = self.lock();
             if plan.targets.is_empty() && plan.full == 0 && reserved.is_empty() {
                 let next = state.queue.turn_done(place.id, Turn::Held(None));
@@ -403,7 +461,11 @@ impl Gate {
             }
             let first = plan.targets.first().map(|t| t.http);
             if start == Start::Now {
-                let addr = first.expect("can start");
+                let (sent, reason) = match spilled {
+                    Some(other) => (other, "spilled"),
+                    None => (plan, "after_wait"),
+                };
+                let addr = sent.targets[0].http;
                 let next = state.queue.turn_done(place.id, Turn::Dispatched(addr));
                 state.turns.remove(&place.id);
                 state.hand(next);
@@ -413,7 +475,7 @@ impl Gate {
                     .get_or_create(&Priority { priority })
                     .observe(seconds);
                 let held = Held { seconds, because };
-                return Ok((self.dispatched(plan, flow, "after_wait", again), Some(held)));
+                return Ok((self.dispatched(sent, flow, reason, again), Some(held)));
             }
             // Held to leave room for others: the endpoint is theirs to take.
             // Held because every endpoint is full: the best of those is its

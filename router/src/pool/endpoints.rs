@@ -251,6 +251,7 @@ impl Pool {
                 id: m.id,
                 admit_within_ms: None,
                 wait_s: None,
+                prefill_s: None,
             })
     }
 

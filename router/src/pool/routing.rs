@@ -38,6 +38,9 @@ pub struct Target {
     /// plans only, by policies that predict one, where the engine's report
     /// is fresh.
     pub wait_s: Option<f64>,
+    /// Its own prefill time there as the policy predicts it, seconds; set
+    /// with `wait_s`.
+    pub prefill_s: Option<f64>,
 }
 
 /// Where a request should go, in order.
@@ -81,7 +84,8 @@ pub enum Lost {
     /// It was routable and free, and the policy ranked it lower: slower by
     /// the latency model beyond the slack.
     Load,
-    /// It was at its concurrency limit.
+    /// It was at its concurrency limit, or flow control found it could
+    /// not start the request when it was sent.
     Queue,
     /// Not ready, draining, or failing its health checks.
     Health,
@@ -125,9 +129,22 @@ impl Pool {
         readable: bool,
         among: &dyn Fn(&SocketAddr) -> bool,
     ) -> Plan {
+        self.plan_except(request, readable, among, &[])
+    }
+
+    /// [`plan_among`](Self::plan_among) leaving out the endpoints in
+    /// `except`: flow control's, which cannot take the request now (a
+    /// longer prefix there was lost to [`Lost::Queue`]).
+    pub fn plan_except(
+        &self,
+        request: &Request<'_>,
+        readable: bool,
+        among: &dyn Fn(&SocketAddr) -> bool,
+        except: &[SocketAddr],
+    ) -> Plan {
         let mut inner = self.lock();
         let now = now();
-        let (endpoints, candidates) = inner.candidates(now, among);
+        let (endpoints, candidates) = inner.candidates(now, &|a| among(a) && !except.contains(a));
         let inner = &mut *inner;
         // Field by field: the policy is borrowed mutably beside it.
         let cx = Context {
@@ -147,6 +164,8 @@ impl Pool {
         let max_age =
             Duration::from_millis(inner.settings.policy.prefill_model().max_report_age_ms);
         let reported = |i: usize| (endpoints[i].load.engine).is_some_and(|e| e.age(now) <= max_age);
+        let policy = &inner.policy;
+        let predicted = |i: usize| policy.predicted(i).filter(|_| readable && reported(i));
         let targets: Vec<Target> = decision
             .ranked
             .iter()
@@ -162,7 +181,8 @@ impl Pool {
                 admit_within_ms: (inner.policy.admit_within(i))
                     .filter(|_| readable)
                     .map(admission::bound_ms),
-                wait_s: (inner.policy.predicted_wait_s(i)).filter(|_| readable && reported(i)),
+                wait_s: predicted(i).map(|p| p.queued),
+                prefill_s: predicted(i).map(|p| p.ttft - p.queued),
                 ..candidates[i].clone()
             })
             .collect();
@@ -500,6 +520,7 @@ impl Inner {
                     id: m.id,
                     admit_within_ms: None,
                     wait_s: None,
+                    prefill_s: None,
                 };
                 (endpoint, target)
             })

@@ -431,3 +431,66 @@ async fn a_request_an_engine_refuses_for_memory_waits_at_the_router() {
     assert_eq!(hog.await.unwrap(), 200);
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn a_held_request_spills_once_waiting_costs_what_its_warm_endpoint_saves() {
+    // A `latencySlack` of 0: waiting is worth no saved prefill. The warm
+    // endpoint is the fastest by prediction, but busy prefilling; the
+    // request is held for it only until another endpoint can start it.
+    let stack = Stack::start(
+        "flow-spill",
+        2,
+        true,
+        |c| c.prefill_tokens_per_s = 2000.0,
+        |c| {
+            let slack = kvroute_core::policy::KvrouteConfig {
+                latency_slack: 0.0,
+                ..Default::default()
+            };
+            c.routing.policy = kvroute_core::policy::PolicyConfig::Kvroute(slack);
+        },
+    )
+    .await;
+    stack.wait_live().await;
+    let system = long_text(3);
+    let warm = stack.warm(&system).await;
+    stack.wait_idle().await;
+    // A shorter prefill than the whole prompt's, behind the same prefix:
+    // it goes to the warm endpoint and keeps it busy for a while.
+    let busy = tokio::spawn({
+        let suffix = &long_text(4)[..2000];
+        let r = (stack.client.post(stack.url("/v1/chat/completions"))).json(&chat(
+            &format!("{system}{suffix}"),
+            "busy",
+            1,
+        ));
+        async move {
+            let r = r.send().await.unwrap();
+            r.headers()["x-kvroute-endpoint"]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        }
+    });
+    eventually("the warm endpoint is predicted busy", || {
+        let status = stack.router.pool.status();
+        status
+            .iter()
+            .any(|e| e.in_flight == 1 && e.queue_seconds > 0.0)
+    })
+    .await;
+    let r = stack
+        .post("/v1/chat/completions", chat(&system, "next", 1))
+        .await;
+    assert_eq!(r.status(), 200);
+    let endpoint = r.headers()["x-kvroute-endpoint"].to_str().unwrap();
+    assert_ne!(
+        endpoint, warm,
+        "spilled to the endpoint that could start it"
+    );
+    assert_eq!(busy.await.unwrap(), warm);
+    let metrics = stack.metrics().await;
+    let spilled = "kvroute_flow_dispatched_total{reason=\"spilled\"}";
+    assert_eq!(sum_of(&metrics, spilled), 1.0);
+    stack.stop().await;
+}
