@@ -40,7 +40,7 @@ impl MinTtft {
 }
 
 /// What [`PrefillModel`] predicts for a request at one endpoint, seconds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Predicted {
     /// The wait before its own prefill: queued prefill, or KV memory.
     pub queued: f64,

@@ -53,7 +53,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvroute_core::policy::Request;
+use kvroute_core::policy::{Predicted, Request};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -264,7 +264,7 @@ impl Gate {
         let Some(t) = plan.targets.first() else {
             return Start::Busy;
         };
-        if !t.wait_s.is_none_or(|w| w <= self.hold_s) {
+        if !t.predicted.is_none_or(|p| p.queued <= self.hold_s) {
             return Start::Busy;
         }
         if room.is_none_or(|blocks| pool.leaves_room(request, plan, blocks, self.hold_s)) {
@@ -291,13 +291,14 @@ impl Gate {
     ) -> Option<Plan> {
         let slack = self.latency_slack?;
         let first = plan.targets.first()?;
-        let first_prefill = first.prefill_s?;
+        let prefill = |p: Predicted| p.ttft - p.queued;
+        let first_prefill = prefill(first.predicted?);
         let mut except = [except, &[first.http]].concat();
         loop {
             let other = pool.plan_except(request, readable, among, &except);
             let next = other.targets.first()?;
             // Checked apart: an infinite slack times no saving is NaN.
-            let saved = next.prefill_s? - first_prefill;
+            let saved = prefill(next.predicted?) - first_prefill;
             if saved > 0.0 && slack * saved > held_s {
                 return None;
             }

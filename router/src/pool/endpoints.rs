@@ -250,8 +250,7 @@ impl Pool {
                 slot: m.slot,
                 id: m.id,
                 admit_within_ms: None,
-                wait_s: None,
-                prefill_s: None,
+                predicted: None,
             })
     }
 

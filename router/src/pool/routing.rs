@@ -14,7 +14,7 @@ use std::time::Duration;
 use kvroute_core::admission;
 use kvroute_core::contract::Contract;
 use kvroute_core::load::{EngineLoad, Ticket};
-use kvroute_core::policy::{Context, Endpoint, Policy, Reason, Request};
+use kvroute_core::policy::{Context, Endpoint, Policy, Predicted, Reason, Request};
 use kvroute_core::slot::Slot;
 
 use super::{Inner, Pool, now};
@@ -34,13 +34,10 @@ pub struct Target {
     /// The policy's bound on the wait before prefill there, milliseconds
     /// ([`kvroute_core::admission`]); set in plans only.
     pub admit_within_ms: Option<u64>,
-    /// The wait before prefill the policy predicts there, seconds; set in
-    /// plans only, by policies that predict one, where the engine's report
-    /// is fresh.
-    pub wait_s: Option<f64>,
-    /// Its own prefill time there as the policy predicts it, seconds; set
-    /// with `wait_s`.
-    pub prefill_s: Option<f64>,
+    /// The wait before prefill and the time to first token the policy
+    /// predicts there; set in plans only, by policies that predict them,
+    /// where the engine's report is fresh.
+    pub predicted: Option<Predicted>,
 }
 
 /// Where a request should go, in order.
@@ -164,8 +161,6 @@ impl Pool {
         let max_age =
             Duration::from_millis(inner.settings.policy.prefill_model().max_report_age_ms);
         let reported = |i: usize| (endpoints[i].load.engine).is_some_and(|e| e.age(now) <= max_age);
-        let policy = &inner.policy;
-        let predicted = |i: usize| policy.predicted(i).filter(|_| readable && reported(i));
         let targets: Vec<Target> = decision
             .ranked
             .iter()
@@ -181,8 +176,7 @@ impl Pool {
                 admit_within_ms: (inner.policy.admit_within(i))
                     .filter(|_| readable)
                     .map(admission::bound_ms),
-                wait_s: predicted(i).map(|p| p.queued),
-                prefill_s: predicted(i).map(|p| p.ttft - p.queued),
+                predicted: (inner.policy.predicted(i)).filter(|_| readable && reported(i)),
                 ..candidates[i].clone()
             })
             .collect();
@@ -519,8 +513,7 @@ impl Inner {
                     slot: m.slot,
                     id: m.id,
                     admit_within_ms: None,
-                    wait_s: None,
-                    prefill_s: None,
+                    predicted: None,
                 };
                 (endpoint, target)
             })
