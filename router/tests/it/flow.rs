@@ -420,13 +420,17 @@ async fn a_request_an_engine_refuses_for_memory_waits_at_the_router() {
         .await;
     assert_eq!(r.status(), 200);
     let metrics = stack.metrics().await;
-    assert_eq!(sum_of(&metrics, "kvroute_admission_refusals_total"), 1.0);
-    assert_eq!(
-        sum_of(
-            &metrics,
-            "kvroute_flow_dispatched_total{reason=\"after_wait\"}"
-        ),
-        1.0
+    // On a loaded machine the engine can free the hog's blocks later than
+    // its own report predicts: then it refuses again, and the request
+    // is planned again (held, or sent at once if the new report says so).
+    let refusals = sum_of(&metrics, "kvroute_admission_refusals_total");
+    let waited = sum_of(
+        &metrics,
+        "kvroute_flow_dispatched_total{reason=\"after_wait\"}",
+    );
+    assert!(
+        refusals >= 1.0 && waited >= 1.0 && waited <= refusals,
+        "{metrics}"
     );
     assert_eq!(hog.await.unwrap(), 200);
     stack.stop().await;
