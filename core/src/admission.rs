@@ -12,10 +12,12 @@
 //!
 //! 1. With each attempt the router sends [`ADMIT_WITHIN_HEADER`]: the wait
 //!    before prefill it predicted there, plus the policy's tolerance, in
-//!    milliseconds.
+//!    milliseconds; and, when flow control keeps room there for others,
+//!    [`ROOM_HEADER`]: the blocks the request must leave free.
 //! 2. An engine that supports the check (engine-sim does; vLLM ignores the
 //!    header, and nothing changes) compares it with its own wait at
-//!    arrival, counting the blocks the request takes from its free pool.
+//!    arrival, counting the blocks the request takes from its free pool
+//!    and the room it must leave.
 //!    Longer: it answers `503` at once, with its load report in
 //!    [`LOAD_HEADER`], and does no work.
 //! 3. The router takes that as a fresh load report of that endpoint
@@ -38,6 +40,12 @@ use crate::load::{EngineLoad, Load, PrefillModel};
 /// Request header: refuse this request unless its prefill can start within
 /// this many milliseconds.
 pub const ADMIT_WITHIN_HEADER: &str = "x-kvroute-admit-within-ms";
+/// Request header, sent beside [`ADMIT_WITHIN_HEADER`]: the KV blocks the
+/// request must leave free, beyond its own, when it starts (flow
+/// control's room for a higher priority or a lighter tenant). The engine
+/// counts them with the request's blocks in its check, so a request
+/// another replica sent into the same room is refused, not admitted.
+pub const ROOM_HEADER: &str = "x-kvroute-admit-room-blocks";
 /// Refusal header: the engine's load at that moment, a
 /// `kvroute.v1.LoadReport` as WatchCache sends it, in protobuf, base64
 /// (standard alphabet, padded).

@@ -117,7 +117,7 @@ pub enum EngineError {
     /// The request asked to start its prefill sooner than the queue
     /// allows ([`kvroute_core::admission`]).
     #[error(
-        "the engine would not start this request within the {bound_ms} ms it asked for: {} prompt tokens queued, {} requests waiting, {} KV blocks free of the {blocks} it takes",
+        "the engine would not start this request within the {bound_ms} ms it asked for: {} prompt tokens queued, {} requests waiting, {} KV blocks free of the {blocks} it takes (with the room it asked to leave)",
         load.queued_prefill_tokens,
         load.waiting,
         load.free_blocks
@@ -125,7 +125,8 @@ pub enum EngineError {
     Busy {
         /// The bound the request carried.
         bound_ms: u64,
-        /// KV blocks it takes from the free pool.
+        /// KV blocks it takes from the free pool, and the room it asked to
+        /// leave there.
         blocks: u64,
         /// The engine's load, for the router.
         load: LoadReport,
@@ -146,6 +147,9 @@ pub struct Job {
     /// Refuse unless its prefill can start within this many milliseconds
     /// ([`kvroute_core::admission`]).
     pub admit_within_ms: Option<u64>,
+    /// KV blocks to leave free beyond its own when that check admits it
+    /// ([`kvroute_core::admission::ROOM_HEADER`]).
+    pub admit_room_blocks: u64,
 }
 
 /// One generated token.
@@ -361,6 +365,7 @@ impl Engine {
                 );
                 let overhead_ms = overhead.as_secs_f64() * 1000.0;
                 let blocks = state.model.demand(&hashes, job.prompt.len());
+                let blocks = blocks.saturating_add(job.admit_room_blocks);
                 if !admission::admits(bound_ms, report, overhead_ms, blocks) {
                     let load = self.load(&state);
                     return Err(EngineError::Busy {

@@ -171,6 +171,8 @@ struct Common {
     cache_salt: Option<String>,
     /// The router's admission bound, if it sent one.
     admit_within_ms: Option<u64>,
+    /// The room the router asks to leave free with it.
+    admit_room_blocks: u64,
     /// The model the request named: the base model or an adapter.
     model: String,
     lora: Option<Lora>,
@@ -253,10 +255,15 @@ async fn prologue(
     let admit_within_ms = headers
         .get(admission::ADMIT_WITHIN_HEADER)
         .and_then(|v| v.to_str().ok()?.trim().parse().ok());
+    let admit_room_blocks = headers
+        .get(admission::ROOM_HEADER)
+        .and_then(|v| v.to_str().ok()?.trim().parse().ok())
+        .unwrap_or(0);
     Ok((
         obj,
         Common {
             admit_within_ms,
+            admit_room_blocks,
             max_tokens,
             stream,
             include_usage,
@@ -359,6 +366,7 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         cache_salt: common.cache_salt,
         lora: common.lora,
         admit_within_ms: common.admit_within_ms,
+        admit_room_blocks: common.admit_room_blocks,
     };
     let generation = match app.engine.generate(job).await {
         Ok(g) => g,

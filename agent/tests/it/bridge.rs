@@ -72,6 +72,7 @@ async fn generate(sim: &Sim, prompt: Vec<u32>) {
         cache_salt: None,
         lora: None,
         admit_within_ms: None,
+        admit_room_blocks: 0,
     };
     let mut g = sim.engine.generate(job).await.unwrap();
     while g.tokens.recv().await.is_some() {}

@@ -37,6 +37,7 @@ async fn run_with(
             cache_salt: salt.map(str::to_owned),
             lora,
             admit_within_ms: None,
+            admit_room_blocks: 0,
         })
         .await
         .unwrap();
@@ -134,6 +135,7 @@ async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests()
             cache_salt: None,
             lora: None,
             admit_within_ms: None,
+            admit_room_blocks: 0,
         })
         .await
         .unwrap();
@@ -170,6 +172,7 @@ async fn rejects_what_can_never_run() {
             cache_salt: None,
             lora: None,
             admit_within_ms: None,
+            admit_room_blocks: 0,
         })
         .await
         .unwrap_err();
@@ -181,6 +184,7 @@ async fn rejects_what_can_never_run() {
             cache_salt: None,
             lora: None,
             admit_within_ms: None,
+            admit_room_blocks: 0,
         })
         .await
         .unwrap_err();
@@ -198,6 +202,7 @@ async fn rejects_what_can_never_run() {
             cache_salt: None,
             lora: None,
             admit_within_ms: None,
+            admit_room_blocks: 0,
         })
         .await
         .unwrap_err(),
@@ -311,6 +316,7 @@ async fn workload(seed: u64) {
                     cache_salt: salt,
                     lora: None,
                     admit_within_ms: None,
+                    admit_room_blocks: 0,
                 })
                 .await
                 .unwrap();
@@ -403,6 +409,7 @@ async fn load_reports_the_memory_a_wait_is_predicted_from() {
             cache_salt: None,
             lora: None,
             admit_within_ms: None,
+            admit_room_blocks: 0,
         })
         .await
         .unwrap();
@@ -443,6 +450,7 @@ async fn a_request_bounded_below_the_queue_is_refused_with_it() {
         cache_salt: None,
         lora: None,
         admit_within_ms,
+        admit_room_blocks: 0,
     };
     // Idle: any bound is met.
     let _a = e.generate(job(1, Some(0))).await.unwrap();
@@ -476,6 +484,7 @@ async fn a_request_whose_blocks_are_not_free_is_refused_with_the_memory() {
         cache_salt: None,
         lora: None,
         admit_within_ms,
+        admit_room_blocks: 0,
     };
     // A runs, holding 3 of the 10 blocks; nothing is queued for prefill.
     let mut a = e.generate(job(1..9, None)).await.unwrap();
@@ -499,4 +508,32 @@ async fn a_request_whose_blocks_are_not_free_is_refused_with_the_memory() {
         })
         .await;
     assert!(admitted.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_would_take_the_room_asked_for_is_refused() {
+    let e = engine(|c| {
+        c.block_size = 4;
+        c.num_gpu_blocks = 10;
+        c.itl_ms = 30.0;
+    });
+    let job = |prompt: std::ops::Range<u32>, admit_room_blocks| Job {
+        prompt: prompt.collect(),
+        max_tokens: 5,
+        cache_salt: None,
+        lora: None,
+        admit_within_ms: Some(50),
+        admit_room_blocks,
+    };
+    // A runs, holding 3 of the 10 blocks.
+    let mut a = e.generate(job(1..9, 0)).await.unwrap();
+    a.tokens.recv().await.unwrap();
+    // B's 20 tokens take 5 of the 7 free: leaving 3 more does not fit,
+    // leaving 2 does.
+    let refused = e.generate(job(100..120, 3)).await.unwrap_err();
+    assert!(
+        matches!(refused, EngineError::Busy { blocks: 8, .. }),
+        "{refused:?}"
+    );
+    assert!(e.generate(job(100..120, 2)).await.is_ok());
 }

@@ -102,6 +102,8 @@ pub(crate) struct Gate {
     metrics: Arc<Metrics>,
     /// Set when the router begins to shut down: nothing is held any more.
     closed: AtomicBool,
+    /// Signalled when a request is held: the passes' timer starts.
+    held: Notify,
 }
 
 #[derive(Debug)]
@@ -163,6 +165,7 @@ impl Gate {
             objectives: objectives::Objectives::new(&config.objectives),
             metrics,
             closed: AtomicBool::new(false),
+            held: Notify::new(),
             enabled: flow.enabled,
             hold_s: hold_ms / 1000.0,
             latency_slack: config.routing.policy.latency_slack(),
@@ -224,7 +227,11 @@ impl Gate {
                 if held {
                     let _ = tokio::time::timeout(RECHECK, changed).await;
                 } else {
-                    changed.await;
+                    // A request held after the check leaves a permit here.
+                    tokio::select! {
+                        () = changed => {}
+                        () = self.held.notified() => {}
+                    }
                 }
                 self.kick();
             }
@@ -245,16 +252,22 @@ impl Gate {
         }
     }
 
-    /// Counts `plan` of `flow` as dispatched for `reason`; in the flow's
-    /// share only the first time (`again` false).
-    fn dispatched(&self, plan: Plan, flow: &str, reason: &'static str, again: bool) -> Plan {
+    /// Counts `plan` of `flow` as dispatched for `reason`, leaving `room`;
+    /// in the flow's share only the first time (`again` false).
+    fn dispatched(
+        &self,
+        plan: Plan,
+        (flow, room): (&str, Option<u64>),
+        reason: &'static str,
+        again: bool,
+    ) -> Plan {
         let now = std::time::Instant::now();
         if !again {
             self.lock().shares.dispatched(flow, now);
         }
         let labels = Reason { reason };
         self.metrics.flow.dispatched.get_or_create(&labels).inc();
-        plan
+        Plan { room, ..plan }
     }
 
     /// Whether `plan`'s first target can start `request` now, leaving
@@ -357,7 +370,7 @@ impl Gate {
             if !again {
                 let blocks = pool.blocks_of(request);
                 state.reserve.saw(priority, blocks, now);
-                state.shares.saw(flow, blocks, now);
+                state.shares.saw(flow, now);
             }
             state.queue.ahead(priority)
         };
@@ -372,10 +385,17 @@ impl Gate {
                 if plan.targets.is_empty() {
                     return Err(ApiError::Overloaded { retry_after });
                 }
-                return Ok((self.dispatched(plan, flow, "immediate", again), None));
+                return Ok((
+                    self.dispatched(plan, (flow, None), "immediate", again),
+                    None,
+                ));
             }
-            match self.start(pool, request, &plan, self.room(priority, flow)) {
-                Start::Now => return Ok((self.dispatched(plan, flow, "immediate", again), None)),
+            let room = self.room(priority, flow);
+            match self.start(pool, request, &plan, room) {
+                Start::Now => {
+                    let plan = self.dispatched(plan, (flow, room), "immediate", again);
+                    return Ok((plan, None));
+                }
                 Start::Room => "room_reserved",
                 Start::Busy if plan.targets.is_empty() => "endpoints_full",
                 Start::Busy => "predicted_wait",
@@ -400,6 +420,7 @@ impl Gate {
             state.turns.insert(pushed.id, waiter.clone());
             let turn = pushed.turn.or_else(|| state.queue.kick());
             state.hand(turn);
+            self.held.notify_one();
             let deadline = Instant::now() + (pushed.deadline - now);
             self.metrics
                 .flow
@@ -476,7 +497,8 @@ impl Gate {
                     .get_or_create(&Priority { priority })
                     .observe(seconds);
                 let held = Held { seconds, because };
-                return Ok((self.dispatched(sent, flow, reason, again), Some(held)));
+                let sent = self.dispatched(sent, (flow, room), reason, again);
+                return Ok((sent, Some(held)));
             }
             // Held to leave room for others: the endpoint is theirs to take.
             // Held because every endpoint is full: the best of those is its

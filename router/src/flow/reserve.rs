@@ -1,16 +1,17 @@
 //! Room kept for higher priorities: a running request cannot be taken
 //! back from an engine, so while a priority has had requests in the last
 //! `flowControl.reserveWindowMs`, a lower one is sent to an endpoint only
-//! if that leaves room there for the largest request the higher one had in
-//! the window (its KV blocks and a seat), and only if the prefill it adds
-//! there ends within `holdAboveMs` (so the higher one's prefill starts
-//! within it too). A critical request then finds room without waiting for
-//! a flood's requests to finish, at the cost of that room standing empty
-//! while the higher priority is quiet (at most one such request's blocks
-//! per endpoint) and of the longest lower prefills waiting for a quiet
-//! endpoint. In its first window after a quiet spell a priority has not
-//! yet shown its sizes: the room kept for it is then at least the largest
-//! request of any priority in the window. Pure: the clock is passed in.
+//! if that leaves room there for the largest request of any priority in
+//! the window (its KV blocks and a seat: a priority's next request may be
+//! larger than any it sent, as a conversation grows), and only if the
+//! prefill it adds there ends within `holdAboveMs` (so the higher one's
+//! prefill starts within it too; a longer one goes only where none is
+//! queued, while another endpoint is left that can start a request within
+//! it). A critical request then finds room without waiting for a flood's
+//! requests to finish, at the cost of that room standing empty while the
+//! higher priority is quiet (at most one request's blocks per endpoint)
+//! and of long lower prefills waiting for a quiet endpoint. Pure: the
+//! clock is passed in.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -59,51 +60,13 @@ impl Largest {
     }
 }
 
-/// A priority's or a flow's recent requests: the largest, and since when
-/// it has been active (it is new for its first window after a quiet
-/// spell, before it has shown its sizes).
-#[derive(Clone, Copy, Debug)]
-pub struct Sizes {
-    largest: Largest,
-    since: Instant,
-}
-
-impl Sizes {
-    pub fn new(now: Instant) -> Self {
-        Sizes {
-            largest: Largest::new(now),
-            since: now,
-        }
-    }
-
-    pub fn saw(&mut self, blocks: u64, now: Instant, window: Duration) {
-        if !self.recent(now, window) {
-            self.since = now;
-        }
-        self.largest.saw(blocks.max(1), now, window);
-    }
-
-    /// Whether it had a request in the last one to two windows.
-    pub fn recent(&self, now: Instant, window: Duration) -> bool {
-        self.largest.get(now, window).is_some()
-    }
-
-    /// The room to keep for it at `now`: its largest request in the
-    /// window, and while it is new at least `any` (the largest of any);
-    /// `None` when it had none.
-    pub fn room(&self, now: Instant, window: Duration, any: u64) -> Option<u64> {
-        let own = self.largest.get(now, window)?;
-        let new = now.saturating_duration_since(self.since) < window;
-        Some(if new { own.max(any) } else { own })
-    }
-}
-
-/// The largest recent request per priority, and of any. Priorities come
-/// from the configured objectives (or 0), so it holds a few entries.
+/// When each priority last had a request, and the largest request of any
+/// priority. Priorities come from the configured objectives (or 0), so it
+/// holds a few entries.
 #[derive(Debug)]
 pub struct Reserve {
     window: Duration,
-    largest: BTreeMap<i32, Sizes>,
+    last: BTreeMap<i32, Instant>,
     any: Largest,
 }
 
@@ -112,7 +75,7 @@ impl Reserve {
     pub fn new(window: Duration, now: Instant) -> Self {
         Reserve {
             window,
-            largest: BTreeMap::new(),
+            last: BTreeMap::new(),
             any: Largest::new(now),
         }
     }
@@ -122,8 +85,7 @@ impl Reserve {
         if self.window.is_zero() {
             return;
         }
-        let sizes = self.largest.entry(priority).or_insert(Sizes::new(now));
-        sizes.saw(blocks, now, self.window);
+        self.last.insert(priority, now);
         self.any.saw(blocks.max(1), now, self.window);
     }
 
@@ -133,13 +95,14 @@ impl Reserve {
     }
 
     /// Blocks a request of `priority` must leave free where it goes, at
-    /// `now`: the room a higher priority's [`Sizes`] keeps; `None` when
-    /// none had any request in the window.
+    /// `now`: the largest request of any priority, while a higher priority
+    /// has had a request in the window; `None` otherwise.
     pub fn for_priority(&self, priority: i32, now: Instant) -> Option<u64> {
-        let any = self.any(now);
-        (self.largest.range(priority.saturating_add(1)..))
-            .filter_map(|(_, sizes)| sizes.room(now, self.window, any))
-            .max()
+        let higher = self.last.range(priority.saturating_add(1)..);
+        let active = higher
+            .into_iter()
+            .any(|(_, &t)| now.saturating_duration_since(t) <= self.window);
+        active.then(|| self.any(now)).filter(|&b| b > 0)
     }
 }
 
@@ -148,42 +111,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lower_priorities_leave_room_for_the_largest_recent_higher_request() {
+    fn lower_priorities_leave_room_for_the_largest_recent_request() {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut r = Reserve::new(s(10), t0);
         assert_eq!(r.for_priority(0, t0), None);
-        r.saw(10, 40, t0);
-        r.saw(5, 30, t0);
-        // A window on, both have shown their sizes.
-        r.saw(10, 20, t0 + s(11));
-        r.saw(5, 90, t0 + s(11));
-        assert_eq!(r.for_priority(0, t0 + s(12)), Some(90));
-        assert_eq!(r.for_priority(5, t0 + s(12)), Some(40));
-        assert_eq!(r.for_priority(10, t0 + s(12)), None, "nothing above 10");
-        // Kept one to two windows: the bucket of t0 + 11 s ends at t0 + 30 s.
-        assert_eq!(r.for_priority(5, t0 + s(29)), Some(20));
-        assert_eq!(r.for_priority(-1, t0 + s(60)), None, "all quiet");
-    }
-
-    #[test]
-    fn a_priority_new_to_the_window_gets_room_for_the_largest_of_any() {
-        let t0 = Instant::now();
-        let s = Duration::from_secs;
-        let mut r = Reserve::new(s(10), t0);
         r.saw(0, 150, t0);
+        assert_eq!(r.for_priority(0, t0), None, "nothing above 0");
         r.saw(10, 40, t0 + s(1));
-        assert_eq!(
-            r.for_priority(0, t0 + s(2)),
-            Some(150),
-            "new: any's largest"
-        );
-        r.saw(10, 40, t0 + s(11));
-        assert_eq!(r.for_priority(0, t0 + s(11)), Some(40), "shown its sizes");
-        // Quiet for two windows, then back: new again.
-        r.saw(0, 150, t0 + s(40));
-        r.saw(10, 40, t0 + s(41));
-        assert_eq!(r.for_priority(0, t0 + s(42)), Some(150));
+        r.saw(5, 30, t0 + s(1));
+        // The next request of a priority may be larger than any it sent:
+        // the room is the largest of any.
+        assert_eq!(r.for_priority(0, t0 + s(2)), Some(150));
+        assert_eq!(r.for_priority(5, t0 + s(2)), Some(150));
+        assert_eq!(r.for_priority(10, t0 + s(2)), None, "nothing above 10");
+        // Priority 10 quiet for a window: 5 keeps no room for it; 0 keeps
+        // room for 5, the largest of one to two windows.
+        r.saw(5, 20, t0 + s(11));
+        assert_eq!(r.for_priority(5, t0 + s(12)), None);
+        assert_eq!(r.for_priority(0, t0 + s(12)), Some(150));
+        assert_eq!(r.for_priority(0, t0 + s(21)), Some(20));
+        assert_eq!(r.for_priority(0, t0 + s(22)), None, "5 quiet too");
+        assert_eq!(r.for_priority(-1, t0 + s(60)), None, "all quiet");
     }
 
     #[test]

@@ -2,10 +2,10 @@
 //! would otherwise fill every endpoint with running requests, and the
 //! others' requests, first in the queue by turn, would still wait for
 //! those to finish. So a flow over its fair share of recent dispatches is
-//! sent to an endpoint only if that leaves room there for the largest
-//! recent request of a flow under its share (its KV blocks and a seat), as
-//! [`super::reserve`] does for priorities (at least the largest of any
-//! request while that flow is new).
+//! sent to an endpoint only if that leaves room there, while a flow under
+//! its share has had a request in the window, for the largest recent
+//! request of any flow (its KV blocks and a seat), as [`super::reserve`]
+//! does for priorities.
 //!
 //! A flow's recent dispatches are a count that decays with time constant
 //! `flowControl.reserveWindowMs`. Its fair share is the mean count of the
@@ -19,8 +19,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::reserve::Sizes;
-
 /// Flows followed at most.
 pub const MAX_FLOWS: usize = 1024;
 
@@ -29,8 +27,8 @@ struct Flow {
     /// Dispatches, decayed to `at`.
     count: f64,
     at: Instant,
-    /// Its recent requests' sizes (kept as in `Reserve`).
-    sizes: Sizes,
+    /// When it last had a request.
+    seen: Instant,
 }
 
 /// The flows' recent dispatches. See the module docs.
@@ -47,7 +45,8 @@ impl Flow {
     }
 
     fn recent(&self, now: Instant, window: Duration) -> bool {
-        now.saturating_duration_since(self.at) <= window || self.sizes.recent(now, window)
+        let since = |t: Instant| now.saturating_duration_since(t);
+        since(self.at) <= window || since(self.seen) <= window
     }
 }
 
@@ -76,17 +75,16 @@ impl Shares {
         self.flows.entry(Arc::from(name)).or_insert(Flow {
             count: 0.0,
             at: now,
-            sizes: Sizes::new(now),
+            seen: now,
         })
     }
 
-    /// A request of `flow` taking `blocks` arrived at `now`.
-    pub fn saw(&mut self, flow: &str, blocks: u64, now: Instant) {
+    /// A request of `flow` arrived at `now`.
+    pub fn saw(&mut self, flow: &str, now: Instant) {
         if self.window.is_zero() {
             return;
         }
-        let window = self.window;
-        self.flow(flow, now).sizes.saw(blocks, now, window);
+        self.flow(flow, now).seen = now;
     }
 
     /// A request of `flow` was sent to an endpoint at `now`.
@@ -101,9 +99,9 @@ impl Shares {
     }
 
     /// Blocks a request of `flow` must leave free where it goes, at `now`:
-    /// when it is over its fair share, the room a flow under it keeps
-    /// ([`Sizes::room`], with `any` the largest request of any); `None`
-    /// otherwise.
+    /// when it is over its fair share and a flow under it had a request in
+    /// the window, `any` (the largest request of any, as
+    /// [`super::reserve`] keeps for priorities); `None` otherwise.
     pub fn for_flow(&self, flow: &str, now: Instant, any: u64) -> Option<u64> {
         let window = self.window;
         let own = self.flows.get(flow)?.count_at(now, window);
@@ -118,10 +116,8 @@ impl Shares {
         if own <= 1.5 * mean {
             return None;
         }
-        (recent.iter())
-            .filter(|(c, _)| *c < mean)
-            .filter_map(|(_, f)| f.sizes.room(now, window, any))
-            .max()
+        let under = recent.iter().any(|(c, _)| *c < mean);
+        under.then_some(any).filter(|&b| b > 0)
     }
 }
 
@@ -134,23 +130,25 @@ mod tests {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         let mut s = Shares::new(ms(10_000));
-        s.saw("quiet", 30, t0);
-        s.dispatched("quiet", t0);
-        s.saw("other", 50, t0);
-        s.dispatched("other", t0);
+        for flow in ["quiet", "other"] {
+            s.saw(flow, t0);
+            s.dispatched(flow, t0);
+        }
         for i in 0..10 {
-            s.saw("noisy", 20, t0 + ms(i));
+            s.saw("noisy", t0 + ms(i));
             s.dispatched("noisy", t0 + ms(i));
         }
         let now = t0 + ms(100);
-        assert_eq!(s.for_flow("noisy", now, 0), Some(50));
-        // In their first window the light flows have not shown their sizes.
         assert_eq!(s.for_flow("noisy", now, 80), Some(80), "the largest of any");
-        assert_eq!(s.for_flow("noisy", now + ms(10_000), 80), Some(50));
-        assert_eq!(s.for_flow("quiet", now, 0), None, "under its share");
-        assert_eq!(s.for_flow("unknown", now, 0), None);
+        assert_eq!(
+            s.for_flow("noisy", now, 0),
+            None,
+            "no request in the window"
+        );
+        assert_eq!(s.for_flow("quiet", now, 80), None, "under its share");
+        assert_eq!(s.for_flow("unknown", now, 80), None);
         // Long after, every count has decayed and nobody is recent.
-        assert_eq!(s.for_flow("noisy", t0 + ms(60_000), 0), None);
+        assert_eq!(s.for_flow("noisy", t0 + ms(60_000), 80), None);
     }
 
     #[test]
@@ -159,14 +157,14 @@ mod tests {
         let ms = Duration::from_millis;
         let mut s = Shares::new(ms(10_000));
         for (i, flow) in ["a", "b", "a", "b", "a"].iter().enumerate() {
-            s.saw(flow, 40, t0 + ms(i as u64));
+            s.saw(flow, t0 + ms(i as u64));
             s.dispatched(flow, t0 + ms(i as u64));
         }
-        assert_eq!(s.for_flow("a", t0 + ms(10), 0), None);
+        assert_eq!(s.for_flow("a", t0 + ms(10), 40), None);
         // One flow alone has no share to be over.
         let mut alone = Shares::new(ms(10_000));
         alone.dispatched("a", t0);
-        assert_eq!(alone.for_flow("a", t0, 0), None);
+        assert_eq!(alone.for_flow("a", t0, 40), None);
     }
 
     #[test]
@@ -178,9 +176,9 @@ mod tests {
         }
         assert_eq!(s.flows.len(), MAX_FLOWS);
         let mut off = Shares::new(Duration::ZERO);
-        off.saw("a", 10, t0);
+        off.saw("a", t0);
         off.dispatched("a", t0);
         assert!(off.flows.is_empty());
-        assert_eq!(off.for_flow("a", t0, 0), None);
+        assert_eq!(off.for_flow("a", t0, 10), None);
     }
 }

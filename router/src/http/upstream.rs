@@ -1,5 +1,5 @@
 //! The request sent to an engine: the client's, addressed to the target,
-//! with the router's headers (request id, admission bound, trace context)
+//! with the router's headers (request id, admission bound and room, trace context)
 //! and without the private ones or any `x-kvroute-*` the client sent.
 
 use axum::http::header::{self, HeaderName, HeaderValue};
@@ -7,7 +7,7 @@ use axum::http::request::Parts;
 use axum::http::{Request, Uri};
 use bytes::Bytes;
 use http_body_util::Full;
-use kvroute_core::admission::ADMIT_WITHIN_HEADER;
+use kvroute_core::admission::{ADMIT_WITHIN_HEADER, ROOM_HEADER};
 
 use super::headers::copy_headers;
 use crate::errors::ApiError;
@@ -21,7 +21,7 @@ pub(super) fn request(
     bytes: &Bytes,
     target: &crate::pool::Target,
     id: &RequestId,
-    admit_within_ms: Option<u64>,
+    admit: Option<(u64, Option<u64>)>,
     private_headers: &[HeaderName],
 ) -> Result<Request<Full<Bytes>>, (ApiError, Option<Fault>)> {
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -42,8 +42,11 @@ pub(super) fn request(
     headers.remove(header::HOST);
     headers.insert(REQUEST_ID, id.header().clone());
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-    if let Some(ms) = admit_within_ms {
+    if let Some((ms, room)) = admit {
         headers.insert(ADMIT_WITHIN_HEADER, HeaderValue::from(ms));
+        if let Some(blocks) = room {
+            headers.insert(ROOM_HEADER, HeaderValue::from(blocks));
+        }
     }
     // With tracing on, the engine's parent is this router's span; else
     // the client's traceparent passes through as copied.

@@ -56,6 +56,10 @@ pub struct Plan {
     /// What the engines' reports said of the request's prefix (exact mode,
     /// a prompt read).
     pub seen: Option<Seen>,
+    /// KV blocks flow control keeps free at the first target beside the
+    /// request (room for a higher priority or a lighter tenant), for the
+    /// engine's admission check to count ([`admission::ROOM_HEADER`]).
+    pub room: Option<u64>,
 }
 
 /// What the engines' reports said of a request's prefix when it was
@@ -189,6 +193,7 @@ impl Pool {
             reason: decision.reason,
             cached_blocks: decision.cached_blocks,
             seen,
+            room: None,
         }
     }
 
@@ -364,11 +369,20 @@ impl Pool {
         let uncached = request.prompt_tokens.saturating_sub(cached);
         let blocks = inner.demand_blocks(request, target.slot) + extra_blocks;
         let model = inner.settings.policy.prefill_model();
-        let (queued, own) = (
-            model.queued_s(&load, now()),
-            model.prefill_s(&load, uncached),
-        );
-        queued + own <= hold_s.max(own) && model.memory_wait_s(&load, blocks, now()) <= hold_s
+        let now = now();
+        let (queued, own) = (model.queued_s(&load, now), model.prefill_s(&load, uncached));
+        // A longer prefill only where none is queued, and while another
+        // endpoint is left whose queue lets a request start within `hold_s`.
+        let prefill = queued + own <= hold_s
+            || queued <= 0.0
+                && inner.members.values().any(|m| {
+                    let load = inner.load.load(m.slot);
+                    m.slot != target.slot
+                        && inner.is_routable(m, now)
+                        && load.in_flight < self.concurrency
+                        && model.queued_s(&load, now) <= hold_s
+                });
+        prefill && model.memory_wait_s(&load, blocks, now) <= hold_s
     }
 
     /// KV blocks `request` takes in all, prompt and output.

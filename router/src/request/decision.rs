@@ -143,11 +143,13 @@ impl Decision {
     }
 
     /// The bound on the wait before prefill to send with an attempt at
-    /// `target`, milliseconds ([`kvroute_core::admission`]): none once its
-    /// engine refused this request, or once `MAX_REFUSALS` did.
-    pub(crate) fn admit_within(&self, target: &Target) -> Option<u64> {
+    /// `target`, milliseconds, and the room in KV blocks to leave there
+    /// ([`kvroute_core::admission`]): none once its engine refused this
+    /// request, or once `MAX_REFUSALS` did.
+    pub(crate) fn admit_within(&self, target: &Target) -> Option<(u64, Option<u64>)> {
         let asked = self.refused.len() < MAX_REFUSALS && !self.refused.contains(&target.slot);
-        target.admit_within_ms.filter(|_| asked)
+        let bound = target.admit_within_ms.filter(|_| asked)?;
+        Some((bound, self.plan.room))
     }
 
     /// `attempt`'s engine refused it for its bound and said its load: that

@@ -498,3 +498,52 @@ async fn a_held_request_spills_once_waiting_costs_what_its_warm_endpoint_saves()
     assert_eq!(sum_of(&metrics, spilled), 1.0);
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn an_engine_refuses_a_lower_priority_that_would_take_the_room_kept() {
+    // One engine whose KV memory a long decode sent behind the router's
+    // back fills (no load reports), as another router replica's requests
+    // do. A priority-10 request in the window: a lower one must leave room
+    // for one as large. The router, not knowing, sends it with that room;
+    // the engine refuses it (its own blocks fit, the room does not), and
+    // it waits at the router until the blocks are free.
+    let small = |c: &mut kvroute_engine_sim::Config| {
+        c.num_gpu_blocks = 180;
+        c.itl_ms = 20.0;
+    };
+    let objectives = |c: &mut kvroute_router::config::Config| {
+        c.objectives = vec![objective("interactive", 10)];
+    };
+    let stack = Stack::start("flow-room-refused", 1, false, small, objectives).await;
+    let high = stack
+        .client
+        .post(stack.url("/v1/chat/completions"))
+        .header("x-gateway-inference-objective", "interactive")
+        .json(&chat(&long_text(1), "go", 2));
+    assert_eq!(high.send().await.unwrap().status(), 200);
+    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
+    let hog = tokio::spawn({
+        let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
+        async move { r.send().await.unwrap().status().as_u16() }
+    });
+    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
+    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
+        let url = metrics.clone();
+        async move {
+            let text = get_text(&url).await;
+            (sum_of(&text, "vllm:generation_tokens_total") >= 4.0).then_some(())
+        }
+    })
+    .await;
+    let (status, _) = send(&stack, "").await.unwrap();
+    assert_eq!(status, 200, "{}", stack.metrics().await);
+    let metrics = stack.metrics().await;
+    let refusals = sum_of(&metrics, "kvroute_admission_refusals_total");
+    let waited = sum_of(
+        &metrics,
+        "kvroute_flow_dispatched_total{reason=\"after_wait\"}",
+    );
+    assert!(refusals >= 1.0 && waited >= 1.0, "{metrics}");
+    assert_eq!(hog.await.unwrap(), 200);
+    stack.stop().await;
+}
