@@ -419,3 +419,29 @@ async fn a_ramping_endpoint_is_first_for_its_share_of_cold_keys() {
     let share = firsts as f64 / keys as f64;
     assert!((share - 0.25 / 4.25).abs() < 0.02, "{share}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_long_lower_prefill_goes_only_while_another_endpoint_can_start_one() {
+    let p = pool(8);
+    p.set_endpoints(vec![spec("a", 1), spec("b", 2)]);
+    let hold_s = 0.05;
+    let long = Request {
+        prompt_tokens: 20_000,
+        ..request()
+    };
+    let plan = p.plan(&long, true);
+    let (first, other) = (&plan.targets[0], &plan.targets[1]);
+    assert!(p.leaves_room(&long, &plan, 0, hold_s), "both idle");
+    assert!(p.leaves_room(&request(), &plan, 0, hold_s));
+    // The other endpoint prefills for longer than `hold_s`: the long one
+    // would leave no endpoint to start a request within it.
+    let _busy = p.hold(other, 20_000, 20_000);
+    assert!(!p.leaves_room(&long, &plan, 0, hold_s));
+    assert!(
+        p.leaves_room(&request(), &plan, 0, hold_s),
+        "a short one ends within it"
+    );
+    // Nor does it go where a prefill is queued before it.
+    let _queued = p.hold(first, 20_000, 20_000);
+    assert!(!p.leaves_room(&long, &plan, 0, hold_s));
+}
