@@ -25,8 +25,11 @@
 //!    order that can start it.
 //! 3. **Room for higher priorities and light flows** ([`reserve`],
 //!    [`shares`]): a lower priority, or a flow far over its fair share, is
-//!    sent only where it leaves room for the largest recent request of a
-//!    higher priority, or of a flow under its share.
+//!    sent only where it leaves room for the largest recent request
+//!    (while a higher priority, or a flow under its share, is active). Nor
+//!    does it keep the endpoint it waits for from the requests behind it
+//!    in the pass (rule 2 of [`queue`]): a noisy tenant's large request
+//!    waiting for memory does not hold back a quiet tenant's that fits.
 //! 4. **Bounds.** Past `maxQueued` or `maxQueuedBytes`, the lowest band
 //!    sheds first; past its wait limit a request is answered; a request
 //!    of negative priority is never held. All get 429 with `Retry-After`
@@ -500,10 +503,12 @@ impl Gate {
                 let sent = self.dispatched(sent, (flow, room), reason, again);
                 return Ok((sent, Some(held)));
             }
-            // Held to leave room for others: the endpoint is theirs to take.
+            // Held to leave room for others, or one that must leave room
+            // (a flow over its share): the endpoint is theirs to take.
             // Held because every endpoint is full: the best of those is its
             // own, should it free during the pass.
-            let waits_for = (first.or(plan.first_full)).filter(|_| start == Start::Busy);
+            let claims = start == Start::Busy && room.is_none();
+            let waits_for = (first.or(plan.first_full)).filter(|_| claims);
             let next = state.queue.turn_done(place.id, Turn::Held(waits_for));
             state.hand(next);
         }

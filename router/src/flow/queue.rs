@@ -16,7 +16,8 @@
 //!    A pass hands a turn to each held request in the order of rule 1, one
 //!    at a time, at most [`PASS_TURNS`]: the request ranks the endpoints
 //!    with fresh state and either is dispatched or stays, naming the
-//!    endpoint it waits for. An endpoint a request ahead in the pass waits
+//!    endpoint it waits for, if any (the gate names none for a request
+//!    that must leave room for others). An endpoint a request ahead in the pass waits
 //!    for, or was dispatched to, is left out of the ranking of the requests
 //!    behind it: a request is never sent ahead of an earlier one waiting
 //!    for the same endpoint, and a pass does not send two requests to one

@@ -547,3 +547,52 @@ async fn an_engine_refuses_a_lower_priority_that_would_take_the_room_kept() {
     assert_eq!(hog.await.unwrap(), 200);
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn a_tenant_over_its_share_waiting_for_memory_does_not_hold_back_the_others() {
+    // One engine whose KV memory a long decode sent behind the router's
+    // back fills. The noisy tenant's large request waits for it; a quiet
+    // tenant's small one, which fits beside the decode, goes ahead.
+    let small = |c: &mut kvroute_engine_sim::Config| {
+        c.num_gpu_blocks = 180;
+        c.itl_ms = 20.0;
+    };
+    let tenancy = |c: &mut kvroute_router::config::Config| {
+        c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
+    };
+    let stack = Stack::start("flow-share-memory", 1, false, small, tenancy).await;
+    assert_eq!(send_as(&stack, "", Some("quiet")).await.unwrap().0, 200);
+    for _ in 0..4 {
+        assert_eq!(send_as(&stack, "", Some("noisy")).await.unwrap().0, 200);
+    }
+    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
+    let hog = tokio::spawn({
+        let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
+        async move {
+            assert_eq!(r.send().await.unwrap().status(), 200);
+            Instant::now()
+        }
+    });
+    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
+    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
+        let url = metrics.clone();
+        async move {
+            let text = get_text(&url).await;
+            (sum_of(&text, "vllm:generation_tokens_total") >= 4.0).then_some(())
+        }
+    })
+    .await;
+    let large = (stack.client.post(stack.url("/v1/chat/completions")))
+        .header("x-tenant", "noisy")
+        .json(&chat(&long_text(1), "go", 2));
+    let noisy = tokio::spawn(async move { large.send().await.unwrap().status().as_u16() });
+    metric_reaches(&stack, "kvroute_flow_queued", 1.0).await;
+    let quiet = send_as(&stack, "", Some("quiet")).await.unwrap();
+    assert_eq!(quiet.0, 200);
+    assert!(
+        quiet.1 < hog.await.unwrap(),
+        "the quiet request waited for the decode the noisy one waits for"
+    );
+    assert_eq!(noisy.await.unwrap(), 200);
+    stack.stop().await;
+}
