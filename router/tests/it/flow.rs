@@ -61,6 +61,37 @@ fn send_as(
     })
 }
 
+/// An engine whose KV memory one long decode nearly fills.
+fn small_memory(c: &mut kvroute_engine_sim::Config) {
+    c.num_gpu_blocks = 180;
+    c.itl_ms = 20.0;
+}
+
+/// Sends a long decode straight to the first engine, behind the router's
+/// back (no load reports: the router does not know), and waits until it
+/// has generated `tokens`; resolves to its status and when it ended.
+async fn hog(stack: &Stack, tokens: f64) -> tokio::task::JoinHandle<(u16, Instant)> {
+    const GENERATED: &str = "vllm:generation_tokens_total";
+    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
+    // Earlier requests' tokens are not the hog's.
+    let tokens = tokens + sum_of(&get_text(&metrics).await, GENERATED);
+    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
+    let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
+    let hog = tokio::spawn(async move {
+        let status = r.send().await.unwrap().status().as_u16();
+        (status, Instant::now())
+    });
+    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
+        let url = metrics.clone();
+        async move {
+            let text = get_text(&url).await;
+            (sum_of(&text, GENERATED) >= tokens).then_some(())
+        }
+    })
+    .await;
+    hog
+}
+
 /// A stream that holds one seat until dropped, its first chunk read.
 async fn hold_a_seat(
     stack: &Stack,
@@ -396,25 +427,8 @@ async fn a_request_an_engine_refuses_for_memory_waits_at_the_router() {
     // back fills (no load reports: the router does not know). The request
     // is refused with the engine's load, and then waits here, not in the
     // engine, until the prediction says the blocks are free.
-    let small = |c: &mut kvroute_engine_sim::Config| {
-        c.num_gpu_blocks = 180;
-        c.itl_ms = 20.0;
-    };
-    let stack = Stack::start("flow-refused", 1, false, small, |_| {}).await;
-    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
-    let hog = tokio::spawn({
-        let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
-        async move { r.send().await.unwrap().status().as_u16() }
-    });
-    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
-    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
-        let url = metrics.clone();
-        async move {
-            let text = get_text(&url).await;
-            (sum_of(&text, "vllm:generation_tokens_total") >= 2.0).then_some(())
-        }
-    })
-    .await;
+    let stack = Stack::start("flow-refused", 1, false, small_memory, |_| {}).await;
+    let hog = hog(&stack, 2.0).await;
     let r = stack
         .post("/v1/chat/completions", chat(&long_text(1), "go", 2))
         .await;
@@ -432,7 +446,7 @@ async fn a_request_an_engine_refuses_for_memory_waits_at_the_router() {
         refusals >= 1.0 && waited >= 1.0 && waited <= refusals,
         "{metrics}"
     );
-    assert_eq!(hog.await.unwrap(), 200);
+    assert_eq!(hog.await.unwrap().0, 200);
     stack.stop().await;
 }
 
@@ -507,34 +521,17 @@ async fn an_engine_refuses_a_lower_priority_that_would_take_the_room_kept() {
     // for one as large. The router, not knowing, sends it with that room;
     // the engine refuses it (its own blocks fit, the room does not), and
     // it waits at the router until the blocks are free.
-    let small = |c: &mut kvroute_engine_sim::Config| {
-        c.num_gpu_blocks = 180;
-        c.itl_ms = 20.0;
-    };
     let objectives = |c: &mut kvroute_router::config::Config| {
         c.objectives = vec![objective("interactive", 10)];
     };
-    let stack = Stack::start("flow-room-refused", 1, false, small, objectives).await;
+    let stack = Stack::start("flow-room-refused", 1, false, small_memory, objectives).await;
     let high = stack
         .client
         .post(stack.url("/v1/chat/completions"))
         .header("x-gateway-inference-objective", "interactive")
         .json(&chat(&long_text(1), "go", 2));
     assert_eq!(high.send().await.unwrap().status(), 200);
-    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
-    let hog = tokio::spawn({
-        let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
-        async move { r.send().await.unwrap().status().as_u16() }
-    });
-    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
-    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
-        let url = metrics.clone();
-        async move {
-            let text = get_text(&url).await;
-            (sum_of(&text, "vllm:generation_tokens_total") >= 4.0).then_some(())
-        }
-    })
-    .await;
+    let hog = hog(&stack, 4.0).await;
     let (status, _) = send(&stack, "").await.unwrap();
     assert_eq!(status, 200, "{}", stack.metrics().await);
     let metrics = stack.metrics().await;
@@ -544,7 +541,7 @@ async fn an_engine_refuses_a_lower_priority_that_would_take_the_room_kept() {
         "kvroute_flow_dispatched_total{reason=\"after_wait\"}",
     );
     assert!(refusals >= 1.0 && waited >= 1.0, "{metrics}");
-    assert_eq!(hog.await.unwrap(), 200);
+    assert_eq!(hog.await.unwrap().0, 200);
     stack.stop().await;
 }
 
@@ -553,44 +550,33 @@ async fn a_tenant_over_its_share_waiting_for_memory_does_not_hold_back_the_other
     // One engine whose KV memory a long decode sent behind the router's
     // back fills. The noisy tenant's large request waits for it; a quiet
     // tenant's small one, which fits beside the decode, goes ahead.
-    let small = |c: &mut kvroute_engine_sim::Config| {
-        c.num_gpu_blocks = 180;
-        c.itl_ms = 20.0;
-    };
     let tenancy = |c: &mut kvroute_router::config::Config| {
         c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
     };
-    let stack = Stack::start("flow-share-memory", 1, false, small, tenancy).await;
+    // The decode leaves a few blocks free: too few for the noisy one's
+    // 15, enough for the quiet one's 1.
+    let smaller = |c: &mut kvroute_engine_sim::Config| {
+        small_memory(c);
+        c.num_gpu_blocks = 110;
+    };
+    let stack = Stack::start("flow-share-memory", 1, false, smaller, tenancy).await;
     assert_eq!(send_as(&stack, "", Some("quiet")).await.unwrap().0, 200);
-    for _ in 0..4 {
+    // Far over its share, even after the quiet tenant's next request.
+    for _ in 0..10 {
         assert_eq!(send_as(&stack, "", Some("noisy")).await.unwrap().0, 200);
     }
-    let direct = format!("http://{}/v1/chat/completions", stack.sims[0].http_addr);
-    let hog = tokio::spawn({
-        let r = (stack.client.post(&direct)).json(&chat(&long_text(7), "go", 100));
-        async move {
-            assert_eq!(r.send().await.unwrap().status(), 200);
-            Instant::now()
-        }
-    });
-    let metrics = format!("http://{}/metrics", stack.sims[0].http_addr);
-    kvroute_testkit::eventually("the hog is decoding", Duration::from_secs(10), || {
-        let url = metrics.clone();
-        async move {
-            let text = get_text(&url).await;
-            (sum_of(&text, "vllm:generation_tokens_total") >= 4.0).then_some(())
-        }
-    })
-    .await;
+    let hog = hog(&stack, 4.0).await;
     let large = (stack.client.post(stack.url("/v1/chat/completions")))
         .header("x-tenant", "noisy")
-        .json(&chat(&long_text(1), "go", 2));
+        .json(&chat(&long_text(1)[..800], "go", 2));
     let noisy = tokio::spawn(async move { large.send().await.unwrap().status().as_u16() });
     metric_reaches(&stack, "kvroute_flow_queued", 1.0).await;
     let quiet = send_as(&stack, "", Some("quiet")).await.unwrap();
     assert_eq!(quiet.0, 200);
+    let (status, ended) = hog.await.unwrap();
+    assert_eq!(status, 200);
     assert!(
-        quiet.1 < hog.await.unwrap(),
+        quiet.1 < ended,
         "the quiet request waited for the decode the noisy one waits for"
     );
     assert_eq!(noisy.await.unwrap(), 200);
