@@ -137,6 +137,35 @@ pub struct Config {
     #[arg(long, env = "SIM_KV_EVENTS_BUFFER_STEPS", default_value_t = 10_000)]
     pub kv_events_buffer_steps: usize,
 
+    /// Disaggregated prefill (vLLM's `kv_role`): `producer` prefills
+    /// requests with `do_remote_decode` and holds their blocks for a
+    /// consumer to read; `consumer` reads the blocks a
+    /// `do_remote_prefill` request names before decoding; `both` does both.
+    /// Ordinary requests run on every role.
+    #[arg(long, env = "SIM_KV_ROLE", value_enum, default_value = "both")]
+    pub kv_role: crate::transfer::Role,
+
+    /// Address of the KV transfer server consumers read held blocks from;
+    /// default: the `--listen` host on a free port.
+    #[arg(long, env = "SIM_KV_TRANSFER_LISTEN")]
+    pub kv_transfer_listen: Option<SocketAddr>,
+
+    /// The host a producer names in `remote_host` (vLLM's
+    /// VLLM_NIXL_SIDE_CHANNEL_HOST); default: the transfer server's bound
+    /// IP. Set it (to the pod IP) when that is 0.0.0.0.
+    #[arg(long, env = "SIM_KV_TRANSFER_HOST")]
+    pub kv_transfer_host: Option<String>,
+
+    /// Time to read one block from a producer, milliseconds.
+    #[arg(long, env = "SIM_KV_TRANSFER_MS_PER_BLOCK", default_value_t = 0.05)]
+    pub kv_transfer_ms_per_block: f64,
+
+    /// How long a producer holds a finished request's blocks for a
+    /// consumer (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT), and how long a
+    /// consumer waits for a read, seconds.
+    #[arg(long, env = "SIM_KV_TRANSFER_TIMEOUT_S", default_value_t = 30.0)]
+    pub kv_transfer_timeout_s: f64,
+
     /// TLS of the WatchCache server (`--tls-cert-file`, `--tls-key-file`,
     /// `--tls-client-ca-file`).
     #[command(flatten)]
@@ -174,11 +203,21 @@ impl Config {
             ("--prefill-tokens-per-s", self.prefill_tokens_per_s),
             ("--prefill-overhead-ms", self.prefill_overhead_ms),
             ("--itl-ms", self.itl_ms),
+            ("--kv-transfer-ms-per-block", self.kv_transfer_ms_per_block),
         ];
         for (flag, v) in non_negative {
             if !v.is_finite() || v < 0.0 {
                 return Err(format!("{flag} must be a number ≥ 0, got {v}"));
             }
+        }
+        if !self.kv_transfer_timeout_s.is_finite()
+            || self.kv_transfer_timeout_s <= 0.0
+            || self.kv_transfer_timeout_s > 86_400.0
+        {
+            return Err(format!(
+                "--kv-transfer-timeout-s must be within (0, 86400], got {}",
+                self.kv_transfer_timeout_s
+            ));
         }
         if !self.time_scale.is_finite() || self.time_scale <= 0.0 {
             return Err(format!("--time-scale must be > 0, got {}", self.time_scale));
@@ -240,6 +279,11 @@ impl Config {
             kv_events_replay_endpoint: None,
             kv_events_topic: String::new(),
             kv_events_buffer_steps: 10_000,
+            kv_role: crate::transfer::Role::Both,
+            kv_transfer_listen: None,
+            kv_transfer_host: None,
+            kv_transfer_ms_per_block: 0.0,
+            kv_transfer_timeout_s: 30.0,
             tls: TlsArgs::default(),
         }
     }

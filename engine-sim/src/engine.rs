@@ -150,6 +150,9 @@ pub struct Job {
     /// KV blocks to leave free beyond its own when that check admits it
     /// ([`kvroute_core::admission::ROOM_HEADER`]).
     pub admit_room_blocks: u64,
+    /// Disaggregated prefill: tokens loaded from a producer, or its blocks
+    /// held for a consumer once it finishes ([`crate::transfer`]).
+    pub transfer: model::Transfer,
 }
 
 /// One generated token.
@@ -166,7 +169,10 @@ pub struct Token {
 /// An admitted request: its cache hit and its tokens as they come.
 #[derive(Debug)]
 pub struct Generation {
-    /// Prompt tokens served from the prefix cache.
+    /// The engine's id of the request (names a held transfer).
+    pub id: RequestId,
+    /// Prompt tokens served from the prefix cache, or loaded from a
+    /// producer.
     pub cached_tokens: u64,
     /// Prompt tokens.
     pub prompt_tokens: u64,
@@ -186,6 +192,8 @@ struct Live {
     digests: Vec<BlockDigest>,
     lora: Option<Lora>,
     cache_salt: Option<String>,
+    /// Its blocks are held for a transfer when it finishes.
+    hold: bool,
     /// Seeds the words generated.
     seed: u64,
     arrival: Instant,
@@ -208,6 +216,22 @@ struct State {
     /// vLLM-format KV events, when the engine publishes them.
     kv_events: Option<Publisher>,
     metrics: Metrics,
+    /// Finished requests whose blocks the model holds for a consumer,
+    /// until read or expired: at most one per block of the pool.
+    holds: HashMap<RequestId, Hold>,
+}
+
+/// A finished request's blocks, held for a consumer to read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hold {
+    /// Hashes of its prompt's full blocks.
+    pub hashes: Vec<BlockHash>,
+    /// Its prompt tokens.
+    pub tokens: usize,
+    /// The blocks held (vLLM's `remote_block_ids`).
+    pub blocks: Vec<u32>,
+    /// When they are freed unread.
+    pub deadline: Instant,
 }
 
 /// A simulated engine. Cheap to share behind an `Arc`.
@@ -221,6 +245,8 @@ pub struct Engine {
     arrived: Notify,
     /// Woken when the driver may have work (or the engine is dropped).
     work: Arc<Notify>,
+    /// Names this engine in `kv_transfer_params` (vLLM's engine id).
+    engine_id: String,
 }
 
 impl std::fmt::Debug for Engine {
@@ -292,6 +318,14 @@ impl Engine {
             feed: Feed::new(config.subscriber_buffer as usize),
             kv_events: None,
             metrics: Metrics::new(&config.model, config.max_model_len),
+            holds: HashMap::new(),
+        };
+        let engine_id = {
+            use std::hash::{BuildHasher, Hasher};
+            let random = std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish();
+            format!("sim-{random:016x}")
         };
         let work = Arc::new(Notify::new());
         let engine = Arc::new(Engine {
@@ -301,6 +335,7 @@ impl Engine {
             origin: Instant::now(),
             arrived: Notify::new(),
             work: work.clone(),
+            engine_id,
         });
         tokio::spawn(drive(Arc::downgrade(&engine), work));
         Ok(engine)
@@ -350,7 +385,7 @@ impl Engine {
         let hashes: Vec<BlockHash> = digests.iter().map(BlockDigest::to_u64).collect();
         let (admitted_tx, admitted_rx) = oneshot::channel();
         let (tx, tokens) = mpsc::unbounded_channel();
-        {
+        let id = {
             let mut state = self.lock();
             // Checked under the lock that admits it: requests arriving at
             // once are checked in turn, each behind the ones before.
@@ -377,7 +412,7 @@ impl Engine {
             }
             let id = state.next_id;
             let max_tokens = job.max_tokens.max(1) as usize;
-            match state.model.add(id, hashes, job.prompt.len(), max_tokens) {
+            match (state.model).add_with(id, hashes, job.prompt.len(), max_tokens, job.transfer) {
                 Ok(()) => {}
                 Err(Refused::TooLarge { needed, capacity }) => {
                     return Err(EngineError::TooLarge { needed, capacity });
@@ -394,6 +429,7 @@ impl Engine {
                     digests,
                     lora: job.lora,
                     cache_salt: job.cache_salt,
+                    hold: job.transfer.hold,
                     arrival: Instant::now(),
                     admitted_at: None,
                     last_token_at: None,
@@ -402,11 +438,13 @@ impl Engine {
                     done: false,
                 },
             );
-        }
+            id
+        };
         self.work.notify_one();
         self.arrived.notify_one();
         let cached_tokens = admitted_rx.await.map_err(|_| EngineError::Stopped)?;
         Ok(Generation {
+            id,
             cached_tokens,
             prompt_tokens: prompt_len,
             tokens,
@@ -450,6 +488,7 @@ impl Engine {
             model,
             requests,
             metrics,
+            holds,
             ..
         } = state;
         for (id, progress) in model.take_progress() {
@@ -508,10 +547,79 @@ impl Engine {
                         metrics.requests_finished += 1;
                         metrics.observe_output(index as u64 + 1);
                         live.done = true;
+                        if let Some(blocks) = live.hold.then(|| model.held(id)).flatten() {
+                            let hold = Hold {
+                                hashes: (live.digests[..live.prompt_len / bs].iter())
+                                    .map(BlockDigest::to_u64)
+                                    .collect(),
+                                tokens: live.prompt_len,
+                                blocks: blocks.to_vec(),
+                                deadline: now + self.scaled_s(self.config.kv_transfer_timeout_s),
+                            };
+                            holds.insert(id, hold);
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// `seconds` of simulated time, divided by the time scale.
+    pub fn scaled_s(&self, seconds: f64) -> Duration {
+        Duration::from_secs_f64((seconds / self.config.time_scale).max(0.0))
+    }
+
+    /// The id this engine names itself by in `kv_transfer_params`.
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    /// The blocks request `id` holds for a consumer, if it does.
+    pub fn hold(&self, id: RequestId) -> Option<Hold> {
+        self.lock().holds.get(&id).cloned()
+    }
+
+    /// Takes request `id`'s hold for a read: it no longer expires; the
+    /// caller [`release`](Self::release)s its blocks when done.
+    pub fn take_hold(&self, id: RequestId) -> Option<Hold> {
+        self.lock().holds.remove(&id)
+    }
+
+    /// Frees the blocks request `id` held (they stay cached).
+    pub fn release(&self, id: RequestId) {
+        if self.lock().model.release(id) {
+            self.work.notify_one();
+        }
+    }
+
+    /// Counts a transfer's outcome.
+    pub fn count_transfer(&self, result: crate::metrics::TransferResult) {
+        self.lock().metrics.count_transfer(result);
+    }
+
+    /// Frees holds past their deadline, counted `expired`; returns the
+    /// next deadline.
+    fn expire_holds(&self) -> Option<Instant> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        if state.holds.is_empty() {
+            return None;
+        }
+        let State {
+            holds,
+            model,
+            metrics,
+            ..
+        } = &mut *state;
+        holds.retain(|&id, hold| {
+            let live = hold.deadline > now;
+            if !live {
+                model.release(id);
+                metrics.count_transfer(crate::metrics::TransferResult::Expired);
+            }
+            live
+        });
+        holds.values().map(|h| h.deadline).min()
     }
 
     /// vLLM's `lora_id` and name of an adapter: its position among the
@@ -716,11 +824,12 @@ impl Engine {
 /// is work, sleeping until it ends; otherwise waiting for a request.
 async fn drive(engine: Weak<Engine>, work: Arc<Notify>) {
     loop {
-        let end = {
+        let (end, expiry) = {
             let Some(engine) = engine.upgrade() else {
                 return;
             };
-            engine.start_step().map(|end| engine.origin + end)
+            let expiry = engine.expire_holds();
+            (engine.start_step().map(|end| engine.origin + end), expiry)
         };
         match end {
             Some(end) => {
@@ -736,7 +845,15 @@ async fn drive(engine: Weak<Engine>, work: Arc<Notify>) {
                 };
                 engine.finish_step();
             }
-            None => work.notified().await,
+            None => match expiry {
+                Some(at) => {
+                    tokio::select! {
+                        _ = work.notified() => {}
+                        _ = tokio::time::sleep_until(at) => {}
+                    }
+                }
+                None => work.notified().await,
+            },
         }
     }
 }

@@ -20,7 +20,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream;
 use kvroute_core::admission;
-use kvroute_core::hash::{Lora, validate_cache_salt};
+use kvroute_core::engine::Transfer;
+use kvroute_core::hash::{BlockExtras, Lora, validate_cache_salt};
 use kvroute_core::tokenize::{
     ChatMessage, ChatTemplate, Tokenizer, chat_prompt_tokens, completion_prompt_tokens,
     content_text,
@@ -29,6 +30,7 @@ use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine::{Engine, EngineError, Generation, Job};
+use crate::transfer;
 
 /// What the HTTP handlers share.
 #[derive(Debug)]
@@ -42,12 +44,24 @@ pub struct App {
     requests: AtomicU64,
     /// Seeds `--fail-rate` draws, so sims fail independently of each other.
     fail_seed: u64,
+    /// The KV transfer server as producers name it (host, port).
+    transfer_at: (String, u16),
+    /// Reads blocks from producers.
+    client: reqwest::Client,
 }
 
 impl App {
     /// Handlers over `engine`.
-    pub fn new(engine: Arc<Engine>, tokenizer: Tokenizer, template: ChatTemplate) -> Arc<Self> {
+    /// `transfer_at` is where this engine's KV transfer server is reached.
+    pub fn new(
+        engine: Arc<Engine>,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        transfer_at: (String, u16),
+    ) -> Arc<Self> {
         Arc::new(App {
+            transfer_at,
+            client: reqwest::Client::new(),
             engine,
             tokenizer,
             template,
@@ -176,6 +190,8 @@ struct Common {
     /// The model the request named: the base model or an adapter.
     model: String,
     lora: Option<Lora>,
+    /// Disaggregated prefill ([`transfer`]).
+    kv: Option<transfer::Params>,
 }
 
 /// Parses the body as a JSON object, checks the model and the shared
@@ -251,6 +267,8 @@ async fn prologue(
             ));
         }
     };
+    let kv = transfer::parse(obj.get("kv_transfer_params").unwrap_or(&Value::Null))
+        .map_err(bad_request)?;
     // A bound that is not a number asks for no check, as vLLM ignores it.
     let admit_within_ms = headers
         .get(admission::ADMIT_WITHIN_HEADER)
@@ -270,6 +288,7 @@ async fn prologue(
             cache_salt,
             model,
             lora,
+            kv,
         },
     ))
 }
@@ -360,6 +379,19 @@ fn usage(g: &Generation, completion_tokens: u64) -> Value {
 }
 
 async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Response {
+    let role = app.engine.config().kv_role;
+    let kv = common.kv.unwrap_or_default();
+    let hold = kv.remote_decode && role.produces() && !common.stream;
+    let loaded_tokens = match &kv.remote_prefill {
+        Some(remote) if role.consumes() => {
+            let extras = BlockExtras {
+                lora: common.lora.as_ref(),
+                cache_salt: common.cache_salt.as_deref(),
+            };
+            transfer::load(&app.engine, &app.client, remote, &prompt, extras).await
+        }
+        _ => 0,
+    };
     let job = Job {
         prompt,
         max_tokens: common.max_tokens,
@@ -367,6 +399,10 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         lora: common.lora,
         admit_within_ms: common.admit_within_ms,
         admit_room_blocks: common.admit_room_blocks,
+        transfer: Transfer {
+            loaded_tokens,
+            hold,
+        },
     };
     let generation = match app.engine.generate(job).await {
         Ok(g) => g,
@@ -425,7 +461,11 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
         n += 1;
     }
     let usage = usage(&generation, n);
-    let body = match kind {
+    let (host, port) = &app.transfer_at;
+    let kv_transfer_params = hold
+        .then(|| transfer::answer(&app.engine, generation.id, host, *port))
+        .flatten();
+    let mut body = match kind {
         Kind::Completion => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null}],
@@ -438,6 +478,7 @@ async fn respond(app: &App, prompt: Vec<u32>, common: Common, kind: Kind) -> Res
             "usage": usage,
         }),
     };
+    body["kv_transfer_params"] = kv_transfer_params.unwrap_or(Value::Null);
     axum::Json(body).into_response()
 }
 

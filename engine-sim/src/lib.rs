@@ -4,7 +4,8 @@
 //! hashing ([`engine`]), vLLM's OpenAI-compatible API, metrics and errors
 //! ([`http`]), a live WatchCache occupancy stream (served with
 //! [`kvroute_proto::feed`]), and optionally vLLM's own ZMQ KV events
-//! ([`kv_events`]) for `kvroute-agent` to bridge. Besides vLLM, a
+//! ([`kv_events`]) for `kvroute-agent` to bridge, and disaggregated
+//! prefill with vLLM's `kv_transfer_params` ([`transfer`]). Besides vLLM, a
 //! deterministic test double of an embedding model ([`embeddings`], served
 //! as `/v1/embeddings`) for the semantic response cache's tests.
 //!
@@ -24,6 +25,7 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
+pub mod transfer;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -82,6 +84,8 @@ pub struct Sim {
     pub http_addr: SocketAddr,
     /// Where WatchCache listens.
     pub cache_addr: SocketAddr,
+    /// Where the KV transfer server listens ([`transfer`]).
+    pub transfer_addr: SocketAddr,
     /// The engine, for tests that look inside or inject faults.
     pub engine: Arc<Engine>,
     /// vLLM's KV events publisher, when enabled: its bound addresses, and
@@ -128,6 +132,11 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     }
     let (http, http_addr) = kvroute_telemetry::listen(config.listen).await?;
     let (cache, cache_addr) = kvroute_telemetry::listen(config.cache_listen).await?;
+    let transfer_listen =
+        (config.kv_transfer_listen).unwrap_or_else(|| SocketAddr::new(config.listen.ip(), 0));
+    let (transfer, transfer_addr) = kvroute_telemetry::listen(transfer_listen).await?;
+    let transfer_host =
+        (config.kv_transfer_host.clone()).unwrap_or_else(|| transfer_addr.ip().to_string());
     let load_interval = Duration::from_millis(config.load_interval_ms);
     let kv_events = match &config.kv_events_endpoint {
         Some(endpoint) => Some(
@@ -147,7 +156,12 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     }
     let (stop, stopped) = watch::channel(false);
 
-    let app = http::App::new(engine.clone(), tokenizer, template);
+    let app = http::App::new(
+        engine.clone(),
+        tokenizer,
+        template,
+        (transfer_host, transfer_addr.port()),
+    );
     let mut until_stop = stopped.clone();
     let http_task = tokio::spawn(async move {
         // Small SSE chunks must not wait for delayed ACKs.
@@ -159,6 +173,17 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
         });
         if let Err(e) = server.await {
             tracing::error!(error = %e, "HTTP server failed");
+        }
+    });
+
+    let mut until_stop = stopped.clone();
+    let transfer_app = transfer::router(engine.clone());
+    let transfer_task = tokio::spawn(async move {
+        let server = axum::serve(transfer, transfer_app).with_graceful_shutdown(async move {
+            let _ = until_stop.wait_for(|s| *s).await;
+        });
+        if let Err(e) = server.await {
+            tracing::error!(error = %e, "KV transfer server failed");
         }
     });
 
@@ -203,9 +228,10 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
     Ok(Sim {
         http_addr,
         cache_addr,
+        transfer_addr,
         engine,
         kv_events,
         stop,
-        tasks: vec![http_task, grpc_task, load_task],
+        tasks: vec![http_task, grpc_task, transfer_task, load_task],
     })
 }

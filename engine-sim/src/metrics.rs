@@ -41,6 +41,33 @@ struct CacheConfigInfo {
     prefix_caching_hash_algo: String,
 }
 
+/// How a KV transfer ended ([`crate::transfer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferResult {
+    /// A consumer read a producer's blocks.
+    Ok,
+    /// A consumer could not read them and prefilled itself.
+    Failed,
+    /// A producer freed held blocks no consumer read in time.
+    Expired,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Transfer {
+    result: &'static str,
+}
+
+impl From<TransferResult> for Transfer {
+    fn from(result: TransferResult) -> Self {
+        let result = match result {
+            TransferResult::Ok => "ok",
+            TransferResult::Failed => "failed",
+            TransferResult::Expired => "expired",
+        };
+        Transfer { result }
+    }
+}
+
 /// vLLM's inter-token latency buckets, seconds.
 const ITL_BUCKETS: [f64; 19] = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -92,6 +119,7 @@ pub struct Metrics {
     output_lengths: Family<ModelName, Histogram, Buckets>,
     prefill_time: Family<ModelName, Histogram, Buckets>,
     itl: Family<ModelName, Histogram, Buckets>,
+    transfers: Family<Transfer, Counter>,
 }
 
 /// Makes histograms with fixed buckets.
@@ -125,6 +153,7 @@ impl Metrics {
             )),
             prefill_time: Family::new_with_constructor(Buckets(LATENCY_BUCKETS.into())),
             itl: Family::new_with_constructor(Buckets(ITL_BUCKETS.into())),
+            transfers: Family::default(),
         }
     }
 
@@ -153,6 +182,11 @@ impl Metrics {
     /// `inter_token_latency_seconds`).
     pub fn observe_itl(&mut self, seconds: f64) {
         self.itl.get_or_create(&self.model).observe(seconds);
+    }
+
+    /// Counts a KV transfer's outcome.
+    pub fn count_transfer(&mut self, result: TransferResult) {
+        self.transfers.get_or_create(&result.into()).inc();
     }
 
     /// Records one time to first token.
@@ -270,6 +304,19 @@ impl Metrics {
             "Blocks in the prefix cache (the simulator's own metric)",
             gauge(cached_blocks as f64),
         );
+        // Every result present from the start.
+        for result in [
+            TransferResult::Ok,
+            TransferResult::Failed,
+            TransferResult::Expired,
+        ] {
+            drop(self.transfers.get_or_create(&result.into()));
+        }
+        r.register(
+            "kvroute_sim_kv_transfers",
+            "KV transfers for disaggregated prefill, by result: ok and failed counted by the consumer, expired by the producer",
+            self.transfers.clone(),
+        );
         let info = Family::<CacheConfigInfo, Gauge<f64, AtomicU64>>::default();
         info.get_or_create(&CacheConfigInfo {
             block_size: config.block_size.to_string(),
@@ -300,6 +347,7 @@ mod tests {
         m.observe_ttft(3.0);
         m.observe_output(16);
         m.observe_itl(0.03);
+        m.count_transfer(TransferResult::Failed);
         let load = LoadReport {
             waiting: 2,
             running: 5,
@@ -327,6 +375,8 @@ mod tests {
             "vllm:prompt_tokens_total{model_name=\"kvroute-sim\"} 100",
             "vllm:request_generation_tokens_sum{model_name=\"kvroute-sim\"} 16.0",
             "vllm:inter_token_latency_seconds_count{model_name=\"kvroute-sim\"} 1",
+            "kvroute_sim_kv_transfers_total{result=\"failed\"} 1",
+            "kvroute_sim_kv_transfers_total{result=\"ok\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -73,6 +73,7 @@ async fn generate(sim: &Sim, prompt: Vec<u32>) {
         lora: None,
         admit_within_ms: None,
         admit_room_blocks: 0,
+        transfer: Default::default(),
     };
     let mut g = sim.engine.generate(job).await.unwrap();
     while g.tokens.recv().await.is_some() {}

@@ -41,6 +41,15 @@
 //!    request's prefill overhead is paid per step, so a chunked prompt pays
 //!    it once per chunk.
 //!
+//! 8. **KV transfer** (vLLM's KV connector, for disaggregated prefill). A
+//!    request added with [`Transfer::hold`] keeps its blocks when it
+//!    finishes, until [`Engine::release`]: another engine reads them. One
+//!    added with [`Transfer::loaded_tokens`] is admitted with those prompt
+//!    tokens computed (another engine prefilled them; all but the last,
+//!    which it recomputes, as vLLM does), taking blocks for them; its full
+//!    blocks are cached after its first step, as if prefilled here. A
+//!    preempted request recomputes them.
+//!
 //! Simplified: no speculative decoding, no encoder or multimodal budget, no
 //! `long_prefill_token_threshold`, no priority scheduling, no swap; step
 //! time does not grow with the batch's decode count or context length; a
@@ -110,10 +119,22 @@ pub enum Refused {
     EmptyPrompt,
 }
 
+/// What a request does beside its own computation: vLLM's KV connector,
+/// for disaggregated prefill (rule 8). [`Default`]: nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Transfer {
+    /// Prompt tokens another engine computed and sent: admitted as
+    /// computed, but the last.
+    pub loaded_tokens: usize,
+    /// Keep its blocks when it finishes, until [`Engine::release`].
+    pub hold: bool,
+}
+
 /// What happened to a request in a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Progress {
-    /// Admitted for the first time, with this many prompt tokens cached.
+    /// Admitted for the first time, with this many prompt tokens cached
+    /// or loaded (rule 8).
     Admitted {
         /// Prompt tokens served from the prefix cache.
         cached_tokens: usize,
@@ -244,6 +265,7 @@ struct Seq {
     blocks: Vec<u32>,
     /// Leading blocks cached (by this request or found so).
     cached: usize,
+    transfer: Transfer,
     admitted: bool,
     /// Aborted while its step was in flight.
     aborted: bool,
@@ -274,6 +296,8 @@ pub struct Engine {
     step: Option<Step>,
     progress: Vec<(RequestId, Progress)>,
     counters: Counters,
+    /// Blocks of finished requests kept for a transfer (rule 8).
+    held: std::collections::HashMap<RequestId, Vec<u32>>,
 }
 
 impl Engine {
@@ -287,6 +311,7 @@ impl Engine {
             step: None,
             progress: Vec::new(),
             counters: Counters::default(),
+            held: std::collections::HashMap::new(),
         }
     }
 
@@ -302,6 +327,18 @@ impl Engine {
         hashes: Vec<BlockHash>,
         prompt_tokens: usize,
         max_tokens: usize,
+    ) -> Result<(), Refused> {
+        self.add_with(id, hashes, prompt_tokens, max_tokens, Transfer::default())
+    }
+
+    /// [`add`](Self::add) with a KV transfer (rule 8).
+    pub fn add_with(
+        &mut self,
+        id: RequestId,
+        hashes: Vec<BlockHash>,
+        prompt_tokens: usize,
+        max_tokens: usize,
+        transfer: Transfer,
     ) -> Result<(), Refused> {
         if prompt_tokens == 0 {
             return Err(Refused::EmptyPrompt);
@@ -324,6 +361,7 @@ impl Engine {
             computed: 0,
             blocks: Vec::new(),
             cached: 0,
+            transfer,
             admitted: false,
             aborted: false,
         });
@@ -370,6 +408,21 @@ impl Engine {
             let seq = self.running.remove(i);
             self.pool.free(&seq.blocks);
         }
+        true
+    }
+
+    /// The blocks a finished request holds for a transfer (rule 8).
+    pub fn held(&self, id: RequestId) -> Option<&[u32]> {
+        self.held.get(&id).map(Vec::as_slice)
+    }
+
+    /// Frees the blocks a finished request held for a transfer (they stay
+    /// cached until evicted). False when it holds none.
+    pub fn release(&mut self, id: RequestId) -> bool {
+        let Some(blocks) = self.held.remove(&id) else {
+            return false;
+        };
+        self.pool.free(&blocks);
         true
     }
 
@@ -421,7 +474,14 @@ impl Engine {
                 break;
             };
             let hit = self.pool.lookup(&seq.hashes, seq.len());
-            let computed = hit * self.config.block_size;
+            let local = hit * self.config.block_size;
+            // Loaded tokens count once: a preempted request recomputes.
+            let loaded = if seq.admitted {
+                0
+            } else {
+                seq.transfer.loaded_tokens.min(seq.len() - 1)
+            };
+            let computed = local.max(loaded);
             let n = (seq.len() - computed).min(budget);
             let new = self.pool.blocks_for(computed + n) - hit;
             let Some(blocks) = self.pool.allocate(&seq.hashes, hit, new) else {
@@ -432,7 +492,7 @@ impl Engine {
             if !seq.admitted {
                 seq.admitted = true;
                 self.counters.queries += seq.prompt as u64;
-                self.counters.hits += computed as u64;
+                self.counters.hits += local as u64;
                 self.progress.push((
                     seq.id,
                     Progress::Admitted {
@@ -518,7 +578,12 @@ impl Engine {
                     },
                 ));
                 if last {
-                    self.pool.free(&std::mem::take(&mut seq.blocks));
+                    let blocks = std::mem::take(&mut seq.blocks);
+                    if seq.transfer.hold {
+                        self.held.insert(seq.id, blocks);
+                    } else {
+                        self.pool.free(&blocks);
+                    }
                     seq.aborted = true;
                 }
             }

@@ -378,3 +378,59 @@ fn a_waiting_requests_cached_prefix_is_not_queued_prefill_but_takes_free_blocks(
     assert_eq!(load.queued_prefill_tokens, 4);
     assert_eq!(load.waiting_blocks, 10);
 }
+
+#[test]
+fn a_held_request_keeps_its_blocks_until_released() {
+    let mut d = Driver::new(config(64));
+    d.engine
+        .add_with(
+            1,
+            hashes(1, 10),
+            42,
+            1,
+            Transfer {
+                hold: true,
+                ..Transfer::default()
+            },
+        )
+        .unwrap();
+    d.run();
+    assert!(d.engine.is_idle());
+    assert_eq!(d.engine.held(1).map(<[u32]>::len), Some(11));
+    assert_eq!(d.engine.load(d.now).used_blocks, 11, "held, not free");
+    assert!(d.engine.release(1));
+    assert!(!d.engine.release(1), "released once");
+    assert_eq!(d.engine.load(d.now).used_blocks, 0);
+    assert_eq!(d.engine.cached_blocks(), 10, "still cached");
+}
+
+#[test]
+fn loaded_tokens_are_admitted_computed_but_the_last_and_then_cached() {
+    let mut d = Driver::new(config(64));
+    d.engine
+        .add_with(
+            1,
+            hashes(1, 10),
+            40,
+            2,
+            Transfer {
+                loaded_tokens: 40,
+                ..Transfer::default()
+            },
+        )
+        .unwrap();
+    d.run();
+    // One token to compute: a 30 ms step, not 10 ms + 40 ms.
+    assert_eq!(d.token_at(1, 0), 30 * MS);
+    assert_eq!(
+        d.log[0].2,
+        Progress::Admitted { cached_tokens: 39 },
+        "loaded tokens count as cached"
+    );
+    assert_eq!(d.engine.counters().hits, 0, "no local hit");
+    assert_eq!(d.engine.cached_blocks(), 10, "the loaded blocks are cached");
+    // The next request with that prompt hits them locally.
+    d.add_named(2, 1, 40, 1);
+    d.run();
+    assert_eq!(d.engine.counters().hits, 36);
+}

@@ -38,6 +38,7 @@ async fn run_with(
             lora,
             admit_within_ms: None,
             admit_room_blocks: 0,
+            transfer: Default::default(),
         })
         .await
         .unwrap();
@@ -136,6 +137,7 @@ async fn eviction_under_pressure_takes_tails_first_and_spares_running_requests()
             lora: None,
             admit_within_ms: None,
             admit_room_blocks: 0,
+            transfer: Default::default(),
         })
         .await
         .unwrap();
@@ -173,6 +175,7 @@ async fn rejects_what_can_never_run() {
             lora: None,
             admit_within_ms: None,
             admit_room_blocks: 0,
+            transfer: Default::default(),
         })
         .await
         .unwrap_err();
@@ -185,6 +188,7 @@ async fn rejects_what_can_never_run() {
             lora: None,
             admit_within_ms: None,
             admit_room_blocks: 0,
+            transfer: Default::default(),
         })
         .await
         .unwrap_err();
@@ -203,6 +207,7 @@ async fn rejects_what_can_never_run() {
             lora: None,
             admit_within_ms: None,
             admit_room_blocks: 0,
+            transfer: Default::default(),
         })
         .await
         .unwrap_err(),
@@ -317,6 +322,7 @@ async fn workload(seed: u64) {
                     lora: None,
                     admit_within_ms: None,
                     admit_room_blocks: 0,
+                    transfer: Default::default(),
                 })
                 .await
                 .unwrap();
@@ -410,6 +416,7 @@ async fn load_reports_the_memory_a_wait_is_predicted_from() {
             lora: None,
             admit_within_ms: None,
             admit_room_blocks: 0,
+            transfer: Default::default(),
         })
         .await
         .unwrap();
@@ -451,6 +458,7 @@ async fn a_request_bounded_below_the_queue_is_refused_with_it() {
         lora: None,
         admit_within_ms,
         admit_room_blocks: 0,
+        transfer: Default::default(),
     };
     // Idle: any bound is met.
     let _a = e.generate(job(1, Some(0))).await.unwrap();
@@ -485,6 +493,7 @@ async fn a_request_whose_blocks_are_not_free_is_refused_with_the_memory() {
         lora: None,
         admit_within_ms,
         admit_room_blocks: 0,
+        transfer: Default::default(),
     };
     // A runs, holding 3 of the 10 blocks; nothing is queued for prefill.
     let mut a = e.generate(job(1..9, None)).await.unwrap();
@@ -524,6 +533,7 @@ async fn a_request_that_would_take_the_room_asked_for_is_refused() {
         lora: None,
         admit_within_ms: Some(50),
         admit_room_blocks,
+        transfer: Default::default(),
     };
     // A runs, holding 3 of the 10 blocks.
     let mut a = e.generate(job(1..9, 0)).await.unwrap();

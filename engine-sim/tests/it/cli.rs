@@ -32,6 +32,11 @@ fn help_explains_every_flag_with_its_default() {
         "--fail-rate",
         "--stop-after",
         "--extra-latency-ms",
+        "--kv-role",
+        "--kv-transfer-listen",
+        "--kv-transfer-host",
+        "--kv-transfer-ms-per-block",
+        "--kv-transfer-timeout-s",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help:\n{help}");
     }

@@ -4,4 +4,5 @@
 mod cli;
 mod embeddings;
 mod http;
+mod transfer;
 mod watch_cache;
