@@ -26,6 +26,7 @@ pub mod pinned;
 pub mod policy;
 pub mod rendezvous;
 pub mod rng;
+pub mod role;
 pub mod slot;
 pub mod slow_start;
 pub mod spec;

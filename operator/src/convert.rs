@@ -11,10 +11,12 @@
 //! Not here: watching the API, or deciding anything about the objects (the
 //! index does).
 
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{Pod, Service};
 use kube::api::ObjectMeta;
+use kvroute_core::role::Role;
 
 use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
 use crate::api::{CacheRoutingPolicy, InferenceObjective, InferencePool};
@@ -96,16 +98,40 @@ pub fn pod(pod: &Pod) -> Option<PodInfo> {
         .filter(|_| ready)
         .and_then(|c| c.last_transition_time.as_ref())
         .map(|t| t.0.as_millisecond());
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    let role = Role::from_labels(&labels).unwrap_or_else(|(label, value)| {
+        warn_unknown_role(&namespace, &name, label, &value);
+        Role::Both
+    });
     Some(PodInfo {
         namespace,
         name,
-        labels: pod.metadata.labels.clone().unwrap_or_default(),
+        labels,
+        role,
         ip,
         phase_running,
         ready,
         deleting: pod.metadata.deletion_timestamp.is_some(),
         ready_since_ms,
     })
+}
+
+/// Warns that pod `namespace/name`'s `label` has an unknown role `value`:
+/// once per pod and value (a bounded memory of the last 1,024 warned),
+/// however often the pod is read.
+fn warn_unknown_role(namespace: &str, name: &str, label: &str, value: &str) {
+    static WARNED: std::sync::Mutex<BTreeSet<(String, String)>> =
+        std::sync::Mutex::new(BTreeSet::new());
+    let key = (format!("{namespace}/{name}"), value.to_owned());
+    let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+    if warned.contains(&key) {
+        return;
+    }
+    if warned.len() >= 1024 {
+        warned.clear();
+    }
+    tracing::warn!(pod = %key.0, label, value, "unknown role (not prefill, decode or both): the pod serves as both");
+    warned.insert(key);
 }
 
 /// The index's view of `policy`; `None` if it has no namespace or name.

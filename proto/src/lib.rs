@@ -43,6 +43,29 @@ pub mod v1 {
     include!("gen/kvroute.v1.rs");
 }
 
+impl From<kvroute_core::role::Role> for v1::EndpointRole {
+    fn from(role: kvroute_core::role::Role) -> Self {
+        use kvroute_core::role::Role;
+        match role {
+            Role::Both => v1::EndpointRole::Both,
+            Role::Prefill => v1::EndpointRole::Prefill,
+            Role::Decode => v1::EndpointRole::Decode,
+        }
+    }
+}
+
+impl From<v1::EndpointRole> for kvroute_core::role::Role {
+    /// Unspecified (an operator before roles) is `both`.
+    fn from(role: v1::EndpointRole) -> Self {
+        use kvroute_core::role::Role;
+        match role {
+            v1::EndpointRole::Unspecified | v1::EndpointRole::Both => Role::Both,
+            v1::EndpointRole::Prefill => Role::Prefill,
+            v1::EndpointRole::Decode => Role::Decode,
+        }
+    }
+}
+
 /// An error converting a protocol value into a core type.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {

@@ -155,6 +155,7 @@ impl Setup {
                 ready: true,
                 draining: false,
                 ready_since_ms: None,
+                role: Default::default(),
             })
             .collect();
         let streams = pool.set_endpoints(specs);

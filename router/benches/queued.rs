@@ -69,6 +69,7 @@ fn main() {
                     ready: true,
                     draining: false,
                     ready_since_ms: None,
+                    role: Default::default(),
                 })
                 .collect(),
         );

@@ -91,6 +91,19 @@ fn a_pool_without_namespace_is_skipped() {
 }
 
 #[test]
+fn a_pods_role_comes_from_its_label_and_an_unknown_value_is_both() {
+    let role = |labels: serde_json::Value| {
+        pod(&pod_object(json!({ "labels": labels }), serving_status()))
+            .unwrap()
+            .role
+    };
+    assert_eq!(role(json!({"kvroute.dev/role": "prefill"})), Role::Prefill);
+    assert_eq!(role(json!({"llm-d.ai/role": "decode"})), Role::Decode);
+    assert_eq!(role(json!({"kvroute.dev/role": "prefiller"})), Role::Both);
+    assert_eq!(role(json!({"app": "llama"})), Role::Both);
+}
+
+#[test]
 fn a_running_ready_pod_serves() {
     let info = pod(&pod_object(json!({}), serving_status())).unwrap();
     assert_eq!(
@@ -104,6 +117,7 @@ fn a_running_ready_pod_serves() {
             ready: true,
             deleting: false,
             ready_since_ms: None,
+            role: Role::Both,
         }
     );
     assert!(info.serves());

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use kvroute_core::role::Role;
 use kvroute_proto::v1;
 
 use super::pool::PoolSpec;
@@ -32,6 +33,8 @@ pub struct PodInfo {
     /// milliseconds, while it is `True`: when the pod became ready, the
     /// start of its slow-start ramp on every router.
     pub ready_since_ms: Option<i64>,
+    /// Its role in a disaggregated pool, from its labels.
+    pub role: Role,
 }
 
 impl PodInfo {
@@ -70,6 +73,7 @@ pub(super) fn endpoints<'a>(
                 ready: pod.serves(),
                 draining: pod.deleting,
                 ready_since_unix_ms: pod.ready_since_ms.filter(|_| pod.serves()),
+                role: v1::EndpointRole::from(pod.role).into(),
             });
         }
     }

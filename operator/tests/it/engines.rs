@@ -18,6 +18,7 @@ fn pod(name: &str, ip: &str) -> PodInfo {
         ready: true,
         deleting: false,
         ready_since_ms: None,
+        role: Default::default(),
     }
 }
 

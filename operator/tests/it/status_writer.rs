@@ -64,6 +64,7 @@ fn ready_pod() -> PodInfo {
         ready: true,
         deleting: false,
         ready_since_ms: None,
+        role: Default::default(),
     }
 }
 

@@ -115,6 +115,7 @@ fn pod(name: &str, ip: &str, ready: bool) -> PodInfo {
         ready,
         deleting: false,
         ready_since_ms: None,
+        role: Default::default(),
     }
 }
 

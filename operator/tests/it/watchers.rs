@@ -211,3 +211,55 @@ async fn a_pod_is_ready_since_its_ready_conditions_last_transition() {
     poll(vec![(true, Some(1_767_323_160_000))]).await;
     watchers.abort();
 }
+
+#[tokio::test]
+async fn a_pods_role_label_reaches_its_endpoints() {
+    let api = FakeApiServer::start().await;
+    api.put(pool("llama", "http", 8000)).unwrap();
+    let pod = |name: &str, labels: serde_json::Value| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "labels": labels},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.0.7",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        })
+    };
+    api.put(pod(
+        "llama-0",
+        json!({"app": "llama", "kvroute.dev/role": "prefill"}),
+    ))
+    .unwrap();
+    api.put(pod(
+        "llama-1",
+        json!({"app": "llama", "llm-d.ai/role": "decode"}),
+    ))
+    .unwrap();
+    api.put(pod(
+        "llama-2",
+        json!({"app": "llama", "kvroute.dev/role": "cook"}),
+    ))
+    .unwrap();
+
+    let index = Arc::new(Mutex::new(Index::new()));
+    let watchers = watch_all(&api, &index).await;
+    let states = index.lock().unwrap().watch_pool("ml", "llama");
+    use kvroute_proto::v1::EndpointRole;
+    let want = vec![
+        ("llama-0:8000".to_owned(), EndpointRole::Prefill),
+        ("llama-1:8000".to_owned(), EndpointRole::Decode),
+        ("llama-2:8000".to_owned(), EndpointRole::Both),
+    ];
+    kvroute_testkit::eventually("the pods' roles", Duration::from_secs(5), || {
+        let roles: Vec<_> = (states.borrow().endpoints.iter())
+            .map(|e| (e.name.clone(), e.role()))
+            .collect();
+        let holds = roles == want;
+        async move { holds.then_some(()) }
+    })
+    .await;
+    watchers.abort();
+}

@@ -699,6 +699,10 @@ pub struct Endpoint {
     /// time for every router replica, so they agree on the ramp.
     #[prost(int64, optional, tag = "7")]
     pub ready_since_unix_ms: ::core::option::Option<i64>,
+    /// What it does in a disaggregated pool (the pod label `kvroute.dev/role`,
+    /// or llm-d's `llm-d.ai/role`).
+    #[prost(enumeration = "EndpointRole", tag = "8")]
+    pub role: i32,
 }
 /// How routers route the pool's requests. Set by the operator from the pool's
 /// configuration, with defaults filled in.
@@ -767,6 +771,44 @@ pub struct RoutingPolicy {
     /// 0 turns slow start off, at most 3600. Absent: the default (30).
     #[prost(uint32, optional, tag = "15")]
     pub slow_start_seconds: ::core::option::Option<u32>,
+}
+/// An endpoint's role in a disaggregated pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum EndpointRole {
+    /// Prefill and decode, as an operator before roles sends it.
+    Unspecified = 0,
+    /// Prefills disaggregated requests for decode endpoints; takes no other
+    /// requests.
+    Prefill = 1,
+    /// Decodes disaggregated requests, and serves ordinary ones.
+    Decode = 2,
+    /// Prefill and decode.
+    Both = 3,
+}
+impl EndpointRole {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "ENDPOINT_ROLE_UNSPECIFIED",
+            Self::Prefill => "ENDPOINT_ROLE_PREFILL",
+            Self::Decode => "ENDPOINT_ROLE_DECODE",
+            Self::Both => "ENDPOINT_ROLE_BOTH",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "ENDPOINT_ROLE_UNSPECIFIED" => Some(Self::Unspecified),
+            "ENDPOINT_ROLE_PREFILL" => Some(Self::Prefill),
+            "ENDPOINT_ROLE_DECODE" => Some(Self::Decode),
+            "ENDPOINT_ROLE_BOTH" => Some(Self::Both),
+            _ => None,
+        }
+    }
 }
 /// What a routing key is derived from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]

@@ -261,6 +261,7 @@ fn endpoint(e: &v1::Endpoint, default_cache_port: u32) -> Result<EndpointSpec, &
         ready: e.ready,
         draining: e.draining,
         ready_since_ms: e.ready_since_unix_ms,
+        role: e.role().into(),
     })
 }
 

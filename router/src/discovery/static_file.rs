@@ -9,6 +9,7 @@
 //!     ready: true               # default: true
 //!     draining: false           # default: false
 //!     readySince: 2026-01-02T03:04:05Z  # RFC 3339; default: none
+//!     role: both                # prefill, decode or both; default: both
 //! ```
 //!
 //! `readySince` starts the endpoint's slow-start ramp (`routing.slowStartSeconds`)
@@ -30,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_core::role::Role;
 use serde::Deserialize;
 
 use super::DiscoveryError;
@@ -69,6 +71,10 @@ pub struct StaticEndpoint {
     /// of its slow-start ramp. Default: none (see the module docs).
     #[serde(default)]
     pub ready_since: Option<String>,
+    /// `prefill`, `decode` or `both` (the default): what it does in a
+    /// disaggregated pool.
+    #[serde(default)]
+    pub role: Option<String>,
 }
 
 fn yes() -> bool {
@@ -142,6 +148,13 @@ fn parse(path: &Path, text: &[u8]) -> Result<Vec<EndpointSpec>, DiscoveryError> 
             ),
             None => None,
         };
+        let role = match &e.role {
+            Some(text) => text.parse().map_err(|()| {
+                let reason = format!("(endpoint {name}) is not prefill, decode or both");
+                invalid("role", text, reason)
+            })?,
+            None => Role::Both,
+        };
         seen.insert(name.clone(), index);
         specs.push(EndpointSpec {
             name,
@@ -150,6 +163,7 @@ fn parse(path: &Path, text: &[u8]) -> Result<Vec<EndpointSpec>, DiscoveryError> 
             ready: e.ready,
             draining: e.draining,
             ready_since_ms,
+            role,
         });
     }
     Ok(specs)
@@ -241,6 +255,7 @@ mod tests {
                 ready: true,
                 draining: false,
                 ready_since_ms: None,
+                role: Default::default(),
             }]
         );
     }
@@ -257,6 +272,25 @@ mod tests {
             .to_string();
         assert!(
             e.contains("endpoints[0].readySince") && e.contains("yesterday"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_role_is_prefill_decode_or_both() {
+        let specs = parse_str(
+            "endpoints:\n  - {address: 127.0.0.1:8001, role: prefill}\n  - {address: 127.0.0.1:8002, role: decode}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (specs[0].role, specs[1].role),
+            (Role::Prefill, Role::Decode)
+        );
+        let e = parse_str("endpoints:\n  - {address: 127.0.0.1:8001, name: p0, role: prefiller}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("endpoints[0].role") && e.contains("p0") && e.contains("prefiller"),
             "{e}"
         );
     }

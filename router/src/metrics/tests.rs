@@ -21,6 +21,7 @@ fn spec(name: &str) -> crate::pool::EndpointSpec {
         ready: true,
         draining: false,
         ready_since_ms: None,
+        role: Default::default(),
     }
 }
 

@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 use kvroute_core::contract::{Contract, EngineCache};
 use kvroute_core::rendezvous::endpoint_id;
+use kvroute_core::role::Role;
 use kvroute_core::slot::Slot;
 
 use super::routing::Target;
@@ -49,6 +50,8 @@ pub struct EndpointSpec {
     /// When it last became ready, wall-clock Unix milliseconds, if
     /// discovery knows: the start of its slow-start ramp.
     pub ready_since_ms: Option<i64>,
+    /// What it does in a disaggregated pool.
+    pub role: Role,
 }
 
 /// A WatchCache stream's state, for metrics and debugging.

@@ -15,6 +15,7 @@ fn spec(name: &str, port: u16) -> EndpointSpec {
         ready: true,
         draining: false,
         ready_since_ms: None,
+        role: Default::default(),
     }
 }
 
@@ -372,6 +373,7 @@ async fn discoverys_ready_time_sets_the_ramp_for_every_router() {
     let now_ms = super::wall_ms();
     let since = |name, port, ago_ms: i64| EndpointSpec {
         ready_since_ms: Some(now_ms - ago_ms),
+        role: Default::default(),
         ..spec(name, port)
     };
     // Given in the first set too: a ready time is a ready time.

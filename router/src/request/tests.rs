@@ -29,6 +29,7 @@ fn reporting(names: &[&str]) -> Vec<crate::pool::EndpointSpec> {
             ready: true,
             draining: false,
             ready_since_ms: None,
+            role: Default::default(),
         })
         .collect()
 }

@@ -31,6 +31,7 @@ fn spec(name: &str, sim: &Sim) -> EndpointSpec {
         ready: true,
         draining: false,
         ready_since_ms: None,
+        role: Default::default(),
     }
 }
 

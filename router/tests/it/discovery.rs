@@ -278,6 +278,7 @@ fn endpoint(name: &str, ip: &str, draining: bool) -> v1::Endpoint {
         ready: true,
         draining,
         ready_since_unix_ms: None,
+        role: 0,
     }
 }
 

@@ -29,6 +29,7 @@ fn ep(name: &str, address: &str, http_port: u32, cache_port: u32) -> v1::Endpoin
         ready: true,
         draining: false,
         ready_since_unix_ms: None,
+        role: 0,
     }
 }
 
@@ -63,6 +64,29 @@ fn an_endpoints_ready_time_is_the_operators() {
     let specs = endpoints(&state, &policy());
     assert_eq!(specs[0].ready_since_ms, Some(1_767_323_045_000));
     assert_eq!(specs[1].ready_since_ms, None);
+}
+
+#[test]
+fn an_endpoints_role_is_the_operators_and_unspecified_or_unknown_is_both() {
+    use kvroute_core::role::Role;
+    let with = |role: i32| {
+        let mut e = ep(&format!("{role}:8000"), "10.0.0.1", 8000, 0);
+        e.role = role;
+        e
+    };
+    let state = PoolState {
+        endpoints: vec![
+            with(v1::EndpointRole::Prefill.into()),
+            with(v1::EndpointRole::Decode.into()),
+            with(0),
+            with(99),
+        ],
+        ..Default::default()
+    };
+    let roles: Vec<Role> = (endpoints(&state, &policy()).iter())
+        .map(|s| s.role)
+        .collect();
+    assert_eq!(roles, [Role::Prefill, Role::Decode, Role::Both, Role::Both]);
 }
 
 #[test]
