@@ -51,6 +51,43 @@ pub struct RoutingSpec {
     /// full share of new keys ([`crate::slow_start`]); 0: off, at most
     /// [`crate::slow_start::MAX_WINDOW_SECONDS`]. Default: 30.
     pub slow_start_seconds: u32,
+    /// Prefill/decode disaggregation. Default: off.
+    pub disaggregation: Disaggregation,
+}
+
+/// Prefill/decode disaggregation: whether a request is prefilled on a
+/// prefill-capable endpoint and decoded on another, which reads its KV
+/// blocks (vLLM's `kv_transfer_params`). Serde spells it as the router's
+/// YAML does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Disaggregation {
+    /// `off` (the default: prefill endpoints take no requests) or `auto`.
+    pub mode: DisaggregationMode,
+    /// With `auto`, a request is disaggregated when it would prefill at
+    /// least this many uncached tokens on its decode endpoint. Default:
+    /// 256.
+    pub min_uncached_tokens: u64,
+}
+
+impl Default for Disaggregation {
+    fn default() -> Self {
+        Disaggregation {
+            mode: DisaggregationMode::Off,
+            min_uncached_tokens: 256,
+        }
+    }
+}
+
+/// Whether requests are disaggregated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DisaggregationMode {
+    /// Never: every request runs whole on a decode-capable endpoint.
+    #[default]
+    Off,
+    /// When the uncached prefill reaches `minUncachedTokens`.
+    Auto,
 }
 
 impl Default for RoutingSpec {
@@ -63,6 +100,7 @@ impl Default for RoutingSpec {
             offload_weight: crate::index::DEFAULT_OFFLOAD_WEIGHT,
             tenancy: TenancyMode::default(),
             slow_start_seconds: crate::slow_start::DEFAULT_WINDOW.as_secs() as u32,
+            disaggregation: Disaggregation::default(),
         }
     }
 }
@@ -115,6 +153,8 @@ mod tests {
         assert_eq!(spec.offload_weight, 0.5);
         assert_eq!(spec.tenancy, TenancyMode::Shared);
         assert_eq!(spec.slow_start_seconds, 30);
+        assert_eq!(spec.disaggregation.mode, DisaggregationMode::Off);
+        assert_eq!(spec.disaggregation.min_uncached_tokens, 256);
     }
 
     #[test]

@@ -145,6 +145,8 @@ impl v1::RoutingPolicy {
             offload_weight,
             tenancy,
             slow_start_seconds,
+            // Not on the wire yet: the router's own setting stays.
+            disaggregation: current.disaggregation,
         };
         (spec, unusable)
     }

@@ -13,7 +13,7 @@ use axum::http::HeaderName;
 use kvroute_core::hash::{BlockHasher, HashError, Lora};
 use kvroute_core::keys::KeyConfig;
 use kvroute_core::policy::PolicyConfig;
-use kvroute_core::spec::{RoutingSpec, TenancyMode};
+use kvroute_core::spec::{Disaggregation, RoutingSpec, TenancyMode};
 use kvroute_core::tokenize::{ChatTemplate, Tokenizer};
 
 /// What the request path uses to turn a request into tokens, a block
@@ -44,6 +44,8 @@ pub struct Settings {
     /// or the operator's policy's, which a router that does not salt
     /// answers by refusing requests.
     pub salting_required: bool,
+    /// Prefill/decode disaggregation.
+    pub disaggregation: Disaggregation,
 }
 
 impl Settings {
@@ -67,6 +69,7 @@ impl Settings {
             offload_weight: spec.offload_weight,
             slow_start: std::time::Duration::ZERO,
             salting_required: false,
+            disaggregation: spec.disaggregation,
         }
         .routing_by(spec)
     }
@@ -89,6 +92,7 @@ impl Settings {
         self.offload_weight = spec.offload_weight;
         self.slow_start = std::time::Duration::from_secs(spec.slow_start_seconds.into());
         self.salting_required = spec.tenancy == TenancyMode::Salted;
+        self.disaggregation = spec.disaggregation;
         Ok(self)
     }
 
@@ -105,6 +109,7 @@ impl Settings {
                 TenancyMode::Shared
             },
             slow_start_seconds: self.slow_start.as_secs() as u32,
+            disaggregation: self.disaggregation,
         }
     }
 

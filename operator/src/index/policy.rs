@@ -180,6 +180,7 @@ impl PolicySpec {
             slow_start_seconds: self
                 .slow_start_seconds
                 .unwrap_or(default.slow_start_seconds),
+            disaggregation: default.disaggregation,
         }
     }
 

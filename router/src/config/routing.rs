@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use kvroute_core::hash::{HashAlgo, HashConfig};
 use kvroute_core::keys::KeyConfig;
 use kvroute_core::policy::PolicyConfig;
-use kvroute_core::spec::{RoutingSpec, TenancyMode};
+use kvroute_core::spec::{Disaggregation, RoutingSpec, TenancyMode};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::{Config, Header};
@@ -60,6 +60,10 @@ pub struct Routing {
     /// ready: the static endpoints file's `readySince`, else when this
     /// router saw it turn ready (see `docs/routing.md`). Default: 30.
     pub slow_start_seconds: u32,
+    /// Prefill/decode disaggregation (`docs/disaggregation.md`): `{mode:
+    /// off|auto, minUncachedTokens}`. Default: `{mode: off,
+    /// minUncachedTokens: 256}`.
+    pub disaggregation: Disaggregation,
 }
 
 /// `routing.loraAdapters` as written: every path a YAML string. YAML would
@@ -105,6 +109,7 @@ impl Default for Routing {
             lora_adapters: BTreeMap::new(),
             offload_weight: spec.offload_weight,
             slow_start_seconds: spec.slow_start_seconds,
+            disaggregation: spec.disaggregation,
         }
     }
 }
@@ -131,6 +136,7 @@ impl Config {
             offload_weight: r.offload_weight,
             tenancy: self.tenancy.mode,
             slow_start_seconds: r.slow_start_seconds,
+            disaggregation: r.disaggregation,
         }
     }
 }

@@ -12,6 +12,7 @@
 mod cached;
 mod clients;
 mod headers;
+mod legs;
 mod respond;
 mod routes;
 mod upstream;
@@ -122,7 +123,8 @@ impl Forwarder {
             fairness: None,
             id: id.clone(),
         };
-        let decision = self.service.decide(ask).await?;
+        let mut decision = self.service.decide(ask).await?;
+        self.prefill(parts, &mut decision).await;
         Ok(self.forward(parts, decision).await)
     }
 

@@ -216,6 +216,8 @@ pub struct Metrics {
     pub response_cache: std::sync::Arc<crate::response_cache::metrics::CacheMetrics>,
     /// Flow control's.
     pub flow: crate::flow::metrics::FlowMetrics,
+    /// Disaggregation's.
+    pub split: crate::request::split::SplitMetrics,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -272,6 +274,7 @@ impl Metrics {
             upstream_ttft_seconds: Histogram::new(BUCKETS.iter().copied()),
             response_cache,
             flow: Default::default(),
+            split: Default::default(),
         };
         let r = &mut m.registry;
         // Counters are registered without `_total`, which the encoder adds.
@@ -431,6 +434,7 @@ impl Metrics {
         );
         m.response_cache.register(r);
         m.flow.register(r);
+        m.split.register(r);
         m
     }
 }

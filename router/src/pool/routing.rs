@@ -15,6 +15,7 @@ use kvroute_core::admission;
 use kvroute_core::contract::Contract;
 use kvroute_core::load::{EngineLoad, Ticket};
 use kvroute_core::policy::{Context, Endpoint, Policy, Predicted, Reason, Request};
+use kvroute_core::role::Role;
 use kvroute_core::slot::Slot;
 
 use super::{Inner, Pool, now};
@@ -135,7 +136,8 @@ impl Pool {
 
     /// [`plan_among`](Self::plan_among) leaving out the endpoints in
     /// `except`: flow control's, which cannot take the request now (a
-    /// longer prefix there was lost to [`Lost::Queue`]).
+    /// longer prefix there was lost to [`Lost::Queue`]). Only
+    /// decode-capable endpoints take a request (or its decode leg).
     pub fn plan_except(
         &self,
         request: &Request<'_>,
@@ -143,9 +145,29 @@ impl Pool {
         among: &dyn Fn(&SocketAddr) -> bool,
         except: &[SocketAddr],
     ) -> Plan {
+        let among = |a: &SocketAddr| among(a) && !except.contains(a);
+        self.rank(request, readable, &among, Role::decodes)
+    }
+
+    /// The plan of a disaggregated request's prefill leg: the policy's
+    /// ranking among the prefill-capable endpoints (their caches, their
+    /// queues).
+    pub fn plan_prefill(&self, request: &Request<'_>, readable: bool) -> Plan {
+        self.rank(request, readable, &|_| true, Role::prefills)
+    }
+
+    /// The policy's plan among the routable endpoints `among` accepts
+    /// whose role `role` accepts.
+    fn rank(
+        &self,
+        request: &Request<'_>,
+        readable: bool,
+        among: &dyn Fn(&SocketAddr) -> bool,
+        role: fn(Role) -> bool,
+    ) -> Plan {
         let mut inner = self.lock();
         let now = now();
-        let (endpoints, candidates) = inner.candidates(now, &|a| among(a) && !except.contains(a));
+        let (endpoints, candidates) = inner.candidates(now, among, role);
         let inner = &mut *inner;
         // Field by field: the policy is borrowed mutably beside it.
         let cx = Context {
@@ -215,7 +237,7 @@ impl Pool {
         if inner.exact {
             inner.index.longest_prefix(request.chain, &mut leading);
         }
-        let (endpoints, targets) = inner.candidates(now, &|_| true);
+        let (endpoints, targets) = inner.candidates(now, &|_| true, Role::decodes);
         let mut policy = if readable {
             inner.policy.boxed_clone()
         } else {
@@ -378,6 +400,7 @@ impl Pool {
                 && inner.members.values().any(|m| {
                     let load = inner.load.load(m.slot);
                     m.slot != target.slot
+                        && m.spec.role.decodes()
                         && inner.is_routable(m, now)
                         && load.in_flight < self.concurrency
                         && model.queued_s(&load, now) <= hold_s
@@ -503,17 +526,18 @@ impl Inner {
         self.policy.routed(request, &endpoint);
     }
 
-    /// The routable endpoints `among` accepts, as the policy sees them and
-    /// as targets.
+    /// The routable endpoints `among` accepts whose role `role` accepts,
+    /// as the policy sees them and as targets.
     fn candidates(
         &self,
         now: std::time::Instant,
         among: &dyn Fn(&SocketAddr) -> bool,
+        role: fn(Role) -> bool,
     ) -> (Vec<Endpoint>, Vec<Target>) {
         let now_ms = super::wall_ms();
         self.members
             .values()
-            .filter(|m| self.is_routable(m, now) && among(&m.spec.http))
+            .filter(|m| role(m.spec.role) && self.is_routable(m, now) && among(&m.spec.http))
             .map(|m| {
                 let endpoint = Endpoint {
                     slot: m.slot,

@@ -51,6 +51,8 @@ pub struct Features {
     /// `max_completion_tokens`, else `max_tokens`, when a whole number
     /// (the engine judges other values).
     pub max_tokens: Option<u64>,
+    /// `n`, the choices asked for, when a whole number.
+    pub n: Option<u64>,
 }
 
 /// Parses `body` as a JSON object. Chat and completions bodies must be one,
@@ -176,14 +178,20 @@ impl<'de> serde::Deserialize<'de> for RawList<'de> {
 }
 
 /// The fields [`features`] reads.
-const FEATURES: [&str; 6] = [
+const FEATURES: [&str; 8] = [
     "model",
     "stream",
     "prompt_cache_key",
     "cache_salt",
     "max_tokens",
     "max_completion_tokens",
+    "n",
+    KV_TRANSFER_PARAMS,
 ];
+
+/// vLLM's disaggregated-prefill field: the router's to set, never a
+/// client's.
+pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
 
 /// `key` as one of [`FEATURES`].
 fn feature(key: &str) -> Option<&'static str> {
@@ -267,6 +275,11 @@ pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::BadRequest("'stream' must be a boolean".into())),
     };
+    if obj.get(KV_TRANSFER_PARAMS).is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::BadRequest(format!(
+            "'{KV_TRANSFER_PARAMS}' is not accepted from clients: it names a host an engine would connect to"
+        )));
+    }
     Ok(Features {
         model: string_field(obj, "model")?,
         stream,
@@ -276,6 +289,7 @@ pub fn features(obj: &Map<String, Value>) -> Result<Features, ApiError> {
             .get("max_completion_tokens")
             .and_then(Value::as_u64)
             .or_else(|| obj.get("max_tokens").and_then(Value::as_u64)),
+        n: obj.get("n").and_then(Value::as_u64),
     })
 }
 
@@ -389,6 +403,11 @@ pub(crate) mod tests {
         assert!(f.stream);
         assert_eq!(f.prompt_cache_key.as_deref(), Some("c"));
         assert!(features(&obj(json!({"stream": "yes"}))).is_err());
+        let e = features(&obj(
+            json!({"kv_transfer_params": {"remote_host": "10.0.0.1"}}),
+        ));
+        assert!(e.unwrap_err().to_string().contains("kv_transfer_params"));
+        assert!(features(&obj(json!({"kv_transfer_params": null}))).is_ok());
         assert!(features(&obj(json!({"model": 3}))).is_err());
     }
 }

@@ -303,6 +303,8 @@ pub(crate) struct Analysis {
     pub(crate) stream: bool,
     /// The output tokens the client asked for at most.
     pub(crate) max_tokens: Option<u64>,
+    /// The choices it asked for (`n`; 1 when unset).
+    pub(crate) choices: u64,
 }
 
 impl Analysis {
@@ -324,6 +326,7 @@ impl Analysis {
             memo: None,
             stream: false,
             max_tokens: None,
+            choices: 1,
         }
     }
 
@@ -607,6 +610,7 @@ fn read(
         model: feats.model,
         stream: feats.stream,
         max_tokens: feats.max_tokens,
+        choices: feats.n.unwrap_or(1),
         chain: prompt.chain,
         key,
         key_prefix_blocks,

@@ -114,6 +114,24 @@ impl Decision {
         &self.analysis.bytes
     }
 
+    /// What the router read of it.
+    pub(crate) fn analysis(&self) -> &Analysis {
+        &self.analysis
+    }
+
+    /// Prompt tokens its first target is expected to prefill.
+    pub(crate) fn expected_uncached(&self) -> u64 {
+        self.analysis.prompt_tokens.saturating_sub(self.cached)
+    }
+
+    /// Its prefill leg is done elsewhere: `body` (with the producer's
+    /// `kv_transfer_params`) goes to the decode endpoint, which loads the
+    /// prompt's KV and computes its last token only.
+    pub(crate) fn prefilled(&mut self, body: Bytes) {
+        self.analysis.bytes = body;
+        self.cached = self.analysis.prompt_tokens.saturating_sub(1);
+    }
+
     /// Takes the body to forward out, with its share of the budget (held
     /// until the caller has sent it).
     pub(crate) fn take_body(&mut self) -> (Bytes, Option<body::Held>) {

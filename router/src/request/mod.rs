@@ -35,6 +35,7 @@ pub mod missed;
 mod observed;
 mod readiness;
 pub mod recent;
+pub mod split;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -54,6 +55,7 @@ pub(crate) use self::decision::{Attempt, Decision, refusal, routers_own};
 pub(crate) use self::guard::Guard;
 pub(crate) use self::labels::Labels;
 pub use self::recent::RequestId;
+pub(crate) use self::split::Outcome as SplitOutcome;
 use crate::config::{Config, Limits};
 use crate::errors::ApiError;
 use crate::explain::Explanation;

@@ -7,6 +7,7 @@ mod chart_schema;
 mod cli;
 mod coalescing;
 mod debug_pool;
+mod disaggregation;
 mod discovery;
 mod explain;
 mod ext_proc;

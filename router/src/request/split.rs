@@ -1,0 +1,159 @@
+//! Prefill/decode disaggregation: whether a decided request is split into
+//! a prefill leg on a prefill-capable endpoint and a decode leg on its
+//! decode endpoint ([`Service::split`]), and what the legs count
+//! ([`SplitMetrics`]). The decision already chose the decode endpoint
+//! among the decode-capable ones (its cache, memory and seats, and the
+//! conversation's affinity); the prefill endpoint is the policy's choice
+//! among the prefill-capable ones. The front ends run the legs: the HTTP
+//! forwarder itself, the picker by naming the prefill endpoint to llm-d's
+//! routing sidecar.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use kvroute_core::spec::DisaggregationMode;
+
+use super::{Decision, Service};
+use crate::pool::Target;
+use crate::prompt::body::Api;
+
+/// How a request was served, as `kvroute_disaggregated_requests_total`'s
+/// `result`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Prefilled on a prefill endpoint, decoded on its decode endpoint.
+    Disaggregated,
+    /// Whole on its decode endpoint: too little to prefill there.
+    BelowThreshold,
+    /// Whole: the best prefill endpoint is its decode endpoint (`both`).
+    SameEndpoint,
+    /// Whole, its decode endpoint prefilling: no prefill endpoint could.
+    FallbackLocal,
+    /// Whole: the prefill endpoint answered without `kv_transfer_params`
+    /// (an engine without a KV connector).
+    NoConnector,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Disaggregated => "disaggregated",
+            Outcome::BelowThreshold => "local_below_threshold",
+            Outcome::SameEndpoint => "local_same_endpoint",
+            Outcome::FallbackLocal => "fallback_local",
+            Outcome::NoConnector => "no_connector",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Result {
+    result: &'static str,
+}
+
+/// Prefill leg buckets, seconds.
+const BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Disaggregation's metrics.
+#[derive(Debug)]
+pub struct SplitMetrics {
+    requests: Family<Result, Counter>,
+    /// `kvroute_prefill_leg_seconds`: from sending a prefill leg to its
+    /// whole answer.
+    pub(crate) prefill_seconds: Histogram,
+    /// `kvroute_prefill_leg_prompt_tokens_total`.
+    pub(crate) prompt_tokens: Counter,
+    /// `kvroute_prefill_leg_cached_tokens_total`.
+    pub(crate) cached_tokens: Counter,
+}
+
+impl Default for SplitMetrics {
+    fn default() -> Self {
+        SplitMetrics {
+            requests: Family::default(),
+            prefill_seconds: Histogram::new(BUCKETS),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+        }
+    }
+}
+
+impl SplitMetrics {
+    /// Counts a request served as `outcome`.
+    pub(crate) fn count(&self, outcome: Outcome) {
+        let result = outcome.as_str();
+        self.requests.get_or_create(&Result { result }).inc();
+    }
+
+    /// Registers the families in `r`.
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvroute_disaggregated_requests",
+            "Requests eligible for disaggregation (routing.disaggregation auto), by how they were served: disaggregated, local_below_threshold, local_same_endpoint, fallback_local, no_connector",
+            self.requests.clone(),
+        );
+        r.register(
+            "kvroute_prefill_leg_seconds",
+            "Disaggregated requests' prefill legs, from sending to the prefill endpoint's whole answer",
+            self.prefill_seconds.clone(),
+        );
+        r.register(
+            "kvroute_prefill_leg_prompt_tokens",
+            "Prompt tokens of the prefill legs the prefill endpoints answered",
+            self.prompt_tokens.clone(),
+        );
+        r.register(
+            "kvroute_prefill_leg_cached_tokens",
+            "Of those, the prefill endpoints found cached",
+            self.cached_tokens.clone(),
+        );
+    }
+}
+
+/// Where a disaggregated request's prefill leg goes.
+#[derive(Debug)]
+pub(crate) struct Prefill {
+    /// Prefill-capable endpoints, best first.
+    pub(crate) targets: Vec<Target>,
+    /// Prompt tokens the first is expected to hold.
+    pub(crate) cached: u64,
+}
+
+impl Service {
+    /// Where `decision` (a request to `path`) is prefilled when it is
+    /// disaggregated: `routing.disaggregation` is `auto`, the request is a
+    /// chat or completion with one choice, it would prefill at least
+    /// `minUncachedTokens` uncached tokens on its decode endpoint, and the
+    /// best prefill-capable endpoint is another. `None`, counted when it
+    /// was eligible, when it runs whole.
+    pub(crate) fn split(&self, path: &str, decision: &Decision) -> Option<Prefill> {
+        let settings = self.pool.settings();
+        let d = settings.disaggregation;
+        let a = &decision.analysis;
+        if d.mode == DisaggregationMode::Off || Api::of(path) == Api::Other || a.choices > 1 {
+            return None;
+        }
+        let metrics = &self.accounting.metrics.split;
+        if decision.expected_uncached() < d.min_uncached_tokens {
+            metrics.count(Outcome::BelowThreshold);
+            return None;
+        }
+        let plan = self.pool.plan_prefill(&a.request(), a.readable);
+        match (plan.targets.first(), decision.targets().first()) {
+            (None, _) => metrics.count(Outcome::FallbackLocal),
+            (Some(p), Some(d)) if p.slot == d.slot => metrics.count(Outcome::SameEndpoint),
+            _ => {
+                return Some(Prefill {
+                    cached: a.expected_cached(plan.cached_blocks),
+                    targets: plan.targets,
+                });
+            }
+        }
+        None
+    }
+}

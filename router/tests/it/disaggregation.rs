@@ -1,0 +1,299 @@
+//! Prefill/decode disaggregation through the HTTP front end: the prefill
+//! leg on a prefill endpoint, the decode leg on a decode endpoint that
+//! reads its blocks, over real engine sims; the legs as vLLM's proxy sends
+//! them; fallbacks.
+
+use std::sync::{Arc, Mutex};
+
+use axum::http::HeaderMap;
+use kvroute_core::spec::{Disaggregation, DisaggregationMode};
+use kvroute_engine_sim::transfer::Role;
+use kvroute_engine_sim::{Config as SimConfig, Sim};
+use kvroute_router::config::Config;
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+/// A prefill sim and a decode sim (exact mode), and a router disaggregating
+/// from `min_uncached_tokens` (`None`: off).
+async fn split_stack(name: &str, min_uncached_tokens: Option<u64>) -> Stack {
+    let sim = |role| async move {
+        let mut c = SimConfig::test();
+        c.kv_role = role;
+        kvroute_engine_sim::start(c).await.unwrap()
+    };
+    let sims = vec![sim(Role::Producer).await, sim(Role::Consumer).await];
+    let dir = temp_dir(name);
+    write_roles(&dir, &[(&sims[0], "prefill"), (&sims[1], "decode")]);
+    let mut config = router_config(&dir);
+    if let Some(min) = min_uncached_tokens {
+        config.routing.disaggregation = Disaggregation {
+            mode: DisaggregationMode::Auto,
+            min_uncached_tokens: min,
+        };
+    }
+    let router = kvroute_router::start(config).await.unwrap();
+    let stack = Stack {
+        sims,
+        router,
+        dir,
+        client: reqwest::Client::new(),
+    };
+    stack.wait_live().await;
+    stack
+}
+
+/// The endpoints file: each sim (`prefill-0`, `decode-1`, …) with its role.
+fn write_roles(dir: &std::path::Path, sims: &[(&Sim, &str)]) {
+    let mut yaml = String::from("endpoints:\n");
+    for (i, (s, role)) in sims.iter().enumerate() {
+        yaml += &format!(
+            "  - {{name: {role}-{i}, address: '{}', cachePort: {}, role: {role}}}\n",
+            s.http_addr,
+            s.cache_addr.port()
+        );
+    }
+    std::fs::write(dir.join("endpoints.yaml"), yaml).unwrap();
+}
+
+/// A sample of `sample` (name and labels) on `sim`'s /metrics, or 0.
+async fn sim_metric(sim: &Sim, sample: &str) -> f64 {
+    let text = get_text(&format!("http://{}/metrics", sim.http_addr)).await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn requests_seen(sim: &Sim) -> f64 {
+    sim_metric(
+        sim,
+        "vllm:request_success_total{model_name=\"kvroute-sim\",finished_reason=\"length\"}",
+    )
+    .await
+}
+
+fn disaggregated(metrics: &str, result: &str) -> f64 {
+    sum_of(
+        metrics,
+        &format!("kvroute_disaggregated_requests_total{{result=\"{result}\"}}"),
+    )
+}
+
+#[tokio::test]
+async fn a_long_prompt_is_prefilled_on_a_prefill_endpoint_and_decoded_where_its_blocks_go() {
+    let stack = split_stack("split", Some(64)).await;
+    let body = chat(&long_text(1), "hi", 3);
+    let r = stack.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvroute-endpoint"], "decode-1");
+    let done: Value = r.json().await.unwrap();
+    let prompt_tokens = done["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(done["usage"]["completion_tokens"], 3);
+    assert_eq!(
+        done["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens - 1,
+        "the decode endpoint loaded the prompt: {done}"
+    );
+    assert_eq!(done.get("kv_transfer_params"), Some(&Value::Null));
+    let (prefill, decode) = (&stack.sims[0], &stack.sims[1]);
+    assert_eq!(
+        sim_metric(decode, "kvroute_sim_kv_transfers_total{result=\"ok\"}").await,
+        1.0
+    );
+    assert_eq!(requests_seen(prefill).await, 1.0);
+
+    // Streamed: the decode leg streams back.
+    let mut streamed = chat(&long_text(2), "hi", 3);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let r = stack.post("/v1/chat/completions", streamed).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert!(text.contains("\"cached_tokens\""), "{text}");
+    assert_eq!(
+        sim_metric(decode, "kvroute_sim_kv_transfers_total{result=\"ok\"}").await,
+        2.0
+    );
+
+    // A short prompt runs whole on the decode endpoint.
+    let r = stack
+        .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 1}))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        requests_seen(prefill).await,
+        2.0,
+        "the prefill endpoint saw no third leg"
+    );
+
+    // n > 1 is not disaggregated.
+    let mut many = chat(&long_text(3), "hi", 1);
+    many["n"] = json!(2);
+    stack.post("/v1/chat/completions", many).await;
+    assert_eq!(requests_seen(prefill).await, 2.0);
+
+    let metrics = stack.metrics().await;
+    assert_eq!(disaggregated(&metrics, "disaggregated"), 2.0, "{metrics}");
+    assert_eq!(disaggregated(&metrics, "local_below_threshold"), 1.0);
+    assert_eq!(sum_of(&metrics, "kvroute_prefill_leg_seconds_count"), 2.0);
+
+    // A client's own kv_transfer_params is refused, naming the field.
+    let mut hostile = chat("x", "y", 1);
+    hostile["kv_transfer_params"] =
+        json!({"do_remote_prefill": true, "remote_host": "169.254.169.254", "remote_port": 80});
+    let r = stack.post("/v1/chat/completions", hostile).await;
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("kv_transfer_params"));
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn off_sends_nothing_to_prefill_endpoints() {
+    let stack = split_stack("split-off", None).await;
+    for i in 0..6 {
+        let r = stack
+            .post("/v1/chat/completions", chat(&long_text(i), "hi", 1))
+            .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-kvroute-endpoint"], "decode-1");
+    }
+    assert_eq!(requests_seen(&stack.sims[0]).await, 0.0);
+    let metrics = stack.metrics().await;
+    assert_eq!(
+        sum_of(&metrics, "kvroute_disaggregated_requests_total"),
+        0.0
+    );
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_prefill_leg_falls_back_to_a_local_prefill() {
+    let stack = split_stack("split-fallback", Some(64)).await;
+    let mut stack = stack;
+    let prefill = stack.sims.remove(0);
+    prefill.shutdown().await;
+    let r = stack
+        .post("/v1/chat/completions", chat(&long_text(4), "hi", 2))
+        .await;
+    assert_eq!(r.status(), 200);
+    let done: Value = r.json().await.unwrap();
+    assert_eq!(done["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let metrics = stack.metrics().await;
+    assert_eq!(disaggregated(&metrics, "fallback_local"), 1.0, "{metrics}");
+    stack.stop().await;
+}
+
+/// What a fake engine received: each request's path, headers and body.
+type Legs = Arc<Mutex<Vec<(String, HeaderMap, Value)>>>;
+
+/// A fake engine that records what it receives and answers as vLLM with
+/// NixlConnector would: a prefill leg with `kv_transfer_params`, a decode
+/// leg with a completion.
+async fn recording_engine(legs: Legs) -> std::net::SocketAddr {
+    use axum::extract::{Json, Request};
+    let app = axum::Router::new().fallback(move |request: Request| {
+        let legs = legs.clone();
+        async move {
+            let (parts, body) = request.into_parts();
+            let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let prefill = body["kv_transfer_params"]["do_remote_decode"] == true;
+            legs.lock()
+                .unwrap()
+                .push((parts.uri.path().to_owned(), parts.headers, body));
+            let params = if prefill {
+                json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [1, 2],
+                       "remote_engine_id": "e1", "remote_request_id": "r1", "remote_host": "10.0.0.9",
+                       "remote_port": 5600, "tp_size": 1})
+            } else {
+                Value::Null
+            };
+            Json(json!({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": " a"}],
+                        "usage": {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301},
+                        "kv_transfer_params": params}))
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+#[tokio::test]
+async fn the_legs_are_vllms_proxys_legs() {
+    let legs: Legs = Arc::default();
+    let prefill = recording_engine(legs.clone()).await;
+    let decode = recording_engine(legs.clone()).await;
+    let dir = temp_dir("split-legs");
+    std::fs::write(
+        dir.join("endpoints.yaml"),
+        format!(
+            "endpoints:\n  - {{name: p, address: '{prefill}', role: prefill}}\n  - {{name: d, address: '{decode}', role: decode}}\n"
+        ),
+    )
+    .unwrap();
+    let mut config: Config = router_config(&dir);
+    // Approximate mode (no WatchCache): every prompt is uncached.
+    config.routing.disaggregation = Disaggregation {
+        mode: DisaggregationMode::Auto,
+        min_uncached_tokens: 1,
+    };
+    let router = kvroute_router::start(config).await.unwrap();
+    let client = reqwest::Client::new();
+    let url = format!("http://{}/v1/completions", router.addr());
+    eventually("the endpoints are loaded", || {
+        router.pool.status().len() == 2
+    })
+    .await;
+
+    // The client's request, with every field the proxy changes.
+    let request = json!({
+        "model": "m", "prompt": "a long prompt ".repeat(40), "stream": true,
+        "stream_options": {"include_usage": true}, "max_tokens": 50, "max_completion_tokens": 50,
+        "min_tokens": 5, "min_completion_tokens": 5, "temperature": 0.5,
+    });
+    let r = client
+        .post(&url)
+        .header("x-request-id", "req-42")
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let legs: Vec<_> = (legs.lock().unwrap().iter())
+        .filter(|(path, ..)| path.starts_with("/v1/completions"))
+        .cloned()
+        .collect();
+    assert_eq!(legs.len(), 2, "{legs:?}");
+    // vLLM's toy proxy (tests/v1/kv_connector/nixl_integration/
+    // toy_proxy_server.py): the prefill leg ...
+    let mut want_prefill = request.clone();
+    let p = want_prefill.as_object_mut().unwrap();
+    p.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    p.insert("stream".into(), json!(false));
+    p.insert("max_tokens".into(), json!(1));
+    p.insert("max_completion_tokens".into(), json!(1));
+    for field in ["stream_options", "min_tokens", "min_completion_tokens"] {
+        p.remove(field);
+    }
+    // ... and the decode leg: the client's request with the prefill
+    // answer's kv_transfer_params.
+    let mut want_decode = request.clone();
+    want_decode["kv_transfer_params"] = json!({"do_remote_prefill": true, "do_remote_decode": false,
+        "remote_block_ids": [1, 2], "remote_engine_id": "e1", "remote_request_id": "r1",
+        "remote_host": "10.0.0.9", "remote_port": 5600, "tp_size": 1});
+    assert_eq!(legs[0].0, "/v1/completions");
+    assert_eq!(legs[0].2, want_prefill);
+    assert_eq!(legs[1].0, "/v1/completions");
+    assert_eq!(legs[1].2, want_decode);
+    for (_, headers, _) in &legs {
+        assert_eq!(headers["x-request-id"], "req-42");
+    }
+    router.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
