@@ -498,6 +498,7 @@ impl Engine {
             match progress {
                 Progress::Admitted { cached_tokens } => {
                     live.admitted_at = Some(now);
+                    metrics.computed_prompt_tokens += (live.prompt_len - cached_tokens) as u64;
                     if let Some(tx) = live.admitted.take()
                         && tx.send(cached_tokens as u64).is_err()
                     {

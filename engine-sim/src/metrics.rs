@@ -113,6 +113,10 @@ pub struct Metrics {
     pub requests_finished: u64,
     /// Requests preempted (vLLM's `num_preemptions`).
     pub preemptions: u64,
+    /// Prompt tokens prefilled here: neither cached nor loaded from a
+    /// producer (counted at admission; a preempted request's recompute is
+    /// not).
+    pub computed_prompt_tokens: u64,
     model: ModelName,
     ttft: Family<ModelName, Histogram, fn() -> Histogram>,
     prompt_lengths: Family<ModelName, Histogram, Buckets>,
@@ -141,6 +145,7 @@ impl Metrics {
             generation_tokens: 0,
             requests_finished: 0,
             preemptions: 0,
+            computed_prompt_tokens: 0,
             model: ModelName {
                 model_name: model.to_owned(),
             },
@@ -298,6 +303,11 @@ impl Metrics {
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds",
             self.itl.clone(),
+        );
+        r.register(
+            "kvroute_sim_computed_prompt_tokens",
+            "Prompt tokens prefilled here, neither cached nor loaded from a producer (the simulator's own metric)",
+            counter(self.computed_prompt_tokens),
         );
         r.register(
             "kvroute_sim_cached_blocks",

@@ -443,6 +443,7 @@ mod tests {
             prompt_tokens: 100,
             cached_tokens: 50,
             ttft: Some(ttft_ms / 1e3),
+            itl: Vec::new(),
         };
         let samples = [
             sample(Outcome::Ok, 10.0),

@@ -67,6 +67,7 @@ pub async fn send(
                 prompt_tokens: 0,
                 cached_tokens: 0,
                 ttft: None,
+                itl: Vec::new(),
             })
         })
         .collect()

@@ -101,6 +101,7 @@ mod tests {
             prompt_tokens: prompt,
             cached_tokens: cached,
             ttft,
+            itl: Vec::new(),
         }
     }
 

@@ -119,6 +119,7 @@ mod tests {
             prompt_tokens: 100,
             cached_tokens: 0,
             ttft: Some(ttft),
+            itl: Vec::new(),
         };
         let samples = [
             sample("pod-0", 0.010),

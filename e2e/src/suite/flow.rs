@@ -395,6 +395,7 @@ mod tests {
             prompt_tokens,
             cached_tokens: 0,
             ttft: Some(0.1),
+            itl: Vec::new(),
         };
         let samples = [
             sample(0.0, 1592, Outcome::Ok),

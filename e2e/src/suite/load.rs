@@ -46,6 +46,8 @@ pub struct Shape {
     pub duration: Duration,
     /// Output tokens per reply.
     pub max_tokens: u64,
+    /// Tokens of context a later turn pastes, at least and at most.
+    pub pasted_tokens: (u64, u64),
     /// Seed of the content.
     pub seed: u64,
     /// Headers every request carries (a tenant, an objective).
@@ -66,6 +68,7 @@ impl Shape {
             sessions_per_s: 0.5 * pods as f64,
             duration,
             max_tokens: 24,
+            pasted_tokens: (150, 400),
             seed: 7,
             headers: &[],
         }
@@ -124,6 +127,10 @@ pub struct Sample {
     pub cached_tokens: u64,
     /// Time to the first content, seconds.
     pub ttft: Option<f64>,
+    /// Seconds between each content event and the one before it, as the
+    /// client read them (inter-token latency).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub itl: Vec<f64>,
 }
 
 /// Every request as its client saw it, one JSON object per line, into
@@ -328,7 +335,7 @@ async fn session(
         let words = if turn == 0 {
             rng.range(40, 120)
         } else {
-            rng.range(150, 400)
+            rng.range(shape.pasted_tokens.0, shape.pasted_tokens.1)
         } as usize;
         let user = text(
             &mut rng,
@@ -415,6 +422,7 @@ pub async fn stream(
         prompt_tokens: 0,
         cached_tokens: 0,
         ttft: None,
+        itl: Vec::new(),
     };
     let mut request = client.post(format!("http://{addr}{path}")).json(body);
     for (name, value) in headers {
@@ -458,6 +466,7 @@ pub async fn stream(
         }
     }
     sample.ttft = events.ttft.map(|d| d.as_secs_f64());
+    sample.itl = events.itl;
     sample.outcome = match (events.error, events.usage, ended) {
         (true, _, _) => Outcome::BrokeWithError,
         (false, Some((prompt, cached)), None) => {
@@ -483,6 +492,9 @@ struct Events {
     any: bool,
     reply: String,
     ttft: Option<Duration>,
+    /// When the last content came, and the gaps between them, seconds.
+    last: Option<Duration>,
+    itl: Vec<f64>,
     usage: Option<(u64, u64)>,
     error: bool,
 }
@@ -506,7 +518,11 @@ impl Events {
                     .or_else(|| choice["text"].as_str())
                     .unwrap_or("");
                 if !content.is_empty() {
-                    self.ttft.get_or_insert_with(|| sent.elapsed());
+                    let now = sent.elapsed();
+                    self.ttft.get_or_insert(now);
+                    if let Some(last) = self.last.replace(now) {
+                        self.itl.push((now - last).as_secs_f64());
+                    }
                     self.reply.push_str(content);
                 }
                 if let Some(prompt) = v["usage"]["prompt_tokens"].as_u64() {

@@ -2,6 +2,7 @@
 //! through scale-out and failures (see `docs/suite.md`).
 
 pub mod balance;
+pub mod disaggregated;
 pub mod flow;
 pub mod inference_perf;
 pub mod load;

@@ -393,6 +393,7 @@ mod tests {
             prompt_tokens: prompt,
             cached_tokens: cached,
             ttft: Some(0.01),
+            itl: Vec::new(),
         }
     }
 

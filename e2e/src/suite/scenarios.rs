@@ -96,7 +96,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 15] = [
+pub const NAMES: [&str; 16] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -112,6 +112,7 @@ pub const NAMES: [&str; 15] = [
     "semantic_cache",
     "overload",
     "noisy_tenant",
+    "disaggregated",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -132,6 +133,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "semantic_cache" => super::semantic_cache::run(ctx, s).await,
         "overload" => super::flow::overload(ctx, s).await,
         "noisy_tenant" => super::flow::noisy_tenant(ctx, s).await,
+        "disaggregated" => super::disaggregated::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }

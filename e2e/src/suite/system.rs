@@ -120,6 +120,10 @@ pub struct Setup {
     /// sections the setup has no field for, e.g. `responseCache`.
     /// Default: empty.
     pub router_yaml: String,
+    /// Disaggregated pods: the first this many are `prefill` (engine
+    /// `--kv-role producer`), the rest `decode` (`consumer`), by their
+    /// `kvroute.dev/role` label. `None` (the default): every pod `both`.
+    pub prefill_pods: Option<usize>,
 }
 
 impl Setup {
@@ -139,6 +143,7 @@ impl Setup {
             watch_engines: false,
             slow_start_seconds: None,
             router_yaml: String::new(),
+            prefill_pods: None,
         }
     }
 }
@@ -194,6 +199,7 @@ struct PodPorts {
     zmq: u16,
     replay: u16,
     agent_admin: u16,
+    transfer: u16,
 }
 
 /// One pod: its engine and agent, while they run.
@@ -316,8 +322,8 @@ impl System {
         let pid = std::process::id();
         let n = SYSTEMS.fetch_add(1, Ordering::Relaxed);
         let net = [(100 + pid % 100) as u8, (1 + (pid / 100 + n) % 250) as u8];
-        // Six per pod, two per operator, two per router.
-        let mut port = free_ports(6 + 2 * 2 + 2 * setup.routers)?;
+        // Seven per pod, two per operator, two per router.
+        let mut port = free_ports(7 + 2 * 2 + 2 * setup.routers)?;
         let mut next = || port.next().expect("as many ports as asked for");
         let ports = PodPorts {
             http: next(),
@@ -326,6 +332,7 @@ impl System {
             zmq: next(),
             replay: next(),
             agent_admin: next(),
+            transfer: next(),
         };
         let api = FakeApiServer::start().await;
         let kubeconfig = logs.join("kubeconfig.yaml");
@@ -543,6 +550,8 @@ spec:
             format!("--time-scale={}", e.time_scale),
             format!("--kv-events-endpoint=tcp://{ip}:{}", p.zmq),
             format!("--kv-events-replay-endpoint=tcp://{ip}:{}", p.replay),
+            format!("--kv-transfer-listen={ip}:{}", p.transfer),
+            format!("--kv-role={}", self.kv_role(k)),
         ]
         .into();
         if let Some(seed) = seed {
@@ -558,6 +567,24 @@ spec:
             .await?;
         self.pods[k].sim = Some(proc);
         Ok(())
+    }
+
+    /// Pod `k`'s role label: `prefill`, `decode` or `both`.
+    pub fn role(&self, k: usize) -> &'static str {
+        match self.setup.prefill_pods {
+            None => "both",
+            Some(n) if k < n => "prefill",
+            Some(_) => "decode",
+        }
+    }
+
+    /// Pod `k`'s engine's `--kv-role`.
+    fn kv_role(&self, k: usize) -> &'static str {
+        match self.role(k) {
+            "prefill" => "producer",
+            "decode" => "consumer",
+            _ => "both",
+        }
     }
 
     /// Pod `k`'s block size and hash seed (`None`: the default).
@@ -620,7 +647,11 @@ spec:
         let object = json!({
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": { "name": pod.name, "namespace": NAMESPACE, "labels": { "app": "llama" } },
+            "metadata": {
+                "name": pod.name,
+                "namespace": NAMESPACE,
+                "labels": { "app": "llama", "kvroute.dev/role": self.role(k) },
+            },
             "spec": { "containers": [{ "name": "engine", "image": "kvroute-engine-sim" }] },
             "status": {
                 "phase": "Running",
@@ -767,6 +798,18 @@ spec:
             .filter_map(|l| l.strip_prefix("vllm:request_success_total"))
             .filter_map(|rest| rest.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64)
+    }
+
+    /// The sum of `family`'s samples on pod `k`'s engine's `/metrics`.
+    pub async fn engine_sum(&self, k: usize, family: &str) -> anyhow::Result<f64> {
+        let url = format!("http://{}/metrics", self.engine_addr(k));
+        let text = self.http.get(&url).send().await?.text().await?;
+        Ok(text
+            .lines()
+            .filter_map(kvroute_telemetry::metrics::parse_line)
+            .filter(|m| m.name == family)
+            .map(|m| m.value)
+            .sum())
     }
 
     /// Pod `k`'s engine's HTTP address (to bypass the routers).

@@ -189,12 +189,19 @@ pub fn destination(
     endpoints: &str,
     body_len: Option<usize>,
     id: &RequestId,
-    remove: Vec<String>,
+    (prefiller, mut remove): (Option<SocketAddr>, Vec<String>),
 ) -> ProcessingResponse {
     let mut set_headers = vec![
         set(DESTINATION, endpoints.as_bytes()),
         set(REQUEST_ID.as_str(), id.header().as_bytes()),
     ];
+    // llm-d's routing sidecar runs a disaggregated request's prefill leg
+    // on the endpoint this names; a client's own is never passed on.
+    match prefiller {
+        Some(addr) => set_headers.push(set(PREFILLER_HEADER, addr.to_string().as_bytes())),
+        None => remove.push(PREFILLER_HEADER.to_owned()),
+    }
+    remove.push(OLD_PREFILLER_HEADER.to_owned());
     if let Some(len) = body_len {
         set_headers.push(set("content-length", len.to_string().as_bytes()));
     }
@@ -224,6 +231,13 @@ pub fn destination(
         ..ProcessingResponse::default()
     }
 }
+
+/// llm-d's header naming a disaggregated request's prefill endpoint,
+/// `host:port`.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
+/// Older llm-d versions' spelling (a URL); removed from every request.
+const OLD_PREFILLER_HEADER: &str = "x-prefiller-url";
 
 /// Which direction a body or headers answer is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

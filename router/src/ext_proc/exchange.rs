@@ -411,6 +411,14 @@ impl Exchange {
             id: RequestId::of(headers),
         };
         let mut decision = self.service.decide(ask).await.map_err(Stop::Refuse)?;
+        // A disaggregated request: llm-d's sidecar on the decode endpoint
+        // runs the legs ([`crate::request::Service::split`]).
+        let prefiller =
+            (self.service.split(path, &decision)).and_then(|p| Some(p.targets.first()?.http));
+        if prefiller.is_some() {
+            (self.service.accounting.metrics.split)
+                .count(crate::request::SplitOutcome::Disaggregated);
+        }
         let (body, budget) = decision.take_body();
         let own = (headers.keys())
             .filter(|n| routers_own(n))
@@ -420,7 +428,7 @@ impl Exchange {
             &ranked(decision.targets()),
             (!body.is_empty()).then_some(body.len()),
             decision.id(),
-            own,
+            (prefiller, own),
         )];
         if budget.is_some() {
             answers.extend(envoy::body(Direction::Request, &body, end_of_stream));

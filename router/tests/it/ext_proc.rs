@@ -217,6 +217,7 @@ impl Envoy {
             body,
             ended,
             request_id: set["x-request-id"].clone(),
+            prefiller: set.get("x-prefiller-host-port").cloned(),
             removed,
         }
     }
@@ -316,6 +317,8 @@ struct Decision {
     request_id: String,
     /// The headers removed from the request.
     removed: Vec<String>,
+    /// `x-prefiller-host-port`, when set.
+    prefiller: Option<String>,
 }
 
 async fn picker(
@@ -615,15 +618,23 @@ async fn a_clients_router_headers_are_removed_before_the_engine() {
     let extra = [
         ("x-kvroute-admit-within-ms", "0"),
         ("x-kvroute-cache-sampled", "1"),
+        ("x-prefiller-host-port", "169.254.169.254:80"),
         ("x-kept", "1"),
     ];
     let mut envoy = Envoy::chat(&mut client, &extra, None, &body, &[64]).await;
-    let mut removed = envoy.decision().await.removed;
+    let d = envoy.decision().await;
+    let mut removed = d.removed;
     removed.sort();
     assert_eq!(
         removed,
-        ["x-kvroute-admit-within-ms", "x-kvroute-cache-sampled"]
+        [
+            "x-kvroute-admit-within-ms",
+            "x-kvroute-cache-sampled",
+            "x-prefiller-host-port",
+            "x-prefiller-url"
+        ]
     );
+    assert_eq!(d.prefiller, None);
     drop(envoy);
     stack.stop().await;
 }
@@ -1147,4 +1158,60 @@ proptest::proptest! {
             stack.stop().await;
         });
     }
+}
+
+#[tokio::test]
+async fn a_disaggregated_request_names_its_prefill_endpoint_to_llm_ds_sidecar() {
+    use kvroute_core::spec::{Disaggregation, DisaggregationMode};
+    let mut sims = Vec::new();
+    for _ in 0..2 {
+        let config = kvroute_engine_sim::Config::test();
+        sims.push(kvroute_engine_sim::start(config).await.unwrap());
+    }
+    let dir = crate::support::temp_dir("xp-split");
+    std::fs::write(
+        dir.join("endpoints.yaml"),
+        format!(
+            "endpoints:\n  - {{name: p, address: '{}', role: prefill}}\n  - {{name: d, address: '{}', role: decode}}\n",
+            sims[0].http_addr, sims[1].http_addr
+        ),
+    )
+    .unwrap();
+    let mut config = crate::support::router_config(&dir);
+    config.ext_proc = Some(kvroute_router::config::ExtProc {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..Default::default()
+    });
+    config.routing.disaggregation = Disaggregation {
+        mode: DisaggregationMode::Auto,
+        min_uncached_tokens: 64,
+    };
+    let router = kvroute_router::start(config).await.unwrap();
+    eventually("endpoints are routable", || router.pool.routable() == 2).await;
+    let addr = router.ext_proc_addr.unwrap();
+    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+
+    // A long prompt: the decode endpoint, and the prefill one named.
+    let body = serde_json::to_vec(&chat(&long_text(1), "u", 1)).unwrap();
+    let mut envoy = Envoy::chat(&mut client, &[], None, &body, &[4096]).await;
+    let d = envoy.decision().await;
+    assert_eq!(d.endpoints, [sims[1].http_addr]);
+    assert_eq!(d.prefiller, Some(sims[0].http_addr.to_string()));
+    drop(envoy);
+    // A short one: the decode endpoint alone, the client's header removed.
+    let body = serde_json::to_vec(&chat("s", "u", 1)).unwrap();
+    let extra = [("x-prefiller-host-port", "10.0.0.1:80")];
+    let mut envoy = Envoy::chat(&mut client, &extra, None, &body, &[64]).await;
+    let d = envoy.decision().await;
+    assert_eq!(d.endpoints, [sims[1].http_addr]);
+    assert_eq!(d.prefiller, None);
+    assert!(d.removed.contains(&"x-prefiller-host-port".to_owned()));
+    drop(envoy);
+    router.shutdown().await;
+    for sim in sims {
+        sim.shutdown().await;
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
