@@ -62,7 +62,8 @@ pub struct RoutingSpec {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
 pub struct Disaggregation {
-    /// `off` (the default: prefill endpoints take no requests) or `auto`.
+    /// `disabled` (the default: prefill endpoints take no requests) or
+    /// `auto`.
     pub mode: DisaggregationMode,
     /// With `auto`, a request is disaggregated when it would prefill at
     /// least this many uncached tokens on its decode endpoint. Default:
@@ -73,22 +74,40 @@ pub struct Disaggregation {
 impl Default for Disaggregation {
     fn default() -> Self {
         Disaggregation {
-            mode: DisaggregationMode::Off,
+            mode: DisaggregationMode::Disabled,
             min_uncached_tokens: 256,
         }
     }
 }
 
-/// Whether requests are disaggregated.
+/// Whether requests are disaggregated. Not `off`/`on`: YAML 1.1, which
+/// kubectl and Helm read, takes those for booleans.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DisaggregationMode {
     /// Never: every request runs whole on a decode-capable endpoint.
     #[default]
-    Off,
+    Disabled,
     /// When the uncached prefill reaches `minUncachedTokens`.
     Auto,
 }
+
+impl DisaggregationMode {
+    /// Every mode, in the order they are listed to users.
+    pub const ALL: [DisaggregationMode; 2] =
+        [DisaggregationMode::Disabled, DisaggregationMode::Auto];
+
+    /// The mode's name, as the router's YAML spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DisaggregationMode::Disabled => "disabled",
+            DisaggregationMode::Auto => "auto",
+        }
+    }
+}
+
+/// The most `minUncachedTokens` may be (longer than any model's context).
+pub const MAX_MIN_UNCACHED_TOKENS: u64 = 10_000_000;
 
 impl Default for RoutingSpec {
     /// Every default of a pool with no policy of its own: see each field.
@@ -153,7 +172,8 @@ mod tests {
         assert_eq!(spec.offload_weight, 0.5);
         assert_eq!(spec.tenancy, TenancyMode::Shared);
         assert_eq!(spec.slow_start_seconds, 30);
-        assert_eq!(spec.disaggregation.mode, DisaggregationMode::Off);
+        assert_eq!(spec.disaggregation.mode, DisaggregationMode::Disabled);
+        assert_eq!(DisaggregationMode::Disabled.as_str(), "disabled");
         assert_eq!(spec.disaggregation.min_uncached_tokens, 256);
     }
 

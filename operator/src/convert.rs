@@ -186,6 +186,11 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
             .map(|p| u16::try_from(p).unwrap_or(0)),
         tenancy_mode: Some(spec.tenancy.mode),
         slow_start_seconds: Some(u32::try_from(spec.slow_start_seconds).unwrap_or(u32::MAX)),
+        disaggregation: Some(kvroute_core::spec::Disaggregation {
+            mode: spec.disaggregation.mode,
+            min_uncached_tokens: u64::try_from(spec.disaggregation.min_uncached_tokens)
+                .unwrap_or(u64::MAX),
+        }),
         tenant_header: spec.tenancy.tenant_header.clone(),
         observed: observed(&policy.metadata, policy.status.as_ref()),
     })

@@ -31,7 +31,9 @@ use kvroute_core::hash::{BlockHasher, HashConfig};
 use kvroute_core::keys::KeyMode;
 use kvroute_core::policy::{PolicyConfig, PolicyParameters};
 use kvroute_core::slow_start::MAX_WINDOW_SECONDS;
-use kvroute_core::spec::{RoutingSpec, TenancyMode};
+use kvroute_core::spec::{
+    Disaggregation, DisaggregationMode, MAX_MIN_UNCACHED_TOKENS, RoutingSpec, TenancyMode,
+};
 
 use crate::hash_algo_from_i32;
 use crate::v1;
@@ -56,6 +58,14 @@ impl From<&RoutingSpec> for v1::RoutingPolicy {
             tenancy: v1::TenancyMode::from(spec.tenancy).into(),
             tenant_header: String::new(),
             slow_start_seconds: Some(spec.slow_start_seconds),
+            disaggregation: Some(v1::Disaggregation {
+                mode: match spec.disaggregation.mode {
+                    DisaggregationMode::Disabled => v1::DisaggregationMode::Disabled,
+                    DisaggregationMode::Auto => v1::DisaggregationMode::Auto,
+                }
+                .into(),
+                min_uncached_tokens: spec.disaggregation.min_uncached_tokens,
+            }),
         }
     }
 }
@@ -87,6 +97,9 @@ pub enum Unusable {
     /// A slow-start window over
     /// [`kvroute_core::slow_start::MAX_WINDOW_SECONDS`].
     SlowStartSeconds(u32),
+    /// An unspecified or unknown disaggregation mode (the raw value), or a
+    /// threshold over [`MAX_MIN_UNCACHED_TOKENS`].
+    Disaggregation(i32, u64),
 }
 
 impl v1::RoutingPolicy {
@@ -138,6 +151,26 @@ impl v1::RoutingPolicy {
             }
             None => RoutingSpec::default().slow_start_seconds,
         };
+        let disaggregation = match &self.disaggregation {
+            None => current.disaggregation,
+            Some(d) => {
+                let mode = match v1::DisaggregationMode::try_from(d.mode) {
+                    Ok(v1::DisaggregationMode::Disabled) => Some(DisaggregationMode::Disabled),
+                    Ok(v1::DisaggregationMode::Auto) => Some(DisaggregationMode::Auto),
+                    _ => None,
+                };
+                match mode.filter(|_| d.min_uncached_tokens <= MAX_MIN_UNCACHED_TOKENS) {
+                    Some(mode) => Disaggregation {
+                        mode,
+                        min_uncached_tokens: d.min_uncached_tokens,
+                    },
+                    None => {
+                        unusable.push(Unusable::Disaggregation(d.mode, d.min_uncached_tokens));
+                        current.disaggregation
+                    }
+                }
+            }
+        };
         let spec = RoutingSpec {
             policy,
             key,
@@ -145,8 +178,7 @@ impl v1::RoutingPolicy {
             offload_weight,
             tenancy,
             slow_start_seconds,
-            // Not on the wire yet: the router's own setting stays.
-            disaggregation: current.disaggregation,
+            disaggregation,
         };
         (spec, unusable)
     }

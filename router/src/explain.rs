@@ -57,6 +57,24 @@ pub struct Explained {
     pub prefill_tokens_per_second: f64,
     /// Every endpoint's view of the request.
     pub endpoints: Vec<ExplainedEndpoint>,
+    /// With disaggregation on: the policy's choice of a prefill endpoint
+    /// (used when the first ranked would prefill at least
+    /// `minUncachedTokens` uncached tokens and is not its first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<ExplainedPrefill>,
+}
+
+/// The policy's ranking of the prefill-capable endpoints.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExplainedPrefill {
+    /// Why the first was chosen (as [`Explained::reason`]).
+    pub reason: String,
+    /// Leading blocks the policy believes the first holds.
+    pub cached_blocks: u32,
+    /// Prefill-capable routable endpoints, best first.
+    pub ranked: Vec<String>,
+    /// `minUncachedTokens`.
+    pub min_uncached_tokens: u64,
 }
 
 /// One endpoint's view of a request.

@@ -129,8 +129,7 @@ async fn one(ctx: &Ctx, s: &mut Scenario, r: &Run) -> anyhow::Result<Measured> {
     };
     if let Some(min) = r.threshold {
         setup.prefill_pods = Some(PREFILL_PODS);
-        setup.router_yaml =
-            format!("routing:\n  disaggregation: {{mode: auto, minUncachedTokens: {min}}}\n");
+        setup.disaggregate_from = Some(min);
     }
     let mut system = ctx.system(r.name, setup).await?;
     let standard = ctx.shape(PODS);

@@ -124,6 +124,9 @@ pub struct Setup {
     /// `--kv-role producer`), the rest `decode` (`consumer`), by their
     /// `kvroute.dev/role` label. `None` (the default): every pod `both`.
     pub prefill_pods: Option<usize>,
+    /// The policy's `disaggregation`: `Auto` from this many uncached
+    /// tokens; `None` (the default): `Off`.
+    pub disaggregate_from: Option<u64>,
 }
 
 impl Setup {
@@ -144,6 +147,7 @@ impl Setup {
             slow_start_seconds: None,
             router_yaml: String::new(),
             prefill_pods: None,
+            disaggregate_from: None,
         }
     }
 }
@@ -459,10 +463,13 @@ spec:
             Some(k) => format!("  routingKey: {{mode: Prefix, prefixTokens: {k}}}\n"),
             None => String::new(),
         };
-        let slow_start = match self.setup.slow_start_seconds {
+        let mut slow_start = match self.setup.slow_start_seconds {
             Some(s) => format!("  slowStartSeconds: {s}\n"),
             None => String::new(),
         };
+        if let Some(min) = self.setup.disaggregate_from {
+            slow_start += &format!("  disaggregation: {{mode: Auto, minUncachedTokens: {min}}}\n");
+        }
         // The policy predicts in real time: the engines' rate and overhead
         // as a router sees them, `time_scale` times faster.
         format!(

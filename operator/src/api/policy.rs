@@ -16,7 +16,7 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
-use kvroute_core::spec::{RoutingSpec, TenancyMode};
+use kvroute_core::spec::{DisaggregationMode, RoutingSpec, TenancyMode};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -161,6 +161,45 @@ pub struct CacheRoutingPolicySpec {
     #[serde(default = "default_slow_start_seconds")]
     #[schemars(range(min = 0, max = 3600))]
     pub slow_start_seconds: i32,
+
+    /// Prefill/decode disaggregation: a request is prefilled on a pod
+    /// labelled kvroute.dev/role=prefill and decoded on another, which
+    /// reads its KV blocks (vLLM's kv_transfer_params). Default: Disabled.
+    #[serde(default)]
+    pub disaggregation: Disaggregation,
+}
+
+/// Prefill/decode disaggregation.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Disaggregation {
+    /// Disabled (the default: pods labelled prefill take no requests) or
+    /// Auto.
+    #[serde(default, with = "super::spelling::pascal_case")]
+    #[schemars(schema_with = "super::spelling::disaggregation_mode")]
+    pub mode: DisaggregationMode,
+
+    /// With Auto, a request is disaggregated when it would prefill at
+    /// least this many uncached tokens on its decode pod. 0 to 10000000;
+    /// default 256.
+    #[serde(default = "default_min_uncached_tokens")]
+    #[schemars(range(min = 0, max = 10_000_000))]
+    pub min_uncached_tokens: i64,
+}
+
+impl Default for Disaggregation {
+    fn default() -> Self {
+        Disaggregation {
+            mode: DisaggregationMode::Disabled,
+            min_uncached_tokens: default_min_uncached_tokens(),
+        }
+    }
+}
+
+/// The core's default threshold.
+fn default_min_uncached_tokens() -> i64 {
+    let core = kvroute_core::spec::Disaggregation::default();
+    i64::try_from(core.min_uncached_tokens).expect("the default fits the CRD")
 }
 
 /// The core's default window ([`RoutingSpec::default`]).
@@ -555,6 +594,12 @@ impl CacheRoutingPolicySpec {
             self.slow_start_seconds,
             0,
             kvroute_core::slow_start::MAX_WINDOW_SECONDS as i32,
+        )?;
+        check_range(
+            "spec.disaggregation.minUncachedTokens",
+            self.disaggregation.min_uncached_tokens,
+            0,
+            kvroute_core::spec::MAX_MIN_UNCACHED_TOKENS as i64,
         )?;
         check_range(
             "spec.engine.prefillTokensPerSecond",

@@ -6,7 +6,7 @@
 //!
 //! Not here: what the values mean (the core's docs say).
 
-use kvroute_core::spec::TenancyMode;
+use kvroute_core::spec::{DisaggregationMode, TenancyMode};
 use schemars::{Schema, SchemaGenerator, json_schema};
 
 /// A core enum with every value and a lowercase name for each.
@@ -19,6 +19,14 @@ pub(super) trait Named: Copy + 'static {
 
 impl Named for TenancyMode {
     const ALL: &'static [Self] = &TenancyMode::ALL;
+
+    fn name(self) -> &'static str {
+        self.as_str()
+    }
+}
+
+impl Named for DisaggregationMode {
+    const ALL: &'static [Self] = &DisaggregationMode::ALL;
 
     fn name(self) -> &'static str {
         self.as_str()
@@ -77,6 +85,12 @@ pub(super) mod pascal_case {
 /// The schema of a [`TenancyMode`] field: a string, one of the modes.
 pub(super) fn tenancy_mode(_: &mut SchemaGenerator) -> Schema {
     json_schema!({"type": "string", "enum": names::<TenancyMode>()})
+}
+
+/// The schema of a [`DisaggregationMode`] field: a string, one of the
+/// modes.
+pub(super) fn disaggregation_mode(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({"type": "string", "default": "Disabled", "enum": names::<DisaggregationMode>()})
 }
 
 #[cfg(test)]

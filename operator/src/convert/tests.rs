@@ -236,6 +236,7 @@ fn a_policy_maps_every_field() {
             tenancy_mode: Some(TenancyMode::Salted),
             tenant_header: Some("x-tenant".into()),
             slow_start_seconds: Some(5),
+            disaggregation: Some(kvroute_core::spec::Disaggregation::default()),
             ..PolicySpec::default()
         }
     );

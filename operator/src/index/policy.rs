@@ -17,7 +17,7 @@
 use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
 use kvroute_core::keys::{KeyConfig, KeyMode};
 use kvroute_core::policy::{PolicyConfig, PolicyParameters};
-use kvroute_core::spec::{RoutingSpec, TenancyMode};
+use kvroute_core::spec::{Disaggregation, RoutingSpec, TenancyMode};
 use kvroute_proto::v1;
 
 use super::observed::Observed;
@@ -71,6 +71,8 @@ pub struct PolicySpec {
     /// The slow-start window, seconds; at most
     /// [`kvroute_core::slow_start::MAX_WINDOW_SECONDS`].
     pub slow_start_seconds: Option<u32>,
+    /// Prefill/decode disaggregation.
+    pub disaggregation: Option<Disaggregation>,
     /// The header carrying the authenticated tenant; not empty when set.
     pub tenant_header: Option<String>,
     /// The object as last watched, for the status writer.
@@ -154,6 +156,14 @@ impl PolicySpec {
         {
             return Err(format!("slow start seconds {s}: must be 0 to 3600"));
         }
+        if let Some(d) = self.disaggregation
+            && d.min_uncached_tokens > kvroute_core::spec::MAX_MIN_UNCACHED_TOKENS
+        {
+            return Err(format!(
+                "disaggregation min uncached tokens {}: must be 0 to 10000000",
+                d.min_uncached_tokens
+            ));
+        }
         Ok(())
     }
 
@@ -180,7 +190,7 @@ impl PolicySpec {
             slow_start_seconds: self
                 .slow_start_seconds
                 .unwrap_or(default.slow_start_seconds),
-            disaggregation: default.disaggregation,
+            disaggregation: self.disaggregation.unwrap_or(default.disaggregation),
         }
     }
 

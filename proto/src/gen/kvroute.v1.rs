@@ -771,6 +771,23 @@ pub struct RoutingPolicy {
     /// 0 turns slow start off, at most 3600. Absent: the default (30).
     #[prost(uint32, optional, tag = "15")]
     pub slow_start_seconds: ::core::option::Option<u32>,
+    /// Prefill/decode disaggregation. Absent (an operator before it): the
+    /// router's own setting stays.
+    #[prost(message, optional, tag = "16")]
+    pub disaggregation: ::core::option::Option<Disaggregation>,
+}
+/// Prefill/decode disaggregation: a request that would prefill at least
+/// `min_uncached_tokens` uncached tokens on its decode endpoint is prefilled
+/// on a prefill endpoint (see `Endpoint.role`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Disaggregation {
+    /// Disabled or Auto.
+    #[prost(enumeration = "DisaggregationMode", tag = "1")]
+    pub mode: i32,
+    /// With Auto, the uncached tokens on its decode endpoint from which a
+    /// request is disaggregated; at most 10,000,000.
+    #[prost(uint64, tag = "2")]
+    pub min_uncached_tokens: u64,
 }
 /// An endpoint's role in a disaggregated pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
@@ -884,6 +901,39 @@ impl TenancyMode {
             "TENANCY_MODE_UNSPECIFIED" => Some(Self::Unspecified),
             "TENANCY_MODE_SHARED" => Some(Self::Shared),
             "TENANCY_MODE_SALTED" => Some(Self::Salted),
+            _ => None,
+        }
+    }
+}
+/// Whether requests are disaggregated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum DisaggregationMode {
+    /// Not set: a router treats it as an unknown mode and keeps its own.
+    Unspecified = 0,
+    /// Never; prefill endpoints take no requests.
+    Disabled = 1,
+    /// From `min_uncached_tokens`.
+    Auto = 2,
+}
+impl DisaggregationMode {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "DISAGGREGATION_MODE_UNSPECIFIED",
+            Self::Disabled => "DISAGGREGATION_MODE_DISABLED",
+            Self::Auto => "DISAGGREGATION_MODE_AUTO",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "DISAGGREGATION_MODE_UNSPECIFIED" => Some(Self::Unspecified),
+            "DISAGGREGATION_MODE_DISABLED" => Some(Self::Disabled),
+            "DISAGGREGATION_MODE_AUTO" => Some(Self::Auto),
             _ => None,
         }
     }

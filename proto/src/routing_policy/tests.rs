@@ -22,6 +22,7 @@ fn policy() -> v1::RoutingPolicy {
         prefill_overhead_ms: None,
         offload_weight: None,
         slow_start_seconds: None,
+        disaggregation: None,
     }
 }
 
@@ -42,6 +43,10 @@ fn the_default_spec_is_the_documented_wire_policy() {
             prefill_overhead_ms: Some(20.0),
             offload_weight: Some(0.5),
             slow_start_seconds: Some(30),
+            disaggregation: Some(v1::Disaggregation {
+                mode: v1::DisaggregationMode::Disabled.into(),
+                min_uncached_tokens: 256,
+            }),
             ..policy()
         }
     );
@@ -248,6 +253,40 @@ fn offload_weight_and_tenancy() {
         p.tenancy = wire;
         assert_eq!(p.to_spec(&current).0.tenancy, mode, "{wire}");
     }
+}
+
+#[test]
+fn disaggregation_comes_from_the_wire_and_an_unknown_mode_keeps_the_current_one() {
+    let current = RoutingSpec {
+        disaggregation: Disaggregation {
+            mode: DisaggregationMode::Auto,
+            min_uncached_tokens: 64,
+        },
+        ..RoutingSpec::default()
+    };
+    let mut p = policy();
+    assert_eq!(
+        p.to_spec(&current).0.disaggregation,
+        current.disaggregation,
+        "absent (an older operator): the router's own"
+    );
+    p.disaggregation = Some(v1::Disaggregation {
+        mode: v1::DisaggregationMode::Disabled.into(),
+        min_uncached_tokens: 1024,
+    });
+    let (spec, unusable) = p.to_spec(&current);
+    assert_eq!(
+        (spec.disaggregation.mode, unusable),
+        (DisaggregationMode::Disabled, vec![])
+    );
+    assert_eq!(spec.disaggregation.min_uncached_tokens, 1024);
+    p.disaggregation = Some(v1::Disaggregation {
+        mode: 9,
+        min_uncached_tokens: 1,
+    });
+    let (spec, unusable) = p.to_spec(&current);
+    assert_eq!(spec.disaggregation, current.disaggregation);
+    assert_eq!(unusable, [Unusable::Disaggregation(9, 1)]);
 }
 
 #[test]

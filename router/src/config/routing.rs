@@ -61,7 +61,7 @@ pub struct Routing {
     /// router saw it turn ready (see `docs/routing.md`). Default: 30.
     pub slow_start_seconds: u32,
     /// Prefill/decode disaggregation (`docs/disaggregation.md`): `{mode:
-    /// off|auto, minUncachedTokens}`. Default: `{mode: off,
+    /// disabled|auto, minUncachedTokens}`. Default: `{mode: disabled,
     /// minUncachedTokens: 256}`.
     pub disaggregation: Disaggregation,
 }

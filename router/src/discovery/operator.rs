@@ -318,6 +318,11 @@ fn warn_unusable(part: &Unusable) {
             slow_start_seconds = s,
             "slow-start window over 3600 s from the operator; keeping the current one"
         ),
+        Unusable::Disaggregation(mode, min) => tracing::warn!(
+            mode,
+            min_uncached_tokens = min,
+            "unknown disaggregation mode or threshold from the operator; keeping the current one"
+        ),
     }
 }
 

@@ -17,9 +17,10 @@ use kvroute_core::load::{EngineLoad, Ticket};
 use kvroute_core::policy::{Context, Endpoint, Policy, Predicted, Reason, Request};
 use kvroute_core::role::Role;
 use kvroute_core::slot::Slot;
+use kvroute_core::spec::DisaggregationMode;
 
 use super::{Inner, Pool, now};
-use crate::explain::{Explained, ExplainedEndpoint};
+use crate::explain::{Explained, ExplainedEndpoint, ExplainedPrefill};
 
 /// One endpoint in a routing plan.
 #[derive(Clone, Debug, PartialEq)]
@@ -251,6 +252,19 @@ impl Pool {
             .iter()
             .map(|&i| targets[i].name.to_string())
             .collect();
+        let d = inner.settings.disaggregation;
+        let split = (d.mode == DisaggregationMode::Auto).then(|| {
+            let (endpoints, targets) = inner.candidates(now, &|_| true, Role::prefills);
+            let decision = policy.boxed_clone().rank(request, &endpoints, &cx);
+            ExplainedPrefill {
+                reason: decision.reason.as_str().to_owned(),
+                cached_blocks: decision.cached_blocks,
+                ranked: (decision.ranked.iter())
+                    .map(|&i| targets[i].name.to_string())
+                    .collect(),
+                min_uncached_tokens: d.min_uncached_tokens,
+            }
+        });
         let explained_endpoints = inner
             .members
             .values()
@@ -289,6 +303,7 @@ impl Pool {
             ranked,
             prefill_tokens_per_second: rate,
             endpoints: explained_endpoints,
+            prefill: split,
         }
     }
 

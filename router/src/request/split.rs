@@ -135,7 +135,7 @@ impl Service {
         let settings = self.pool.settings();
         let d = settings.disaggregation;
         let a = &decision.analysis;
-        if d.mode == DisaggregationMode::Off || Api::of(path) == Api::Other || a.choices > 1 {
+        if d.mode == DisaggregationMode::Disabled || Api::of(path) == Api::Other || a.choices > 1 {
             return None;
         }
         let metrics = &self.accounting.metrics.split;

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use crate::support::*;
 
 /// A prefill sim and a decode sim (exact mode), and a router disaggregating
-/// from `min_uncached_tokens` (`None`: off).
+/// from `min_uncached_tokens` (`None`: disabled).
 async fn split_stack(name: &str, min_uncached_tokens: Option<u64>) -> Stack {
     let sim = |role| async move {
         let mut c = SimConfig::test();
@@ -83,6 +83,27 @@ fn disaggregated(metrics: &str, result: &str) -> f64 {
 async fn a_long_prompt_is_prefilled_on_a_prefill_endpoint_and_decoded_where_its_blocks_go() {
     let stack = split_stack("split", Some(64)).await;
     let body = chat(&long_text(1), "hi", 3);
+    // Explain shows both choices.
+    let explained: Value = stack
+        .client
+        .post(format!("http://{}/debug/explain", stack.router.admin_addr))
+        .json(&json!({"path": "/v1/chat/completions", "body": body}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        explained["decision"]["ranked"],
+        json!(["decode-1"]),
+        "{explained}"
+    );
+    assert_eq!(
+        explained["decision"]["prefill"]["ranked"],
+        json!(["prefill-0"])
+    );
+    assert_eq!(explained["decision"]["prefill"]["min_uncached_tokens"], 64);
     let r = stack.post("/v1/chat/completions", body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-kvroute-endpoint"], "decode-1");
@@ -149,7 +170,7 @@ async fn a_long_prompt_is_prefilled_on_a_prefill_endpoint_and_decoded_where_its_
 }
 
 #[tokio::test]
-async fn off_sends_nothing_to_prefill_endpoints() {
+async fn disabled_sends_nothing_to_prefill_endpoints() {
     let stack = split_stack("split-off", None).await;
     for i in 0..6 {
         let r = stack

@@ -266,6 +266,7 @@ fn policy(name: &str) -> RoutingPolicy {
         prefill_overhead_ms: None,
         offload_weight: None,
         slow_start_seconds: None,
+        disaggregation: None,
     }
 }
 

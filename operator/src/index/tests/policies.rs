@@ -29,6 +29,10 @@ fn a_pool_without_a_policy_gets_the_documented_defaults() {
             prefill_overhead_ms: Some(20.0),
             offload_weight: Some(0.5),
             slow_start_seconds: Some(30),
+            disaggregation: Some(v1::Disaggregation {
+                mode: v1::DisaggregationMode::Disabled.into(),
+                min_uncached_tokens: 256,
+            }),
         }
     );
 }
@@ -221,6 +225,10 @@ fn a_policy_may_set_every_field() {
         tenancy_mode: Some(TenancyMode::Salted),
         tenant_header: Some("x-tenant".into()),
         slow_start_seconds: Some(5),
+        disaggregation: Some(kvroute_core::spec::Disaggregation {
+            mode: kvroute_core::spec::DisaggregationMode::Auto,
+            min_uncached_tokens: 128,
+        }),
         ..PolicySpec::test("p", "llama")
     };
     assert_eq!(policy.validate(), Ok(()));
@@ -242,6 +250,10 @@ fn a_policy_may_set_every_field() {
             prefill_overhead_ms: Some(5.0),
             offload_weight: Some(0.25),
             slow_start_seconds: Some(5),
+            disaggregation: Some(v1::Disaggregation {
+                mode: v1::DisaggregationMode::Auto.into(),
+                min_uncached_tokens: 128,
+            }),
         }
     );
     // The parameters a policy does not have are not sent; each policy gets

@@ -17,6 +17,7 @@ fn policy() -> RoutingPolicy {
         prefill_overhead_ms: None,
         offload_weight: None,
         slow_start_seconds: None,
+        disaggregation: None,
     }
 }
 
