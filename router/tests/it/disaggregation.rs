@@ -318,3 +318,28 @@ async fn the_legs_are_vllms_proxys_legs() {
     router.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn without_a_decode_capable_endpoint_a_request_is_503_with_retry_after() {
+    let sim = kvroute_engine_sim::start(SimConfig::test()).await.unwrap();
+    let dir = temp_dir("split-no-decode");
+    write_roles(&dir, &[(&sim, "prefill")]);
+    let mut config = router_config(&dir);
+    config.routing.disaggregation = Disaggregation {
+        mode: DisaggregationMode::Auto,
+        min_uncached_tokens: 0,
+    };
+    let router = kvroute_router::start(config).await.unwrap();
+    eventually("the endpoint is loaded", || router.pool.status().len() == 1).await;
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", router.addr()))
+        .json(&chat(&long_text(5), "hi", 1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    router.shutdown().await;
+    sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
