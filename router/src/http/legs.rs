@@ -35,7 +35,7 @@ use crate::request::{Decision, SplitOutcome};
 const MAX_ANSWER_BYTES: usize = 4 << 20;
 
 /// The prefill leg's body for the client's `body`.
-pub(crate) fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
+fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
     let mut leg = body.clone();
     leg.insert(
         KV_TRANSFER_PARAMS.into(),
@@ -55,7 +55,7 @@ pub(crate) fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
 
 /// The decode leg's body: the client's `body` with the prefill endpoint's
 /// `params`.
-pub(crate) fn decode_body(body: &Map<String, Value>, params: Value) -> Map<String, Value> {
+fn decode_body(body: &Map<String, Value>, params: Value) -> Map<String, Value> {
     let mut leg = body.clone();
     leg.insert(KV_TRANSFER_PARAMS.into(), params);
     leg

@@ -291,7 +291,7 @@ mod tests {
     fn keeps_the_routing_fields_and_the_messages_texts() {
         let body =
             br#" {"messages": [{"role": "user", "content": "a \"quoted\" \u00e9 \\ b"} , [], {}],
-            "model" : "m", "n": -1.5e3, "x": [true, false, null, {"k": [1, 2]}], "stream": true,
+            "model" : "m", "temperature": -1.5e3, "x": [true, false, null, {"k": [1, 2]}], "stream": true,
             "model": "last"} "#;
         let (fields, messages) = skimmed(body).unwrap();
         assert_eq!(fields.len(), 2);
