@@ -158,7 +158,8 @@ async fn streaming_sends_tokens_as_they_are_produced() {
     sim.shutdown().await;
 }
 
-async fn generation_tokens(sim: &Sim) -> u64 {
+/// A sample of `metric` (its full name and labels) on `sim`'s /metrics.
+pub(crate) async fn metric(sim: &Sim, sample: &str) -> f64 {
     let text = reqwest::get(format!("http://{}/metrics", sim.http_addr))
         .await
         .unwrap()
@@ -166,10 +167,18 @@ async fn generation_tokens(sim: &Sim) -> u64 {
         .await
         .unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix("vllm:generation_tokens_total{model_name=\"kvroute-sim\"} "))
-        .unwrap()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {sample} in\n{text}"))
         .parse()
         .unwrap()
+}
+
+async fn generation_tokens(sim: &Sim) -> u64 {
+    metric(
+        sim,
+        "vllm:generation_tokens_total{model_name=\"kvroute-sim\"}",
+    )
+    .await as u64
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@ use kvroute_engine_sim::Sim;
 use kvroute_engine_sim::transfer::Role;
 use serde_json::{Value, json};
 
-use crate::http::{post, sim};
+use crate::http::{metric, post, sim};
 
 fn prompt() -> String {
     "Disaggregated prefill moves the prompt's blocks between engines. ".repeat(6)
@@ -28,21 +28,6 @@ fn prefill_leg() -> Value {
     body["stream"] = json!(false);
     body["max_tokens"] = json!(1);
     body
-}
-
-/// A sample of `metric` (its full name and labels) on `sim`'s /metrics.
-async fn metric(sim: &Sim, sample: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", sim.http_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no {sample} in\n{text}"))
-        .parse()
-        .unwrap()
 }
 
 async fn transfers(sim: &Sim, result: &str) -> f64 {
