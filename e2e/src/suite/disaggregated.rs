@@ -17,7 +17,9 @@
 //! served: a disaggregated request computes on its prefill pod, its
 //! decode pod loads), how the routers served them
 //! (`kvroute_disaggregated_requests_total` by result), requests per pod,
-//! and requests that failed.
+//! where a disaggregated request's TTFT goes (the prefill leg's mean, the
+//! decode leg's mean share: the transfer's, with the decode pod's queue and
+//! first step), and requests that failed.
 
 use kvroute_telemetry::metrics;
 
@@ -181,6 +183,18 @@ async fn one(ctx: &Ctx, s: &mut Scenario, r: &Run) -> anyhow::Result<Measured> {
     for (result, n) in served(&texts) {
         s.figure(&format!("{p}served_{result}"), n);
     }
+    // Where a disaggregated request's TTFT goes: the prefill leg, then the
+    // decode leg's first byte (the KV transfer, the decode pod's queue
+    // and first step), as the routers measured them.
+    let legs = total(&texts, "kvroute_prefill_leg_seconds_count");
+    if legs > 0.0 {
+        let leg_s = total(&texts, "kvroute_prefill_leg_seconds_sum") / legs;
+        s.figure(&format!("{p}prefill_leg_mean_ms"), leg_s * 1e3);
+        let share = "kvroute_kv_transfer_ttft_share";
+        let mean = total(&texts, &format!("{share}_sum"))
+            / total(&texts, &format!("{share}_count")).max(1.0);
+        s.figure(&format!("{p}transfer_ttft_share_mean"), mean);
+    }
     let ok = |x: &Sample| x.outcome == Outcome::Ok;
     let before: Vec<&Sample> = (samples.iter())
         .filter(|x| ok(x) && x.t + x.ttft.unwrap_or(0.0) < kill_at - 1.0)
@@ -216,6 +230,15 @@ async fn one(ctx: &Ctx, s: &mut Scenario, r: &Run) -> anyhow::Result<Measured> {
 
 /// engine-sim's prompt tokens prefilled (not cached, not loaded).
 const COMPUTED: &str = "kvroute_sim_computed_prompt_tokens_total";
+
+/// The sum of `name`'s samples over the routers' metrics `texts`.
+fn total(texts: &[String], name: &str) -> f64 {
+    (texts.iter().flat_map(|t| t.lines()))
+        .filter_map(metrics::parse_line)
+        .filter(|m| m.name == name)
+        .map(|m| m.value)
+        .sum()
+}
 
 /// `kvroute_disaggregated_requests_total` by result, summed over the
 /// routers' metrics `texts`.

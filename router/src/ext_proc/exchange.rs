@@ -45,11 +45,11 @@ use tonic::{Status, Streaming};
 
 use super::envoy::{self, Direction, Headers, Subset};
 use crate::errors::ApiError;
-use crate::pool::{Fault, Target};
+use crate::pool::{Fault, InFlight, Target};
 use crate::request::body::Held;
 use crate::request::recent::{CACHE_HEADER, REQUEST_ID};
 use crate::request::{
-    Admitted, Ask, Attempt, Decision, Guard, Payload, RequestId, Service, routers_own,
+    Admitted, Ask, Attempt, Decision, Guard, Payload, RequestId, Service, SplitOutcome, routers_own,
 };
 
 /// Serves one `Process` stream: reads the gateway's messages and sends the
@@ -191,6 +191,9 @@ struct Picked {
     sent: Instant,
     /// The body's share of the budget, until the body has gone out.
     budget: Option<Held>,
+    /// Its prefill endpoint's load, when llm-d's sidecar runs its prefill
+    /// leg there: until the response begins.
+    prefill: Option<InFlight>,
 }
 
 impl Exchange {
@@ -413,11 +416,18 @@ impl Exchange {
         let mut decision = self.service.decide(ask).await.map_err(Stop::Refuse)?;
         // A disaggregated request: llm-d's sidecar on the decode endpoint
         // runs the legs ([`crate::request::Service::split`]).
-        let prefiller =
-            (self.service.split(path, &decision)).and_then(|p| Some(p.targets.first()?.http));
-        if prefiller.is_some() {
-            (self.service.accounting.metrics.split)
-                .count(crate::request::SplitOutcome::Disaggregated);
+        // Its prefill endpoint's load is counted until the response begins.
+        let (mut prefiller, mut prefill) = (None, None);
+        if let Some(p) = self.service.split(path, &decision).await {
+            let request = decision.analysis().request();
+            let uncached = request.prompt_tokens.saturating_sub(p.cached);
+            let target = p.plan.targets.first();
+            prefill = target.and_then(|t| self.service.pool.start(&request, t, uncached));
+            prefiller = target.filter(|_| prefill.is_some()).map(|t| t.http);
+            (self.service.accounting.metrics.split).count(match prefiller {
+                Some(_) => SplitOutcome::Disaggregated,
+                None => SplitOutcome::FallbackLocal,
+            });
         }
         let (body, budget) = decision.take_body();
         let own = (headers.keys())
@@ -440,6 +450,7 @@ impl Exchange {
             attempt,
             sent: Instant::now(),
             budget,
+            prefill,
         }));
         Ok(answers)
     }
@@ -452,8 +463,9 @@ impl Exchange {
             attempt,
             sent,
             budget,
+            prefill,
         } = picked;
-        drop(budget);
+        drop((budget, prefill));
         let other = served
             .filter(|addr| *addr != attempt.target.http)
             .and_then(|addr| self.service.pool.target_at(addr));

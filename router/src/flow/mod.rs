@@ -65,7 +65,7 @@ use self::queue::{Bounds, Id, Queue, ShedReason, Turn};
 use crate::config::Config;
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
-use crate::pool::{Plan, Pool};
+use crate::pool::{Leg, Plan, Pool};
 use crate::request::Among;
 
 /// The longest a held request waits for a change before its turn comes
@@ -273,17 +273,23 @@ impl Gate {
         Plan { room, ..plan }
     }
 
-    /// Whether `plan`'s first target can start `request` now, leaving
-    /// `room` blocks (and a seat) there for a higher priority or a lighter
-    /// flow.
-    fn start(&self, pool: &Pool, request: &Request<'_>, plan: &Plan, room: Option<u64>) -> Start {
+    /// Whether `plan`'s first target can start `leg` of `request` now,
+    /// leaving `room` blocks (and a seat) there for a higher priority or a
+    /// lighter flow.
+    fn start(
+        &self,
+        pool: &Pool,
+        (request, leg): (&Request<'_>, Leg),
+        plan: &Plan,
+        room: Option<u64>,
+    ) -> Start {
         let Some(t) = plan.targets.first() else {
             return Start::Busy;
         };
         if !t.predicted.is_none_or(|p| p.queued <= self.hold_s) {
             return Start::Busy;
         }
-        if room.is_none_or(|blocks| pool.leaves_room(request, plan, blocks, self.hold_s)) {
+        if room.is_none_or(|blocks| pool.leaves_room((request, leg), plan, blocks, self.hold_s)) {
             Start::Now
         } else {
             Start::Room
@@ -299,7 +305,7 @@ impl Gate {
     /// it, or without predictions (policies other than `kvroute`).
     fn spill(
         &self,
-        (pool, request, readable): (&Pool, &Request<'_>, bool),
+        (pool, request, readable, leg): (&Pool, &Request<'_>, bool, Leg),
         among: Among<'_>,
         plan: &Plan,
         except: &[SocketAddr],
@@ -311,14 +317,14 @@ impl Gate {
         let first_prefill = prefill(first.predicted?);
         let mut except = [except, &[first.http]].concat();
         loop {
-            let other = pool.plan_except(request, readable, among, &except);
+            let other = pool.plan_except(request, readable, among, &except, leg);
             let next = other.targets.first()?;
             // Checked apart: an infinite slack times no saving is NaN.
             let saved = prefill(next.predicted?) - first_prefill;
             if saved > 0.0 && slack * saved > held_s {
                 return None;
             }
-            if self.start(pool, request, &other, room) == Start::Now {
+            if self.start(pool, (request, leg), &other, room) == Start::Now {
                 return Some(other);
             }
             except.push(next.http);
@@ -349,15 +355,16 @@ impl Gate {
         }
     }
 
-    /// A plan for `request` from `who` among `among` whose first target
-    /// can start it now, waiting here until there is one (rules 1 to 4);
-    /// 503 when no endpoint is routable, 429 when shed. `again`: the
-    /// request was planned before and an engine refused it
-    /// ([`kvroute_core::admission`]); it is not counted as arriving again.
+    /// A plan for `leg` of `request` from `who` among `among` whose
+    /// first target can start it now, waiting here until there is one
+    /// (rules 1 to 4); 503 when no endpoint is routable, 429 when shed.
+    /// `again`: the request was planned before (an engine refused it,
+    /// [`kvroute_core::admission`], or this is its prefill leg after its
+    /// decode leg); it is not counted as arriving again.
     pub(crate) async fn plan(
         &self,
         pool: &Pool,
-        (request, readable): (&Request<'_>, bool),
+        (request, readable, leg): (&Request<'_>, bool, Leg),
         among: Among<'_>,
         who: &Who,
         again: bool,
@@ -380,7 +387,7 @@ impl Gate {
         let because = if ahead {
             "requests_ahead"
         } else {
-            let plan = pool.plan_among(request, readable, among);
+            let plan = pool.plan_except(request, readable, among, &[], leg);
             if plan.targets.is_empty() && plan.full == 0 {
                 return Err(unavailable());
             }
@@ -394,7 +401,7 @@ impl Gate {
                 ));
             }
             let room = self.room(priority, flow);
-            match self.start(pool, request, &plan, room) {
+            match self.start(pool, (request, leg), &plan, room) {
                 Start::Now => {
                     let plan = self.dispatched(plan, (flow, room), "immediate", again);
                     return Ok((plan, None));
@@ -460,14 +467,14 @@ impl Gate {
                 }
                 state.queue.reserved().to_vec()
             };
-            let plan = pool.plan_except(request, readable, among, &reserved);
+            let plan = pool.plan_except(request, readable, among, &reserved, leg);
             let room = self.room(priority, flow);
-            let mut start = self.start(pool, request, &plan, room);
+            let mut start = self.start(pool, (request, leg), &plan, room);
             let held_s = held_at.elapsed().as_secs_f64();
             let spilled = (start == Start::Busy)
                 .then(|| {
                     self.spill(
-                        (pool, request, readable),
+                        (pool, request, readable, leg),
                         among,
                         &plan,
                         &reserved,

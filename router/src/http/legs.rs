@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use super::{Forwarder, upstream};
 use crate::pool::{Fault, Target};
 use crate::prompt::body::KV_TRANSFER_PARAMS;
+use crate::request::hit_rate::Usage;
 use crate::request::{Decision, SplitOutcome};
 
 /// The most of a prefill leg's answer read: one token and its
@@ -64,8 +65,7 @@ fn decode_body(body: &Map<String, Value>, params: Value) -> Map<String, Value> {
 /// What a prefill leg's answer said.
 struct Answer {
     params: Option<Value>,
-    prompt_tokens: u64,
-    cached_tokens: u64,
+    usage: Usage,
 }
 
 impl Forwarder {
@@ -73,7 +73,7 @@ impl Forwarder {
     /// ([`crate::request::Service::split`]); its body is then the decode
     /// leg's.
     pub(super) async fn prefill(self: &Arc<Self>, parts: &Parts, decision: &mut Decision) {
-        let Some(prefill) = self.service.split(parts.uri.path(), decision) else {
+        let Some(prefill) = self.service.split(parts.uri.path(), decision).await else {
             return;
         };
         let metrics = &self.service.accounting.metrics.split;
@@ -86,9 +86,7 @@ impl Forwarder {
         let pool = &self.service.pool;
         let request = decision.analysis().request();
         let prompt_tokens = request.prompt_tokens;
-        for (n, target) in prefill
-            .targets
-            .iter()
+        for (n, target) in (prefill.plan.targets.iter())
             .take(self.attempts as usize)
             .enumerate()
         {
@@ -101,17 +99,20 @@ impl Forwarder {
             drop(load);
             match answer {
                 Ok(answer) => {
-                    metrics
-                        .prefill_seconds
-                        .observe(sent.elapsed().as_secs_f64());
-                    metrics.prompt_tokens.inc_by(answer.prompt_tokens);
-                    metrics.cached_tokens.inc_by(answer.cached_tokens);
+                    let took = sent.elapsed();
+                    metrics.prefill_seconds.observe(took.as_secs_f64());
+                    let usage = answer.usage;
+                    metrics.prompt_tokens.inc_by(usage.prompt_tokens);
+                    metrics.cached_tokens.inc_by(usage.cached_tokens);
+                    if usage.prompt_tokens > 0 {
+                        decision.prefill_answered(&prefill.plan, n, cached, usage);
+                    }
                     let Some(params) = answer.params else {
                         metrics.count(SplitOutcome::NoConnector);
                         return;
                     };
                     let body = serde_json::to_vec(&decode_body(&client, params));
-                    decision.prefilled(Bytes::from(body.unwrap_or_default()));
+                    decision.prefilled(Bytes::from(body.unwrap_or_default()), took);
                     metrics.count(SplitOutcome::Disaggregated);
                     return;
                 }
@@ -168,10 +169,12 @@ impl Forwarder {
                 .get(KV_TRANSFER_PARAMS)
                 .filter(|p| p.is_object())
                 .cloned(),
-            prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-            cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0),
+            usage: Usage {
+                prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
+                cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+            },
         })
     }
 }

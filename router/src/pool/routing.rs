@@ -42,6 +42,26 @@ pub struct Target {
     pub predicted: Option<Predicted>,
 }
 
+/// Which endpoints a plan ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leg {
+    /// A whole request, or a disaggregated one's decode leg:
+    /// decode-capable endpoints.
+    Decode,
+    /// A disaggregated request's prefill leg: prefill-capable endpoints.
+    Prefill,
+}
+
+impl Leg {
+    /// Whether an endpoint of `role` takes this leg.
+    pub fn takes(self, role: Role) -> bool {
+        match self {
+            Leg::Decode => role.decodes(),
+            Leg::Prefill => role.prefills(),
+        }
+    }
+}
+
 /// Where a request should go, in order.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -132,43 +152,27 @@ impl Pool {
         readable: bool,
         among: &dyn Fn(&SocketAddr) -> bool,
     ) -> Plan {
-        self.plan_except(request, readable, among, &[])
+        self.plan_except(request, readable, among, &[], Leg::Decode)
     }
 
-    /// [`plan_among`](Self::plan_among) leaving out the endpoints in
-    /// `except`: flow control's, which cannot take the request now (a
-    /// longer prefix there was lost to [`Lost::Queue`]). Only
-    /// decode-capable endpoints take a request (or its decode leg).
+    /// The plan of `leg` of `request` among the endpoints `among`
+    /// accepts, leaving out those in `except`: flow control's, which
+    /// cannot take the request now (a longer prefix there was lost to
+    /// [`Lost::Queue`]). A disaggregated request's prefill leg is ranked
+    /// by the same policy among the prefill-capable endpoints (their
+    /// caches, their queues).
     pub fn plan_except(
         &self,
         request: &Request<'_>,
         readable: bool,
         among: &dyn Fn(&SocketAddr) -> bool,
         except: &[SocketAddr],
+        leg: Leg,
     ) -> Plan {
         let among = |a: &SocketAddr| among(a) && !except.contains(a);
-        self.rank(request, readable, &among, Role::decodes)
-    }
-
-    /// The plan of a disaggregated request's prefill leg: the policy's
-    /// ranking among the prefill-capable endpoints (their caches, their
-    /// queues).
-    pub fn plan_prefill(&self, request: &Request<'_>, readable: bool) -> Plan {
-        self.rank(request, readable, &|_| true, Role::prefills)
-    }
-
-    /// The policy's plan among the routable endpoints `among` accepts
-    /// whose role `role` accepts.
-    fn rank(
-        &self,
-        request: &Request<'_>,
-        readable: bool,
-        among: &dyn Fn(&SocketAddr) -> bool,
-        role: fn(Role) -> bool,
-    ) -> Plan {
         let mut inner = self.lock();
         let now = now();
-        let (endpoints, candidates) = inner.candidates(now, among, role);
+        let (endpoints, candidates) = inner.candidates(now, &among, leg);
         let inner = &mut *inner;
         // Field by field: the policy is borrowed mutably beside it.
         let cx = Context {
@@ -207,8 +211,8 @@ impl Pool {
                 ..candidates[i].clone()
             })
             .collect();
-        let seen =
-            (inner.exact && readable).then(|| inner.seen(request.chain, &targets, now, among));
+        let seen = (inner.exact && readable)
+            .then(|| inner.seen(request.chain, &targets, now, (&among, leg)));
         Plan {
             targets,
             full,
@@ -238,7 +242,7 @@ impl Pool {
         if inner.exact {
             inner.index.longest_prefix(request.chain, &mut leading);
         }
-        let (endpoints, targets) = inner.candidates(now, &|_| true, Role::decodes);
+        let (endpoints, targets) = inner.candidates(now, &|_| true, Leg::Decode);
         let mut policy = if readable {
             inner.policy.boxed_clone()
         } else {
@@ -254,7 +258,7 @@ impl Pool {
             .collect();
         let d = inner.settings.disaggregation;
         let split = (d.mode == DisaggregationMode::Auto).then(|| {
-            let (endpoints, targets) = inner.candidates(now, &|_| true, Role::prefills);
+            let (endpoints, targets) = inner.candidates(now, &|_| true, Leg::Prefill);
             let decision = policy.boxed_clone().rank(request, &endpoints, &cx);
             ExplainedPrefill {
                 reason: decision.reason.as_str().to_owned(),
@@ -388,7 +392,7 @@ impl Pool {
     /// prefill queue as the policy predicts it.
     pub fn leaves_room(
         &self,
-        request: &Request<'_>,
+        (request, leg): (&Request<'_>, Leg),
         plan: &Plan,
         extra_blocks: u64,
         hold_s: f64,
@@ -415,7 +419,7 @@ impl Pool {
                 && inner.members.values().any(|m| {
                     let load = inner.load.load(m.slot);
                     m.slot != target.slot
-                        && m.spec.role.decodes()
+                        && leg.takes(m.spec.role)
                         && inner.is_routable(m, now)
                         && load.in_flight < self.concurrency
                         && model.queued_s(&load, now) <= hold_s
@@ -476,15 +480,16 @@ impl Inner {
         .0
     }
 
-    /// What the index says of `chain` for a plan of `targets` among the
-    /// endpoints `among` accepts: one more walk of the held prefix, and of
-    /// the recently evicted blocks past it.
+    /// What the index says of `chain` for a plan of `leg` with `targets`
+    /// among the endpoints `among` accepts: one more walk of the held
+    /// prefix, and of the recently evicted blocks past it. Endpoints that
+    /// do not take `leg` lost nothing to it.
     fn seen(
         &self,
         chain: &[u64],
         targets: &[Target],
         now: std::time::Instant,
-        among: &dyn Fn(&SocketAddr) -> bool,
+        (among, leg): (&dyn Fn(&SocketAddr) -> bool, Leg),
     ) -> Seen {
         let mut by_slot = Vec::new();
         self.index.longest_prefix(chain, &mut by_slot);
@@ -502,7 +507,8 @@ impl Inner {
             let i = m.slot.index();
             foreign[i] = matches!(m.contract, Contract::Mismatch(_));
             let held = held_by(m.slot);
-            if target[i] || held <= outside.map_or(0, |o: (u32, Lost)| o.0) {
+            let other = !leg.takes(m.spec.role);
+            if other || target[i] || held <= outside.map_or(0, |o: (u32, Lost)| o.0) {
                 continue;
             }
             let lost = if self.outlier.is_ejected(&m.spec.name, now) {
@@ -541,18 +547,18 @@ impl Inner {
         self.policy.routed(request, &endpoint);
     }
 
-    /// The routable endpoints `among` accepts whose role `role` accepts,
-    /// as the policy sees them and as targets.
+    /// The routable endpoints `among` accepts that take `leg`, as the
+    /// policy sees them and as targets.
     fn candidates(
         &self,
         now: std::time::Instant,
         among: &dyn Fn(&SocketAddr) -> bool,
-        role: fn(Role) -> bool,
+        leg: Leg,
     ) -> (Vec<Endpoint>, Vec<Target>) {
         let now_ms = super::wall_ms();
         self.members
             .values()
-            .filter(|m| role(m.spec.role) && self.is_routable(m, now) && among(&m.spec.http))
+            .filter(|m| leg.takes(m.spec.role) && self.is_routable(m, now) && among(&m.spec.http))
             .map(|m| {
                 let endpoint = Endpoint {
                     slot: m.slot,

@@ -433,17 +433,20 @@ async fn a_long_lower_prefill_goes_only_while_another_endpoint_can_start_one() {
     };
     let plan = p.plan(&long, true);
     let (first, other) = (&plan.targets[0], &plan.targets[1]);
-    assert!(p.leaves_room(&long, &plan, 0, hold_s), "both idle");
-    assert!(p.leaves_room(&request(), &plan, 0, hold_s));
+    assert!(
+        p.leaves_room((&long, Leg::Decode), &plan, 0, hold_s),
+        "both idle"
+    );
+    assert!(p.leaves_room((&request(), Leg::Decode), &plan, 0, hold_s));
     // The other endpoint prefills for longer than `hold_s`: the long one
     // would leave no endpoint to start a request within it.
     let _busy = p.hold(other, 20_000, 20_000);
-    assert!(!p.leaves_room(&long, &plan, 0, hold_s));
+    assert!(!p.leaves_room((&long, Leg::Decode), &plan, 0, hold_s));
     assert!(
-        p.leaves_room(&request(), &plan, 0, hold_s),
+        p.leaves_room((&request(), Leg::Decode), &plan, 0, hold_s),
         "a short one ends within it"
     );
     // Nor does it go where a prefill is queued before it.
     let _queued = p.hold(first, 20_000, 20_000);
-    assert!(!p.leaves_room(&long, &plan, 0, hold_s));
+    assert!(!p.leaves_room((&long, Leg::Decode), &plan, 0, hold_s));
 }

@@ -16,12 +16,13 @@ use kvroute_core::load::EngineLoad;
 use kvroute_core::slot::Slot;
 
 use super::guard::{Expected, Guard};
+use super::hit_rate::Usage;
 use super::labels::Labels;
 use super::missed::Known;
 use super::{Accounting, RequestId, body};
 use crate::flow::{Held, Who};
 use crate::metrics::{ModelTenant, Why};
-use crate::pool::{Fault, InFlight, Lost, Plan, Pool, Target};
+use crate::pool::{Fault, InFlight, Lost, Plan, Pool, Seen, Target};
 use crate::prompt::Analysis;
 
 /// A decided request ([`super::Service::decide`]). Dropped before a
@@ -50,6 +51,8 @@ pub(crate) struct Decision {
     held: Option<Held>,
     /// Who it is, for flow control, should it be planned again.
     pub(super) who: Who,
+    /// How long its prefill leg took, when it was disaggregated.
+    prefill_leg: Option<Duration>,
 }
 
 /// One attempt at an endpoint: the load it holds there until dropped.
@@ -96,6 +99,7 @@ impl Decision {
             refused: Vec::new(),
             held,
             who,
+            prefill_leg: None,
         }
     }
 
@@ -124,10 +128,11 @@ impl Decision {
         self.analysis.prompt_tokens.saturating_sub(self.cached)
     }
 
-    /// Its prefill leg is done elsewhere: `body` (with the producer's
-    /// `kv_transfer_params`) goes to the decode endpoint, which loads the
-    /// prompt's KV and computes its last token only.
-    pub(crate) fn prefilled(&mut self, body: Bytes) {
+    /// Its prefill leg was done elsewhere in `took`: `body` (with the
+    /// producer's `kv_transfer_params`) goes to the decode endpoint, which
+    /// loads the prompt's KV and computes its last token only.
+    pub(crate) fn prefilled(&mut self, body: Bytes, took: Duration) {
+        self.prefill_leg = Some(took);
         self.analysis.bytes = body;
         self.cached = self.analysis.prompt_tokens.saturating_sub(1);
     }
@@ -278,15 +283,22 @@ impl Decision {
 
     /// What the router expected of `attempt`.
     fn expected(&self, attempt: &Attempt) -> Expected {
+        self.expected_at(attempt.cached, attempt.known)
+    }
+
+    /// What was expected where `cached` prompt tokens were expected
+    /// cached, and `known`.
+    fn expected_at(&self, cached: u64, known: Known) -> Expected {
         let a = &self.analysis;
         Expected {
-            cached: attempt.cached,
+            cached,
             prompt_tokens: a.prompt_tokens,
-            known: attempt.known,
+            known,
             id: self.id.clone(),
             key: a.key.0,
             first_block: a.chain.first().copied(),
             held: self.held,
+            prefill_leg: self.prefill_leg,
         }
     }
 
@@ -294,11 +306,21 @@ impl Decision {
     /// what was expected cached there ([`super::Service::measure`]).
     pub(super) fn attribute_expected(&self, attempt: &Attempt) {
         let e = self.expected(attempt);
-        let usage = super::hit_rate::Usage {
+        let usage = Usage {
             prompt_tokens: e.prompt_tokens,
             cached_tokens: e.cached,
         };
         let name = &attempt.target.name;
+        (self.accounting).missed(&self.labels, name, &e, usage, None);
+    }
+
+    /// Its prefill leg went to `plan`'s target `at`, expecting `cached`
+    /// prompt tokens cached there, and its engine answered `usage`: the
+    /// prefill endpoint's missed tokens are attributed as any request's
+    /// ([`super::missed`]). The decode leg's are attributed when it ends.
+    pub(crate) fn prefill_answered(&self, plan: &Plan, at: usize, cached: u64, usage: Usage) {
+        let e = self.expected_at(cached, self.known_in(plan.seen.as_ref(), Some(at)));
+        let name = &plan.targets[at].name;
         (self.accounting).missed(&self.labels, name, &e, usage, None);
     }
 
@@ -307,8 +329,13 @@ impl Decision {
     /// ([`super::missed`]). Targets before it were tried and failed; those
     /// after it were ranked lower.
     fn known(&self, at: Option<usize>) -> Known {
+        self.known_in(self.plan.seen.as_ref(), at)
+    }
+
+    /// [`known`](Self::known) in a plan that `seen` describes.
+    fn known_in(&self, seen: Option<&Seen>, at: Option<usize>) -> Known {
         let a = &self.analysis;
-        let Some(seen) = &self.plan.seen else {
+        let Some(seen) = seen else {
             return Known {
                 block_tokens: a.block_tokens,
                 ..Known::default()

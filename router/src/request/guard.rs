@@ -51,6 +51,8 @@ pub(crate) struct Expected {
     pub(crate) first_block: Option<u64>,
     /// How long flow control held it, and why.
     pub(crate) held: Option<crate::flow::Held>,
+    /// How long its prefill leg took, when it was disaggregated.
+    pub(crate) prefill_leg: Option<std::time::Duration>,
 }
 
 impl Guard {
@@ -117,9 +119,13 @@ impl Guard {
     fn first_byte(&mut self) {
         self.first = false;
         self.load.first_token();
-        (self.accounting.metrics)
-            .upstream_ttft_seconds
-            .observe(self.sent.elapsed().as_secs_f64());
+        let metrics = &self.accounting.metrics;
+        let decode = self.sent.elapsed().as_secs_f64();
+        metrics.upstream_ttft_seconds.observe(decode);
+        if let Some(prefill) = self.expected.prefill_leg {
+            let ttft = prefill.as_secs_f64() + decode;
+            metrics.split.transfer_share.observe(decode / ttft);
+        }
     }
 
     /// The response ended.

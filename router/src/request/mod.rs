@@ -61,7 +61,7 @@ use crate::errors::ApiError;
 use crate::explain::Explanation;
 use crate::metrics::{Metrics, Outcome};
 use crate::models::{ModelList, Models};
-use crate::pool::Pool;
+use crate::pool::{Leg, Pool};
 use crate::prompt::body::Api;
 use crate::prompt::conversations::{Conversations, Memo};
 use crate::prompt::{Analysis, Input, Prompts, Reader, Scope, TREE_EXPANSION};
@@ -259,7 +259,7 @@ impl Service {
             tenant,
             bytes: analysis.bytes.len(),
         };
-        let request = (&analysis.request(), analysis.readable);
+        let request = (&analysis.request(), analysis.readable, Leg::Decode);
         let planned = (self.flow.plan(&self.pool, request, among, &who, false)).await;
         let (plan, held) = match planned {
             Ok(p) => p,
@@ -288,7 +288,7 @@ impl Service {
     pub(crate) async fn plan_again(&self, decision: &mut Decision) -> Result<(), ApiError> {
         let a = &decision.analysis;
         let (plan, held) = if self.flow.enabled() {
-            let request = (&a.request(), a.readable);
+            let request = (&a.request(), a.readable, Leg::Decode);
             (self
                 .flow
                 .plan(&self.pool, request, &|_| true, &decision.who, true))

@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use kvroute_core::spec::DisaggregationMode;
 
 use super::{Decision, Service};
-use crate::pool::Target;
+use crate::pool::{Leg, Plan};
 use crate::prompt::body::Api;
 
 /// How a request was served, as `kvroute_disaggregated_requests_total`'s
@@ -59,6 +59,9 @@ const BUCKETS: [f64; 12] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// Share buckets.
+const SHARES: [f64; 10] = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9];
+
 /// Disaggregation's metrics.
 #[derive(Debug)]
 pub struct SplitMetrics {
@@ -70,6 +73,9 @@ pub struct SplitMetrics {
     pub(crate) prompt_tokens: Counter,
     /// `kvroute_prefill_leg_cached_tokens_total`.
     pub(crate) cached_tokens: Counter,
+    /// `kvroute_kv_transfer_ttft_share`: of a disaggregated request's time
+    /// to first token, the decode leg's share (see `register`).
+    pub(crate) transfer_share: Histogram,
 }
 
 impl Default for SplitMetrics {
@@ -79,6 +85,7 @@ impl Default for SplitMetrics {
             prefill_seconds: Histogram::new(BUCKETS),
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
+            transfer_share: Histogram::new(SHARES),
         }
     }
 }
@@ -112,14 +119,20 @@ impl SplitMetrics {
             "Of those, the prefill endpoints found cached",
             self.cached_tokens.clone(),
         );
+        r.register(
+            "kvroute_kv_transfer_ttft_share",
+            "Of each disaggregated request's time to first token at the router (prefill leg, then the decode leg's first byte), the decode leg's share: the KV transfer, with the decode endpoint's queue and first step",
+            self.transfer_share.clone(),
+        );
     }
 }
 
 /// Where a disaggregated request's prefill leg goes.
 #[derive(Debug)]
 pub(crate) struct Prefill {
-    /// Prefill-capable endpoints, best first.
-    pub(crate) targets: Vec<Target>,
+    /// The prefill-capable endpoints, best first, and what the engines'
+    /// reports said of the prompt there.
+    pub(crate) plan: Plan,
     /// Prompt tokens the first is expected to hold.
     pub(crate) cached: u64,
 }
@@ -129,9 +142,10 @@ impl Service {
     /// disaggregated: `routing.disaggregation` is `auto`, the request is a
     /// chat or completion with one choice, it would prefill at least
     /// `minUncachedTokens` uncached tokens on its decode endpoint, and the
-    /// best prefill-capable endpoint is another. `None`, counted when it
-    /// was eligible, when it runs whole.
-    pub(crate) fn split(&self, path: &str, decision: &Decision) -> Option<Prefill> {
+    /// best prefill-capable endpoint is another. With flow control, the
+    /// prefill leg is held as any request is, until that endpoint can
+    /// start it. `None`, counted when it was eligible, when it runs whole.
+    pub(crate) async fn split(&self, path: &str, decision: &Decision) -> Option<Prefill> {
         let settings = self.pool.settings();
         let d = settings.disaggregation;
         let a = &decision.analysis;
@@ -143,17 +157,45 @@ impl Service {
             metrics.count(Outcome::BelowThreshold);
             return None;
         }
-        let plan = self.pool.plan_prefill(&a.request(), a.readable);
-        match (plan.targets.first(), decision.targets().first()) {
-            (None, _) => metrics.count(Outcome::FallbackLocal),
-            (Some(p), Some(d)) if p.slot == d.slot => metrics.count(Outcome::SameEndpoint),
-            _ => {
-                return Some(Prefill {
-                    cached: a.expected_cached(plan.cached_blocks),
-                    targets: plan.targets,
-                });
-            }
+        let request = a.request();
+        let mut plan = (self.pool).plan_except(&request, a.readable, &|_| true, &[], Leg::Prefill);
+        let mut local = self.local(&plan, decision);
+        if local.is_none() && self.flow.enabled() {
+            let leg = (&request, a.readable, Leg::Prefill);
+            local = match (self
+                .flow
+                .plan(&self.pool, leg, &|_| true, &decision.who, true))
+            .await
+            {
+                Ok((gated, _)) => {
+                    plan = gated;
+                    self.local(&plan, decision)
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "the prefill leg was not held to the end");
+                    Some(Outcome::FallbackLocal)
+                }
+            };
         }
-        None
+        if let Some(outcome) = local {
+            metrics.count(outcome);
+            return None;
+        }
+        Some(Prefill {
+            cached: a.expected_cached(plan.cached_blocks),
+            plan,
+        })
+    }
+
+    /// Why `decision` runs whole with the prefill ranking `plan`: no
+    /// prefill endpoint can take it (with flow control: none is routable;
+    /// it waits for a full one), or the best is its decode endpoint.
+    fn local(&self, plan: &Plan, decision: &Decision) -> Option<Outcome> {
+        match (plan.targets.first(), decision.targets().first()) {
+            (None, _) if plan.full == 0 || !self.flow.enabled() => Some(Outcome::FallbackLocal),
+            (None, _) => None,
+            (Some(p), Some(d)) if p.slot == d.slot => Some(Outcome::SameEndpoint),
+            _ => None,
+        }
     }
 }

@@ -4,6 +4,7 @@
 //! them; fallbacks.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::http::HeaderMap;
 use kvroute_core::spec::{Disaggregation, DisaggregationMode};
@@ -17,15 +18,31 @@ use crate::support::*;
 /// A prefill sim and a decode sim (exact mode), and a router disaggregating
 /// from `min_uncached_tokens` (`None`: disabled).
 async fn split_stack(name: &str, min_uncached_tokens: Option<u64>) -> Stack {
-    let sim = |role| async move {
+    split_stack_with(name, min_uncached_tokens, |_| {}, |_| {}).await
+}
+
+/// [`split_stack`] with the prefill sim's and the router's configuration
+/// tuned.
+async fn split_stack_with(
+    name: &str,
+    min_uncached_tokens: Option<u64>,
+    prefill: impl FnOnce(&mut SimConfig),
+    tune: impl FnOnce(&mut Config),
+) -> Stack {
+    let sim = |role, tune: Box<dyn FnOnce(&mut SimConfig)>| async move {
         let mut c = SimConfig::test();
         c.kv_role = role;
+        tune(&mut c);
         kvroute_engine_sim::start(c).await.unwrap()
     };
-    let sims = vec![sim(Role::Producer).await, sim(Role::Consumer).await];
+    let sims = vec![
+        sim(Role::Producer, Box::new(prefill)).await,
+        sim(Role::Consumer, Box::new(|_| {})).await,
+    ];
     let dir = temp_dir(name);
     write_roles(&dir, &[(&sims[0], "prefill"), (&sims[1], "decode")]);
     let mut config = router_config(&dir);
+    tune(&mut config);
     if let Some(min) = min_uncached_tokens {
         config.routing.disaggregation = Disaggregation {
             mode: DisaggregationMode::Auto,
@@ -122,6 +139,23 @@ async fn a_long_prompt_is_prefilled_on_a_prefill_endpoint_and_decoded_where_its_
         1.0
     );
     assert_eq!(requests_seen(prefill).await, 1.0);
+    // Both legs' missed tokens are attributed: the prefill endpoint
+    // computed the cold prompt but its last block, the decode endpoint its
+    // last token.
+    let missed =
+        kvroute_testkit::eventually("both legs attributed", Duration::from_secs(10), || async {
+            let metrics = stack.metrics().await;
+            let total = sum_of(&metrics, "kvroute_missed_prompt_tokens_total");
+            (total == (prompt_tokens + 1) as f64).then_some(metrics)
+        })
+        .await;
+    let cold = (missed.lines())
+        .filter(|l| {
+            l.starts_with("kvroute_missed_prompt_tokens_total{") && l.contains("cause=\"cold\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert!(cold >= (prompt_tokens - 16) as f64, "{missed}");
 
     // Streamed: the decode leg streams back.
     let mut streamed = chat(&long_text(2), "hi", 3);
@@ -158,6 +192,13 @@ async fn a_long_prompt_is_prefilled_on_a_prefill_endpoint_and_decoded_where_its_
     assert_eq!(disaggregated(&metrics, "disaggregated"), 2.0, "{metrics}");
     assert_eq!(disaggregated(&metrics, "local_below_threshold"), 1.0);
     assert_eq!(sum_of(&metrics, "kvroute_prefill_leg_seconds_count"), 2.0);
+    assert_eq!(
+        sum_of(&metrics, "kvroute_kv_transfer_ttft_share_count"),
+        2.0,
+        "each disaggregated request's decode leg share of its TTFT"
+    );
+    let share = sum_of(&metrics, "kvroute_kv_transfer_ttft_share_sum");
+    assert!(share > 0.0 && share < 2.0, "{share}");
 
     // A client's own kv_transfer_params is refused, naming the field.
     let mut hostile = chat("x", "y", 1);
@@ -202,6 +243,52 @@ async fn a_failed_prefill_leg_falls_back_to_a_local_prefill() {
     assert_eq!(done["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let metrics = stack.metrics().await;
     assert_eq!(disaggregated(&metrics, "fallback_local"), 1.0, "{metrics}");
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn with_flow_control_a_prefill_leg_waits_for_its_prefill_endpoint() {
+    // One seat per endpoint, and a prefill that takes 600 ms.
+    let stack = split_stack_with(
+        "split-flow",
+        Some(64),
+        |c| c.prefill_overhead_ms = 600.0,
+        |c| {
+            c.flow_control.enabled = true;
+            c.limits.endpoint_concurrency = 1;
+        },
+    )
+    .await;
+    let send = |i: usize| {
+        let (client, url) = (stack.client.clone(), stack.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            let r = client.post(url).json(&chat(&long_text(i), "hi", 1));
+            r.send().await.unwrap().status().as_u16()
+        })
+    };
+    let first = send(10);
+    eventually("the first prefill leg runs", || {
+        stack.router.pool.status().iter().any(|e| e.in_flight == 1)
+    })
+    .await;
+    // The second's decode endpoint is free, its prefill endpoint is not.
+    let second = send(11);
+    kvroute_testkit::eventually("the second is held", Duration::from_secs(10), || async {
+        let metrics = stack.metrics().await;
+        (sum_of(&metrics, "kvroute_flow_queued") == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!((first.await.unwrap(), second.await.unwrap()), (200, 200));
+    let metrics = stack.metrics().await;
+    assert_eq!(disaggregated(&metrics, "disaggregated"), 2.0, "{metrics}");
+    assert_eq!(requests_seen(&stack.sims[0]).await, 2.0);
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_flow_dispatched_total{reason=\"after_wait\"}"
+        ),
+        1.0
+    );
     stack.stop().await;
 }
 
