@@ -104,13 +104,13 @@ impl Forwarder {
                     let usage = answer.usage;
                     metrics.prompt_tokens.inc_by(usage.prompt_tokens);
                     metrics.cached_tokens.inc_by(usage.cached_tokens);
-                    if usage.prompt_tokens > 0 {
-                        decision.prefill_answered(&prefill.plan, n, cached, usage);
-                    }
                     let Some(params) = answer.params else {
                         metrics.count(SplitOutcome::NoConnector);
                         return;
                     };
+                    if usage.prompt_tokens > 0 {
+                        decision.prefill_answered(&prefill.plan, n, cached, usage);
+                    }
                     let body = serde_json::to_vec(&decode_body(&client, params));
                     decision.prefilled(Bytes::from(body.unwrap_or_default()), took);
                     metrics.count(SplitOutcome::Disaggregated);

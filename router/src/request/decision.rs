@@ -315,13 +315,14 @@ impl Decision {
     }
 
     /// Its prefill leg went to `plan`'s target `at`, expecting `cached`
-    /// prompt tokens cached there, and its engine answered `usage`: the
-    /// prefill endpoint's missed tokens are attributed as any request's
-    /// ([`super::missed`]). The decode leg's are attributed when it ends.
+    /// prompt tokens cached there, and its engine answered `usage`: what
+    /// the cache saved the request, counted and attributed as any
+    /// request's ([`super::missed`], [`super::hit_rate`]). Its decode leg
+    /// loads the prompt and is not counted again.
     pub(crate) fn prefill_answered(&self, plan: &Plan, at: usize, cached: u64, usage: Usage) {
         let e = self.expected_at(cached, self.known_in(plan.seen.as_ref(), Some(at)));
         let name = &plan.targets[at].name;
-        (self.accounting).missed(&self.labels, name, &e, usage, None);
+        (self.accounting).usage(&self.labels, name, &e, usage, None);
     }
 
     /// What the router knew of the request at target `at` (by position;

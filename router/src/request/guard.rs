@@ -14,7 +14,7 @@ use super::missed::{self, Known};
 use super::{Accounting, RequestId};
 use crate::metrics::Model;
 use crate::pool::{Fault, InFlight, Pool};
-use crate::request::hit_rate::{Usage, UsageScan};
+use crate::request::hit_rate::UsageScan;
 
 /// A served request's hold on its endpoint's load; dropping it (the client
 /// went away) ends the request and, with the upstream body dropped too,
@@ -133,12 +133,13 @@ impl Guard {
         if self.labels.count(self.status.as_str()) && !self.status.is_server_error() {
             let succeeded = self.pool.succeeded(&self.name);
             self.accounting.metrics.health(succeeded);
-            if self.status.is_success() {
+            // A disaggregated request's prompt was counted with its
+            // prefill leg: the decode leg loaded it.
+            if self.status.is_success() && self.expected.prefill_leg.is_none() {
                 match self.usage.usage() {
                     Some((usage, id)) => {
                         let (labels, name) = (&self.labels, &self.name);
-                        (self.accounting).missed(labels, name, &self.expected, usage, id.clone());
-                        self.observed(usage, id);
+                        (self.accounting).usage(labels, name, &self.expected, usage, id);
                     }
                     None => self.unreported(),
                 }
@@ -164,47 +165,5 @@ impl Guard {
                 model: self.labels.model.clone(),
             })
             .inc_by(self.expected.prompt_tokens);
-    }
-
-    /// Counts what the engine reported of the request against what the
-    /// router expected, and logs a sustained gap.
-    fn observed(&self, usage: Usage, id: Option<String>) {
-        let by = self.labels.model_tenant();
-        let m = &self.accounting.metrics;
-        m.observed_prompt_tokens
-            .get_or_create(&by)
-            .inc_by(usage.prompt_tokens);
-        m.observed_cached_tokens
-            .get_or_create(&by)
-            .inc_by(usage.cached_tokens);
-        let mut gap = self
-            .accounting
-            .gap
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now().into_std();
-        let model = self.labels.model.as_str();
-        let expected = &self.expected;
-        let (value, alert) = gap.record(
-            model,
-            expected.cached,
-            expected.prompt_tokens,
-            usage,
-            id,
-            now,
-        );
-        drop(gap);
-        let label = Model {
-            model: model.to_owned(),
-        };
-        m.hit_rate_gap.get_or_create(&label).set(value);
-        if let Some(a) = alert {
-            m.hit_rate_gap_alerts.get_or_create(&label).inc();
-            tracing::warn!(model = %a.model, gap = a.gap, requests = a.requests,
-                example = %a.example.as_deref().unwrap_or("-"),
-                "the engines report far fewer cached tokens than the router expects: \
-                 check that the router's tokenizer, chat template and hashing match the engines' \
-                 (kvroute explain shows what the router computes)");
-        }
     }
 }

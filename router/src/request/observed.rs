@@ -17,6 +17,51 @@ use crate::explain::Recorded;
 use crate::metrics::{Model, ModelReason, ModelTenantCause};
 
 impl Accounting {
+    /// What the engine at `endpoint` reported of a request `labels` sent
+    /// there expecting `e`: its missed tokens attributed ([`missed`](Self::missed))
+    /// and its usage counted against what was expected ([`observed`](Self::observed)).
+    pub(crate) fn usage(
+        &self,
+        labels: &Labels,
+        endpoint: &Arc<str>,
+        e: &Expected,
+        usage: Usage,
+        response_id: Option<String>,
+    ) {
+        self.missed(labels, endpoint, e, usage, response_id.clone());
+        self.observed(labels, e, usage, response_id);
+    }
+
+    /// Counts what the engine reported of a request `labels` sent
+    /// expecting `e` against what was expected, and logs a sustained gap.
+    fn observed(&self, labels: &Labels, e: &Expected, usage: Usage, id: Option<String>) {
+        let by = labels.model_tenant();
+        let m = &self.metrics;
+        m.observed_prompt_tokens
+            .get_or_create(&by)
+            .inc_by(usage.prompt_tokens);
+        m.observed_cached_tokens
+            .get_or_create(&by)
+            .inc_by(usage.cached_tokens);
+        let mut gap = self.gap.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now().into_std();
+        let model = labels.model.as_str();
+        let (value, alert) = gap.record(model, e.cached, e.prompt_tokens, usage, id, now);
+        drop(gap);
+        let label = Model {
+            model: model.to_owned(),
+        };
+        m.hit_rate_gap.get_or_create(&label).set(value);
+        if let Some(a) = alert {
+            m.hit_rate_gap_alerts.get_or_create(&label).inc();
+            tracing::warn!(model = %a.model, gap = a.gap, requests = a.requests,
+                example = %a.example.as_deref().unwrap_or("-"),
+                "the engines report far fewer cached tokens than the router expects: \
+                 check that the router's tokenizer, chat template and hashing match the engines' \
+                 (kvroute explain shows what the router computes)");
+        }
+    }
+
     /// Attributes the missed tokens of a request `labels` sent to
     /// `endpoint` expecting `e`, whose engine reported `usage` in its
     /// response `response_id` ([`missed`]): counted, in the pressure

@@ -139,16 +139,22 @@ async fn a_long_prompt_is_prefilled_on_a_prefill_endpoint_and_decoded_where_its_
         1.0
     );
     assert_eq!(requests_seen(prefill).await, 1.0);
-    // Both legs' missed tokens are attributed: the prefill endpoint
-    // computed the cold prompt but its last block, the decode endpoint its
-    // last token.
+    // What the cache saved is the prefill leg's: the prefill endpoint
+    // computed the cold prompt (its missed tokens are attributed there);
+    // the decode leg loaded it and is not counted again.
     let missed =
-        kvroute_testkit::eventually("both legs attributed", Duration::from_secs(10), || async {
+        kvroute_testkit::eventually("the prefill leg", Duration::from_secs(10), || async {
             let metrics = stack.metrics().await;
             let total = sum_of(&metrics, "kvroute_missed_prompt_tokens_total");
-            (total == (prompt_tokens + 1) as f64).then_some(metrics)
+            (total == prompt_tokens as f64).then_some(metrics)
         })
         .await;
+    let observed = |family| sum_of(&missed, family);
+    assert_eq!(
+        observed("kvroute_observed_prompt_tokens_total"),
+        prompt_tokens as f64
+    );
+    assert_eq!(observed("kvroute_observed_cached_tokens_total"), 0.0);
     let cold = (missed.lines())
         .filter(|l| {
             l.starts_with("kvroute_missed_prompt_tokens_total{") && l.contains("cause=\"cold\"")
