@@ -181,6 +181,12 @@ pub struct Metrics {
     pub observed_prompt_tokens: Family<ModelTenant, Counter>,
     /// `kvroute_observed_cached_tokens_total{model,tenant}`.
     pub observed_cached_tokens: Family<ModelTenant, Counter>,
+    /// `kvroute_observed_requests_total{model,tenant}`.
+    pub observed_requests: Family<ModelTenant, Counter>,
+    /// `kvroute_requests_with_cache_hit_total{model,tenant}`.
+    pub requests_with_cache_hit: Family<ModelTenant, Counter>,
+    /// `kvroute_prefill_seconds_saved_total{model,tenant}`.
+    pub prefill_seconds_saved: Family<ModelTenant, Counter<f64, AtomicU64>>,
     /// `kvroute_hit_rate_gap{model}`.
     pub hit_rate_gap: Family<Model, Gauge<f64, AtomicU64>>,
     /// `kvroute_hit_rate_gap_alerts_total{model}`.
@@ -257,6 +263,9 @@ impl Metrics {
             expected_cached_tokens: Family::default(),
             observed_prompt_tokens: Family::default(),
             observed_cached_tokens: Family::default(),
+            observed_requests: Family::default(),
+            requests_with_cache_hit: Family::default(),
+            prefill_seconds_saved: Family::default(),
             hit_rate_gap: Family::default(),
             hit_rate_gap_alerts: Family::default(),
             volatile_prefix_requests: Family::default(),
@@ -367,6 +376,21 @@ impl Metrics {
             "kvroute_observed_cached_tokens",
             "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens), by model and tenant. Divided by kvroute_observed_prompt_tokens_total: the observed hit rate",
             m.observed_cached_tokens.clone(),
+        );
+        r.register(
+            "kvroute_observed_requests",
+            "Responses whose engine reported usage, by model and tenant",
+            m.observed_requests.clone(),
+        );
+        r.register(
+            "kvroute_requests_with_cache_hit",
+            "Of those, responses with at least one cached prompt token, by model and tenant. Divided by kvroute_observed_requests_total: the request hit rate (not the share of tokens or of compute saved)",
+            m.requests_with_cache_hit.clone(),
+        );
+        r.register(
+            "kvroute_prefill_seconds_saved",
+            "Engine seconds of prefill the cached prompt tokens saved (kvroute_observed_cached_tokens_total at the pool's prefill rate when each response ended), by model and tenant",
+            m.prefill_seconds_saved.clone(),
         );
         r.register(
             "kvroute_hit_rate_gap",

@@ -382,6 +382,17 @@ impl Pool {
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
     }
 
+    /// The pool's prefill rate, tokens per second: the median of the
+    /// rates its engines report, else the configured one
+    /// ([`kvroute_core::load::PrefillModel::pool_rate`]).
+    pub fn prefill_rate(&self) -> f64 {
+        let inner = self.lock();
+        let loads: Vec<_> = (inner.members.values())
+            .map(|m| inner.load.load(m.slot))
+            .collect();
+        inner.settings.policy.prefill_model().pool_rate(&loads)
+    }
+
     /// Whether `plan`'s first target can start `request` and still have,
     /// for another request, a seat and `extra_blocks` of KV memory free
     /// within `hold_s`, and its prefill start within `hold_s`: the queued

@@ -322,7 +322,7 @@ impl Decision {
     pub(crate) fn prefill_answered(&self, plan: &Plan, at: usize, cached: u64, usage: Usage) {
         let e = self.expected_at(cached, self.known_in(plan.seen.as_ref(), Some(at)));
         let name = &plan.targets[at].name;
-        (self.accounting).usage(&self.labels, name, &e, usage, None);
+        (self.accounting).usage((&self.labels, &self.pool), name, &e, usage, None);
     }
 
     /// What the router knew of the request at target `at` (by position;

@@ -138,8 +138,8 @@ impl Guard {
             if self.status.is_success() && self.expected.prefill_leg.is_none() {
                 match self.usage.usage() {
                     Some((usage, id)) => {
-                        let (labels, name) = (&self.labels, &self.name);
-                        (self.accounting).usage(labels, name, &self.expected, usage, id);
+                        let by = (&self.labels, &*self.pool);
+                        (self.accounting).usage(by, &self.name, &self.expected, usage, id);
                     }
                     None => self.unreported(),
                 }

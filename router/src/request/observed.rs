@@ -15,6 +15,7 @@ use super::missed::{self, Cause};
 use super::recent::Entry;
 use crate::explain::Recorded;
 use crate::metrics::{Model, ModelReason, ModelTenantCause};
+use crate::pool::Pool;
 
 impl Accounting {
     /// What the engine at `endpoint` reported of a request `labels` sent
@@ -22,27 +23,44 @@ impl Accounting {
     /// and its usage counted against what was expected ([`observed`](Self::observed)).
     pub(crate) fn usage(
         &self,
-        labels: &Labels,
+        (labels, pool): (&Labels, &Pool),
         endpoint: &Arc<str>,
         e: &Expected,
         usage: Usage,
         response_id: Option<String>,
     ) {
         self.missed(labels, endpoint, e, usage, response_id.clone());
-        self.observed(labels, e, usage, response_id);
+        self.observed((labels, pool), e, usage, response_id);
     }
 
     /// Counts what the engine reported of a request `labels` sent
-    /// expecting `e` against what was expected, and logs a sustained gap.
-    fn observed(&self, labels: &Labels, e: &Expected, usage: Usage, id: Option<String>) {
+    /// expecting `e` against what was expected, and what its cached tokens
+    /// saved at `pool`'s prefill rate; logs a sustained gap.
+    fn observed(
+        &self,
+        (labels, pool): (&Labels, &Pool),
+        e: &Expected,
+        usage: Usage,
+        id: Option<String>,
+    ) {
         let by = labels.model_tenant();
         let m = &self.metrics;
+        m.observed_requests.get_or_create(&by).inc();
         m.observed_prompt_tokens
             .get_or_create(&by)
             .inc_by(usage.prompt_tokens);
         m.observed_cached_tokens
             .get_or_create(&by)
             .inc_by(usage.cached_tokens);
+        // Every series exists from a model and tenant's first response.
+        let (hits, saved) = (
+            m.requests_with_cache_hit.get_or_create(&by),
+            m.prefill_seconds_saved.get_or_create(&by),
+        );
+        if usage.cached_tokens > 0 {
+            hits.inc();
+            saved.inc_by(usage.cached_tokens as f64 / pool.prefill_rate());
+        }
         let mut gap = self.gap.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now().into_std();
         let model = labels.model.as_str();

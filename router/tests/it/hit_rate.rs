@@ -19,7 +19,7 @@ async fn engines(stack: &Stack, family: &str) -> f64 {
 async fn observed_cached_tokens_equal_the_engines_figures() {
     let stack = Stack::start("observed", 3, true, |_| {}, |_| {}).await;
     stack.wait_live().await;
-    let mut seen = 0;
+    let (mut seen, mut hits) = (0, 0);
     for i in 0..24 {
         let mut body = chat(&long_text(i % 3), &format!("question {i}"), 3);
         match i % 3 {
@@ -43,9 +43,11 @@ async fn observed_cached_tokens_equal_the_engines_figures() {
         } else {
             serde_json::from_str::<Value>(&text).unwrap()["usage"].clone()
         };
-        seen += usage["prompt_tokens_details"]["cached_tokens"]
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap();
+        seen += cached;
+        hits += u64::from(cached > 0);
     }
     let metrics = stack.metrics().await;
     let observed = sum_of(&metrics, "kvroute_observed_cached_tokens_total");
@@ -59,6 +61,16 @@ async fn observed_cached_tokens_equal_the_engines_figures() {
         sum_of(&metrics, "kvroute_observed_prompt_tokens_total"),
         engines(&stack, "vllm:prompt_tokens_total").await
     );
+    // The request hit rate, and the prefill those tokens saved at the
+    // pool's rate (the sims report none: the configured 10,000 a second).
+    assert_eq!(sum_of(&metrics, "kvroute_observed_requests_total"), 24.0);
+    assert!(hits > 0 && hits < 24, "{hits}");
+    assert_eq!(
+        sum_of(&metrics, "kvroute_requests_with_cache_hit_total"),
+        hits as f64
+    );
+    let saved = sum_of(&metrics, "kvroute_prefill_seconds_saved_total");
+    assert!((saved - seen as f64 / 10_000.0).abs() < 1e-9, "{saved}");
     assert!(
         metrics.contains(
             "kvroute_observed_cached_tokens_total{model=\"kvroute-sim\",tenant=\"none\"}"
