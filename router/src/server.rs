@@ -205,6 +205,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     };
     let (admin, admin_addr) = kvroute_telemetry::listen(config.admin_listen).await?;
     let metrics = Arc::new(Metrics::new(cache_metrics));
+    if let Some(p) = &config.telemetry.pricing {
+        let currency = crate::metrics::Currency {
+            currency: p.currency.clone(),
+        };
+        (metrics.engine_hour_cost.get_or_create(&currency)).set(p.engine_hour_cost());
+    }
     let pool = Pool::new(
         settings,
         &config.resilience,

@@ -37,7 +37,7 @@ pub use self::proxy::{DEFAULT_ALLOWED_PATHS, Proxy};
 pub use self::resilience::{HealthCheck, Resilience};
 pub use self::response_cache::{Backend, DEFAULT_THRESHOLD, Embeddings, ResponseCache, Semantic};
 pub use self::routing::{DEFAULT_CONVERSATION_HEADER, Routing};
-pub use self::telemetry::{LogFormat, Telemetry};
+pub use self::telemetry::{LogFormat, Pricing, Telemetry};
 pub use self::tenancy::{ClientSalt, Tenancy, TenancyMode};
 
 /// The longest any duration setting may be, milliseconds: one day. Longer

@@ -30,6 +30,35 @@ pub struct Telemetry {
     /// It tells a client whether another tenant's prompt was cached only
     /// as the engine's own `cached_tokens` does. Default: false.
     pub cache_header: bool,
+    /// What GPUs cost, to show the prefill caching saved in money
+    /// (`kvroute_pricing_engine_hour_cost`). Default: none.
+    pub pricing: Option<Pricing>,
+}
+
+/// `telemetry.pricing`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Pricing {
+    /// What one GPU costs an hour.
+    pub gpu_hour_cost: f64,
+    /// Its currency, as the metric's `currency` label: 1 to 16 ASCII
+    /// letters or digits (`USD`, `EUR`, `credits`).
+    pub currency: String,
+    /// GPUs one engine replica runs on (its tensor- and pipeline-parallel
+    /// size). Default: 1.
+    #[serde(default = "one")]
+    pub gpus_per_engine: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Pricing {
+    /// What one engine costs an hour.
+    pub fn engine_hour_cost(&self) -> f64 {
+        self.gpu_hour_cost * f64::from(self.gpus_per_engine)
+    }
 }
 
 impl Default for Telemetry {
@@ -40,6 +69,7 @@ impl Default for Telemetry {
             otlp_endpoint: None,
             tenant_labels: Vec::new(),
             cache_header: false,
+            pricing: None,
         }
     }
 }

@@ -341,6 +341,30 @@ fn urls_must_be_http_urls_with_a_host() {
 }
 
 #[test]
+fn pricing_is_checked_naming_the_field() {
+    let priced = |p: &str| error_of(&format!("telemetry: {{pricing: {p}}}"));
+    assert_eq!(priced("{gpuHourCost: 2.5, currency: USD}"), "valid");
+    let c: Config = serde_yaml::from_str(
+        "telemetry: {pricing: {gpuHourCost: 2.5, currency: USD, gpusPerEngine: 8}}",
+    )
+    .unwrap();
+    assert_eq!(c.telemetry.pricing.unwrap().engine_hour_cost(), 20.0);
+    assert_eq!(
+        priced("{gpuHourCost: 0, currency: USD}"),
+        "telemetry.pricing.gpuHourCost: must be a positive number (got 0)"
+    );
+    assert_eq!(
+        priced("{gpuHourCost: 1, currency: 'US$'}"),
+        "telemetry.pricing.currency: must be 1 to 16 ASCII letters or digits (got \"US$\")"
+    );
+    assert_eq!(
+        priced("{gpuHourCost: 1, currency: USD, gpusPerEngine: 0}"),
+        "telemetry.pricing.gpusPerEngine: must be at least 1 (got 0)"
+    );
+    assert!(priced("{currency: USD}").contains("missing field `gpuHourCost`"));
+}
+
+#[test]
 fn parameters_a_policy_does_not_have_are_refused() {
     let err = error_of("routing: {policy: {name: round-robin, slack: 2}}");
     assert!(

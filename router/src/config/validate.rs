@@ -331,6 +331,32 @@ impl Config {
                 "is not an http(s) URL with a host",
             ));
         }
+        if let Some(p) = &self.telemetry.pricing {
+            if !(p.gpu_hour_cost.is_finite() && p.gpu_hour_cost > 0.0) {
+                let reason = "must be a positive number";
+                return Err(invalid(
+                    "telemetry.pricing.gpuHourCost",
+                    &p.gpu_hour_cost,
+                    reason,
+                ));
+            }
+            let c = &p.currency;
+            if c.is_empty() || c.len() > 16 || !c.bytes().all(|b| b.is_ascii_alphanumeric()) {
+                let reason = "must be 1 to 16 ASCII letters or digits";
+                return Err(invalid(
+                    "telemetry.pricing.currency",
+                    &format!("{c:?}"),
+                    reason,
+                ));
+            }
+            if p.gpus_per_engine == 0 {
+                return Err(invalid(
+                    "telemetry.pricing.gpusPerEngine",
+                    &0,
+                    "must be at least 1",
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -82,6 +82,13 @@ pub struct ModelReason {
     pub reason: &'static str,
 }
 
+/// `{currency}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Currency {
+    /// `telemetry.pricing.currency`.
+    pub currency: String,
+}
+
 /// `{model}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Model {
@@ -201,6 +208,9 @@ pub struct Metrics {
     pub unreported_prompt_tokens: Family<Model, Counter>,
     /// `kvroute_cache_pressure{model}`, set at each scrape.
     pub cache_pressure: Family<Model, Gauge<f64, AtomicU64>>,
+    /// `kvroute_pricing_engine_hour_cost{currency}`, with
+    /// `telemetry.pricing`.
+    pub engine_hour_cost: Family<Currency, Gauge<f64, AtomicU64>>,
     /// `kvroute_conversation_prompts_total{result}`.
     pub conversation_prompts: Family<Outcome, Counter>,
     /// `kvroute_conversation_evictions_total`.
@@ -273,6 +283,7 @@ impl Metrics {
             routed_elsewhere_tokens: Family::default(),
             unreported_prompt_tokens: Family::default(),
             cache_pressure: Family::default(),
+            engine_hour_cost: Family::default(),
             conversation_prompts: Family::default(),
             conversation_evictions: Counter::default(),
             snapshot_waits_expired: Counter::default(),
@@ -435,6 +446,11 @@ impl Metrics {
             "kvroute_unreported_prompt_tokens",
             "Prompt tokens of successful responses without usage (a stream without stream_options.include_usage, an engine without --enable-prompt-tokens-details): not attributed",
             m.unreported_prompt_tokens.clone(),
+        );
+        r.register(
+            "kvroute_pricing_engine_hour_cost",
+            "What an engine's GPUs cost an hour (telemetry.pricing: gpuHourCost times gpusPerEngine), to price kvroute_prefill_seconds_saved_total",
+            m.engine_hour_cost.clone(),
         );
         r.register(
             "kvroute_cache_pressure",

@@ -17,7 +17,20 @@ async fn engines(stack: &Stack, family: &str) -> f64 {
 
 #[tokio::test]
 async fn observed_cached_tokens_equal_the_engines_figures() {
-    let stack = Stack::start("observed", 3, true, |_| {}, |_| {}).await;
+    let stack = Stack::start(
+        "observed",
+        3,
+        true,
+        |_| {},
+        |c| {
+            c.telemetry.pricing = Some(kvroute_router::config::Pricing {
+                gpu_hour_cost: 2.5,
+                currency: "USD".into(),
+                gpus_per_engine: 2,
+            })
+        },
+    )
+    .await;
     stack.wait_live().await;
     let (mut seen, mut hits) = (0, 0);
     for i in 0..24 {
@@ -71,6 +84,14 @@ async fn observed_cached_tokens_equal_the_engines_figures() {
     );
     let saved = sum_of(&metrics, "kvroute_prefill_seconds_saved_total");
     assert!((saved - seen as f64 / 10_000.0).abs() < 1e-9, "{saved}");
+    // What saved time costs, to price it.
+    assert_eq!(
+        sum_of(
+            &metrics,
+            "kvroute_pricing_engine_hour_cost{currency=\"USD\"}"
+        ),
+        5.0
+    );
     assert!(
         metrics.contains(
             "kvroute_observed_cached_tokens_total{model=\"kvroute-sim\",tenant=\"none\"}"
