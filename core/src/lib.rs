@@ -6,7 +6,8 @@
 //! per-pool occupancy index ([`index`]), load accounting ([`load`]) with the blocks requests in flight
 //! hold ([`pinned`]), the
 //! routing policies ([`policy`]) and what a routing policy
-//! says of a pool, with its defaults ([`spec`]); and the one model of an
+//! says of a pool, with its defaults ([`spec`]); when named prefixes are
+//! warmed and by which router ([`warmup`]); and the one model of an
 //! engine's scheduler ([`engine`]) that the simulator and the replay run.
 //! The router, the replay benchmark and the engine simulator all call this
 //! crate, so a decision made in a benchmark is the decision the router makes.
@@ -31,3 +32,4 @@ pub mod slot;
 pub mod slow_start;
 pub mod spec;
 pub mod tokenize;
+pub mod warmup;

@@ -1,0 +1,369 @@
+//! Warm-ups: each named prefix sent as a one-token request to its owners
+//! once a period, so that other traffic does not evict it. The rules, pure,
+//! with the clock passed in as wall-clock milliseconds: the routers of a
+//! pool agree on periods by the wall clock, not by when each started.
+//!
+//! 1. **Periods.** A prefix's warm-up is due once per period of `every`, at
+//!    its own offset into the period ([`offset_ms`]: its name's hash), so
+//!    the prefixes spread over the period and every router agrees on when
+//!    each falls due, without talking to the others.
+//! 2. **One sender.** Of a pool's routers, the one that sends a prefix's
+//!    warm-up to an owner is the first in the rendezvous order of (prefix,
+//!    owner) over the routers' ids ([`sender`]): one warm-up per prefix,
+//!    owner and period while the routers agree on who they are; one more or
+//!    one fewer in the period their set changes.
+//! 3. **Skips**, per owner, in this order ([`Schedule::decide`]):
+//!    `skipped_busy` (the owner's queue is above the policy's slack: a
+//!    warm-up would delay requests), `skipped_resident` (the owner holds
+//!    the prefix by its engine's reports and a request with it went there
+//!    within the period, which touched it), `skipped_budget` (warm-ups'
+//!    prefill over the last [`BUDGET_WINDOW`] is above `maxShareOfPrefill`
+//!    of all prefill in it; a prefix's first warm-up is always sent).
+//! 4. **Outcome** of one sent ([`outcome`]): `sent` when the engine found
+//!    the prefix cached, `repaired` when it did not (evicted within the
+//!    period: `every` is longer than the time other traffic takes to cycle
+//!    the owner's free blocks), `failed` on an error.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::rendezvous;
+
+/// How far back the budget looks.
+pub const BUDGET_WINDOW: Duration = Duration::from_secs(600);
+/// Its buckets.
+const BUDGET_BUCKETS: u64 = 10;
+
+/// Where in each period of `every_ms` the prefix `name` falls due.
+pub fn offset_ms(name: &str, every_ms: u64) -> u64 {
+    xxh3_64(name.as_bytes()) % every_ms.max(1)
+}
+
+/// The period of `every_ms` that `now_ms` falls in for the prefix `name`:
+/// each begins at its offset ([`offset_ms`]).
+pub fn period(name: &str, every_ms: u64, now_ms: u64) -> u64 {
+    let every = every_ms.max(1);
+    (now_ms + every - offset_ms(name, every)) / every
+}
+
+/// When the period after the one `now_ms` falls in begins, for the prefix
+/// `name`.
+pub fn next_due_ms(name: &str, every_ms: u64, now_ms: u64) -> u64 {
+    let every = every_ms.max(1);
+    period(name, every, now_ms) * every + offset_ms(name, every)
+}
+
+/// Which of the routers `routers` (their ids) sends the warm-up of prefix
+/// `name` to the owner `owner` (its rendezvous id): an index into
+/// `routers`, `None` when there are none.
+pub fn sender(name: &str, owner: u64, routers: &[u64]) -> Option<usize> {
+    let key = xxh3_64_with_seed(name.as_bytes(), owner);
+    rendezvous::rank(key, routers).first().copied()
+}
+
+/// What the router knows of an owner when a warm-up falls due.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Owner {
+    /// Its queue is above the policy's slack.
+    pub busy: bool,
+    /// Its engine reports the prefix's blocks.
+    pub holds: bool,
+    /// When a request starting with the prefix last went there.
+    pub touched_ms: Option<u64>,
+}
+
+/// Whether to send a warm-up to an owner, or why not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Send,
+    SkippedBusy,
+    SkippedResident,
+    SkippedBudget,
+}
+
+/// What a sent warm-up found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The prefix was cached: it was kept warm.
+    Sent,
+    /// It was not: it had been evicted and is cached again.
+    Repaired,
+    /// The engine refused it, or it did not answer.
+    Failed,
+}
+
+impl Verdict {
+    /// The verdict as `kvroute_warmups_total`'s `result`, `None` to send.
+    pub fn as_str(self) -> Option<&'static str> {
+        match self {
+            Verdict::Send => None,
+            Verdict::SkippedBusy => Some("skipped_busy"),
+            Verdict::SkippedResident => Some("skipped_resident"),
+            Verdict::SkippedBudget => Some("skipped_budget"),
+        }
+    }
+}
+
+impl Outcome {
+    /// The outcome as `kvroute_warmups_total`'s `result`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Sent => "sent",
+            Outcome::Repaired => "repaired",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+/// What a warm-up of a `prompt_tokens` prompt with `cached_tokens` cached
+/// found, with blocks of `block_tokens`: the prefix was resident when the
+/// engine found every full block it caches of such a prompt (all but the
+/// last token's block: vLLM always computes the last token).
+pub fn outcome(prompt_tokens: u64, cached_tokens: u64, block_tokens: u64) -> Outcome {
+    let bs = block_tokens.max(1);
+    let cacheable = prompt_tokens.saturating_sub(1) / bs * bs;
+    if cached_tokens >= cacheable {
+        Outcome::Sent
+    } else {
+        Outcome::Repaired
+    }
+}
+
+#[derive(Debug)]
+struct Prefix {
+    name: String,
+    /// The last period its warm-ups were handled in.
+    handled: Option<u64>,
+    /// Whether a warm-up of it was ever sent.
+    sent: bool,
+}
+
+/// The warm-ups of a set of named prefixes: when each falls due, whether
+/// each owner gets one, and the budget. See the module docs.
+#[derive(Debug)]
+pub struct Schedule {
+    every_ms: u64,
+    max_share: f64,
+    prefixes: Vec<Prefix>,
+    /// (bucket start, warm-up prefill tokens, all prefill tokens), oldest
+    /// first.
+    budget: VecDeque<(u64, u64, u64)>,
+}
+
+impl Schedule {
+    /// The prefixes `names`, each warmed once per `every`, warm-ups taking
+    /// at most `max_share` of the prefill.
+    pub fn new(names: impl IntoIterator<Item = String>, every: Duration, max_share: f64) -> Self {
+        Schedule {
+            every_ms: (every.as_millis() as u64).max(1),
+            max_share,
+            prefixes: (names.into_iter())
+                .map(|name| Prefix {
+                    name,
+                    handled: None,
+                    sent: false,
+                })
+                .collect(),
+            budget: VecDeque::new(),
+        }
+    }
+
+    /// The prefix at `i`'s name.
+    pub fn name(&self, i: usize) -> &str {
+        &self.prefixes[i].name
+    }
+
+    /// The prefixes whose warm-ups fall due at `now_ms`: those not yet
+    /// handled in the period it falls in, now marked handled. A prefix
+    /// falls due at once when the schedule starts.
+    pub fn due(&mut self, now_ms: u64) -> Vec<usize> {
+        let every = self.every_ms;
+        let mut due = Vec::new();
+        for (i, p) in self.prefixes.iter_mut().enumerate() {
+            let now = period(&p.name, every, now_ms);
+            if p.handled.is_none_or(|h| h < now) {
+                p.handled = Some(now);
+                due.push(i);
+            }
+        }
+        due
+    }
+
+    /// When the next warm-up falls due after `now_ms`.
+    pub fn next_due_ms(&self, now_ms: u64) -> Option<u64> {
+        (self.prefixes.iter())
+            .map(|p| next_due_ms(&p.name, self.every_ms, now_ms))
+            .min()
+    }
+
+    /// Whether the prefix at `i` is warmed on `owner` at `now_ms` (rule 3).
+    pub fn decide(&mut self, i: usize, owner: Owner, now_ms: u64) -> Verdict {
+        if owner.busy {
+            return Verdict::SkippedBusy;
+        }
+        let touched = |t: u64| now_ms.saturating_sub(t) < self.every_ms;
+        if owner.holds && owner.touched_ms.is_some_and(touched) {
+            return Verdict::SkippedResident;
+        }
+        if self.prefixes[i].sent && !self.within_budget(now_ms) {
+            return Verdict::SkippedBudget;
+        }
+        Verdict::Send
+    }
+
+    /// Whether warm-ups' prefill over the window is within its share.
+    fn within_budget(&mut self, now_ms: u64) -> bool {
+        self.expire(now_ms);
+        let (warm, all) = (self.budget.iter()).fold((0, 0), |(w, a), b| (w + b.1, a + b.2));
+        warm as f64 <= self.max_share * all as f64
+    }
+
+    /// Requests prefilled `tokens` uncached prompt tokens at `now_ms`.
+    pub fn prefilled(&mut self, now_ms: u64, tokens: u64) {
+        self.record(now_ms, 0, tokens);
+    }
+
+    /// A warm-up of the prefix at `i` was sent at `now_ms` and prefilled
+    /// `tokens` (counted in all prefill too).
+    pub fn warmed(&mut self, i: usize, now_ms: u64, tokens: u64) {
+        self.prefixes[i].sent = true;
+        self.record(now_ms, tokens, tokens);
+    }
+
+    fn record(&mut self, now_ms: u64, warm: u64, all: u64) {
+        self.expire(now_ms);
+        let bucket = BUDGET_WINDOW.as_millis() as u64 / BUDGET_BUCKETS;
+        match self.budget.back_mut() {
+            Some((start, w, a)) if now_ms < *start + bucket => {
+                *w += warm;
+                *a += all;
+            }
+            _ => self.budget.push_back((now_ms, warm, all)),
+        }
+    }
+
+    fn expire(&mut self, now_ms: u64) {
+        let window = BUDGET_WINDOW.as_millis() as u64;
+        while (self.budget.front()).is_some_and(|b| now_ms.saturating_sub(b.0) >= window) {
+            self.budget.pop_front();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EVERY: u64 = 240_000;
+
+    #[test]
+    fn a_prefix_falls_due_once_a_period_at_its_own_offset() {
+        let offset = offset_ms("support-v3", EVERY);
+        assert!(offset < EVERY);
+        assert_ne!(offset, offset_ms("support-v4", EVERY), "prefixes spread");
+        let start = 10 * EVERY + offset;
+        assert_eq!(
+            period("support-v3", EVERY, start - 1) + 1,
+            period("support-v3", EVERY, start)
+        );
+        assert_eq!(next_due_ms("support-v3", EVERY, start - 1), start);
+        assert_eq!(next_due_ms("support-v3", EVERY, start), start + EVERY);
+
+        let mut s = Schedule::new(
+            ["support-v3".to_owned()],
+            Duration::from_millis(EVERY),
+            0.02,
+        );
+        let t0 = start + 1000;
+        assert_eq!(s.due(t0), [0], "due at once when the schedule starts");
+        assert!(s.due(t0 + 1).is_empty());
+        assert_eq!(s.next_due_ms(t0), Some(start + EVERY));
+        assert!(s.due(start + EVERY - 1).is_empty());
+        assert_eq!(s.due(start + EVERY), [0]);
+        // A router that was down for three periods sends once, not three
+        // times.
+        assert_eq!(s.due(start + 4 * EVERY + 5), [0]);
+        assert!(s.due(start + 4 * EVERY + 6).is_empty());
+    }
+
+    #[test]
+    fn routers_agree_on_one_sender_per_prefix_and_owner() {
+        let routers: Vec<u64> = ["router-a", "router-b", "router-c"]
+            .iter()
+            .map(|r| rendezvous::endpoint_id(r))
+            .collect();
+        let owners: Vec<u64> = (0..40)
+            .map(|i| rendezvous::endpoint_id(&format!("pod-{i}")))
+            .collect();
+        let mut per_router = [0; 3];
+        for &o in &owners {
+            let s = sender("support-v3", o, &routers).unwrap();
+            per_router[s] += 1;
+            // Whatever order each router lists the others in.
+            let reversed: Vec<u64> = routers.iter().rev().copied().collect();
+            assert_eq!(
+                reversed[sender("support-v3", o, &reversed).unwrap()],
+                routers[s]
+            );
+        }
+        assert!(per_router.iter().all(|&n| n > 0), "{per_router:?}");
+        // A router leaving moves only its own warm-ups.
+        for &o in &owners {
+            let before = routers[sender("support-v3", o, &routers).unwrap()];
+            let after = routers[sender("support-v3", o, &routers[..2]).unwrap()];
+            assert!(before == after || before == routers[2]);
+        }
+        assert_eq!(sender("support-v3", owners[0], &[]), None);
+    }
+
+    #[test]
+    fn skips_busy_then_resident_then_over_budget() {
+        let mut s = Schedule::new(["p".to_owned()], Duration::from_millis(EVERY), 0.1);
+        let t = 1_000_000;
+        let busy = Owner {
+            busy: true,
+            holds: true,
+            touched_ms: Some(t),
+        };
+        assert_eq!(s.decide(0, busy, t), Verdict::SkippedBusy);
+        let resident = Owner {
+            holds: true,
+            touched_ms: Some(t - EVERY + 1),
+            ..Owner::default()
+        };
+        assert_eq!(s.decide(0, resident, t), Verdict::SkippedResident);
+        let untouched = Owner {
+            touched_ms: Some(t - EVERY),
+            ..resident
+        };
+        // The first warm-up goes whatever the budget.
+        s.prefilled(t, 100);
+        assert_eq!(s.decide(0, untouched, t), Verdict::Send);
+        s.warmed(0, t, 1500);
+        // 1,500 of 1,600 prefilled tokens were warm-ups: over 10 %.
+        assert_eq!(s.decide(0, Owner::default(), t), Verdict::SkippedBudget);
+        s.prefilled(t + 1000, 13_400);
+        assert_eq!(s.decide(0, Owner::default(), t + 1000), Verdict::Send);
+        // The window forgets: only the later traffic is left.
+        s.prefilled(t + 60_000, 1000);
+        s.warmed(0, t + 60_000, 1500);
+        assert_eq!(
+            s.decide(0, Owner::default(), t + 600_000),
+            Verdict::SkippedBudget
+        );
+        assert_eq!(s.decide(0, Owner::default(), t + 660_000), Verdict::Send);
+    }
+
+    #[test]
+    fn a_warm_up_that_found_its_prefix_evicted_repaired_it() {
+        // 1,500 tokens in blocks of 16: 93 full blocks, the last token's
+        // block computed anyway.
+        assert_eq!(outcome(1500, 1488, 16), Outcome::Sent);
+        assert_eq!(outcome(1504, 1488, 16), Outcome::Sent);
+        assert_eq!(outcome(1500, 1472, 16), Outcome::Repaired);
+        assert_eq!(outcome(1500, 0, 16), Outcome::Repaired);
+        assert_eq!(outcome(1, 0, 16), Outcome::Sent, "nothing to cache");
+    }
+}
