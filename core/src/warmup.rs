@@ -95,8 +95,8 @@ pub enum Outcome {
 }
 
 impl Verdict {
-    /// The verdict as `kvroute_warmups_total`'s `result`, `None` to send.
-    pub fn as_str(self) -> Option<&'static str> {
+    /// A skip as `kvroute_warmups_total`'s `result`; `None` to send.
+    pub fn skipped(self) -> Option<&'static str> {
         match self {
             Verdict::Send => None,
             Verdict::SkippedBusy => Some("skipped_busy"),

@@ -32,6 +32,7 @@ pub mod telemetry;
 pub mod tenancy;
 pub mod throttle;
 mod upstream;
+mod warmup;
 
 pub use config::Config;
 

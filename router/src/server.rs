@@ -269,6 +269,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Stop::Aborted,
         service.flow.clone().run(pool.clone(), stopped.clone()),
     );
+    if let Some(warmups) = crate::warmup::Warmups::new(service.clone(), &config) {
+        tasks.spawn("warmup", Stop::Aborted, warmups.run());
+    }
     if let Some(semantic) = (service.response_cache.as_ref()).and_then(|c| c.semantic.clone()) {
         tasks.spawn("semantic-check", Stop::Aborted, semantic.run_checks());
     }

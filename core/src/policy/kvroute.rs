@@ -204,6 +204,11 @@ impl Policy for Kvroute {
         "kvroute"
     }
 
+    /// Past the leading blocks many keys share (rule 3).
+    fn placement(&self, request: &Request<'_>, endpoints: usize) -> RoutingKey {
+        placement_key(request, self.shared.depth(request.chain, endpoints))
+    }
+
     fn rank(
         &mut self,
         request: &Request<'_>,

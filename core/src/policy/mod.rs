@@ -194,6 +194,12 @@ pub trait Policy: Send + std::fmt::Debug {
         None
     }
 
+    /// The key a cold `request` is placed by among `endpoints` endpoints
+    /// (their rendezvous order): its own, unless the policy moves it.
+    fn placement(&self, request: &Request<'_>, _endpoints: usize) -> RoutingKey {
+        request.key
+    }
+
     /// `slot` left the pool; forget it.
     fn endpoint_removed(&mut self, _slot: Slot) {}
 

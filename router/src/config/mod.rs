@@ -22,6 +22,7 @@ mod routing;
 mod telemetry;
 mod tenancy;
 mod validate;
+mod warmup;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -39,6 +40,7 @@ pub use self::response_cache::{Backend, DEFAULT_THRESHOLD, Embeddings, ResponseC
 pub use self::routing::{DEFAULT_CONVERSATION_HEADER, Routing};
 pub use self::telemetry::{LogFormat, Pricing, Telemetry};
 pub use self::tenancy::{ClientSalt, Tenancy, TenancyMode};
+pub use self::warmup::{Prefix, Warmup};
 
 /// The longest any duration setting may be, milliseconds: one day. Longer
 /// is a unit slip, and a deadline computed from it could overflow.

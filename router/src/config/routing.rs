@@ -64,6 +64,9 @@ pub struct Routing {
     /// disabled|auto, minUncachedTokens}`. Default: `{mode: disabled,
     /// minUncachedTokens: 256}`.
     pub disaggregation: Disaggregation,
+    /// Named prefixes kept warm on their owners (`docs/warmup.md`).
+    /// Default: none.
+    pub warmup: Option<super::Warmup>,
 }
 
 /// `routing.loraAdapters` as written: every path a YAML string. YAML would
@@ -110,6 +113,7 @@ impl Default for Routing {
             offload_weight: spec.offload_weight,
             slow_start_seconds: spec.slow_start_seconds,
             disaggregation: spec.disaggregation,
+            warmup: None,
         }
     }
 }

@@ -471,3 +471,62 @@ fn the_response_cache_is_off_unless_configured_and_checked_when_it_is() {
         assert!(got.contains(error), "{yaml}: {got}");
     }
 }
+
+#[test]
+fn warmup_is_checked_naming_the_field() {
+    let warm = |w: &str| error_of(&format!("routing: {{warmup: {w}}}"));
+    let one = "prefixes: [{name: support-v3, messages: [{role: system, content: hi}]}]";
+    assert_eq!(warm(&format!("{{{one}}}")), "valid");
+    let c: Config = serde_yaml::from_str(&format!("routing: {{warmup: {{{one}}}}}")).unwrap();
+    let w = c.routing.warmup.unwrap();
+    assert_eq!(
+        (w.every_seconds, w.owners, w.max_share_of_prefill),
+        (240, 1, 0.02)
+    );
+    for (yaml, error) in [
+        (
+            format!("{{everySeconds: 0, {one}}}"),
+            "routing.warmup.everySeconds: must be at least 1 (got 0)",
+        ),
+        (
+            format!("{{owners: 0, {one}}}"),
+            "routing.warmup.owners: must be at least 1 (got 0)",
+        ),
+        (
+            format!("{{maxShareOfPrefill: 0, {one}}}"),
+            "routing.warmup.maxShareOfPrefill: must be in (0, 1] (got 0)",
+        ),
+        (
+            "{prefixes: []}".into(),
+            "routing.warmup.prefixes: must name 1 to 64 prefixes (got 0)",
+        ),
+        (
+            "{prefixes: [{name: a, prompt: x}, {name: a, prompt: y}]}".into(),
+            "routing.warmup.prefixes[].name: is named twice (got a)",
+        ),
+        (
+            "{prefixes: [{name: 'a b', prompt: x}]}".into(),
+            "routing.warmup.prefixes[].name: must be 1 to 63 letters, digits, '.', '_' or '-' (got \"a b\")",
+        ),
+        (
+            "{prefixes: [{name: a, prompt: x, messages: [{role: user, content: y}]}]}".into(),
+            "routing.warmup.prefixes[].messages: give exactly one of messages and prompt (got a)",
+        ),
+        (
+            "{prefixes: [{name: a}]}".into(),
+            "routing.warmup.prefixes[].messages: give exactly one of messages and prompt (got a)",
+        ),
+        (
+            "{prefixes: [{name: a, configMapRef: {name: prompts, key: support}}]}".into(),
+            "routing.warmup.prefixes[].configMapRef: needs the operator: give messages or prompt (got a)",
+        ),
+    ] {
+        assert_eq!(warm(&yaml), error, "{yaml}");
+    }
+    let salted = "tenancy: {mode: salted, tenantHeader: x-tenant, secretFile: /s}\nrouting: {warmup: {prefixes: [{name: a, prompt: x}]}}";
+    assert_eq!(
+        error_of(salted),
+        "routing.warmup.prefixes[].tenant: is required under salted tenancy (got a)"
+    );
+    assert!(warm("{prefixes: [{name: a, prompt: x, tenat: b}]}").contains("unknown field `tenat`"));
+}

@@ -16,6 +16,9 @@ impl Config {
         self.validate_counts()?;
         self.validate_urls()?;
         self.flow_control.validate()?;
+        if let Some(w) = &self.routing.warmup {
+            w.validate(self.tenancy.mode == TenancyMode::Salted)?;
+        }
         super::flow::validate_objectives(&self.objectives)?;
         let l = &self.limits;
         for (set, field, instead) in [

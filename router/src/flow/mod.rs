@@ -190,6 +190,12 @@ impl Gate {
         }
     }
 
+    /// The longest wait before its prefill a request is sent with at once
+    /// (`flowControl.holdAboveMs`), seconds.
+    pub(crate) fn hold_s(&self) -> f64 {
+        self.hold_s
+    }
+
     /// Whether requests are held here (`flowControl.enabled`).
     pub(crate) fn enabled(&self) -> bool {
         self.enabled

@@ -208,6 +208,8 @@ pub struct Metrics {
     pub unreported_prompt_tokens: Family<Model, Counter>,
     /// `kvroute_cache_pressure{model}`, set at each scrape.
     pub cache_pressure: Family<Model, Gauge<f64, AtomicU64>>,
+    /// Warm-ups' (`routing.warmup`).
+    pub(crate) warmup: crate::warmup::WarmupMetrics,
     /// `kvroute_pricing_engine_hour_cost{currency}`, with
     /// `telemetry.pricing`.
     pub engine_hour_cost: Family<Currency, Gauge<f64, AtomicU64>>,
@@ -284,6 +286,7 @@ impl Metrics {
             unreported_prompt_tokens: Family::default(),
             cache_pressure: Family::default(),
             engine_hour_cost: Family::default(),
+            warmup: Default::default(),
             conversation_prompts: Family::default(),
             conversation_evictions: Counter::default(),
             snapshot_waits_expired: Counter::default(),
@@ -475,6 +478,7 @@ impl Metrics {
         m.response_cache.register(r);
         m.flow.register(r);
         m.split.register(r);
+        m.warmup.register(r);
         m
     }
 }

@@ -44,7 +44,7 @@ pub use endpoints::{EndpointSpec, Stream, StreamState, Streams};
 pub use engines::SNAPSHOT_CHUNK;
 pub use health::HealthEvents;
 pub use outliers::{Event, Fault, Restore};
-pub use routing::{InFlight, Leg, Lost, Plan, Seen, Target};
+pub use routing::{InFlight, Leg, Lost, Plan, PrefixOwner, Seen, Target};
 pub use startup::{GaveUp, Waiting};
 pub use status::{EndpointStatus, TierStats};
 

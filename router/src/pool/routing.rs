@@ -62,6 +62,16 @@ impl Leg {
     }
 }
 
+/// An owner of a named prefix ([`Pool::owners`]).
+#[derive(Clone, Debug)]
+pub struct PrefixOwner {
+    pub target: Target,
+    /// Leading blocks of the prefix its engine reports.
+    pub held_blocks: u32,
+    /// Whether a warm-up there would wait or delay requests.
+    pub busy: bool,
+}
+
 /// Where a request should go, in order.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -380,6 +390,39 @@ impl Pool {
             .prefill_model()
             .ttft_s(&load, uncached_tokens, blocks, now());
         std::time::Duration::try_from_secs_f64(s).unwrap_or(std::time::Duration::MAX)
+    }
+
+    /// The owners of the prefix `request` (a warm-up's, [`crate::warmup`]):
+    /// the first `n` routable endpoints in the rendezvous order of the key
+    /// the policy places such a request by, among the prefill-capable
+    /// endpoints when the pool has `prefill` ones, else the decode-capable.
+    /// Each with the leading blocks of its chain its engine reports, and
+    /// whether it is busy: at its concurrency limit, or its prefill queue
+    /// predicted longer than `busy_s`.
+    pub fn owners(&self, request: &Request<'_>, n: usize, busy_s: f64) -> Vec<PrefixOwner> {
+        let inner = self.lock();
+        let now = now();
+        let split = (inner.members.values()).any(|m| m.spec.role == Role::Prefill);
+        let leg = if split { Leg::Prefill } else { Leg::Decode };
+        let (endpoints, targets) = inner.candidates(now, &|_| true, leg);
+        let key = inner.policy.placement(request, endpoints.len());
+        let ids: Vec<u64> = endpoints.iter().map(|e| e.id).collect();
+        let mut by_slot = Vec::new();
+        if inner.exact {
+            inner.index.longest_prefix(request.chain, &mut by_slot);
+        }
+        let model = inner.settings.policy.prefill_model();
+        let ranked = kvroute_core::rendezvous::rank(key.0, &ids);
+        (ranked.into_iter().take(n))
+            .map(|i| {
+                let load = &endpoints[i].load;
+                PrefixOwner {
+                    held_blocks: by_slot.get(endpoints[i].slot.index()).copied().unwrap_or(0),
+                    busy: load.in_flight >= self.concurrency || model.queued_s(load, now) > busy_s,
+                    target: targets[i].clone(),
+                }
+            })
+            .collect()
     }
 
     /// The pool's prefill rate, tokens per second: the median of the

@@ -11,6 +11,7 @@
 //! Not here: admitting, reading and planning a request ([`super::Service`]).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,6 +49,9 @@ pub struct Accounting {
     pub(super) hang: hang::Deadline,
     /// Per-request warnings, throttled per endpoint and reason.
     pub(crate) warnings: Warnings,
+    /// Prompt tokens the engines computed (prompt − cached) in responses
+    /// with usage: all prefill, for the warm-ups' budget.
+    pub(crate) prefilled: AtomicU64,
 }
 
 impl Accounting {
@@ -67,6 +71,7 @@ impl Accounting {
             cache_header: config.telemetry.cache_header,
             hang: hang::Deadline::new(&config.resilience, &config.limits),
             warnings: Warnings::default(),
+            prefilled: AtomicU64::new(0),
         }
     }
 
@@ -77,7 +82,7 @@ impl Accounting {
 
     /// `tenant` as a metric label: a tenant of the API-key map or of
     /// `telemetry.tenantLabels`, `none` without one, else `other`.
-    pub(super) fn tenant_label(&self, tenant: Option<&str>) -> String {
+    pub(crate) fn tenant_label(&self, tenant: Option<&str>) -> String {
         match tenant {
             None => "none".into(),
             Some(t) if self.tenant_labels.contains(t) => t.into(),

@@ -300,6 +300,28 @@ impl Service {
         Ok(())
     }
 
+    /// Reads a warm-up's body `bytes` to `path` as a request from `tenant`
+    /// would be read ([`crate::warmup`]): salted, keyed and hashed alike,
+    /// counted nowhere.
+    pub(crate) async fn read_warmup(
+        self: &Arc<Self>,
+        path: &str,
+        bytes: Bytes,
+        tenant: Option<String>,
+    ) -> Result<Analysis, ApiError> {
+        let mut model = String::new();
+        let headers = HeaderMap::new();
+        (self.analyze(
+            path,
+            &headers,
+            (tenant, None),
+            bytes,
+            Scope::Whole,
+            &mut model,
+        ))
+        .await
+    }
+
     /// Admits a request and reads it, as [`decide`](Self::decide) and
     /// [`explain`](Self::explain) do.
     async fn read(self: &Arc<Self>, ask: Ask<'_>, purpose: Purpose) -> Result<Read, ApiError> {

@@ -4,6 +4,7 @@
 //! `GET /debug/requests/{id}`, all kept by the [`Accounting`].
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
@@ -46,6 +47,8 @@ impl Accounting {
         let by = labels.model_tenant();
         let m = &self.metrics;
         m.observed_requests.get_or_create(&by).inc();
+        let computed = usage.prompt_tokens.saturating_sub(usage.cached_tokens);
+        self.prefilled.fetch_add(computed, Ordering::Relaxed);
         m.observed_prompt_tokens
             .get_or_create(&by)
             .inc_by(usage.prompt_tokens);

@@ -32,3 +32,4 @@ mod shared_prefix;
 mod startup;
 mod support;
 mod tls;
+mod warmup;

@@ -1,0 +1,289 @@
+//! Warm-ups (`routing.warmup`, `docs/warmup.md`): each named prefix sent
+//! to its owners once a period as a one-token request, so that other
+//! traffic does not evict it. When each falls due, who gets one and what it
+//! found are the core's rules ([`kvroute_core::warmup`]); here they are
+//! run: the prefix is read as a request from its tenant would be (salted,
+//! keyed and hashed alike, [`Service::read_warmup`]), its owners are the
+//! first ready endpoints in the rendezvous order the policy places it by
+//! ([`Pool::owners`]), and each warm-up is sent straight to its owner.
+//!
+//! Warm-ups are not requests: they are counted in `kvroute_warmups_total`
+//! and `kvroute_warmup_prefill_tokens_total` only, never held by flow
+//! control, and not in the request counters, hit rates or missed-token
+//! causes. Each router sends warm-ups for the endpoints it routes to: run
+//! warm-ups on one router of a pool, or accept one per router.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::Request;
+use kvroute_core::warmup::{self, Outcome, Schedule};
+use kvroute_telemetry::throttle::Throttle;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+
+use crate::config::{Config, Prefix, Warmup};
+use crate::metrics::ModelTenant;
+use crate::pool::PrefixOwner;
+use crate::request::Service;
+use crate::request::hit_rate::Usage;
+use crate::upstream::{Upstream, upstream};
+
+/// How long a warm-up may take.
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// The most of a warm-up's answer read.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+/// A prefix's failures are logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// `{prefix,result}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PrefixResult {
+    prefix: String,
+    result: &'static str,
+}
+
+/// Warm-ups' metrics.
+#[derive(Debug, Default)]
+pub(crate) struct WarmupMetrics {
+    warmups: Family<PrefixResult, Counter>,
+    prefill_tokens: Family<ModelTenant, Counter>,
+}
+
+impl WarmupMetrics {
+    /// Registers the families in `r`.
+    pub(crate) fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvroute_warmups",
+            "Warm-ups of routing.warmup's named prefixes per owner, by result: sent (the prefix was resident), repaired (it was not: everySeconds is too long for the traffic), skipped_busy, skipped_resident, skipped_budget, failed",
+            self.warmups.clone(),
+        );
+        r.register(
+            "kvroute_warmup_prefill_tokens",
+            "Prompt tokens warm-ups made the engines compute (prompt minus cached), by model and tenant: their cost",
+            self.prefill_tokens.clone(),
+        );
+    }
+}
+
+/// The warm-up task of one router.
+pub(crate) struct Warmups {
+    service: Arc<Service>,
+    config: Warmup,
+    schedule: Schedule,
+    /// The flow gate's `holdAboveMs`: an owner whose queue is longer is
+    /// busy.
+    busy_s: f64,
+    client: Upstream,
+    /// All prefill counted into the budget so far.
+    prefilled: u64,
+    /// Each prefix's owners in its last period: a warm-up that finds its
+    /// prefix gone from one of them repaired it; a new owner's first is
+    /// `sent`.
+    last_owners: Vec<Vec<Arc<str>>>,
+    failures: Throttle<usize>,
+}
+
+impl Warmups {
+    /// The warm-ups `config` asks for, `None` without `routing.warmup`.
+    pub(crate) fn new(service: Arc<Service>, config: &Config) -> Option<Self> {
+        let w = config.routing.warmup.clone()?;
+        let schedule = Schedule::new(
+            w.prefixes.iter().map(|p| p.name.clone()),
+            Duration::from_secs(w.every_seconds),
+            w.max_share_of_prefill,
+        );
+        Some(Warmups {
+            busy_s: service.flow.hold_s(),
+            client: upstream(&config.limits),
+            last_owners: vec![Vec::new(); w.prefixes.len()],
+            config: w,
+            schedule,
+            service,
+            prefilled: 0,
+            failures: Throttle::new(LOG_EVERY),
+        })
+    }
+
+    /// Runs until the router stops: each prefix's warm-ups when they fall
+    /// due.
+    pub(crate) async fn run(mut self) {
+        // The first warm-ups wait for an endpoint to send them to.
+        let mut ready = self.service.pool.ready();
+        let _ = ready.wait_for(|&n| n > 0).await;
+        loop {
+            let now = wall_ms();
+            for i in self.schedule.due(now) {
+                self.warm(i, now).await;
+            }
+            let next = self.schedule.next_due_ms(now).unwrap_or(u64::MAX);
+            let wait = next.saturating_sub(wall_ms());
+            tokio::time::sleep(Duration::from_millis(wait.min(3_600_000))).await;
+        }
+    }
+
+    /// The warm-ups of the prefix at `i`, due at `now`.
+    async fn warm(&mut self, i: usize, now: u64) {
+        let prefix = self.config.prefixes[i].clone();
+        let all = self.service.accounting.prefilled.load(Ordering::Relaxed);
+        self.schedule
+            .prefilled(now, all.saturating_sub(self.prefilled));
+        self.prefilled = all;
+        let read = match self.read(&prefix).await {
+            Ok(read) => read,
+            Err(e) => return self.failed(i, &prefix, None, &e),
+        };
+        let (path, model, analysis) = read;
+        let request = analysis.request();
+        let pool = self.service.pool.clone();
+        let n = self.config.owners as usize;
+        let block_tokens = analysis.block_tokens.max(1);
+        let full = analysis.prompt_tokens.saturating_sub(1) / block_tokens;
+        let owners = pool.owners(&request, n, self.busy_s);
+        let last = std::mem::replace(
+            &mut self.last_owners[i],
+            owners.iter().map(|o| o.target.name.clone()).collect(),
+        );
+        for owner in owners {
+            let view = warmup::Owner {
+                busy: owner.busy,
+                holds: u64::from(owner.held_blocks) >= full && full > 0,
+                touched_ms: None,
+            };
+            if let Some(skipped) = self.schedule.decide(i, view, now).skipped() {
+                self.count(&prefix, skipped);
+                continue;
+            }
+            let held = u64::from(owner.held_blocks) * block_tokens;
+            let uncached = analysis.prompt_tokens.saturating_sub(held);
+            let load = pool.hold(&owner.target, analysis.prompt_tokens, uncached);
+            let sent = self.send(path, &analysis.bytes, &owner, &prefix).await;
+            drop(load);
+            let usage = match sent {
+                Ok(usage) => usage,
+                Err(e) => {
+                    self.failed(i, &prefix, Some(&owner), &e);
+                    continue;
+                }
+            };
+            let (prompt, cached) = (usage.prompt_tokens, usage.cached_tokens);
+            self.schedule.warmed(i, now, prompt.saturating_sub(cached));
+            self.count_tokens(&prefix, &model, prompt.saturating_sub(cached));
+            // A new owner's first warm-up found nothing to keep.
+            let result = if last.contains(&owner.target.name) {
+                warmup::outcome(prompt, cached, block_tokens)
+            } else {
+                Outcome::Sent
+            };
+            self.count(&prefix, result.as_str());
+        }
+    }
+
+    /// The path, the model and the reading of the prefix's warm-up.
+    async fn read(
+        &self,
+        prefix: &Prefix,
+    ) -> Result<(&'static str, String, crate::prompt::Analysis), String> {
+        let model = match &prefix.model {
+            Some(m) => m.clone(),
+            None => {
+                let models = self.service.models().await;
+                let mut base = (models.ids.iter()).filter(|m| !models.adapters.contains_key(*m));
+                match (base.next(), base.next()) {
+                    (Some(m), None) => m.clone(),
+                    _ => return Err("set its model: the endpoints do not serve exactly one".into()),
+                }
+            }
+        };
+        let (path, body) = prefix.request(&model);
+        let bytes = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+        let analysis = (self
+            .service
+            .read_warmup(path, bytes, prefix.tenant.clone())
+            .await)
+            .map_err(|e| e.to_string())?;
+        Ok((path, model, analysis))
+    }
+
+    /// Sends a warm-up `body` to `path` at `owner`: the engine's usage.
+    async fn send(
+        &self,
+        path: &str,
+        body: &Bytes,
+        owner: &PrefixOwner,
+        prefix: &Prefix,
+    ) -> Result<Usage, String> {
+        let request = Request::post(format!("http://{}{path}", owner.target.http))
+            .header("content-type", "application/json")
+            .header("x-request-id", format!("warmup-{}", prefix.name))
+            .body(Full::new(body.clone()))
+            .map_err(|e| e.to_string())?;
+        let answer = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = response.status();
+            let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+                .collect()
+                .await;
+            let body = body.map_err(|e| e.to_string())?.to_bytes();
+            if !status.is_success() {
+                let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+                return Err(format!("answered {status}: {text}"));
+            }
+            let answer: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+            let usage = &answer["usage"];
+            Ok(Usage {
+                prompt_tokens: (usage["prompt_tokens"].as_u64())
+                    .ok_or("its answer has no usage")?,
+                cached_tokens: (usage["prompt_tokens_details"]["cached_tokens"].as_u64())
+                    .unwrap_or(0),
+            })
+        };
+        tokio::time::timeout(TIMEOUT, answer)
+            .await
+            .unwrap_or_else(|_| Err("no answer in time".into()))
+    }
+
+    /// Counts a failed warm-up of the prefix at `i` and logs it, at most
+    /// once a minute per prefix.
+    fn failed(&mut self, i: usize, prefix: &Prefix, owner: Option<&PrefixOwner>, error: &str) {
+        self.count(prefix, Outcome::Failed.as_str());
+        let now = tokio::time::Instant::now().into_std();
+        if let Some(times) = self.failures.admit(i, now) {
+            let endpoint = owner.map(|o| o.target.name.to_string()).unwrap_or_default();
+            tracing::warn!(prefix = %prefix.name, endpoint, error, times, "warm-up failed");
+        }
+    }
+
+    fn count(&self, prefix: &Prefix, result: &'static str) {
+        let labels = PrefixResult {
+            prefix: prefix.name.clone(),
+            result,
+        };
+        let metrics = &self.service.accounting.metrics.warmup;
+        metrics.warmups.get_or_create(&labels).inc();
+    }
+
+    fn count_tokens(&self, prefix: &Prefix, model: &str, tokens: u64) {
+        let accounting = &self.service.accounting;
+        let by = ModelTenant {
+            model: model.to_owned(),
+            tenant: accounting.tenant_label(prefix.tenant.as_deref()),
+        };
+        (accounting.metrics.warmup.prefill_tokens.get_or_create(&by)).inc_by(tokens);
+    }
+}
+
+fn wall_ms() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| d.as_millis() as u64)
+}

@@ -1,0 +1,124 @@
+//! Warm-ups (`routing.warmup`) over engine sims: a named prefix is sent to
+//! its owner once a period as its tenant's request would be (salted,
+//! keyed), not counted as a request; the owner then serves that tenant's
+//! requests with the prefix cached; the budget skips warm-ups when they
+//! would be too large a share of the prefill.
+
+use std::time::Duration;
+
+use kvroute_router::config::{Header, Prefix, TenancyMode, Warmup};
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+/// A router over three sims warming `support-v3` (for tenant `acme`,
+/// salted) every second, warm-ups at most `share` of the prefill.
+async fn warmed(name: &str, share: f64) -> Stack {
+    let dir = temp_dir(&format!("{name}-secret"));
+    std::fs::write(dir.join("secret"), "s3cret").unwrap();
+    let stack = Stack::start(
+        name,
+        3,
+        true,
+        |_| {},
+        |c| {
+            c.tenancy.mode = TenancyMode::Salted;
+            c.tenancy.tenant_header = Some(Header::from_static("x-tenant"));
+            c.tenancy.secret_file = Some(dir.join("secret"));
+            c.routing.warmup = Some(Warmup {
+                every_seconds: 1,
+                max_share_of_prefill: share,
+                prefixes: vec![Prefix {
+                    name: "support-v3".into(),
+                    model: None,
+                    tenant: Some("acme".into()),
+                    messages: Some(vec![json!({"role": "system", "content": long_text(7)})]),
+                    prompt: None,
+                    config_map_ref: None,
+                }],
+                ..Warmup::default()
+            });
+        },
+    )
+    .await;
+    stack.wait_live().await;
+    stack
+}
+
+fn warmups(metrics: &str, result: &str) -> f64 {
+    sum_of(
+        metrics,
+        &format!("kvroute_warmups_total{{prefix=\"support-v3\",result=\"{result}\"}}"),
+    )
+}
+
+/// Requests each sim served.
+async fn served(stack: &Stack) -> Vec<f64> {
+    let mut n = Vec::new();
+    for sim in &stack.sims {
+        let text = get_text(&format!("http://{}/metrics", sim.http_addr)).await;
+        n.push(sum_of(&text, "vllm:request_success_total"));
+    }
+    n
+}
+
+#[tokio::test]
+async fn a_named_prefix_is_kept_warm_on_its_owner_for_its_tenant() {
+    let stack = warmed("warmup", 1.0).await;
+    let metrics = kvroute_testkit::eventually("three periods", Duration::from_secs(20), || async {
+        let metrics = stack.metrics().await;
+        (warmups(&metrics, "sent") >= 3.0).then_some(metrics)
+    })
+    .await;
+    // Warm-ups are no requests, and the prefix stayed resident.
+    assert_eq!(sum_of(&metrics, "kvroute_requests_total"), 0.0, "{metrics}");
+    assert_eq!(warmups(&metrics, "repaired"), 0.0);
+    assert_eq!(warmups(&metrics, "failed"), 0.0);
+    let cost = sum_of(&metrics, "kvroute_warmup_prefill_tokens_total");
+    assert!(cost > 0.0, "{metrics}");
+    // One owner got them all.
+    let served = served(&stack).await;
+    let owner = served.iter().position(|&n| n > 0.0).unwrap();
+    assert_eq!(served.iter().filter(|&&n| n > 0.0).count(), 1, "{served:?}");
+
+    // Its tenant's request with the prefix goes there and finds it cached;
+    // another tenant's finds nothing (salted).
+    let ask = |tenant: &'static str| {
+        let body = chat(&long_text(7), "how do I reset my password?", 2);
+        let r = stack.client.post(stack.url("/v1/chat/completions"));
+        r.header("x-tenant", tenant).json(&body).send()
+    };
+    let r = ask("acme").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let endpoint = r.headers()["x-kvroute-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(endpoint, format!("sim-{owner}"));
+    let done: Value = r.json().await.unwrap();
+    let cached = done["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 1000, "{done}");
+    let other: Value = ask("globex").await.unwrap().json().await.unwrap();
+    assert_eq!(
+        other["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{other}"
+    );
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn past_the_budget_warm_ups_are_skipped_but_the_first() {
+    // No other traffic: every warm-up after the first would be all of the
+    // prefill.
+    let stack = warmed("warmup-budget", 0.02).await;
+    let metrics =
+        kvroute_testkit::eventually("a skipped period", Duration::from_secs(20), || async {
+            let metrics = stack.metrics().await;
+            (warmups(&metrics, "skipped_budget") >= 1.0).then_some(metrics)
+        })
+        .await;
+    assert_eq!(warmups(&metrics, "sent"), 1.0, "{metrics}");
+    stack.stop().await;
+}
