@@ -7,7 +7,9 @@
 //!
 //! With `--request-id ID`, it shows instead where a served request's
 //! missed prompt tokens went (`GET /debug/requests/{id}`): the id is the
-//! request's `x-request-id` or the engine's response `id`.
+//! request's `x-request-id` or the engine's response `id`. With `--prefix
+//! NAME`, a warmed prefix's last period (`GET /debug/warmup`): its owners,
+//! whether each held it, and what its warm-up did there.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -42,6 +44,10 @@ pub struct ExplainArgs {
     /// last 1024).
     #[arg(long, conflicts_with = "body")]
     request_id: Option<String>,
+    /// Show a named prefix of the router's `routing.warmup` instead: its
+    /// owners, whether each held it, its last warm-up there.
+    #[arg(long, conflicts_with_all = ["body", "request_id"])]
+    prefix: Option<String>,
     /// The request body (JSON): a file, or - for standard input.
     #[arg(default_value = "-")]
     body: PathBuf,
@@ -61,6 +67,11 @@ pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
     if let Some(id) = &args.request_id {
         return recorded(args, id, out);
     }
+    if let Some(name) = &args.prefix {
+        let url = format!("{}/debug/warmup", args.admin.trim_end_matches('/'));
+        let render = |v: &Value| render_prefix(v, name);
+        return ask(args, &url, None, "warm-up status", &render, out);
+    }
     let body = if args.body.as_os_str() == "-" {
         let mut body = String::new();
         std::io::stdin()
@@ -78,7 +89,8 @@ pub fn run(args: &ExplainArgs, out: &mut impl Write) -> anyhow::Result<()> {
         .collect();
     let request = json!({"path": args.path, "headers": headers, "body": body});
     let url = format!("{}/debug/explain", args.admin.trim_end_matches('/'));
-    ask(args, &url, Some(request), "explanation", render, out)
+    let render = |v: &Explanation| Ok(render(v));
+    ask(args, &url, Some(request), "explanation", &render, out)
 }
 
 /// Asks the router's admin port at `url` (a POST of `body` when given,
@@ -89,7 +101,7 @@ fn ask<T: serde::de::DeserializeOwned>(
     url: &str,
     body: Option<Value>,
     what: &str,
-    render: fn(&T) -> String,
+    render: &dyn Fn(&T) -> anyhow::Result<String>,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -122,7 +134,7 @@ fn ask<T: serde::de::DeserializeOwned>(
     } else {
         let answer: T = serde_json::from_value(value)
             .with_context(|| format!("{url} answered with no {what}: {answer}"))?;
-        out.write_all(render(&answer).as_bytes())?;
+        out.write_all(render(&answer)?.as_bytes())?;
     }
     Ok(())
 }
@@ -134,14 +146,50 @@ fn recorded(args: &ExplainArgs, id: &str, out: &mut impl Write) -> anyhow::Resul
     url.path_segments_mut()
         .map_err(|()| anyhow::anyhow!("--admin {} is not an http URL", args.admin))?
         .extend(["debug", "requests", id]);
-    ask(
-        args,
-        url.as_str(),
-        None,
-        "request record",
-        render_recorded,
-        out,
-    )
+    let render = |r: &Recorded| Ok(render_recorded(r));
+    ask(args, url.as_str(), None, "request record", &render, out)
+}
+
+/// The prefix `name` of `/debug/warmup`'s answer `v`, for people.
+fn render_prefix(v: &Value, name: &str) -> anyhow::Result<String> {
+    let prefixes = v["prefixes"].as_array().cloned().unwrap_or_default();
+    let Some(p) = prefixes.iter().find(|p| p["name"] == name) else {
+        let names: Vec<&str> = prefixes.iter().filter_map(|p| p["name"].as_str()).collect();
+        bail!("the router warms no prefix {name:?}; it warms {names:?}");
+    };
+    let when = |field: &str| match p[field].as_u64() {
+        Some(ms) => {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+            let now = now.map_or(0, |d| d.as_millis() as i128);
+            format!("{:+.1} s", (i128::from(ms) - now) as f64 / 1000.0)
+        }
+        None => "-".into(),
+    };
+    let mut s = String::new();
+    let _ = writeln!(s, "prefix    {name}, {} tokens", p["prompt_tokens"]);
+    let _ = writeln!(
+        s,
+        "due       last {}, next {}",
+        when("last_due_unix_ms"),
+        when("next_due_unix_ms")
+    );
+    if let Some(e) = p["error"].as_str() {
+        let _ = writeln!(s, "error     {e}");
+    }
+    for o in p["owners"].as_array().into_iter().flatten() {
+        let resident = if o["resident"] == true {
+            "resident"
+        } else {
+            "not resident"
+        };
+        let _ = writeln!(
+            s,
+            "owner     {:<24} {resident:<13} last warm-up: {}",
+            o["endpoint"].as_str().unwrap_or("-"),
+            o["result"].as_str().unwrap_or("-")
+        );
+    }
+    Ok(s)
 }
 
 /// A request's record for people.

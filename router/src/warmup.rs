@@ -13,8 +13,8 @@
 //! causes. Each router sends warm-ups for the endpoints it routes to: run
 //! warm-ups on one router of a pool, or accept one per router.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -26,11 +26,13 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use serde::Serialize;
 use serde_json::Value;
 
 use crate::config::{Config, Prefix, Warmup};
 use crate::metrics::ModelTenant;
 use crate::pool::PrefixOwner;
+use crate::prompt::Analysis;
 use crate::request::Service;
 use crate::request::hit_rate::Usage;
 use crate::upstream::{Upstream, upstream};
@@ -69,6 +71,63 @@ impl WarmupMetrics {
             "Prompt tokens warm-ups made the engines compute (prompt minus cached), by model and tenant: their cost",
             self.prefill_tokens.clone(),
         );
+    }
+}
+
+/// What each prefix's warm-ups did in its last period: `GET /debug/warmup`
+/// and `kvroute explain --prefix`.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Statuses(Arc<Mutex<Vec<PrefixStatus>>>);
+
+/// One prefix's last period.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefixStatus {
+    pub name: String,
+    /// When its warm-ups last fell due, and fall due next, Unix ms.
+    pub last_due_unix_ms: Option<u64>,
+    pub next_due_unix_ms: Option<u64>,
+    /// Its tokens, as its warm-up is read.
+    pub prompt_tokens: u64,
+    /// Its owners then, best first.
+    pub owners: Vec<OwnerStatus>,
+    /// Why it could not be read, if it could not.
+    pub error: Option<String>,
+}
+
+/// One owner in a prefix's last period.
+#[derive(Clone, Debug, Serialize)]
+pub struct OwnerStatus {
+    pub endpoint: String,
+    /// Whether its engine reported the prefix's blocks before the warm-up.
+    pub resident: bool,
+    /// `kvroute_warmups_total`'s result.
+    pub result: &'static str,
+}
+
+impl Statuses {
+    /// Empty statuses for `routing.warmup`'s prefixes, `None` without.
+    pub(crate) fn of(config: &Config) -> Option<Self> {
+        let w = config.routing.warmup.as_ref()?;
+        let each = (w.prefixes.iter()).map(|p| PrefixStatus {
+            name: p.name.clone(),
+            last_due_unix_ms: None,
+            next_due_unix_ms: None,
+            prompt_tokens: 0,
+            owners: Vec::new(),
+            error: None,
+        });
+        Some(Statuses(Arc::new(Mutex::new(each.collect()))))
+    }
+
+    /// Every prefix's.
+    pub(crate) fn get(&self) -> Vec<PrefixStatus> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, i: usize, status: PrefixStatus) {
+        if let Some(s) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get_mut(i) {
+            *s = status;
+        }
     }
 }
 
@@ -132,64 +191,94 @@ impl Warmups {
     async fn warm(&mut self, i: usize, now: u64) {
         let prefix = self.config.prefixes[i].clone();
         let all = self.service.accounting.prefilled.load(Ordering::Relaxed);
-        self.schedule
-            .prefilled(now, all.saturating_sub(self.prefilled));
+        (self.schedule).prefilled(now, all.saturating_sub(self.prefilled));
         self.prefilled = all;
-        let read = match self.read(&prefix).await {
-            Ok(read) => read,
-            Err(e) => return self.failed(i, &prefix, None, &e),
+        let every_ms = self.config.every_seconds * 1000;
+        let mut status = PrefixStatus {
+            name: prefix.name.clone(),
+            last_due_unix_ms: Some(now),
+            next_due_unix_ms: Some(warmup::next_due_ms(&prefix.name, every_ms, now)),
+            prompt_tokens: 0,
+            owners: Vec::new(),
+            error: None,
         };
-        let (path, model, analysis) = read;
-        let request = analysis.request();
-        let pool = self.service.pool.clone();
-        let n = self.config.owners as usize;
-        let block_tokens = analysis.block_tokens.max(1);
-        let full = analysis.prompt_tokens.saturating_sub(1) / block_tokens;
-        let owners = pool.owners(&request, n, self.busy_s);
-        let last = std::mem::replace(
-            &mut self.last_owners[i],
-            owners.iter().map(|o| o.target.name.clone()).collect(),
-        );
-        for owner in owners {
-            let view = warmup::Owner {
-                busy: owner.busy,
-                holds: u64::from(owner.held_blocks) >= full && full > 0,
-                touched_ms: None,
-            };
-            if let Some(skipped) = self.schedule.decide(i, view, now).skipped() {
-                self.count(&prefix, skipped);
-                continue;
+        match self.read(&prefix).await {
+            Err(e) => {
+                self.failed(i, &prefix, None, &e);
+                status.error = Some(e);
             }
-            let held = u64::from(owner.held_blocks) * block_tokens;
-            let uncached = analysis.prompt_tokens.saturating_sub(held);
-            let load = pool.hold(&owner.target, analysis.prompt_tokens, uncached);
-            let sent = self.send(path, &analysis.bytes, &owner, &prefix).await;
-            drop(load);
-            let usage = match sent {
-                Ok(usage) => usage,
-                Err(e) => {
-                    self.failed(i, &prefix, Some(&owner), &e);
-                    continue;
+            Ok(read) => {
+                status.prompt_tokens = read.2.prompt_tokens;
+                let request = read.2.request();
+                let n = self.config.owners as usize;
+                let owners = self.service.pool.owners(&request, n, self.busy_s);
+                let last = std::mem::replace(
+                    &mut self.last_owners[i],
+                    owners.iter().map(|o| o.target.name.clone()).collect(),
+                );
+                let full = read.2.prompt_tokens.saturating_sub(1) / read.2.block_tokens.max(1);
+                for owner in owners {
+                    let holds = u64::from(owner.held_blocks) >= full && full > 0;
+                    let again = last.contains(&owner.target.name);
+                    let result = self.warm_owner((i, &prefix, now), &read, &owner, (holds, again));
+                    status.owners.push(OwnerStatus {
+                        endpoint: owner.target.name.to_string(),
+                        resident: holds,
+                        result: result.await,
+                    });
                 }
-            };
-            let (prompt, cached) = (usage.prompt_tokens, usage.cached_tokens);
-            self.schedule.warmed(i, now, prompt.saturating_sub(cached));
-            self.count_tokens(&prefix, &model, prompt.saturating_sub(cached));
-            // A new owner's first warm-up found nothing to keep.
-            let result = if last.contains(&owner.target.name) {
-                warmup::outcome(prompt, cached, block_tokens)
-            } else {
-                Outcome::Sent
-            };
-            self.count(&prefix, result.as_str());
+            }
+        }
+        if let Some(statuses) = &self.service.warmups {
+            statuses.set(i, status);
         }
     }
 
+    /// The warm-up of the prefix at `i` (due at `now`), `read`, on `owner`:
+    /// its result. `holds`: the owner's engine reports the prefix;
+    /// `again`: it was an owner in the last period too.
+    async fn warm_owner(
+        &mut self,
+        (i, prefix, now): (usize, &Prefix, u64),
+        (path, model, analysis): &(&'static str, String, Analysis),
+        owner: &PrefixOwner,
+        (holds, again): (bool, bool),
+    ) -> &'static str {
+        let view = warmup::Owner {
+            busy: owner.busy,
+            holds,
+            touched_ms: None,
+        };
+        if let Some(skipped) = self.schedule.decide(i, view, now).skipped() {
+            self.count(prefix, skipped);
+            return skipped;
+        }
+        let block_tokens = analysis.block_tokens.max(1);
+        let held = u64::from(owner.held_blocks) * block_tokens;
+        let uncached = analysis.prompt_tokens.saturating_sub(held);
+        let pool = self.service.pool.clone();
+        let load = pool.hold(&owner.target, analysis.prompt_tokens, uncached);
+        let sent = self.send(path, &analysis.bytes, owner, prefix).await;
+        drop(load);
+        let usage = match sent {
+            Ok(usage) => usage,
+            Err(e) => return self.failed(i, prefix, Some(owner), &e),
+        };
+        let (prompt, cached) = (usage.prompt_tokens, usage.cached_tokens);
+        self.schedule.warmed(i, now, prompt.saturating_sub(cached));
+        self.count_tokens(prefix, model, prompt.saturating_sub(cached));
+        // A new owner's first warm-up found nothing to keep.
+        let result = if again {
+            warmup::outcome(prompt, cached, block_tokens)
+        } else {
+            Outcome::Sent
+        };
+        self.count(prefix, result.as_str());
+        result.as_str()
+    }
+
     /// The path, the model and the reading of the prefix's warm-up.
-    async fn read(
-        &self,
-        prefix: &Prefix,
-    ) -> Result<(&'static str, String, crate::prompt::Analysis), String> {
+    async fn read(&self, prefix: &Prefix) -> Result<(&'static str, String, Analysis), String> {
         let model = match &prefix.model {
             Some(m) => m.clone(),
             None => {
@@ -254,14 +343,22 @@ impl Warmups {
     }
 
     /// Counts a failed warm-up of the prefix at `i` and logs it, at most
-    /// once a minute per prefix.
-    fn failed(&mut self, i: usize, prefix: &Prefix, owner: Option<&PrefixOwner>, error: &str) {
-        self.count(prefix, Outcome::Failed.as_str());
+    /// once a minute per prefix: `failed`.
+    fn failed(
+        &mut self,
+        i: usize,
+        prefix: &Prefix,
+        owner: Option<&PrefixOwner>,
+        error: &str,
+    ) -> &'static str {
+        let failed = Outcome::Failed.as_str();
+        self.count(prefix, failed);
         let now = tokio::time::Instant::now().into_std();
         if let Some(times) = self.failures.admit(i, now) {
             let endpoint = owner.map(|o| o.target.name.to_string()).unwrap_or_default();
             tracing::warn!(prefix = %prefix.name, endpoint, error, times, "warm-up failed");
         }
+        failed
     }
 
     fn count(&self, prefix: &Prefix, result: &'static str) {

@@ -6,7 +6,7 @@
 use std::process::{Command, Output};
 
 use kvroute_engine_sim::Config as SimConfig;
-use kvroute_router::config::{Config, Discovery, StaticDiscovery};
+use kvroute_router::config::{Config, Discovery, Prefix, StaticDiscovery, Warmup};
 
 async fn kvroute(args: Vec<String>) -> Output {
     tokio::task::spawn_blocking(move || {
@@ -170,5 +170,71 @@ async fn explains_a_request_to_a_running_router() {
     for s in sims {
         s.shutdown().await;
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shows_a_warmed_prefix_and_its_owners() {
+    let sim = kvroute_engine_sim::start(SimConfig::test()).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("kvroute-explain-warmup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let endpoints = format!(
+        "endpoints:\n  - name: sim-0\n    address: {}\n    cachePort: {}\n",
+        sim.http_addr,
+        sim.cache_addr.port()
+    );
+    std::fs::write(dir.join("endpoints.yaml"), endpoints).unwrap();
+    let mut config = Config {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        ..Config::default()
+    };
+    config.discovery = Discovery::Static(StaticDiscovery {
+        file: dir.join("endpoints.yaml"),
+        reload_ms: 100,
+    });
+    config.routing.warmup = Some(Warmup {
+        every_seconds: 1,
+        max_share_of_prefill: 1.0,
+        prefixes: vec![Prefix {
+            name: "support-v3".into(),
+            model: None,
+            tenant: None,
+            messages: None,
+            prompt: Some("You answer questions about block caches. ".repeat(12)),
+            config_map_ref: None,
+        }],
+        ..Warmup::default()
+    });
+    let router = kvroute_router::start(config).await.unwrap();
+    let admin = format!("http://{}", router.admin_addr);
+    let prefix = |name: &str| {
+        let args = ["explain", "--admin", &admin, "--prefix", name];
+        kvroute(args.iter().map(|a| a.to_string()).collect())
+    };
+    // Its second period: the owner holds it.
+    let shown = kvroute_testkit::eventually(
+        "a warm-up of a resident prefix",
+        std::time::Duration::from_secs(20),
+        || async {
+            let out = prefix("support-v3").await;
+            let stdout = String::from_utf8(out.stdout).unwrap();
+            let resident = stdout.contains("owner") && !stdout.contains("not resident");
+            resident.then_some(stdout)
+        },
+    )
+    .await;
+    assert!(shown.starts_with("prefix    support-v3, "), "{shown}");
+    assert!(shown.contains("owner     sim-0 "), "{shown}");
+    assert!(shown.contains("last warm-up: sent"), "{shown}");
+    let unknown = prefix("nope").await;
+    assert_eq!(unknown.status.code(), Some(1));
+    let stderr = String::from_utf8(unknown.stderr).unwrap();
+    assert!(
+        stderr.starts_with("error: the router warms no prefix \"nope\"; it warms [\"support-v3\"]"),
+        "{stderr}"
+    );
+    router.shutdown().await;
+    sim.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -17,3 +17,4 @@ pub mod router_killed;
 pub mod scenarios;
 pub mod semantic_cache;
 pub mod system;
+pub mod warmup;

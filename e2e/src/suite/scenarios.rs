@@ -96,7 +96,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 16] = [
+pub const NAMES: [&str; 17] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -113,6 +113,7 @@ pub const NAMES: [&str; 16] = [
     "overload",
     "noisy_tenant",
     "disaggregated",
+    "warmup",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -134,6 +135,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "overload" => super::flow::overload(ctx, s).await,
         "noisy_tenant" => super::flow::noisy_tenant(ctx, s).await,
         "disaggregated" => super::disaggregated::run(ctx, s).await,
+        "warmup" => super::warmup::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }

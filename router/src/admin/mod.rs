@@ -66,6 +66,15 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
             axum::routing::post(purge_response_cache),
         )
         .route(
+            "/debug/warmup",
+            get(|State(p): State<Arc<Service>>| async move {
+                let statuses = p.warmups.as_ref().ok_or_else(|| {
+                    ApiError::NotFound("no warm-ups: set routing.warmup".into())
+                })?;
+                Ok::<_, ApiError>(axum::Json(json!({"prefixes": statuses.get()})))
+            }),
+        )
+        .route(
             "/debug/prefixes",
             get(|State(p): State<Arc<Service>>| async move { axum::Json(p.accounting.volatile_prefixes()) }),
         )

@@ -89,6 +89,8 @@ pub struct Service {
     bodies: Arc<BodyBudget>,
     /// Requests held until an endpoint can start them.
     pub(crate) flow: Arc<crate::flow::Gate>,
+    /// What the warm-ups did last (`routing.warmup`), for `/debug/warmup`.
+    pub(crate) warmups: Option<crate::warmup::Statuses>,
     /// Explains running: one at a time.
     explains: Arc<Semaphore>,
     models: Arc<Models>,
@@ -140,6 +142,7 @@ impl Service {
             explains: Arc::new(Semaphore::new(1)),
             models: Arc::new(Models::new(&limits)),
             response_cache: None,
+            warmups: crate::warmup::Statuses::of(config),
             limits,
             accounting,
         }

@@ -81,6 +81,20 @@ async fn a_named_prefix_is_kept_warm_on_its_owner_for_its_tenant() {
     let owner = served.iter().position(|&n| n > 0.0).unwrap();
     assert_eq!(served.iter().filter(|&&n| n > 0.0).count(), 1, "{served:?}");
 
+    // The admin port shows the last period.
+    let url = format!("http://{}/debug/warmup", stack.router.admin_addr);
+    let status: Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+    let p = &status["prefixes"][0];
+    assert_eq!(p["name"], "support-v3", "{status}");
+    assert_eq!(
+        p["owners"][0]["endpoint"],
+        format!("sim-{owner}"),
+        "{status}"
+    );
+    assert_eq!(p["owners"][0]["resident"], true, "{status}");
+    assert_eq!(p["owners"][0]["result"], "sent", "{status}");
+    assert!(p["prompt_tokens"].as_u64().unwrap() > 1000, "{status}");
+
     // Its tenant's request with the prefix goes there and finds it cached;
     // another tenant's finds nothing (salted).
     let ask = |tenant: &'static str| {
