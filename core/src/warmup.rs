@@ -16,9 +16,13 @@
 //!    `skipped_busy` (the owner's queue is above the policy's slack: a
 //!    warm-up would delay requests), `skipped_resident` (the owner holds
 //!    the prefix by its engine's reports and a request with it went there
-//!    within the period, which touched it), `skipped_budget` (warm-ups'
-//!    prefill over the last [`BUDGET_WINDOW`] is above `maxShareOfPrefill`
-//!    of all prefill in it; a prefix's first warm-up is always sent).
+//!    within the period, which touched it), `skipped_budget` (with this
+//!    one's expected cost, warm-ups' prefill over the last
+//!    [`BUDGET_WINDOW`] would be above `maxShareOfPrefill` of all prefill
+//!    in it). A prefix's first warm-up is always sent and not counted
+//!    against the budget: it is the cost of adding the prefix, and would
+//!    otherwise starve the cheap warm-ups of a resident prefix (one block
+//!    each) until other traffic had prefilled twenty times as much.
 //! 4. **Outcome** of one sent ([`outcome`]): `sent` when the engine found
 //!    the prefix cached, `repaired` when it did not (evicted within the
 //!    period: `every` is longer than the time other traffic takes to cycle
@@ -198,8 +202,9 @@ impl Schedule {
             .min()
     }
 
-    /// Whether the prefix at `i` is warmed on `owner` at `now_ms` (rule 3).
-    pub fn decide(&mut self, i: usize, owner: Owner, now_ms: u64) -> Verdict {
+    /// Whether the prefix at `i` is warmed on `owner` at `now_ms`, at an
+    /// expected `cost` in prefilled tokens (rule 3).
+    pub fn decide(&mut self, i: usize, owner: Owner, now_ms: u64, cost: u64) -> Verdict {
         if owner.busy {
             return Verdict::SkippedBusy;
         }
@@ -207,17 +212,18 @@ impl Schedule {
         if owner.holds && owner.touched_ms.is_some_and(touched) {
             return Verdict::SkippedResident;
         }
-        if self.prefixes[i].sent && !self.within_budget(now_ms) {
+        if self.prefixes[i].sent && !self.within_budget(now_ms, cost) {
             return Verdict::SkippedBudget;
         }
         Verdict::Send
     }
 
-    /// Whether warm-ups' prefill over the window is within its share.
-    fn within_budget(&mut self, now_ms: u64) -> bool {
+    /// Whether warm-ups' prefill over the window, with `cost` more, is
+    /// within its share.
+    fn within_budget(&mut self, now_ms: u64, cost: u64) -> bool {
         self.expire(now_ms);
         let (warm, all) = (self.budget.iter()).fold((0, 0), |(w, a), b| (w + b.1, a + b.2));
-        warm as f64 <= self.max_share * all as f64
+        (warm + cost) as f64 <= self.max_share * (all + cost) as f64
     }
 
     /// Requests prefilled `tokens` uncached prompt tokens at `now_ms`.
@@ -226,10 +232,11 @@ impl Schedule {
     }
 
     /// A warm-up of the prefix at `i` was sent at `now_ms` and prefilled
-    /// `tokens` (counted in all prefill too).
+    /// `tokens`: counted in all prefill, and against the budget but the
+    /// prefix's first.
     pub fn warmed(&mut self, i: usize, now_ms: u64, tokens: u64) {
-        self.prefixes[i].sent = true;
-        self.record(now_ms, tokens, tokens);
+        let first = !std::mem::replace(&mut self.prefixes[i].sent, true);
+        self.record(now_ms, if first { 0 } else { tokens }, tokens);
     }
 
     fn record(&mut self, now_ms: u64, warm: u64, all: u64) {
@@ -327,33 +334,41 @@ mod tests {
             holds: true,
             touched_ms: Some(t),
         };
-        assert_eq!(s.decide(0, busy, t), Verdict::SkippedBusy);
+        assert_eq!(s.decide(0, busy, t, 16), Verdict::SkippedBusy);
         let resident = Owner {
             holds: true,
             touched_ms: Some(t - EVERY + 1),
             ..Owner::default()
         };
-        assert_eq!(s.decide(0, resident, t), Verdict::SkippedResident);
+        assert_eq!(s.decide(0, resident, t, 16), Verdict::SkippedResident);
         let untouched = Owner {
             touched_ms: Some(t - EVERY),
             ..resident
         };
-        // The first warm-up goes whatever the budget.
+        // The first warm-up goes whatever the budget, and is not counted
+        // against it.
         s.prefilled(t, 100);
-        assert_eq!(s.decide(0, untouched, t), Verdict::Send);
+        assert_eq!(s.decide(0, untouched, t, 1500), Verdict::Send);
         s.warmed(0, t, 1500);
-        // 1,500 of 1,600 prefilled tokens were warm-ups: over 10 %.
-        assert_eq!(s.decide(0, Owner::default(), t), Verdict::SkippedBudget);
+        // A resident prefix's warm-up costs a block: 16 of 1,616.
+        assert_eq!(s.decide(0, untouched, t, 16), Verdict::Send);
+        s.warmed(0, t, 16);
+        // An evicted one's would cost it whole: 1,516 of 3,116.
+        assert_eq!(
+            s.decide(0, Owner::default(), t, 1500),
+            Verdict::SkippedBudget
+        );
         s.prefilled(t + 1000, 13_400);
-        assert_eq!(s.decide(0, Owner::default(), t + 1000), Verdict::Send);
+        assert_eq!(s.decide(0, Owner::default(), t + 1000, 1500), Verdict::Send);
+        s.warmed(0, t + 1000, 1500);
         // The window forgets: only the later traffic is left.
         s.prefilled(t + 60_000, 1000);
         s.warmed(0, t + 60_000, 1500);
         assert_eq!(
-            s.decide(0, Owner::default(), t + 600_000),
+            s.decide(0, Owner::default(), t + 600_000, 16),
             Verdict::SkippedBudget
         );
-        assert_eq!(s.decide(0, Owner::default(), t + 660_000), Verdict::Send);
+        assert_eq!(s.decide(0, Owner::default(), t + 660_000, 0), Verdict::Send);
     }
 
     #[test]

@@ -249,13 +249,14 @@ impl Warmups {
             holds,
             touched_ms: None,
         };
-        if let Some(skipped) = self.schedule.decide(i, view, now).skipped() {
-            self.count(prefix, skipped);
-            return skipped;
-        }
+        // What it is expected to cost: the prompt past what the owner holds.
         let block_tokens = analysis.block_tokens.max(1);
         let held = u64::from(owner.held_blocks) * block_tokens;
         let uncached = analysis.prompt_tokens.saturating_sub(held);
+        if let Some(skipped) = self.schedule.decide(i, view, now, uncached).skipped() {
+            self.count(prefix, skipped);
+            return skipped;
+        }
         let pool = self.service.pool.clone();
         let load = pool.hold(&owner.target, analysis.prompt_tokens, uncached);
         let sent = self.send(path, &analysis.bytes, owner, prefix).await;

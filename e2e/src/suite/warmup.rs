@@ -22,19 +22,23 @@ use serde_json::json;
 use super::load::{self, Outcome, Rotation};
 use super::report::Scenario;
 use super::scenarios::{Ctx, at};
-use super::system::{MODEL, Setup};
+use super::system::{EngineSetup, MODEL, Setup};
 
 const PODS: usize = 4;
+/// Each engine's cache, blocks of 16 tokens: the standard load cycles its
+/// free blocks in a few seconds, longer than the warm-ups' period and
+/// shorter than the requests' with the prefix.
+const NUM_GPU_BLOCKS: u32 = 512;
 /// The prefixes' length, tokens.
 const PREFIX_TOKENS: usize = 1500;
 /// How long the standard load runs, seconds.
-const LOAD_S: f64 = 90.0;
+const LOAD_S: f64 = 50.0;
 /// The old template's probes: from this second, every [`PROBE_EVERY_S`].
-const FIRST_PROBE_S: f64 = 30.0;
+const FIRST_PROBE_S: f64 = 15.0;
 const PROBE_EVERY_S: f64 = 10.0;
-const PROBES: usize = 5;
+const PROBES: usize = 3;
 /// The new template's requests, one a second from this second.
-const ROLLOUT_S: f64 = 78.0;
+const ROLLOUT_S: f64 = 38.0;
 const ROLLOUT_REQUESTS: usize = 10;
 /// The warm-ups' budget in the scenario.
 const MAX_SHARE: f64 = 0.05;
@@ -84,6 +88,10 @@ async fn one(ctx: &Ctx, s: &mut Scenario, warm: bool) -> anyhow::Result<Measured
     let (old, new) = (prefix("v3", 31), prefix("v4", 43));
     let mut setup = Setup {
         routers: 1,
+        engine: EngineSetup {
+            num_gpu_blocks: NUM_GPU_BLOCKS,
+            ..EngineSetup::suite()
+        },
         ..Setup::new(PODS)
     };
     let name = if warm { "warmup" } else { "warmup-off" };
