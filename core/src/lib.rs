@@ -7,7 +7,7 @@
 //! hold ([`pinned`]), the
 //! routing policies ([`policy`]) and what a routing policy
 //! says of a pool, with its defaults ([`spec`]); when named prefixes are
-//! warmed and by which router ([`warmup`]); and the one model of an
+//! warmed ([`warmup`]); and the one model of an
 //! engine's scheduler ([`engine`]) that the simulator and the replay run.
 //! The router, the replay benchmark and the engine simulator all call this
 //! crate, so a decision made in a benchmark is the decision the router makes.

@@ -7,12 +7,7 @@
 //!    its own offset into the period ([`offset_ms`]: its name's hash), so
 //!    the prefixes spread over the period and every router agrees on when
 //!    each falls due, without talking to the others.
-//! 2. **One sender.** Of a pool's routers, the one that sends a prefix's
-//!    warm-up to an owner is the first in the rendezvous order of (prefix,
-//!    owner) over the routers' ids ([`sender`]): one warm-up per prefix,
-//!    owner and period while the routers agree on who they are; one more or
-//!    one fewer in the period their set changes.
-//! 3. **Skips**, per owner, in this order ([`Schedule::decide`]):
+//! 2. **Skips**, per owner, in this order ([`Schedule::decide`]):
 //!    `skipped_busy` (the owner's queue is above the policy's slack: a
 //!    warm-up would delay requests), `skipped_resident` (the owner holds
 //!    the prefix by its engine's reports and a request with it went there
@@ -23,7 +18,7 @@
 //!    against the budget: it is the cost of adding the prefix, and would
 //!    otherwise starve the cheap warm-ups of a resident prefix (one block
 //!    each) until other traffic had prefilled twenty times as much.
-//! 4. **Outcome** of one sent ([`outcome`]): `sent` when the engine found
+//! 3. **Outcome** of one sent ([`outcome`]): `sent` when the engine found
 //!    the prefix cached, `repaired` when it did not (evicted within the
 //!    period: `every` is longer than the time other traffic takes to cycle
 //!    the owner's free blocks), `failed` on an error.
@@ -31,9 +26,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
-
-use crate::rendezvous;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// How far back the budget looks.
 pub const BUDGET_WINDOW: Duration = Duration::from_secs(600);
@@ -57,14 +50,6 @@ pub fn period(name: &str, every_ms: u64, now_ms: u64) -> u64 {
 pub fn next_due_ms(name: &str, every_ms: u64, now_ms: u64) -> u64 {
     let every = every_ms.max(1);
     period(name, every, now_ms) * every + offset_ms(name, every)
-}
-
-/// Which of the routers `routers` (their ids) sends the warm-up of prefix
-/// `name` to the owner `owner` (its rendezvous id): an index into
-/// `routers`, `None` when there are none.
-pub fn sender(name: &str, owner: u64, routers: &[u64]) -> Option<usize> {
-    let key = xxh3_64_with_seed(name.as_bytes(), owner);
-    rendezvous::rank(key, routers).first().copied()
 }
 
 /// What the router knows of an owner when a warm-up falls due.
@@ -203,7 +188,7 @@ impl Schedule {
     }
 
     /// Whether the prefix at `i` is warmed on `owner` at `now_ms`, at an
-    /// expected `cost` in prefilled tokens (rule 3).
+    /// expected `cost` in prefilled tokens (rule 2).
     pub fn decide(&mut self, i: usize, owner: Owner, now_ms: u64, cost: u64) -> Verdict {
         if owner.busy {
             return Verdict::SkippedBusy;
@@ -293,36 +278,6 @@ mod tests {
         // times.
         assert_eq!(s.due(start + 4 * EVERY + 5), [0]);
         assert!(s.due(start + 4 * EVERY + 6).is_empty());
-    }
-
-    #[test]
-    fn routers_agree_on_one_sender_per_prefix_and_owner() {
-        let routers: Vec<u64> = ["router-a", "router-b", "router-c"]
-            .iter()
-            .map(|r| rendezvous::endpoint_id(r))
-            .collect();
-        let owners: Vec<u64> = (0..40)
-            .map(|i| rendezvous::endpoint_id(&format!("pod-{i}")))
-            .collect();
-        let mut per_router = [0; 3];
-        for &o in &owners {
-            let s = sender("support-v3", o, &routers).unwrap();
-            per_router[s] += 1;
-            // Whatever order each router lists the others in.
-            let reversed: Vec<u64> = routers.iter().rev().copied().collect();
-            assert_eq!(
-                reversed[sender("support-v3", o, &reversed).unwrap()],
-                routers[s]
-            );
-        }
-        assert!(per_router.iter().all(|&n| n > 0), "{per_router:?}");
-        // A router leaving moves only its own warm-ups.
-        for &o in &owners {
-            let before = routers[sender("support-v3", o, &routers).unwrap()];
-            let after = routers[sender("support-v3", o, &routers[..2]).unwrap()];
-            assert!(before == after || before == routers[2]);
-        }
-        assert_eq!(sender("support-v3", owners[0], &[]), None);
     }
 
     #[test]
