@@ -124,9 +124,9 @@ async fn a_named_prefix_is_kept_warm_on_its_owner_for_its_tenant() {
 
 #[tokio::test]
 async fn past_the_budget_warm_ups_are_skipped_but_the_first() {
-    // No other traffic: every warm-up after the first would be all of the
-    // prefill.
-    let stack = warmed("warmup-budget", 0.02).await;
+    // No other traffic, and a budget smaller than one block of the
+    // prefix's prefill: every warm-up after the first is over it.
+    let stack = warmed("warmup-budget", 0.0001).await;
     let metrics =
         kvroute_testkit::eventually("a skipped period", Duration::from_secs(20), || async {
             let metrics = stack.metrics().await;
