@@ -182,12 +182,17 @@ fn render_prefix(v: &Value, name: &str) -> anyhow::Result<String> {
         } else {
             "not resident"
         };
-        let _ = writeln!(
+        let _ = write!(
             s,
             "owner     {:<24} {resident:<13} last warm-up: {}",
             o["endpoint"].as_str().unwrap_or("-"),
             o["result"].as_str().unwrap_or("-")
         );
+        match o["sender"].as_str() {
+            Some(router) => writeln!(s, " (sent by router {router})"),
+            None => writeln!(s),
+        }
+        .ok();
     }
     Ok(s)
 }

@@ -14,14 +14,15 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kube::api::ObjectMeta;
 use kvroute_core::role::Role;
 
 use crate::api::policy::{TARGET_GROUP, TARGET_KIND};
 use crate::api::{CacheRoutingPolicy, InferenceObjective, InferencePool};
 use crate::index::{
-    ObjectiveSpec, Observed, PickerRef, PodInfo, PolicySpec, PoolSpec, ServiceInfo,
+    self, ConfigMapInfo, ObjectiveSpec, Observed, PickerRef, PodInfo, PolicySpec, PoolSpec,
+    ServiceInfo,
 };
 
 #[cfg(test)]
@@ -191,8 +192,29 @@ pub fn policy(policy: &CacheRoutingPolicy) -> Option<PolicySpec> {
             min_uncached_tokens: u64::try_from(spec.disaggregation.min_uncached_tokens)
                 .unwrap_or(u64::MAX),
         }),
+        warmup: spec.warmup.clone(),
         tenant_header: spec.tenancy.tenant_header.clone(),
         observed: observed(&policy.metadata, policy.status.as_ref()),
+    })
+}
+
+/// The index's view of a labelled ConfigMap; `None` if it has no
+/// namespace or name. A ConfigMap's data past
+/// [`index::MAX_CONFIG_MAP_BYTES`] (the API allows no more) is cut at a key.
+pub fn config_map(map: &ConfigMap) -> Option<ConfigMapInfo> {
+    let (namespace, name) = namespace_name(&map.metadata)?;
+    let mut bytes = 0;
+    let data = (map.data.iter().flatten())
+        .take_while(|(k, v)| {
+            bytes += k.len() + v.len();
+            bytes <= index::MAX_CONFIG_MAP_BYTES
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Some(ConfigMapInfo {
+        namespace,
+        name,
+        data,
     })
 }
 

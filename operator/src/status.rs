@@ -156,14 +156,14 @@ pub fn policy_status_patch(
             &now,
         ),
     ];
-    if let Some(engines) = &status.engines {
-        conditions.push(condition(
-            old,
-            policy_conditions::ENGINES_CONSISTENT,
-            engines,
-            generation,
-            &now,
-        ));
+    let optional = [
+        (policy_conditions::ENGINES_CONSISTENT, &status.engines),
+        (policy_conditions::WARMUP_READY, &status.warmup),
+    ];
+    for (type_, c) in optional {
+        if let Some(c) = c {
+            conditions.push(condition(old, type_, c, generation, &now));
+        }
     }
     let updated = CacheRoutingPolicyStatus {
         observed_generation: Some(generation),

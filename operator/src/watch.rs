@@ -1,5 +1,6 @@
 //! The Kubernetes watchers: `InferencePool`, `CacheRoutingPolicy`, `Pod`,
-//! `Service` (for endpoint picker references) and `InferenceObjective` watch
+//! `Service` (for endpoint picker references), `InferenceObjective` and
+//! `ConfigMap` (labelled `kvroute.dev/warmup=true`, for warm-ups) watch
 //! streams, converted ([`crate::convert`]) and fed to the [`Index`].
 //!
 //! A thin edge: an added or changed object becomes `apply_*`, a removed one
@@ -42,7 +43,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
@@ -52,7 +53,9 @@ use tokio::sync::watch as flag;
 
 use crate::api::{CacheRoutingPolicy, InferenceObjective, InferencePool};
 use crate::convert;
-use crate::index::{Index, ObjectiveSpec, PodInfo, PolicySpec, PoolSpec, ServiceInfo};
+use crate::index::{
+    ConfigMapInfo, Index, ObjectiveSpec, PodInfo, PolicySpec, PoolSpec, ServiceInfo,
+};
 use crate::metrics::Metrics;
 
 /// Which namespaces the operator watches.
@@ -91,6 +94,8 @@ trait Watched: Resource<DynamicType = (), Scope = NamespaceResourceScope> + Dese
     /// How to install the kind's CRD, when the operator runs without it
     /// (a 404 then reads as "no objects"); `None` for a kind it needs.
     const OPTIONAL_CRD: Option<&'static str> = None;
+    /// The label selector of its watch; `None`: every object.
+    const LABELS: Option<&'static str> = None;
     fn convert(&self) -> Option<Self::Spec>;
     fn apply(index: &mut Index, spec: Self::Spec);
     fn delete(index: &mut Index, namespace: &str, name: &str);
@@ -168,6 +173,34 @@ impl Watched for Pod {
         index.pod(namespace, name).cloned()
     }
 }
+
+impl Watched for ConfigMap {
+    type Spec = ConfigMapInfo;
+    const KIND: &'static str = "ConfigMap";
+    const LABELS: Option<&'static str> = Some(LABELLED_FOR_WARMUP);
+    fn convert(&self) -> Option<ConfigMapInfo> {
+        convert::config_map(self)
+    }
+    fn apply(index: &mut Index, spec: ConfigMapInfo) {
+        index.apply_config_map(spec);
+    }
+    fn delete(index: &mut Index, namespace: &str, name: &str) {
+        index.delete_config_map(namespace, name);
+    }
+    fn reset(index: &mut Index, namespace: Option<&str>, specs: Vec<ConfigMapInfo>) {
+        match namespace {
+            Some(ns) => index.reset_config_maps_in(ns, specs),
+            None => index.reset_config_maps(specs),
+        }
+    }
+    fn current(index: &Index, namespace: &str, name: &str) -> Option<ConfigMapInfo> {
+        index.config_map(namespace, name).cloned()
+    }
+}
+
+/// The ConfigMaps warm-ups may name: `kvroute.dev/warmup=true`
+/// ([`crate::index::WARMUP_LABEL`]), so the operator keeps no other.
+const LABELLED_FOR_WARMUP: &str = "kvroute.dev/warmup=true";
 
 impl Watched for Service {
     type Spec = ServiceInfo;
@@ -264,7 +297,7 @@ pub async fn run_watchers(
 ) {
     let namespaces = scope.watches();
     let lists = InitialLists {
-        pending: Arc::new(AtomicUsize::new(namespaces.len() * 5)),
+        pending: Arc::new(AtomicUsize::new(namespaces.len() * 6)),
         ready: Arc::new(ready),
     };
     let warned_missing_crd = Arc::new(AtomicBool::new(false));
@@ -282,6 +315,7 @@ pub async fn run_watchers(
         watches.push(watch::<CacheRoutingPolicy>(feed.clone()).boxed());
         watches.push(watch::<Service>(feed.clone()).boxed());
         watches.push(watch::<InferenceObjective>(feed.clone()).boxed());
+        watches.push(watch::<ConfigMap>(feed.clone()).boxed());
         watches.push(watch::<Pod>(feed).boxed());
     }
     futures_util::future::join_all(watches).await;
@@ -333,9 +367,11 @@ async fn watch<T: Watched>(feed: Feed) {
         Some(ns) => Api::namespaced_with(client, ns, &resource),
         None => Api::all_with(client, &resource),
     };
-    let mut events = watcher(api, watcher::Config::default())
-        .default_backoff()
-        .boxed();
+    let mut config = watcher::Config::default();
+    if let Some(labels) = T::LABELS {
+        config = config.labels(labels);
+    }
+    let mut events = watcher(api, config).default_backoff().boxed();
     let lock = || index.lock().unwrap_or_else(PoisonError::into_inner);
     // The objects of the (re)list in progress, between `Init` and `InitDone`,
     // and the keys of those that could not be read.

@@ -35,6 +35,8 @@ use kvroute_core::spec::{
     Disaggregation, DisaggregationMode, MAX_MIN_UNCACHED_TOKENS, RoutingSpec, TenancyMode,
 };
 
+use kvroute_core::warmup::{Prefix, Warmup};
+
 use crate::hash_algo_from_i32;
 use crate::v1;
 
@@ -66,7 +68,68 @@ impl From<&RoutingSpec> for v1::RoutingPolicy {
                 .into(),
                 min_uncached_tokens: spec.disaggregation.min_uncached_tokens,
             }),
+            warmup: None,
         }
+    }
+}
+
+impl From<&Warmup> for v1::Warmup {
+    /// The warm-ups on the wire; a `configMapRef` the operator did not
+    /// resolve into messages is left out.
+    fn from(w: &Warmup) -> Self {
+        let prefix = |p: &Prefix| {
+            let text = match (&p.messages, &p.prompt) {
+                (Some(m), _) => v1::warmup_prefix::Text::MessagesJson(
+                    serde_json::to_string(m).unwrap_or_default(),
+                ),
+                (None, Some(prompt)) => v1::warmup_prefix::Text::Prompt(prompt.clone()),
+                (None, None) => return None,
+            };
+            Some(v1::WarmupPrefix {
+                name: p.name.clone(),
+                model: p.model.clone(),
+                tenant: p.tenant.clone(),
+                text: Some(text),
+            })
+        };
+        v1::Warmup {
+            every_seconds: w.every_seconds,
+            owners: w.owners,
+            max_share_of_prefill: w.max_share_of_prefill,
+            prefixes: w.prefixes.iter().filter_map(prefix).collect(),
+        }
+    }
+}
+
+impl v1::Warmup {
+    /// The warm-ups it asks for, or why they cannot be read (not checked
+    /// against the rules: [`Warmup::validate`] does that).
+    pub fn to_warmup(&self) -> Result<Warmup, String> {
+        let prefix = |p: &v1::WarmupPrefix| {
+            let (messages, prompt) = match &p.text {
+                Some(v1::warmup_prefix::Text::MessagesJson(json)) => {
+                    let messages = serde_json::from_str(json)
+                        .map_err(|e| format!("prefix {}: messages: {e}", p.name))?;
+                    (Some(messages), None)
+                }
+                Some(v1::warmup_prefix::Text::Prompt(prompt)) => (None, Some(prompt.clone())),
+                None => return Err(format!("prefix {}: no text", p.name)),
+            };
+            Ok(Prefix {
+                name: p.name.clone(),
+                model: p.model.clone(),
+                tenant: p.tenant.clone(),
+                messages,
+                prompt,
+                config_map_ref: None,
+            })
+        };
+        Ok(Warmup {
+            every_seconds: self.every_seconds,
+            owners: self.owners,
+            max_share_of_prefill: self.max_share_of_prefill,
+            prefixes: self.prefixes.iter().map(prefix).collect::<Result<_, _>>()?,
+        })
     }
 }
 

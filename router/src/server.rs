@@ -218,6 +218,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     );
     pool.set_index_bounds(config.limits.index_bounds());
     pool.set_evicted_capacity(config.limits.max_evicted_blocks);
+    pool.warmup.set_own(config.routing.warmup.clone());
     let mut tasks = Tasks::default();
     // Discovery owns the WatchCache watchers; aborting it stops them.
     let mut watchers = Watchers::new(grpc_tls.clone());
@@ -269,9 +270,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Stop::Aborted,
         service.flow.clone().run(pool.clone(), stopped.clone()),
     );
-    if let Some(warmups) = crate::warmup::Warmups::new(service.clone(), &config) {
-        tasks.spawn("warmup", Stop::Aborted, warmups.run());
-    }
+    let warmups = crate::warmup::Warmups::new(service.clone(), &config);
+    tasks.spawn("warmup", Stop::Aborted, warmups.run());
     if let Some(semantic) = (service.response_cache.as_ref()).and_then(|c| c.semantic.clone()) {
         tasks.spawn("semantic-check", Stop::Aborted, semantic.run_checks());
     }

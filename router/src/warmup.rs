@@ -10,12 +10,20 @@
 //! Warm-ups are not requests: they are counted in `kvroute_warmups_total`
 //! and `kvroute_warmup_prefill_tokens_total` only, never held by flow
 //! control, and not in the request counters, hit rates or missed-token
-//! causes. Each router sends warm-ups for the endpoints it routes to: run
-//! warm-ups on one router of a pool, or accept one per router.
+//! causes.
+//!
+//! Where they come from ([`Source`]): the router's `routing.warmup`, or the
+//! operator's policy (`CacheRoutingPolicy.spec.warmup`) when it sets one.
+//! With the operator, which router sends each prefix's warm-ups to each
+//! owner is the core's rule 4 ([`warmup::sender`]) over the pool's router
+//! pods the operator names; this router finds itself by its pod's name
+//! (`POD_NAME`, [`identity`]). Without names each router sends its own.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+
 use std::time::Duration;
+use tokio::sync::watch;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -100,15 +108,85 @@ pub struct OwnerStatus {
     pub endpoint: String,
     /// Whether its engine reported the prefix's blocks before the warm-up.
     pub resident: bool,
-    /// `kvroute_warmups_total`'s result.
+    /// `kvroute_warmups_total`'s result, or `another_router` when another
+    /// router of the pool sends this owner's warm-ups.
     pub result: &'static str,
+    /// The router that sends them, when the operator names the pool's
+    /// routers.
+    pub sender: Option<String>,
+}
+
+/// The name this router is known by among the pool's routers: its pod's
+/// (`POD_NAME`, from the downward API), else `kvroute-router`.
+pub fn identity() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "kvroute-router".to_owned())
+}
+
+/// The warm-ups asked for and the pool's routers: the router's own
+/// `routing.warmup`, replaced by the operator's when its policy sets one.
+#[derive(Debug)]
+pub struct Source {
+    own: Mutex<Option<Arc<Warmup>>>,
+    effective: watch::Sender<Option<Arc<Warmup>>>,
+    routers: Mutex<Arc<[String]>>,
+}
+
+impl Default for Source {
+    fn default() -> Self {
+        Source {
+            own: Mutex::new(None),
+            effective: watch::Sender::new(None),
+            routers: Mutex::new(Arc::from([])),
+        }
+    }
+}
+
+impl Source {
+    /// The router's own `routing.warmup`, in effect until the operator
+    /// sets one.
+    pub fn set_own(&self, warmup: Option<Warmup>) {
+        let warmup = warmup.map(Arc::new);
+        *self.own.lock().unwrap_or_else(|e| e.into_inner()) = warmup.clone();
+        self.effective.send_replace(warmup);
+    }
+
+    /// The operator's warm-ups: `None` or no prefixes, the router's own.
+    /// Returns whether the effective ones changed.
+    pub fn set_operator(&self, warmup: Option<Warmup>) -> bool {
+        let warmup = match warmup.filter(|w| !w.prefixes.is_empty()) {
+            Some(w) => Some(Arc::new(w)),
+            None => self.own.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        };
+        self.effective.send_if_modified(|current| {
+            let changed = *current != warmup;
+            *current = warmup;
+            changed
+        })
+    }
+
+    /// The pool's router pods, as the operator names them.
+    pub fn set_routers(&self, routers: &[String]) {
+        let mut current = self.routers.lock().unwrap_or_else(|e| e.into_inner());
+        if **current != *routers {
+            *current = Arc::from(routers);
+        }
+    }
+
+    fn routers(&self) -> Arc<[String]> {
+        self.routers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
 }
 
 impl Statuses {
-    /// Empty statuses for `routing.warmup`'s prefixes, `None` without.
-    pub(crate) fn of(config: &Config) -> Option<Self> {
-        let w = config.routing.warmup.as_ref()?;
-        let each = (w.prefixes.iter()).map(|p| PrefixStatus {
+    /// Empty statuses for `warmup`'s prefixes.
+    fn reset(&self, warmup: &Warmup) {
+        let each = (warmup.prefixes.iter()).map(|p| PrefixStatus {
             name: p.name.clone(),
             last_due_unix_ms: None,
             next_due_unix_ms: None,
@@ -116,7 +194,7 @@ impl Statuses {
             owners: Vec::new(),
             error: None,
         });
-        Some(Statuses(Arc::new(Mutex::new(each.collect()))))
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = each.collect();
     }
 
     /// Every prefix's.
@@ -134,8 +212,11 @@ impl Statuses {
 /// The warm-up task of one router.
 pub(crate) struct Warmups {
     service: Arc<Service>,
-    config: Warmup,
+    /// The warm-ups in effect; none: no prefixes.
+    config: Arc<Warmup>,
     schedule: Schedule,
+    /// This router's name among the pool's routers.
+    identity: String,
     /// The flow gate's `holdAboveMs`: an owner whose queue is longer is
     /// busy.
     busy_s: f64,
@@ -150,41 +231,73 @@ pub(crate) struct Warmups {
 }
 
 impl Warmups {
-    /// The warm-ups `config` asks for, `None` without `routing.warmup`.
-    pub(crate) fn new(service: Arc<Service>, config: &Config) -> Option<Self> {
-        let w = config.routing.warmup.clone()?;
-        let schedule = Schedule::new(
-            w.prefixes.iter().map(|p| p.name.clone()),
-            Duration::from_secs(w.every_seconds),
-            w.max_share_of_prefill,
-        );
-        Some(Warmups {
+    /// The warm-up task; it sends nothing until warm-ups are set
+    /// ([`Source`]).
+    pub(crate) fn new(service: Arc<Service>, config: &Config) -> Self {
+        let none = Arc::new(Warmup {
+            prefixes: Vec::new(),
+            ..Warmup::default()
+        });
+        Warmups {
             busy_s: service.flow.hold_s(),
             client: upstream(&config.limits),
-            last_owners: vec![Vec::new(); w.prefixes.len()],
-            config: w,
-            schedule,
+            last_owners: Vec::new(),
+            schedule: schedule(&none),
+            config: none,
+            identity: identity(),
             service,
             prefilled: 0,
             failures: Throttle::new(LOG_EVERY),
-        })
+        }
     }
 
     /// Runs until the router stops: each prefix's warm-ups when they fall
-    /// due.
+    /// due, with the warm-ups in effect.
     pub(crate) async fn run(mut self) {
+        let mut source = self.service.pool.warmup.effective.subscribe();
         // The first warm-ups wait for an endpoint to send them to.
         let mut ready = self.service.pool.ready();
         let _ = ready.wait_for(|&n| n > 0).await;
         loop {
+            let current = source.borrow_and_update().clone();
+            self.configure(current);
             let now = wall_ms();
             for i in self.schedule.due(now) {
                 self.warm(i, now).await;
             }
             let next = self.schedule.next_due_ms(now).unwrap_or(u64::MAX);
             let wait = next.saturating_sub(wall_ms());
-            tokio::time::sleep(Duration::from_millis(wait.min(3_600_000))).await;
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(wait.min(3_600_000))) => {}
+                changed = source.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+            }
         }
+    }
+
+    /// Starts over with `warmup` when it is not the one in effect.
+    fn configure(&mut self, warmup: Option<Arc<Warmup>>) {
+        let warmup = warmup.unwrap_or_else(|| {
+            Arc::new(Warmup {
+                prefixes: Vec::new(),
+                ..Warmup::default()
+            })
+        });
+        if warmup == self.config {
+            return;
+        }
+        tracing::info!(
+            prefixes = warmup.prefixes.len(),
+            every_seconds = warmup.every_seconds,
+            "warm-ups in effect"
+        );
+        self.schedule = schedule(&warmup);
+        self.last_owners = vec![Vec::new(); warmup.prefixes.len()];
+        self.service.warmups.reset(&warmup);
+        self.config = warmup;
     }
 
     /// The warm-ups of the prefix at `i`, due at `now`.
@@ -217,21 +330,28 @@ impl Warmups {
                     owners.iter().map(|o| o.target.name.clone()).collect(),
                 );
                 let full = read.2.prompt_tokens.saturating_sub(1) / read.2.block_tokens.max(1);
+                let routers = self.service.pool.warmup.routers();
                 for owner in owners {
                     let holds = u64::from(owner.held_blocks) >= full && full > 0;
                     let again = last.contains(&owner.target.name);
-                    let result = self.warm_owner((i, &prefix, now), &read, &owner, (holds, again));
+                    let sender = warmup::sender(&routers, &prefix.name, &owner.target.name);
+                    let result = match sender {
+                        Some(other) if other != self.identity => "another_router",
+                        _ => {
+                            let warm = (i, &prefix, now);
+                            self.warm_owner(warm, &read, &owner, (holds, again)).await
+                        }
+                    };
                     status.owners.push(OwnerStatus {
                         endpoint: owner.target.name.to_string(),
                         resident: holds,
-                        result: result.await,
+                        result,
+                        sender: sender.map(str::to_owned),
                     });
                 }
             }
         }
-        if let Some(statuses) = &self.service.warmups {
-            statuses.set(i, status);
-        }
+        self.service.warmups.set(i, status);
     }
 
     /// The warm-up of the prefix at `i` (due at `now`), `read`, on `owner`:
@@ -379,6 +499,15 @@ impl Warmups {
         };
         (accounting.metrics.warmup.prefill_tokens.get_or_create(&by)).inc_by(tokens);
     }
+}
+
+/// The schedule of `warmup`'s prefixes.
+fn schedule(warmup: &Warmup) -> Schedule {
+    Schedule::new(
+        warmup.prefixes.iter().map(|p| p.name.clone()),
+        Duration::from_secs(warmup.every_seconds),
+        warmup.max_share_of_prefill,
+    )
 }
 
 fn wall_ms() -> u64 {

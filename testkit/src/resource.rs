@@ -58,6 +58,14 @@ pub const RESOURCES: &[ResourceType] = &[
     ResourceType {
         group: "",
         version: "v1",
+        plural: "configmaps",
+        singular: "configmap",
+        kind: "ConfigMap",
+        namespaced: true,
+    },
+    ResourceType {
+        group: "",
+        version: "v1",
         plural: "events",
         singular: "event",
         kind: "Event",

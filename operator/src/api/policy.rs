@@ -52,6 +52,10 @@ pub mod conditions {
     /// The target's engines that the operator probed hash their blocks as
     /// the policy says; present once one was probed.
     pub const ENGINES_CONSISTENT: &str = "EnginesConsistent";
+    /// Every prefix of `spec.warmup` is resolved (its ConfigMap key
+    /// exists) and sent to the routers; present when the policy has
+    /// warm-ups and is in effect.
+    pub const WARMUP_READY: &str = "WarmupReady";
 }
 
 /// Desired routing of one `InferencePool`.
@@ -167,6 +171,49 @@ pub struct CacheRoutingPolicySpec {
     /// reads its KV blocks (vLLM's kv_transfer_params). Default: Disabled.
     #[serde(default)]
     pub disaggregation: Disaggregation,
+
+    /// Named prefixes kept warm on their owners (docs/warmup.md): the
+    /// core's type, with its own rules (checked by the operator, reported
+    /// in the Accepted condition) and this schema.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "warmup_schema")]
+    pub warmup: Option<kvroute_core::warmup::Warmup>,
+}
+
+/// The schema of `spec.warmup` ([`kvroute_core::warmup::Warmup`]).
+fn warmup_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let w = kvroute_core::warmup::Warmup::default();
+    schemars::json_schema!({
+        "description": "Named prefixes kept warm on their owners: each prefix is sent once a period as a one-token request to the first `owners` ready endpoints in the rendezvous order of the routing key a request starting with it gets. Of the pool's routers (pods labelled kvroute.dev/router-for), one sends each prefix's warm-ups to each owner. See docs/warmup.md.",
+        "type": "object",
+        "required": ["prefixes"],
+        "properties": {
+            "everySeconds": {"description": "Each prefix is warmed once per this many seconds, at its own offset into the period. At least 1.", "type": "integer", "minimum": 1, "default": w.every_seconds},
+            "owners": {"description": "How many endpoints keep each prefix warm. At least 1.", "type": "integer", "minimum": 1, "maximum": 1024, "default": w.owners},
+            "maxShareOfPrefill": {"description": "Warm-ups' prefill over the last 10 minutes stays at most this share of all prefill, (0, 1]; a prefix's first warm-up is always sent.", "type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1, "default": w.max_share_of_prefill},
+            "prefixes": {
+                "description": "1 to 64 prefixes, unique by name.",
+                "type": "array", "minItems": 1, "maxItems": kvroute_core::warmup::MAX_PREFIXES,
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"description": "Its name in kvroute_warmups_total{prefix}: 1 to 63 letters, digits, '.', '_' or '-'.", "type": "string", "minLength": 1, "maxLength": kvroute_core::warmup::MAX_NAME_BYTES, "pattern": "^[A-Za-z0-9._-]+$"},
+                        "model": {"description": "The model it is sent to; default: the one model the endpoints serve.", "type": "string"},
+                        "tenant": {"description": "The tenant it is warmed for; required under Salted tenancy.", "type": "string"},
+                        "messages": {"description": "Chat messages, sent to /v1/chat/completions. Exactly one of messages, prompt and configMapRef.", "type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+                        "prompt": {"description": "A prompt, sent to /v1/completions.", "type": "string"},
+                        "configMapRef": {
+                            "description": "A key of a ConfigMap in the policy's namespace, labelled kvroute.dev/warmup=true, whose text is the content of the prefix's one system message.",
+                            "type": "object",
+                            "required": ["name", "key"],
+                            "properties": {"name": {"type": "string", "minLength": 1}, "key": {"type": "string", "minLength": 1}}
+                        }
+                    }
+                }
+            }
+        }
+    })
 }
 
 /// Prefill/decode disaggregation.

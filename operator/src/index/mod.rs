@@ -37,6 +37,7 @@ mod status;
 mod store;
 #[cfg(test)]
 mod tests;
+mod warmups;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -53,6 +54,7 @@ pub use self::pool::PoolSpec;
 pub use self::services::{PickerRef, ServiceInfo};
 pub use self::state::{Clock, wall_clock_micros};
 pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
+pub use self::warmups::{ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_LABEL};
 
 use self::state::Content;
 use self::store::Namespaced;
@@ -68,6 +70,8 @@ pub struct Index {
     services: Namespaced<ServiceInfo>,
     /// `InferenceObjective`s, for the pools they name.
     objectives: Namespaced<ObjectiveSpec>,
+    /// ConfigMaps labelled [`WARMUP_LABEL`], for warm-ups' references.
+    config_maps: Namespaced<ConfigMapInfo>,
     /// One channel per existing or watched pool.
     states: Namespaced<watch::Sender<PoolState>>,
     /// Bumped on every change that can alter a status.
@@ -113,6 +117,7 @@ impl Index {
             policies: Namespaced::default(),
             services: Namespaced::default(),
             objectives: Namespaced::default(),
+            config_maps: Namespaced::default(),
             states: Namespaced::default(),
             changes: watch::Sender::new(0),
             clock,
@@ -251,7 +256,11 @@ impl Index {
             return;
         }
         let affected = self.pools_selecting(&ns, [old.as_ref(), new]);
+        let routed = routed_pools([old.as_ref(), new]);
         self.refresh_each(&ns, affected);
+        for (ns, name) in routed {
+            self.refresh(&ns, &name);
+        }
     }
 
     /// Removes a pod.
@@ -261,6 +270,9 @@ impl Index {
         if let Some(old) = self.pods.remove(namespace, name) {
             let affected = self.pools_selecting(namespace, [Some(&old), None]);
             self.refresh_each(namespace, affected);
+            for (ns, name) in routed_pools([Some(&old), None]) {
+                self.refresh(&ns, &name);
+            }
         }
     }
 
@@ -324,6 +336,46 @@ impl Index {
             .map(|p| (p.namespace.clone(), p.name.clone(), p))
             .collect();
         self.refresh_all();
+    }
+
+    /// Adds or replaces a labelled ConfigMap.
+    pub fn apply_config_map(&mut self, map: ConfigMapInfo) {
+        let (ns, name) = (map.namespace.clone(), map.name.clone());
+        if self.config_maps.insert(&ns, &name, map).as_ref() != self.config_maps.get(&ns, &name) {
+            self.refresh_all();
+        }
+    }
+
+    /// Removes a ConfigMap.
+    pub fn delete_config_map(&mut self, namespace: &str, name: &str) {
+        if self.config_maps.remove(namespace, name).is_some() {
+            self.refresh_all();
+        }
+    }
+
+    /// Replaces the ConfigMaps of `namespace` with `maps` (a relist of one
+    /// namespace); items outside it are ignored.
+    pub fn reset_config_maps_in(&mut self, namespace: &str, maps: Vec<ConfigMapInfo>) {
+        self.config_maps.retain(|ns, _, _| ns != namespace);
+        for item in maps.into_iter().filter(|i| i.namespace == namespace) {
+            let name = item.name.clone();
+            self.config_maps.insert(namespace, &name, item);
+        }
+        self.refresh_all();
+    }
+
+    /// Replaces every ConfigMap with `maps` (a relist).
+    pub fn reset_config_maps(&mut self, maps: Vec<ConfigMapInfo>) {
+        self.config_maps = maps
+            .into_iter()
+            .map(|m| (m.namespace.clone(), m.name.clone(), m))
+            .collect();
+        self.refresh_all();
+    }
+
+    /// ConfigMap `namespace/name`, if the index has it.
+    pub fn config_map(&self, namespace: &str, name: &str) -> Option<&ConfigMapInfo> {
+        self.config_maps.get(namespace, name)
     }
 
     /// Service `namespace/name`, if the index has it.
@@ -490,9 +542,12 @@ impl Index {
         let Some(pool) = self.pools.get(namespace, name) else {
             return Content::default();
         };
-        let policy = self
-            .attached_policy(namespace, name)
-            .map_or_else(default_policy, PolicySpec::routing_policy);
+        let attached = self.attached_policy(namespace, name);
+        let mut policy = attached.map_or_else(default_policy, PolicySpec::routing_policy);
+        if let Some(w) = attached.and_then(|p| p.warmup.as_ref()) {
+            let (resolved, _) = warmups::resolve(w, namespace, &self.config_maps);
+            policy.warmup = Some((&resolved).into());
+        }
         let pods = self.pods.in_namespace(namespace).map(|(_, p)| p);
         let objectives = self.objectives.in_namespace(namespace).map(|(_, o)| o);
         Content {
@@ -500,7 +555,15 @@ impl Index {
             endpoints: pods::endpoints(pool, pods, policy.cache_port),
             policy: Some(policy),
             objectives: objectives::of_pool(objectives, name),
+            routers: pods::routers(self.pods.iter().map(|(_, _, p)| p), namespace, name),
         }
+    }
+
+    /// Why prefixes of `policy`'s warm-ups are left out (their references
+    /// do not resolve), each naming its field.
+    pub(super) fn unresolved_warmups(&self, policy: &PolicySpec) -> Option<Vec<String>> {
+        let w = policy.warmup.as_ref()?;
+        Some(warmups::resolve(w, &policy.namespace, &self.config_maps).1)
     }
 
     /// The policy in effect for pool `namespace/name`, if any.
@@ -515,4 +578,14 @@ impl Index {
         self.states
             .retain(|ns, name, tx| tx.receiver_count() > 0 || pools.get(ns, name).is_some());
     }
+}
+
+/// The pools `(namespace, name)` any of `pods` is a router of.
+fn routed_pools(pods: [Option<&PodInfo>; 2]) -> Vec<(String, String)> {
+    let mut pools: Vec<(String, String)> = (pods.iter().flatten())
+        .filter_map(|p| p.router_for())
+        .map(|(ns, name)| (ns.to_owned(), name.to_owned()))
+        .collect();
+    pools.dedup();
+    pools
 }

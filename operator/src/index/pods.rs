@@ -37,12 +37,39 @@ pub struct PodInfo {
     pub role: Role,
 }
 
+/// The label naming the pool a router pod routes for.
+pub const ROUTER_FOR: &str = "kvroute.dev/router-for";
+/// The label naming that pool's namespace, when not the pod's own.
+pub const ROUTER_FOR_NAMESPACE: &str = "kvroute.dev/router-for-namespace";
+
 impl PodInfo {
     /// Whether the pod can take new requests: Running, Ready, with an IP and
     /// not terminating.
     pub fn serves(&self) -> bool {
         self.phase_running && self.ready && self.ip.is_some() && !self.deleting
     }
+
+    /// The pool `(namespace, name)` it is a router of, by its labels
+    /// ([`ROUTER_FOR`], [`ROUTER_FOR_NAMESPACE`]).
+    pub fn router_for(&self) -> Option<(&str, &str)> {
+        let pool = self.labels.get(ROUTER_FOR)?;
+        let namespace = self.labels.get(ROUTER_FOR_NAMESPACE);
+        Some((namespace.unwrap_or(&self.namespace), pool))
+    }
+}
+
+/// The names of pool `namespace/pool`'s routers that serve, sorted.
+pub(super) fn routers<'a>(
+    pods: impl Iterator<Item = &'a PodInfo>,
+    namespace: &str,
+    pool: &str,
+) -> Vec<String> {
+    let mut names: Vec<String> = pods
+        .filter(|p| p.serves() && p.router_for() == Some((namespace, pool)))
+        .map(|p| p.name.clone())
+        .collect();
+    names.sort_unstable();
+    names
 }
 
 /// The endpoints `pool` makes of `pods` (any pods: those it does not select

@@ -18,6 +18,7 @@ use kvroute_core::hash::{BlockHasher, HashAlgo, HashConfig};
 use kvroute_core::keys::{KeyConfig, KeyMode};
 use kvroute_core::policy::{PolicyConfig, PolicyParameters};
 use kvroute_core::spec::{Disaggregation, RoutingSpec, TenancyMode};
+use kvroute_core::warmup::Warmup;
 use kvroute_proto::v1;
 
 use super::observed::Observed;
@@ -73,6 +74,8 @@ pub struct PolicySpec {
     pub slow_start_seconds: Option<u32>,
     /// Prefill/decode disaggregation.
     pub disaggregation: Option<Disaggregation>,
+    /// Named prefixes kept warm, references unresolved.
+    pub warmup: Option<Warmup>,
     /// The header carrying the authenticated tenant; not empty when set.
     pub tenant_header: Option<String>,
     /// The object as last watched, for the status writer.
@@ -163,6 +166,11 @@ impl PolicySpec {
                 "disaggregation min uncached tokens {}: must be 0 to 10000000",
                 d.min_uncached_tokens
             ));
+        }
+        if let Some(w) = &self.warmup {
+            let salted = self.tenancy_mode == Some(TenancyMode::Salted);
+            w.validate(salted, true)
+                .map_err(|e| format!("spec.warmup.{} {}: {}", e.field, e.value, e.reason))?;
         }
         Ok(())
     }

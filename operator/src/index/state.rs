@@ -36,6 +36,8 @@ pub(super) struct Content {
     /// Its `InferenceObjective`s, sorted by name; empty when it does not
     /// exist.
     pub(super) objectives: Vec<v1::Objective>,
+    /// Its ready routers' pod names, sorted.
+    pub(super) routers: Vec<String>,
 }
 
 /// A channel for pool `namespace/name` holding "does not exist", version 0:
@@ -50,6 +52,7 @@ pub(super) fn channel(namespace: &str, name: &str) -> watch::Sender<PoolState> {
         policy: None,
         pool_exists: false,
         objectives: Vec::new(),
+        routers: Vec::new(),
     })
 }
 
@@ -60,7 +63,8 @@ pub(super) fn publish(tx: &watch::Sender<PoolState>, content: Content, clock: Cl
         let same = state.pool_exists == content.exists
             && state.endpoints == content.endpoints
             && state.policy == content.policy
-            && state.objectives == content.objectives;
+            && state.objectives == content.objectives
+            && state.routers == content.routers;
         if same {
             return false;
         }
@@ -69,6 +73,7 @@ pub(super) fn publish(tx: &watch::Sender<PoolState>, content: Content, clock: Cl
         state.endpoints = content.endpoints;
         state.policy = content.policy;
         state.objectives = content.objectives;
+        state.routers = content.routers;
         true
     })
 }

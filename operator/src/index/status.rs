@@ -35,6 +35,10 @@ pub enum Reason {
     /// Some probed engine hashes otherwise: routers give it no cache
     /// credit.
     EnginesInconsistent,
+    /// Every warm-up prefix is resolved.
+    WarmupReady,
+    /// A warm-up prefix's ConfigMap or key does not exist: it is left out.
+    WarmupRefNotFound,
 }
 
 impl Reason {
@@ -51,6 +55,8 @@ impl Reason {
             Reason::InvalidExtensionRef => "InvalidExtensionRef",
             Reason::EnginesConsistent => "EnginesConsistent",
             Reason::EnginesInconsistent => "EnginesInconsistent",
+            Reason::WarmupReady => "WarmupReady",
+            Reason::WarmupRefNotFound => "WarmupRefNotFound",
         }
     }
 }
@@ -124,6 +130,10 @@ pub struct PolicyStatus {
     /// size, algorithm, seed). `None` while the policy is not in effect or
     /// no engine was probed.
     pub engines: Option<Condition>,
+    /// `WarmupReady`: whether every prefix of `spec.warmup` is resolved;
+    /// when not, the message names each left out by its field. `None`
+    /// while the policy has no warm-ups or is not in effect.
+    pub warmup: Option<Condition>,
 }
 
 impl Index {
@@ -221,10 +231,26 @@ impl Index {
             }
             Ok(()) => Condition::new(true, Reason::Accepted, format!("applies to {target}")),
         };
-        let (ready_endpoints, engines) = if accepted.status {
-            (self.ready_endpoints(ns, target), self.engines_of(policy))
+        let (ready_endpoints, engines, warmup) = if accepted.status {
+            let warmup = self.unresolved_warmups(policy).map(|left_out| {
+                if left_out.is_empty() {
+                    let routers = self.routers(ns, target);
+                    let message = format!(
+                        "every prefix is sent to the routers; {routers} routers share the warm-ups"
+                    );
+                    Condition::new(true, Reason::WarmupReady, message)
+                } else {
+                    let message = format!("left out: {}", left_out.join("; "));
+                    Condition::new(false, Reason::WarmupRefNotFound, message)
+                }
+            });
+            (
+                self.ready_endpoints(ns, target),
+                self.engines_of(policy),
+                warmup,
+            )
         } else {
-            (0, None)
+            (0, None, None)
         };
         PolicyStatus {
             namespace: ns.clone(),
@@ -235,6 +261,7 @@ impl Index {
             conflicted,
             ready_endpoints,
             engines,
+            warmup,
         }
     }
 
@@ -280,6 +307,11 @@ impl Index {
             message.push_str(&format!("; and {} more", differ.len() - NAMED));
         }
         Some(Condition::new(false, Reason::EnginesInconsistent, message))
+    }
+
+    /// Routers in pool `namespace/name`'s published state.
+    fn routers(&self, namespace: &str, name: &str) -> usize {
+        (self.states.get(namespace, name)).map_or(0, |tx| tx.borrow().routers.len())
     }
 
     /// Ready, non-draining endpoints in pool `namespace/name`'s published

@@ -8,6 +8,7 @@ mod engines;
 mod objectives;
 mod policies;
 mod publishing;
+mod warmups;
 
 use kvroute_proto::v1::PoolState;
 use tokio::sync::watch;

@@ -44,6 +44,7 @@ fn policy_status() -> index::PolicyStatus {
         conflicted: cond(false, Reason::NoConflict, "no other policy wins the target"),
         ready_endpoints: 2,
         engines: None,
+        warmup: None,
     }
 }
 

@@ -613,8 +613,9 @@ pub struct WatchPoolRequest {
     /// The InferencePool's name.
     #[prost(string, tag = "2")]
     pub pool: ::prost::alloc::string::String,
-    /// Free-form name of the subscriber (for example the router pod's name), used
-    /// only in the operator's logs and metrics. May be empty.
+    /// The subscriber's name: a router gives its pod's name, which it finds
+    /// among `PoolState.routers` to know which warm-ups it sends. Otherwise
+    /// used only in the operator's logs. May be empty.
     #[prost(string, tag = "3")]
     pub subscriber: ::prost::alloc::string::String,
 }
@@ -651,6 +652,14 @@ pub struct PoolState {
     /// `x-gateway-inference-objective` header. The full set, not a delta.
     #[prost(message, repeated, tag = "7")]
     pub objectives: ::prost::alloc::vec::Vec<Objective>,
+    /// The names of the pool's ready router pods (pods labelled
+    /// `kvroute.dev/router-for` with the pool's name), sorted: the warm-ups of
+    /// a prefix to one owner are sent by the first of them in the rendezvous
+    /// order of (prefix, owner), so the pool sends each once whatever the
+    /// number of routers. A router finds itself by the `subscriber` it gave;
+    /// empty: each router sends its own.
+    #[prost(string, repeated, tag = "8")]
+    pub routers: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 /// One `InferenceObjective` of a pool.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -775,6 +784,56 @@ pub struct RoutingPolicy {
     /// router's own setting stays.
     #[prost(message, optional, tag = "16")]
     pub disaggregation: ::core::option::Option<Disaggregation>,
+    /// Named prefixes kept warm on their owners (`CacheRoutingPolicy.spec.warmup`,
+    /// ConfigMap references resolved). Absent: the router's own setting stays.
+    #[prost(message, optional, tag = "17")]
+    pub warmup: ::core::option::Option<Warmup>,
+}
+/// Warm-ups: each prefix sent once a period as a one-token request to its
+/// owners.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct Warmup {
+    /// The period, seconds; at least 1.
+    #[prost(uint64, tag = "1")]
+    pub every_seconds: u64,
+    /// How many owners each prefix has; at least 1.
+    #[prost(uint32, tag = "2")]
+    pub owners: u32,
+    /// The most of all prefill warm-ups may take over 10 minutes, (0, 1\].
+    #[prost(double, tag = "3")]
+    pub max_share_of_prefill: f64,
+    /// 1 to 64 prefixes, unique by name.
+    #[prost(message, repeated, tag = "4")]
+    pub prefixes: ::prost::alloc::vec::Vec<WarmupPrefix>,
+}
+/// One named prefix.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct WarmupPrefix {
+    /// 1 to 63 letters, digits, '.', '\_' or '-'.
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    /// The model; absent: the one the endpoints serve.
+    #[prost(string, optional, tag = "2")]
+    pub model: ::core::option::Option<::prost::alloc::string::String>,
+    /// The tenant it is warmed for; required under salted tenancy.
+    #[prost(string, optional, tag = "3")]
+    pub tenant: ::core::option::Option<::prost::alloc::string::String>,
+    /// Its text: exactly one.
+    #[prost(oneof = "warmup_prefix::Text", tags = "4, 5")]
+    pub text: ::core::option::Option<warmup_prefix::Text>,
+}
+/// Nested message and enum types in `WarmupPrefix`.
+pub mod warmup_prefix {
+    /// Its text: exactly one.
+    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Oneof)]
+    pub enum Text {
+        /// Chat messages, as a JSON array.
+        #[prost(string, tag = "4")]
+        MessagesJson(::prost::alloc::string::String),
+        /// A completion prompt.
+        #[prost(string, tag = "5")]
+        Prompt(::prost::alloc::string::String),
+    }
 }
 /// Prefill/decode disaggregation: a request that would prefill at least
 /// `min_uncached_tokens` uncached tokens on its decode endpoint is prefilled

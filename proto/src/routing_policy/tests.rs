@@ -23,7 +23,37 @@ fn policy() -> v1::RoutingPolicy {
         offload_weight: None,
         slow_start_seconds: None,
         disaggregation: None,
+        warmup: None,
     }
+}
+
+#[test]
+fn warm_ups_survive_the_wire_and_a_config_map_ref_left_unresolved_is_left_out() {
+    let w: Warmup = serde_json::from_value(serde_json::json!({
+        "everySeconds": 60, "owners": 2, "maxShareOfPrefill": 0.1, "prefixes": [
+            {"name": "a", "tenant": "t", "messages": [{"role": "system", "content": "hi"}]},
+            {"name": "b", "model": "m", "prompt": "hello"},
+            {"name": "c", "configMapRef": {"name": "prompts", "key": "support"}}]}))
+    .unwrap();
+    let wire = v1::Warmup::from(&w);
+    assert_eq!(wire.prefixes.len(), 2, "c is unresolved");
+    let back = wire.to_warmup().unwrap();
+    assert_eq!(back.prefixes, w.prefixes[..2]);
+    assert_eq!((back.every_seconds, back.owners), (60, 2));
+    let broken = v1::Warmup {
+        prefixes: vec![v1::WarmupPrefix {
+            name: "x".into(),
+            text: Some(v1::warmup_prefix::Text::MessagesJson("[{".into())),
+            ..Default::default()
+        }],
+        ..wire
+    };
+    assert!(
+        broken
+            .to_warmup()
+            .unwrap_err()
+            .starts_with("prefix x: messages:")
+    );
 }
 
 /// `wire` read over the default spec, which must be wholly usable.

@@ -68,10 +68,14 @@ fn admin_routes(service: Arc<Service>, access: DebugAccess) -> Router {
         .route(
             "/debug/warmup",
             get(|State(p): State<Arc<Service>>| async move {
-                let statuses = p.warmups.as_ref().ok_or_else(|| {
-                    ApiError::NotFound("no warm-ups: set routing.warmup".into())
-                })?;
-                Ok::<_, ApiError>(axum::Json(json!({"prefixes": statuses.get()})))
+                let statuses = p.warmups.get();
+                if statuses.is_empty() {
+                    return Err(ApiError::NotFound(
+                        "no warm-ups: set routing.warmup, or spec.warmup in the pool's CacheRoutingPolicy"
+                            .into(),
+                    ));
+                }
+                Ok(axum::Json(json!({"prefixes": statuses})))
             }),
         )
         .route(

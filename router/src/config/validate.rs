@@ -17,7 +17,7 @@ impl Config {
         self.validate_urls()?;
         self.flow_control.validate()?;
         if let Some(w) = &self.routing.warmup {
-            w.validate(self.tenancy.mode == TenancyMode::Salted)?;
+            super::warmup::validate(w, self.tenancy.mode == TenancyMode::Salted)?;
         }
         super::flow::validate_objectives(&self.objectives)?;
         let l = &self.limits;

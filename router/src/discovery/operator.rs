@@ -32,8 +32,6 @@ use crate::pool::Watchers;
 use crate::pool::{EndpointSpec, Pool, Streams};
 use crate::reconnect::{BACKOFF_RESET_AFTER, Backoff, error_chain};
 
-/// How the router names itself to the operator.
-const SUBSCRIBER: &str = "kvroute-router";
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -150,7 +148,7 @@ impl Watcher {
         let request = WatchPoolRequest {
             namespace: self.namespace.clone(),
             pool: self.pool_name.clone(),
-            subscriber: SUBSCRIBER.to_owned(),
+            subscriber: crate::warmup::identity(),
         };
         let mut stream = match client.watch_pool(request).await {
             Ok(r) => r.into_inner(),
@@ -220,6 +218,8 @@ impl Watcher {
         }
         let streams = update_settings(&self.pool, &policy);
         self.watchers.apply(&self.pool, streams);
+        self.pool.warmup.set_routers(&state.routers);
+        update_warmup(&self.pool, policy.warmup.as_ref());
     }
 }
 
@@ -293,6 +293,29 @@ fn update_settings(pool: &Pool, policy: &RoutingPolicy) -> Streams {
             cur.clone()
         })
     })
+}
+
+/// Applies the operator's warm-ups (`None` or no prefixes: the router's
+/// own); ones the router cannot read or that break a rule are logged and
+/// the current ones kept.
+fn update_warmup(pool: &Pool, warmup: Option<&v1::Warmup>) {
+    let checked = warmup.map(|w| {
+        let w = w.to_warmup()?;
+        if !w.prefixes.is_empty() {
+            w.validate(false, false)
+                .map_err(|e| format!("{} {}: {}", e.field, e.value, e.reason))?;
+        }
+        Ok::<_, String>(w)
+    });
+    match checked.transpose() {
+        Ok(w) => {
+            if pool.warmup.set_operator(w) {
+                tracing::info!("warm-ups from the operator");
+            }
+        }
+        Err(error) => tracing::warn!(%error,
+            "unusable warm-ups from the operator; keeping the current ones"),
+    }
 }
 
 /// Logs a part of the operator's policy the router cannot use.

@@ -115,6 +115,8 @@ pub struct Pool {
     decisions: Mutex<decisions::Decisions>,
     /// The pool's `InferenceObjective`s from the operator: name → priority.
     objectives: Mutex<Arc<HashMap<String, i32>>>,
+    /// The warm-ups asked for, and the pool's routers.
+    pub warmup: crate::warmup::Source,
 }
 
 impl std::fmt::Debug for Pool {
@@ -160,6 +162,7 @@ impl Pool {
             changed: Notify::new(),
             decisions: Mutex::default(),
             objectives: Mutex::default(),
+            warmup: crate::warmup::Source::default(),
         })
     }
 

@@ -90,7 +90,7 @@ pub struct Service {
     /// Requests held until an endpoint can start them.
     pub(crate) flow: Arc<crate::flow::Gate>,
     /// What the warm-ups did last (`routing.warmup`), for `/debug/warmup`.
-    pub(crate) warmups: Option<crate::warmup::Statuses>,
+    pub(crate) warmups: crate::warmup::Statuses,
     /// Explains running: one at a time.
     explains: Arc<Semaphore>,
     models: Arc<Models>,
@@ -142,7 +142,7 @@ impl Service {
             explains: Arc::new(Semaphore::new(1)),
             models: Arc::new(Models::new(&limits)),
             response_cache: None,
-            warmups: crate::warmup::Statuses::of(config),
+            warmups: crate::warmup::Statuses::default(),
             limits,
             accounting,
         }

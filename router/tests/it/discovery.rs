@@ -267,6 +267,7 @@ fn policy(name: &str) -> RoutingPolicy {
         offload_weight: None,
         slow_start_seconds: None,
         disaggregation: None,
+        warmup: None,
     }
 }
 
@@ -292,6 +293,7 @@ fn state(version: u64, endpoints: Vec<v1::Endpoint>, policy: RoutingPolicy) -> P
         policy: Some(policy),
         pool_exists: true,
         objectives: Vec::new(),
+        routers: Vec::new(),
     }
 }
 
@@ -471,6 +473,7 @@ async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
         policy: None,
         pool_exists: false,
         objectives: Vec::new(),
+        routers: Vec::new(),
     });
     eventually("version 8 is applied", || names(&pool).is_empty()).await;
     task.abort();

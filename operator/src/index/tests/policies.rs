@@ -33,6 +33,7 @@ fn a_pool_without_a_policy_gets_the_documented_defaults() {
                 mode: v1::DisaggregationMode::Disabled.into(),
                 min_uncached_tokens: 256,
             }),
+            warmup: None,
         }
     );
 }
@@ -254,6 +255,7 @@ fn a_policy_may_set_every_field() {
                 mode: v1::DisaggregationMode::Auto.into(),
                 min_uncached_tokens: 128,
             }),
+            warmup: None,
         }
     );
     // The parameters a policy does not have are not sent; each policy gets

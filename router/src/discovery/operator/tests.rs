@@ -18,6 +18,7 @@ fn policy() -> RoutingPolicy {
         offload_weight: None,
         slow_start_seconds: None,
         disaggregation: None,
+        warmup: None,
     }
 }
 

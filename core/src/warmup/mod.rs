@@ -22,11 +22,24 @@
 //!    the prefix cached, `repaired` when it did not (evicted within the
 //!    period: `every` is longer than the time other traffic takes to cycle
 //!    the owner's free blocks), `failed` on an error.
+//! 4. **One sender.** When the routers of a pool are known (the operator
+//!    sends their names), the warm-ups of a prefix to one owner are sent by
+//!    one of them only: the first in the rendezvous order of (prefix,
+//!    owner) over the routers' names ([`sender`]). Every router computes the
+//!    same from the same names, so the pool sends one warm-up per prefix,
+//!    owner and period whatever the number of routers; a router that is not
+//!    among the names sends none, and with no names each sends its own.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use xxhash_rust::xxh3::xxh3_64;
+
+use crate::rendezvous;
+
+mod config;
+
+pub use config::{ConfigMapRef, Invalid, MAX_NAME_BYTES, MAX_PREFIXES, Prefix, Warmup};
 
 /// How far back the budget looks.
 pub const BUDGET_WINDOW: Duration = Duration::from_secs(600);
@@ -50,6 +63,14 @@ pub fn period(name: &str, every_ms: u64, now_ms: u64) -> u64 {
 pub fn next_due_ms(name: &str, every_ms: u64, now_ms: u64) -> u64 {
     let every = every_ms.max(1);
     period(name, every, now_ms) * every + offset_ms(name, every)
+}
+
+/// Which of a pool's `routers` sends the warm-ups of the prefix `name` to
+/// `owner` (rule 4): `None` when no router is named.
+pub fn sender<'a>(routers: &'a [String], name: &str, owner: &str) -> Option<&'a str> {
+    let key = xxh3_64(format!("{name}\0{owner}").as_bytes());
+    let score = |r: &&String| rendezvous::score(key, rendezvous::endpoint_id(r));
+    routers.iter().max_by_key(score).map(String::as_str)
 }
 
 /// What the router knows of an owner when a warm-up falls due.
@@ -121,7 +142,7 @@ pub fn outcome(prompt_tokens: u64, cached_tokens: u64, block_tokens: u64) -> Out
 }
 
 #[derive(Debug)]
-struct Prefix {
+struct Due {
     name: String,
     /// The last period its warm-ups were handled in.
     handled: Option<u64>,
@@ -135,7 +156,7 @@ struct Prefix {
 pub struct Schedule {
     every_ms: u64,
     max_share: f64,
-    prefixes: Vec<Prefix>,
+    prefixes: Vec<Due>,
     /// (bucket start, warm-up prefill tokens, all prefill tokens), oldest
     /// first.
     budget: VecDeque<(u64, u64, u64)>,
@@ -149,7 +170,7 @@ impl Schedule {
             every_ms: (every.as_millis() as u64).max(1),
             max_share,
             prefixes: (names.into_iter())
-                .map(|name| Prefix {
+                .map(|name| Due {
                     name,
                     handled: None,
                     sent: false,
@@ -249,6 +270,22 @@ mod tests {
     use super::*;
 
     const EVERY: u64 = 240_000;
+
+    #[test]
+    fn one_router_sends_each_prefix_to_each_owner_whatever_their_order() {
+        let routers: Vec<String> = (0..3).map(|i| format!("router-{i}")).collect();
+        let mut reversed = routers.clone();
+        reversed.reverse();
+        let mut by = std::collections::BTreeMap::new();
+        for owner in 0..40 {
+            let owner = format!("engine-{owner}:8000");
+            let one = sender(&routers, "support-v3", &owner).unwrap();
+            assert_eq!(Some(one), sender(&reversed, "support-v3", &owner));
+            *by.entry(one).or_insert(0) += 1;
+        }
+        assert_eq!(by.len(), 3, "owners spread over the routers: {by:?}");
+        assert_eq!(sender(&[], "support-v3", "engine-0:8000"), None);
+    }
 
     #[test]
     fn a_prefix_falls_due_once_a_period_at_its_own_offset() {

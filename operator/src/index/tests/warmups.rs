@@ -1,0 +1,160 @@
+//! A policy's warm-ups in its pool's state: ConfigMap references resolved
+//! (or left out and named in `WarmupReady`), the rules checked, and the
+//! pool's router pods named.
+
+use kvroute_core::warmup::{ConfigMapRef, Prefix, Warmup};
+use kvroute_proto::v1::warmup_prefix::Text;
+
+use super::*;
+
+fn prefix(name: &str) -> Prefix {
+    Prefix {
+        name: name.into(),
+        model: None,
+        tenant: None,
+        messages: None,
+        prompt: None,
+        config_map_ref: Some(ConfigMapRef {
+            name: "prompts".into(),
+            key: name.into(),
+        }),
+    }
+}
+
+fn with_warmup(prefixes: Vec<Prefix>) -> PolicySpec {
+    PolicySpec {
+        warmup: Some(Warmup {
+            prefixes,
+            ..Warmup::default()
+        }),
+        ..PolicySpec::test("fast", "llama")
+    }
+}
+
+fn prompts(data: &[(&str, &str)]) -> ConfigMapInfo {
+    ConfigMapInfo {
+        namespace: NS.into(),
+        name: "prompts".into(),
+        data: data
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    }
+}
+
+/// `(name, text)` of every prefix routers receive.
+fn sent(rx: &watch::Receiver<PoolState>) -> Vec<(String, String)> {
+    let state = rx.borrow();
+    let Some(w) = state.policy.as_ref().and_then(|p| p.warmup.as_ref()) else {
+        return Vec::new();
+    };
+    (w.prefixes.iter())
+        .map(|p| {
+            let text = match &p.text {
+                Some(Text::MessagesJson(m)) => m.clone(),
+                Some(Text::Prompt(p)) => p.clone(),
+                None => String::new(),
+            };
+            (p.name.clone(), text)
+        })
+        .collect()
+}
+
+fn warmup_condition(index: &Index) -> Option<Condition> {
+    index.policy_status(NS, "fast").unwrap().warmup
+}
+
+#[test]
+fn a_config_map_key_becomes_a_system_message_and_a_missing_one_is_named() {
+    let (mut index, rx) = with_pool(PoolSpec::test("llama"));
+    let literal = Prefix {
+        prompt: Some("You are helpful.".into()),
+        config_map_ref: None,
+        ..prefix("literal")
+    };
+    index.apply_policy(with_warmup(vec![prefix("support"), literal]));
+    assert_eq!(sent(&rx), [("literal".into(), "You are helpful.".into())]);
+    let c = warmup_condition(&index).unwrap();
+    assert!(!c.status);
+    assert_eq!(c.reason, Reason::WarmupRefNotFound);
+    assert_eq!(
+        c.message,
+        "left out: spec.warmup.prefixes[0].configMapRef: ConfigMap ml/prompts labelled kvroute.dev/warmup=true does not exist"
+    );
+
+    index.apply_config_map(prompts(&[("other", "x")]));
+    assert!(
+        warmup_condition(&index)
+            .unwrap()
+            .message
+            .contains("has no key \"support\"")
+    );
+
+    index.apply_config_map(prompts(&[("support", "Answer as Acme support.")]));
+    let system = r#"[{"content":"Answer as Acme support.","role":"system"}]"#;
+    assert_eq!(sent(&rx)[0], ("support".into(), system.into()));
+    let c = warmup_condition(&index).unwrap();
+    assert_eq!((c.status, c.reason), (true, Reason::WarmupReady));
+
+    // An edit of the ConfigMap reaches the routers.
+    index.apply_config_map(prompts(&[("support", "v2")]));
+    assert!(sent(&rx)[0].1.contains("v2"));
+    index.delete_config_map(NS, "prompts");
+    assert_eq!(sent(&rx).len(), 1);
+}
+
+#[test]
+fn a_warmup_breaking_a_rule_makes_the_policy_invalid_naming_the_field() {
+    let (mut index, rx) = with_pool(PoolSpec::test("llama"));
+    let both = Prefix {
+        prompt: Some("x".into()),
+        ..prefix("a")
+    };
+    index.apply_policy(with_warmup(vec![both]));
+    let status = index.policy_status(NS, "fast").unwrap();
+    assert!(!status.accepted.status);
+    assert_eq!(
+        status.accepted.message,
+        "spec.warmup.prefixes[].messages a: give exactly one of messages, prompt and configMapRef"
+    );
+    assert_eq!(status.warmup, None);
+    assert_eq!(sent(&rx), []);
+
+    let salted = PolicySpec {
+        tenancy_mode: Some(kvroute_core::spec::TenancyMode::Salted),
+        ..with_warmup(vec![prefix("a")])
+    };
+    index.apply_policy(salted);
+    let status = index.policy_status(NS, "fast").unwrap();
+    assert_eq!(
+        status.accepted.message,
+        "spec.warmup.prefixes[].tenant a: is required under salted tenancy"
+    );
+}
+
+#[test]
+fn the_pools_serving_router_pods_are_named_sorted() {
+    let (mut index, rx) = with_pool(PoolSpec::test("llama"));
+    let router = |name: &str| {
+        PodInfo::test(name)
+            .ip("10.0.9.1")
+            .running()
+            .ready()
+            .label("kvroute.dev/router-for", "llama")
+    };
+    index.apply_pod(router("router-b"));
+    index.apply_pod(router("router-a"));
+    // Of another pool, not ready, and in another namespace for this one.
+    index.apply_pod(router("router-c").label("kvroute.dev/router-for", "mistral"));
+    index.apply_pod(router("router-d").unready());
+    index.apply_pod(
+        router("router-e")
+            .in_namespace("kvroute")
+            .label("kvroute.dev/router-for-namespace", NS),
+    );
+    assert_eq!(rx.borrow().routers, ["router-a", "router-b", "router-e"]);
+    index.delete_pod(NS, "router-a");
+    assert_eq!(rx.borrow().routers, ["router-b", "router-e"]);
+    index.apply_pod(router("router-b").deleting());
+    assert_eq!(rx.borrow().routers, ["router-e"]);
+}
