@@ -18,3 +18,4 @@ pub mod scenarios;
 pub mod semantic_cache;
 pub mod system;
 pub mod warmup;
+pub mod warmup_routers;

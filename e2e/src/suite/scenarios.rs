@@ -96,7 +96,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 17] = [
+pub const NAMES: [&str; 18] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -114,6 +114,7 @@ pub const NAMES: [&str; 17] = [
     "noisy_tenant",
     "disaggregated",
     "warmup",
+    "warmup_routers",
 ];
 
 /// Runs scenario `name` into `s`.
@@ -136,6 +137,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "noisy_tenant" => super::flow::noisy_tenant(ctx, s).await,
         "disaggregated" => super::disaggregated::run(ctx, s).await,
         "warmup" => super::warmup::run(ctx, s).await,
+        "warmup_routers" => super::warmup_routers::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }
 }

@@ -37,7 +37,7 @@ pub const MODEL: &str = "kvroute-sim";
 /// The header a gateway sets to the authenticated tenant.
 pub const TENANT_HEADER: &str = "x-tenant";
 /// The pool's namespace and name (the policy has the same name).
-const NAMESPACE: &str = "default";
+pub const NAMESPACE: &str = "default";
 const POOL: &str = "llama";
 /// The Lease the operators share.
 const LEASE: &str = "kvroute-operator";
@@ -120,6 +120,9 @@ pub struct Setup {
     /// sections the setup has no field for, e.g. `responseCache`.
     /// Default: empty.
     pub router_yaml: String,
+    /// YAML appended to the CacheRoutingPolicy's `spec`, indented two
+    /// spaces, e.g. `  warmup: {...}`. Default: empty.
+    pub policy_yaml: String,
     /// Disaggregated pods: the first this many are `prefill` (engine
     /// `--kv-role producer`), the rest `decode` (`consumer`), by their
     /// `kvroute.dev/role` label. `None` (the default): every pod `both`.
@@ -146,6 +149,7 @@ impl Setup {
             watch_engines: false,
             slow_start_seconds: None,
             router_yaml: String::new(),
+            policy_yaml: String::new(),
             prefill_pods: None,
             disaggregate_from: None,
         }
@@ -485,7 +489,8 @@ spec:
     prefillTokensPerSecond: {rate}
     prefillOverheadMs: {overhead}
   tenancy: {{mode: {mode}, tenantHeader: {TENANT_HEADER}}}
-{slow_start}",
+{slow_start}{extra}",
+            extra = self.setup.policy_yaml,
             policy = self.setup.policy,
             block_size = e.block_size,
             rate = f64::from(e.prefill_tokens_per_s) * e.time_scale,
@@ -737,16 +742,53 @@ spec:
         self.object("kvroute.dev/v1alpha1", "CacheRoutingPolicy", POOL)
     }
 
-    /// Starts router `i` (again) and waits until it answers.
+    /// Starts router `i` (again) and waits until it answers; its Pod
+    /// object (labelled as the chart labels a router's, so the operator
+    /// names it to the routers) is Running and Ready.
     pub async fn start_router(&mut self, i: usize) -> anyhow::Result<()> {
         let r = &self.routers[i];
         let args = vec![format!("--config={}", r.config.display())];
         let (name, url) = (r.name.clone(), format!("http://{}/healthz", r.admin));
+        let env = [("POD_NAME", name.clone())];
         let proc = self
-            .launch(&name, "kvroute-router", &args, &[], &url)
+            .launch(&name, "kvroute-router", &args, &env, &url)
             .await?;
         self.routers[i].proc = Some(proc);
+        self.write_router_pod(i, true)
+    }
+
+    /// Writes router `i`'s Pod object, Ready or not.
+    pub fn write_router_pod(&self, i: usize, ready: bool) -> anyhow::Result<()> {
+        let r = &self.routers[i];
+        let object = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": r.name,
+                "namespace": NAMESPACE,
+                "labels": { "app.kubernetes.io/component": "router", "kvroute.dev/router-for": POOL },
+            },
+            "spec": { "containers": [{ "name": "router", "image": "kvroute" }] },
+            "status": {
+                "phase": "Running",
+                "podIP": r.api.ip().to_string(),
+                "conditions": [{
+                    "type": "Ready",
+                    "status": if ready { "True" } else { "False" },
+                    "lastTransitionTime": jiff::Timestamp::now().to_string(),
+                }],
+            },
+        });
+        self.api
+            .put(object)
+            .map_err(|e| anyhow::anyhow!("writing Pod {}: {e}", r.name))?;
         Ok(())
+    }
+
+    /// Deletes router `i`'s Pod object (the router runs on).
+    pub fn delete_router_pod(&self, i: usize) {
+        self.api
+            .delete("v1", "Pod", NAMESPACE, &self.routers[i].name);
     }
 
     /// Stops router `i` with SIGTERM, as a rolling restart does: it
