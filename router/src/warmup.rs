@@ -175,7 +175,13 @@ impl Source {
         }
     }
 
-    fn routers(&self) -> Arc<[String]> {
+    /// The warm-ups in effect.
+    pub fn current(&self) -> Option<Arc<Warmup>> {
+        self.effective.borrow().clone()
+    }
+
+    /// The pool's router pods, as the operator names them.
+    pub fn routers(&self) -> Arc<[String]> {
         self.routers
             .lock()
             .unwrap_or_else(|e| e.into_inner())

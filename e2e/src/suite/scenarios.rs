@@ -96,7 +96,7 @@ impl Ctx {
 }
 
 /// The scenarios by name, in the order they run.
-pub const NAMES: [&str; 18] = [
+pub const NAMES: [&str; 19] = [
     "steady_state",
     "inference_perf",
     "scale_out",
@@ -114,6 +114,7 @@ pub const NAMES: [&str; 18] = [
     "noisy_tenant",
     "disaggregated",
     "warmup",
+    "warmup_saturated",
     "warmup_routers",
 ];
 
@@ -137,6 +138,7 @@ pub async fn run(ctx: &Ctx, name: &str, s: &mut Scenario) -> anyhow::Result<()> 
         "noisy_tenant" => super::flow::noisy_tenant(ctx, s).await,
         "disaggregated" => super::disaggregated::run(ctx, s).await,
         "warmup" => super::warmup::run(ctx, s).await,
+        "warmup_saturated" => super::warmup::saturated(ctx, s).await,
         "warmup_routers" => super::warmup_routers::run(ctx, s).await,
         other => anyhow::bail!("no scenario {other:?}; the scenarios are {NAMES:?}"),
     }

@@ -5,6 +5,10 @@
 //! template) was added to the warm-ups before its first request, and 10
 //! requests with it follow one a second.
 //!
+//! `warmup_saturated` (figures `sat_`) is the same with warm-ups under
+//! three times the load, the engines' queues past the policy's slack: how
+//! the busy skip and the budget hold warm-ups back in a saturated pool.
+//!
 //! Figures of each run (`off_` without warm-ups): each probe's cached share
 //! of the prefix (cached tokens over the prefix's full blocks, at most 1),
 //! their minimum and mean, the new template's first 10 requests' minimum,
@@ -50,8 +54,8 @@ struct Measured {
 }
 
 pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
-    let off = one(ctx, s, false).await?;
-    let on = one(ctx, s, true).await?;
+    let off = one(ctx, s, Run::Off).await?;
+    let on = one(ctx, s, Run::On).await?;
     let rollout = format!("the new template's first {ROLLOUT_REQUESTS} requests find");
     let goals = [
         (
@@ -73,6 +77,12 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `warmup_saturated`: the budget's effect on a saturated pool, figures
+/// and the budget's goal only.
+pub async fn saturated(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
+    one(ctx, s, Run::Saturated).await.map(drop)
+}
+
 /// The smallest of `v`.
 fn min(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::INFINITY, f64::min)
@@ -89,8 +99,24 @@ fn prefix(name: &str, seed: u64) -> String {
     )
 }
 
+/// One run of the scenario.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Run {
+    /// Without warm-ups.
+    Off,
+    /// With warm-ups.
+    On,
+    /// With warm-ups, under [`SATURATED_LOAD`] times the standard load.
+    Saturated,
+}
+
+/// The saturated run's load, times the standard load: the engines' queues
+/// stay above the policy's slack.
+const SATURATED_LOAD: f64 = 3.0;
+
 /// Runs the load with probes, warm-ups on or not: its figures into `s`.
-async fn one(ctx: &Ctx, s: &mut Scenario, warm: bool) -> anyhow::Result<Measured> {
+async fn one(ctx: &Ctx, s: &mut Scenario, run: Run) -> anyhow::Result<Measured> {
+    let warm = run != Run::Off;
     let (old, new) = (prefix("v3", 31), prefix("v4", 43));
     let mut setup = Setup {
         routers: 1,
@@ -100,7 +126,11 @@ async fn one(ctx: &Ctx, s: &mut Scenario, warm: bool) -> anyhow::Result<Measured
         },
         ..Setup::new(PODS)
     };
-    let name = if warm { "warmup" } else { "warmup-off" };
+    let (name, p) = match run {
+        Run::Off => ("warmup-off", "off_"),
+        Run::On => ("warmup", ""),
+        Run::Saturated => ("warmup-saturated", "sat_"),
+    };
     if warm {
         let entry = |name: &str, text: &str| json!({"name": name, "messages": [{"role": "system", "content": text}]});
         let warmup = json!({"warmup": {
@@ -114,6 +144,9 @@ async fn one(ctx: &Ctx, s: &mut Scenario, warm: bool) -> anyhow::Result<Measured
     let system = ctx.system(name, setup).await?;
     let mut shape = ctx.shape(PODS);
     shape.duration = Duration::from_secs_f64(LOAD_S);
+    if run == Run::Saturated {
+        shape.sessions_per_s *= SATURATED_LOAD;
+    }
     let rotation = Rotation::new(system.router_addrs());
     let load = tokio::spawn(load::run(shape, rotation, system.t0));
     let client = reqwest::Client::new();
@@ -133,7 +166,6 @@ async fn one(ctx: &Ctx, s: &mut Scenario, warm: bool) -> anyhow::Result<Measured
         };
         (share, sample)
     };
-    let p = if warm { "" } else { "off_" };
     let mut samples = Vec::new();
     let mut probes = Vec::new();
     for k in 0..PROBES {
@@ -183,11 +215,11 @@ async fn one(ctx: &Ctx, s: &mut Scenario, warm: bool) -> anyhow::Result<Measured
     }
     if warm {
         let share = warmup_tokens / computed.max(1.0);
-        s.figure("warmup_prefill_share", share);
+        s.figure(&format!("{p}warmup_prefill_share"), share);
         s.goal(
             share <= MAX_SHARE,
             format!(
-                "warm-ups' prefill ≤ maxShareOfPrefill ({MAX_SHARE}) of all prefill: {share:.4}"
+                "{p}warm-ups' prefill ≤ maxShareOfPrefill ({MAX_SHARE}) of all prefill: {share:.4}"
             ),
         );
     }

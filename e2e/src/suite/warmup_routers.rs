@@ -68,6 +68,19 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         },
     )
     .await?;
+    // The policy's status says so, once the leader has written it.
+    let ready = sys
+        .wait_for("WarmupReady", Duration::from_secs(10), async || {
+            let policy = sys.policy()?;
+            let conditions = policy["status"]["conditions"].as_array()?.clone();
+            let c = conditions.into_iter().find(|c| c["type"] == "WarmupReady")?;
+            (c["status"] == "True").then(|| c["message"].as_str().unwrap_or("").to_owned())
+        })
+        .await;
+    s.check(
+        ready.is_ok(),
+        format!("the policy's WarmupReady condition is True: {ready:?}"),
+    );
     let start = system.now() + 1.0;
     let mut window = Window::open(&system, start).await?;
 

@@ -190,7 +190,7 @@ fn warmup_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "properties": {
             "everySeconds": {"description": "Each prefix is warmed once per this many seconds, at its own offset into the period. At least 1.", "type": "integer", "minimum": 1, "default": w.every_seconds},
             "owners": {"description": "How many endpoints keep each prefix warm. At least 1.", "type": "integer", "minimum": 1, "maximum": 1024, "default": w.owners},
-            "maxShareOfPrefill": {"description": "Warm-ups' prefill over the last 10 minutes stays at most this share of all prefill, (0, 1]; a prefix's first warm-up is always sent.", "type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1, "default": w.max_share_of_prefill},
+            "maxShareOfPrefill": {"description": "Warm-ups' prefill over the last 10 minutes stays at most this share of all prefill, (0, 1]; a prefix's first warm-up is always sent.", "type": "number", "minimum": 0, "maximum": 1, "default": w.max_share_of_prefill},
             "prefixes": {
                 "description": "1 to 64 prefixes, unique by name.",
                 "type": "array", "minItems": 1, "maxItems": kvroute_core::warmup::MAX_PREFIXES,

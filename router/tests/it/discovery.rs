@@ -429,6 +429,76 @@ async fn operator_states_apply_newest_first_with_policy_and_settings() {
 }
 
 #[tokio::test]
+async fn the_operators_warm_ups_replace_the_routers_own_and_name_its_routers() {
+    let own = kvroute_router::config::Warmup {
+        prefixes: vec![kvroute_router::config::Prefix {
+            name: "own".into(),
+            model: None,
+            tenant: None,
+            messages: None,
+            prompt: Some("x".into()),
+            config_map_ref: None,
+        }],
+        ..Default::default()
+    };
+    let pool = pool();
+    pool.warmup.set_own(Some(own));
+    let prefix = v1::WarmupPrefix {
+        name: "support".into(),
+        text: Some(v1::warmup_prefix::Text::MessagesJson(
+            r#"[{"role":"system","content":"hi"}]"#.into(),
+        )),
+        ..Default::default()
+    };
+    let warmup = v1::Warmup {
+        every_seconds: 60,
+        owners: 2,
+        max_share_of_prefill: 0.1,
+        prefixes: vec![prefix],
+    };
+    let mut with_warmup = state(
+        1,
+        vec![endpoint("a:8000", "10.0.0.1", false)],
+        RoutingPolicy {
+            warmup: Some(warmup.clone()),
+            ..policy("kvroute")
+        },
+    );
+    with_warmup.routers = vec!["router-a".into(), "router-b".into()];
+    let (op, addr) = FakeOperator::start("127.0.0.1:0".parse().unwrap(), with_warmup.clone()).await;
+    let task = watch_operator(&pool, addr);
+    let name = |pool: &Pool| pool.warmup.current().map(|w| w.prefixes[0].name.clone());
+    eventually("the operator's warm-ups", || {
+        name(&pool).as_deref() == Some("support")
+    })
+    .await;
+    assert_eq!(*pool.warmup.routers(), ["router-a", "router-b"]);
+    assert_eq!(pool.warmup.current().unwrap().owners, 2);
+
+    // Unusable ones keep the current ones; none brings back the router's own.
+    let broken = v1::Warmup {
+        owners: 0,
+        ..warmup
+    };
+    let mut next = with_warmup.clone();
+    next.version = 2;
+    next.policy.as_mut().unwrap().warmup = Some(broken);
+    next.routers.pop();
+    op.publish(next.clone());
+    eventually("the routers apply", || pool.warmup.routers().len() == 1).await;
+    assert_eq!(name(&pool).as_deref(), Some("support"));
+    next.version = 3;
+    next.policy.as_mut().unwrap().warmup = None;
+    op.publish(next);
+    eventually("the router's own again", || {
+        name(&pool).as_deref() == Some("own")
+    })
+    .await;
+    task.abort();
+    op.stop().await;
+}
+
+#[tokio::test]
 async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
     let (logs, _guard) = Logs::capture();
     let ab = vec![
