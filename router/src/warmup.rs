@@ -21,9 +21,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-
 use std::time::Duration;
-use tokio::sync::watch;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -36,6 +34,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::Value;
+use tokio::sync::watch;
 
 use crate::config::{Config, Prefix, Warmup};
 use crate::metrics::ModelTenant;
@@ -218,7 +217,7 @@ impl Statuses {
 /// The warm-up task of one router.
 pub(crate) struct Warmups {
     service: Arc<Service>,
-    /// The warm-ups in effect; none: no prefixes.
+    /// The warm-ups in effect; none: the default, without prefixes.
     config: Arc<Warmup>,
     schedule: Schedule,
     /// This router's name among the pool's routers.
@@ -240,10 +239,7 @@ impl Warmups {
     /// The warm-up task; it sends nothing until warm-ups are set
     /// ([`Source`]).
     pub(crate) fn new(service: Arc<Service>, config: &Config) -> Self {
-        let none = Arc::new(Warmup {
-            prefixes: Vec::new(),
-            ..Warmup::default()
-        });
+        let none = Arc::<Warmup>::default();
         Warmups {
             busy_s: service.flow.hold_s(),
             client: upstream(&config.limits),
@@ -286,12 +282,7 @@ impl Warmups {
 
     /// Starts over with `warmup` when it is not the one in effect.
     fn configure(&mut self, warmup: Option<Arc<Warmup>>) {
-        let warmup = warmup.unwrap_or_else(|| {
-            Arc::new(Warmup {
-                prefixes: Vec::new(),
-                ..Warmup::default()
-            })
-        });
+        let warmup = warmup.unwrap_or_default();
         if warmup == self.config {
             return;
         }

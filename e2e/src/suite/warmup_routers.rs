@@ -73,7 +73,9 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         .wait_for("WarmupReady", Duration::from_secs(10), async || {
             let policy = sys.policy()?;
             let conditions = policy["status"]["conditions"].as_array()?.clone();
-            let c = conditions.into_iter().find(|c| c["type"] == "WarmupReady")?;
+            let c = conditions
+                .into_iter()
+                .find(|c| c["type"] == "WarmupReady")?;
             (c["status"] == "True").then(|| c["message"].as_str().unwrap_or("").to_owned())
         })
         .await;
