@@ -131,6 +131,21 @@ pub struct Source {
     own: Mutex<Option<Arc<Warmup>>>,
     effective: watch::Sender<Option<Arc<Warmup>>>,
     routers: Mutex<Arc<[String]>>,
+    /// Each prefix's marker block and when a request with it last went to
+    /// each of its owners (`skipped_resident`); empty without warm-ups.
+    touches: Mutex<Vec<Touches>>,
+}
+
+/// A prefix's requests at its owners.
+#[derive(Debug, Default)]
+struct Touches {
+    /// A request whose chain has `hash` at `block` starts with the prefix
+    /// (all but its last block or two, which the template's end may
+    /// change).
+    block: usize,
+    hash: u64,
+    /// Its owners, and when each last got such a request, Unix ms.
+    owners: Vec<(Arc<str>, Option<u64>)>,
 }
 
 impl Default for Source {
@@ -139,6 +154,7 @@ impl Default for Source {
             own: Mutex::new(None),
             effective: watch::Sender::new(None),
             routers: Mutex::new(Arc::from([])),
+            touches: Mutex::new(Vec::new()),
         }
     }
 }
@@ -172,6 +188,46 @@ impl Source {
         if **current != *routers {
             *current = Arc::from(routers);
         }
+    }
+
+    /// A request whose blocks hash to `chain` went to `endpoint`: it
+    /// touched the prefixes it starts with there. Cheap without warm-ups.
+    pub(crate) fn touched(&self, chain: &[u64], endpoint: &Arc<str>) {
+        let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
+        for t in touches.iter_mut() {
+            if chain.get(t.block) != Some(&t.hash) {
+                continue;
+            }
+            if let Some(owner) = t.owners.iter_mut().find(|o| o.0 == *endpoint) {
+                owner.1 = Some(wall_ms());
+            }
+        }
+    }
+
+    /// Watches the prefix at `i` for requests to `owners`, by its block at
+    /// `block` hashing to `hash`; keeps what its owners already had.
+    fn watch(&self, i: usize, (block, hash): (usize, u64), owners: &[Arc<str>]) {
+        let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(t) = touches.get_mut(i) else {
+            return;
+        };
+        let same = t.block == block && t.hash == hash;
+        let owners = owners.iter().map(|o| {
+            let last = t.owners.iter().find(|(name, _)| name == o);
+            (o.clone(), last.and_then(|l| l.1).filter(|_| same))
+        });
+        *t = Touches {
+            block,
+            hash,
+            owners: owners.collect(),
+        };
+    }
+
+    /// When a request with the prefix at `i` last went to `owner`.
+    fn last_touch(&self, i: usize, owner: &Arc<str>) -> Option<u64> {
+        let touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
+        let t = touches.get(i)?;
+        t.owners.iter().find(|o| o.0 == *owner)?.1
     }
 
     /// The warm-ups in effect.
@@ -293,6 +349,9 @@ impl Warmups {
         );
         self.schedule = schedule(&warmup);
         self.last_owners = vec![Vec::new(); warmup.prefixes.len()];
+        let touches = (warmup.prefixes.iter()).map(|_| Touches::default());
+        *(self.service.pool.warmup.touches.lock()).unwrap_or_else(|e| e.into_inner()) =
+            touches.collect();
         self.service.warmups.reset(&warmup);
         self.config = warmup;
     }
@@ -327,7 +386,13 @@ impl Warmups {
                     owners.iter().map(|o| o.target.name.clone()).collect(),
                 );
                 let full = read.2.prompt_tokens.saturating_sub(1) / read.2.block_tokens.max(1);
-                let routers = self.service.pool.warmup.routers();
+                let source = &self.service.pool.warmup;
+                let marker = (full as usize).checked_sub(2);
+                if let Some((b, hash)) = marker.and_then(|b| Some((b, *read.2.chain.get(b)?))) {
+                    let names: Vec<_> = owners.iter().map(|o| o.target.name.clone()).collect();
+                    source.watch(i, (b, hash), &names);
+                }
+                let routers = source.routers();
                 for owner in owners {
                     let holds = u64::from(owner.held_blocks) >= full && full > 0;
                     let again = last.contains(&owner.target.name);
@@ -364,7 +429,7 @@ impl Warmups {
         let view = warmup::Owner {
             busy: owner.busy,
             holds,
-            touched_ms: None,
+            touched_ms: self.service.pool.warmup.last_touch(i, &owner.target.name),
         };
         // What it is expected to cost: the prompt past what the owner holds.
         let block_tokens = analysis.block_tokens.max(1);

@@ -263,6 +263,9 @@ impl Decision {
         if !attempt.learned {
             self.pool.learn(&self.analysis.request(), &attempt.target);
         }
+        if status.is_success() {
+            (self.pool.warmup).touched(&self.analysis.chain, &attempt.target.name);
+        }
         let expected = self.expected(&attempt);
         let labels = self.labels.hand_over();
         let load = (attempt.load, attempt.target.name);

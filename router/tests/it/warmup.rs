@@ -1,8 +1,9 @@
 //! Warm-ups (`routing.warmup`) over engine sims: a named prefix is sent to
 //! its owner once a period as its tenant's request would be (salted,
 //! keyed), not counted as a request; the owner then serves that tenant's
-//! requests with the prefix cached; the budget skips warm-ups when they
-//! would be too large a share of the prefill.
+//! requests with the prefix cached, and its warm-ups are skipped while
+//! they touch it there; the budget skips warm-ups when they would be too
+//! large a share of the prefill.
 
 use std::time::Duration;
 
@@ -119,6 +120,14 @@ async fn a_named_prefix_is_kept_warm_on_its_owner_for_its_tenant() {
         other["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
         "{other}"
     );
+
+    // While its tenant's requests touch the prefix on its owner, the
+    // owner's warm-ups are skipped as resident.
+    kvroute_testkit::eventually("a resident skip", Duration::from_secs(20), || async {
+        assert_eq!(ask("acme").await.unwrap().status(), 200);
+        (warmups(&stack.metrics().await, "skipped_resident") >= 1.0).then_some(())
+    })
+    .await;
     stack.stop().await;
 }
 
