@@ -11,7 +11,9 @@
 //!    `skipped_busy` (the owner's queue is above the policy's slack: a
 //!    warm-up would delay requests), `skipped_resident` (the owner holds
 //!    the prefix by its engine's reports and a request with it went there
-//!    within the period, which touched it), `skipped_budget` (with this
+//!    within the last half period, which touched it: the prefix then goes
+//!    at most 1.5 periods unused before the next warm-up, where a touch
+//!    any time in the period would let it go two), `skipped_budget` (with this
 //!    one's expected cost, warm-ups' prefill over the last
 //!    [`BUDGET_WINDOW`] would be above `maxShareOfPrefill` of all prefill
 //!    in it). A prefix's first warm-up is always sent and not counted
@@ -214,7 +216,7 @@ impl Schedule {
         if owner.busy {
             return Verdict::SkippedBusy;
         }
-        let touched = |t: u64| now_ms.saturating_sub(t) < self.every_ms;
+        let touched = |t: u64| now_ms.saturating_sub(t) < self.every_ms / 2;
         if owner.holds && owner.touched_ms.is_some_and(touched) {
             return Verdict::SkippedResident;
         }
@@ -329,12 +331,12 @@ mod tests {
         assert_eq!(s.decide(0, busy, t, 16), Verdict::SkippedBusy);
         let resident = Owner {
             holds: true,
-            touched_ms: Some(t - EVERY + 1),
+            touched_ms: Some(t - EVERY / 2 + 1),
             ..Owner::default()
         };
         assert_eq!(s.decide(0, resident, t, 16), Verdict::SkippedResident);
         let untouched = Owner {
-            touched_ms: Some(t - EVERY),
+            touched_ms: Some(t - EVERY / 2),
             ..resident
         };
         // The first warm-up goes whatever the budget, and is not counted
