@@ -177,7 +177,7 @@ impl Watched for Pod {
 impl Watched for ConfigMap {
     type Spec = ConfigMapInfo;
     const KIND: &'static str = "ConfigMap";
-    const LABELS: Option<&'static str> = Some(LABELLED_FOR_WARMUP);
+    const LABELS: Option<&'static str> = Some(crate::index::WARMUP_SELECTOR);
     fn convert(&self) -> Option<ConfigMapInfo> {
         convert::config_map(self)
     }
@@ -197,10 +197,6 @@ impl Watched for ConfigMap {
         index.config_map(namespace, name).cloned()
     }
 }
-
-/// The ConfigMaps warm-ups may name: `kvroute.dev/warmup=true`
-/// ([`crate::index::WARMUP_LABEL`]), so the operator keeps no other.
-const LABELLED_FOR_WARMUP: &str = "kvroute.dev/warmup=true";
 
 impl Watched for Service {
     type Spec = ServiceInfo;

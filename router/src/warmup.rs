@@ -19,7 +19,7 @@
 //! pods the operator names; this router finds itself by its pod's name
 //! (`POD_NAME`, [`identity`]). Without names each router sends its own.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -134,6 +134,8 @@ pub struct Source {
     /// Each prefix's marker block and when a request with it last went to
     /// each of its owners (`skipped_resident`); empty without warm-ups.
     touches: Mutex<Vec<Touches>>,
+    /// Whether `touches` has any prefix: requests skip its lock otherwise.
+    watching: AtomicBool,
 }
 
 /// A prefix's requests at its owners.
@@ -155,6 +157,7 @@ impl Default for Source {
             effective: watch::Sender::new(None),
             routers: Mutex::new(Arc::from([])),
             touches: Mutex::new(Vec::new()),
+            watching: AtomicBool::new(false),
         }
     }
 }
@@ -191,8 +194,11 @@ impl Source {
     }
 
     /// A request whose blocks hash to `chain` went to `endpoint`: it
-    /// touched the prefixes it starts with there. Cheap without warm-ups.
+    /// touched the prefixes it starts with there. Without warm-ups it takes no lock.
     pub(crate) fn touched(&self, chain: &[u64], endpoint: &Arc<str>) {
+        if !self.watching.load(Ordering::Relaxed) {
+            return;
+        }
         let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
         for t in touches.iter_mut() {
             if chain.get(t.block) != Some(&t.hash) {
@@ -202,6 +208,13 @@ impl Source {
                 owner.1 = Some(wall_ms());
             }
         }
+    }
+
+    /// Forgets every touch; `prefixes` prefixes are watched from now.
+    fn reset_touches(&self, prefixes: usize) {
+        let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
+        *touches = (0..prefixes).map(|_| Touches::default()).collect();
+        self.watching.store(prefixes > 0, Ordering::Relaxed);
     }
 
     /// Watches the prefix at `i` for requests to `owners`, by its block at
@@ -349,9 +362,10 @@ impl Warmups {
         );
         self.schedule = schedule(&warmup);
         self.last_owners = vec![Vec::new(); warmup.prefixes.len()];
-        let touches = (warmup.prefixes.iter()).map(|_| Touches::default());
-        *(self.service.pool.warmup.touches.lock()).unwrap_or_else(|e| e.into_inner()) =
-            touches.collect();
+        self.service
+            .pool
+            .warmup
+            .reset_touches(warmup.prefixes.len());
         self.service.warmups.reset(&warmup);
         self.config = warmup;
     }

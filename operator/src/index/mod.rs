@@ -54,7 +54,7 @@ pub use self::pool::PoolSpec;
 pub use self::services::{PickerRef, ServiceInfo};
 pub use self::state::{Clock, wall_clock_micros};
 pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
-pub use self::warmups::{ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_LABEL};
+pub use self::warmups::{ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_SELECTOR};
 
 use self::state::Content;
 use self::store::Namespaced;
@@ -70,7 +70,7 @@ pub struct Index {
     services: Namespaced<ServiceInfo>,
     /// `InferenceObjective`s, for the pools they name.
     objectives: Namespaced<ObjectiveSpec>,
-    /// ConfigMaps labelled [`WARMUP_LABEL`], for warm-ups' references.
+    /// ConfigMaps matching [`WARMUP_SELECTOR`], for warm-ups' references.
     config_maps: Namespaced<ConfigMapInfo>,
     /// One channel per existing or watched pool.
     states: Namespaced<watch::Sender<PoolState>>,

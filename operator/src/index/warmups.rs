@@ -1,6 +1,6 @@
 //! A policy's warm-ups as routers receive them: each `configMapRef`
 //! resolved from the ConfigMaps the operator watches (those labelled
-//! [`WARMUP_LABEL`]`=true`), the key's text becoming the prefix's one
+//! [`WARMUP_SELECTOR`]), the key's text becoming the prefix's one
 //! system message. A prefix whose reference does not resolve is left out
 //! (the others are still warmed) and named in the policy's `WarmupReady`
 //! condition.
@@ -14,8 +14,8 @@ use kvroute_core::warmup::{Prefix, Warmup};
 
 use super::store::Namespaced;
 
-/// The label a ConfigMap needs for the operator to watch it.
-pub const WARMUP_LABEL: &str = "kvroute.dev/warmup";
+/// The label selector a ConfigMap must match for the operator to watch it.
+pub const WARMUP_SELECTOR: &str = "kvroute.dev/warmup=true";
 /// The most bytes of one ConfigMap the index keeps (its data, summed): a
 /// ConfigMap holds at most 1 MiB.
 pub const MAX_CONFIG_MAP_BYTES: usize = 1 << 20;
@@ -46,7 +46,7 @@ pub(super) fn resolve(
         };
         let text = match config_maps.get(namespace, &r.name) {
             None => Err(format!(
-                "ConfigMap {namespace}/{} labelled {WARMUP_LABEL}=true does not exist",
+                "ConfigMap {namespace}/{} labelled {WARMUP_SELECTOR} does not exist",
                 r.name
             )),
             Some(map) => map
