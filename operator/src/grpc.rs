@@ -12,6 +12,11 @@
 //! ([`Discovery::with_ready`]): a partial index would tell routers that pools
 //! are empty.
 //!
+//! `ReportWarmups` hands a router's warm-ups to the index, for the
+//! policy's `status.warmup`; what names no prefix or endpoint of the pool
+//! is dropped there, and a report over [`MAX_REPORTED`] entries or with an
+//! over-long name is refused whole.
+//!
 //! Not here: computing states (the index), TLS, metrics beyond the
 //! subscriber gauge ([`Discovery::subscribers`]).
 
@@ -22,7 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use futures_util::{Stream, StreamExt};
 use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
-use kvroute_proto::v1::{PoolState, WatchPoolRequest};
+use kvroute_proto::v1::{PoolState, WarmupReport, WarmupReportReply, WatchPoolRequest};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::{TcpListenerStream, WatchStream};
@@ -30,6 +35,12 @@ use tonic::transport::ServerTlsConfig;
 use tonic::{Request, Response, Status};
 
 use crate::index::Index;
+
+/// Most entries one `ReportWarmups` may carry: every prefix a policy may
+/// name (64) to 64 owners.
+pub const MAX_REPORTED: usize = 64 * 64;
+/// Longest name (router, prefix, endpoint) a report may carry.
+const MAX_NAME_BYTES: usize = 256;
 
 /// The stream of states one `WatchPool` call returns.
 pub type PoolStates = Pin<Box<dyn Stream<Item = Result<PoolState, Status>> + Send>>;
@@ -168,6 +179,38 @@ impl EndpointDiscovery for Discovery {
                 let _ = stop.wait_for(|stopped| *stopped).await;
             });
         Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn report_warmups(
+        &self,
+        request: Request<WarmupReport>,
+    ) -> Result<Response<WarmupReportReply>, Status> {
+        let report = request.into_inner();
+        if report.sent.len() > MAX_REPORTED {
+            return Err(Status::invalid_argument(format!(
+                "a warm-up report holds at most {MAX_REPORTED} entries, not {}",
+                report.sent.len()
+            )));
+        }
+        let long = |s: &str| s.len() > MAX_NAME_BYTES;
+        if long(&report.router)
+            || (report.sent.iter()).any(|s| long(&s.prefix) || long(&s.endpoint))
+        {
+            return Err(Status::invalid_argument(format!(
+                "warm-up report names are at most {MAX_NAME_BYTES} bytes"
+            )));
+        }
+        let sent = (report.sent.into_iter())
+            .map(|s| (s.prefix, s.endpoint, s.unix_ms))
+            .collect();
+        let taken = self
+            .index
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .record_warmups(&report.namespace, &report.pool, &report.router, sent);
+        tracing::debug!(namespace = %report.namespace, pool = %report.pool,
+            router = %report.router, taken, "warm-up report");
+        Ok(Response::new(WarmupReportReply {}))
     }
 }
 

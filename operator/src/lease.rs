@@ -71,7 +71,14 @@ pub struct LeaseConfig {
     /// How often a follower reads the lease to see whether it may take it.
     /// Default [`DEFAULT_RETRY_PERIOD`].
     pub retry_period: Duration,
+    /// This replica's `host:port` for routers' warm-up reports, written to
+    /// the lease's [`WRITER_ANNOTATION`] while it leads; `None`: none.
+    pub advertise: Option<String>,
 }
+
+/// The lease annotation in which the holder advertises its `host:port`, so
+/// that every replica can tell routers where the status writer is.
+pub const WRITER_ANNOTATION: &str = "kvroute.dev/status-writer";
 
 /// A [`LeaseConfig`] that [`run`] refuses to campaign with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -116,6 +123,7 @@ impl LeaseConfig {
             lease_duration: DEFAULT_LEASE_DURATION,
             renew_period: DEFAULT_RENEW_PERIOD,
             retry_period: DEFAULT_RETRY_PERIOD,
+            advertise: None,
         }
     }
 
@@ -198,7 +206,8 @@ fn identity_from(pod_name: Option<String>, hostname: Option<String>, pid: u32) -
 }
 
 /// Contends for the lease in `config` until `shutdown` completes, publishing
-/// on `leader` whether this replica leads (sent only when it changes).
+/// on `leader` whether this replica leads (sent only when it changes), and
+/// on `writer` the address the holder advertises (ours while we lead).
 ///
 /// Never fails and never returns before `shutdown`: API errors are logged
 /// (counted as `errors_total{what="lease"}`) and retried after the next
@@ -214,13 +223,14 @@ pub async fn run(
     client: Client,
     config: LeaseConfig,
     leader: watch::Sender<bool>,
+    writer: watch::Sender<Option<String>>,
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()>,
 ) {
     // Every log line of the elector names the lease and the identity.
     let span = tracing::info_span!("lease", identity = %config.identity,
         namespace = %config.namespace, lease = %config.name);
-    campaign(client, config, leader, metrics, shutdown)
+    campaign(client, config, leader, writer, metrics, shutdown)
         .instrument(span)
         .await;
 }
@@ -230,6 +240,7 @@ async fn campaign(
     client: Client,
     config: LeaseConfig,
     leader: watch::Sender<bool>,
+    writer: watch::Sender<Option<String>>,
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -243,6 +254,7 @@ async fn campaign(
         api: Api::namespaced(client, &config.namespace),
         config,
         leader,
+        writer,
         metrics,
         memory: Memory::default(),
         leadership: None,
@@ -353,6 +365,15 @@ impl Memory {
     }
 }
 
+/// Sets `*slot` to `new`; whether that changed it.
+fn replace_if_new(slot: &mut Option<String>, new: Option<String>) -> bool {
+    if *slot == new {
+        return false;
+    }
+    *slot = new;
+    true
+}
+
 /// The lease's holder; an empty one means released.
 fn holder(lease: &Lease) -> Option<&str> {
     lease
@@ -374,6 +395,8 @@ struct Elector {
     api: Api<Lease>,
     config: LeaseConfig,
     leader: watch::Sender<bool>,
+    /// The holder's advertised address, as last read or written.
+    writer: watch::Sender<Option<String>>,
     /// Counts failed lease requests (`errors_total{what="lease"}`).
     metrics: Arc<Metrics>,
     memory: Memory,
@@ -401,15 +424,23 @@ impl Elector {
             (Action::Follow, current) => {
                 let holder = current.as_ref().and_then(holder).unwrap_or_default();
                 self.step_down(format_args!("{holder} holds the lease"));
+                let address = current
+                    .as_ref()
+                    .filter(|_| !holder.is_empty())
+                    .and_then(|l| l.metadata.annotations.as_ref()?.get(WRITER_ANNOTATION))
+                    .cloned();
+                self.writer.send_if_modified(|w| replace_if_new(w, address));
                 return Ok(());
             }
             (Action::Create, _) => {
+                let mut metadata = ObjectMeta {
+                    name: Some(self.config.name.clone()),
+                    namespace: Some(self.config.namespace.clone()),
+                    ..ObjectMeta::default()
+                };
+                self.advertise(&mut metadata);
                 let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(self.config.name.clone()),
-                        namespace: Some(self.config.namespace.clone()),
-                        ..ObjectMeta::default()
-                    },
+                    metadata,
                     spec: Some(LeaseSpec {
                         holder_identity: Some(self.config.identity.clone()),
                         lease_duration_seconds: Some(self.config.lease_duration_seconds()),
@@ -422,12 +453,14 @@ impl Elector {
                 self.api.create(&PostParams::default(), &lease).await
             }
             (Action::Renew, Some(mut lease)) => {
+                self.advertise(&mut lease.metadata);
                 let spec = lease.spec.get_or_insert_default();
                 spec.lease_duration_seconds = Some(self.config.lease_duration_seconds());
                 spec.renew_time = Some(now);
                 self.replace(&lease).await
             }
             (Action::TakeOver, Some(mut lease)) => {
+                self.advertise(&mut lease.metadata);
                 let spec = lease.spec.get_or_insert_default();
                 spec.holder_identity = Some(self.config.identity.clone());
                 spec.lease_duration_seconds = Some(self.config.lease_duration_seconds());
@@ -461,8 +494,19 @@ impl Elector {
             .await
     }
 
+    /// Sets or removes our [`WRITER_ANNOTATION`] on a lease we write.
+    fn advertise(&self, metadata: &mut ObjectMeta) {
+        let annotations = metadata.annotations.get_or_insert_default();
+        match &self.config.advertise {
+            Some(address) => annotations.insert(WRITER_ANNOTATION.to_owned(), address.clone()),
+            None => annotations.remove(WRITER_ANNOTATION),
+        };
+    }
+
     /// We hold `lease`, written by a request sent at `sent`.
     fn lead(&mut self, lease: Lease, sent: Instant) {
+        let address = self.config.advertise.clone();
+        self.writer.send_if_modified(|w| replace_if_new(w, address));
         self.leadership = Some(Leadership {
             lease,
             renewed_at: sent,

@@ -94,6 +94,13 @@ struct RunConfig {
     #[arg(long, env = "KVROUTE_IDENTITY")]
     identity: Option<String>,
 
+    /// `host:port` at which routers reach this replica's WatchPool server
+    /// directly, to report warm-ups to the status writer. Default
+    /// `POD_IP` (from the downward API) and the `--grpc-listen` port, else
+    /// the listen address when it names one host.
+    #[arg(long, env = "KVROUTE_ADVERTISE_ADDRESS")]
+    advertise_address: Option<String>,
+
     /// Log lines as `text` or `json`.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -249,6 +256,10 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
     ));
     let mut lease_config =
         LeaseConfig::new(config.lease_namespace, config.lease_name, identity.clone());
+    lease_config.advertise = config
+        .advertise_address
+        .or_else(|| advertise_default(std::env::var("POD_IP").ok(), grpc_addr));
+    tracing::info!(advertise = ?lease_config.advertise, "routers report warm-ups here while this replica leads");
     for (flag, given, field) in [
         (
             "--lease-duration",
@@ -272,13 +283,16 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         }
     }
     lease_config.validate().context("leader election")?;
+    let (writer_tx, writer_address) = watch::channel(None);
     let lease = tokio::spawn(lease::run(
         client.clone(),
         lease_config,
         leader_tx,
+        writer_tx,
         metrics.clone(),
         stopped(),
     ));
+    let advertised = tokio::spawn(publish_writer(writer_address, index.clone()));
     let engines = tokio::spawn(kvroute_operator::engines::run(index.clone(), engine_tls));
     let writer = StatusWriter::new(client, index.clone(), metrics.clone(), identity);
     let writer = tokio::spawn(writer.run(leader.clone(), ready.clone()));
@@ -324,6 +338,7 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         tracing::error!(%error, "the lease task failed");
     }
     writer.abort();
+    advertised.abort();
     watchers.abort();
     engines.abort();
     match admin.await {
@@ -332,4 +347,30 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
         Ok(Ok(())) => {}
     }
     served.context("serve WatchPool")
+}
+
+/// The address to advertise by default: `pod_ip` with `listen`'s port, else
+/// `listen` itself unless it is a wildcard (`0.0.0.0`, `::`).
+fn advertise_default(pod_ip: Option<String>, listen: SocketAddr) -> Option<String> {
+    let ip = match pod_ip.and_then(|ip| ip.parse().ok()) {
+        Some(ip) => ip,
+        None if listen.ip().is_unspecified() => return None,
+        None => listen.ip(),
+    };
+    Some(SocketAddr::new(ip, listen.port()).to_string())
+}
+
+/// Tells the index, for the routers, where the status writer is, on every
+/// change the lease task publishes.
+async fn publish_writer(mut address: watch::Receiver<Option<String>>, index: Arc<Mutex<Index>>) {
+    loop {
+        let current = address.borrow_and_update().clone();
+        index
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set_status_writer(current);
+        if address.changed().await.is_err() {
+            return;
+        }
+    }
 }

@@ -18,7 +18,10 @@ use serde_json::{Value, json};
 
 use crate::api::inference_pool::{MAX_PARENTS, conditions as pool_conditions};
 use crate::api::policy::conditions as policy_conditions;
-use crate::api::{CacheRoutingPolicyStatus, InferencePoolStatus, ParentReference, ParentStatus};
+use crate::api::{
+    CacheRoutingPolicyStatus, InferencePoolStatus, OwnerWarmupStatus, ParentReference,
+    ParentStatus, PrefixWarmupStatus, WarmupStatus,
+};
 use crate::index;
 
 pub mod plan;
@@ -121,7 +124,7 @@ pub fn pool_status_patch(
 
 /// The merge patch that makes a policy's status say what the index says
 /// (`observedGeneration`, the conditions `Accepted`, `TargetFound` and
-/// `Conflicted`, `readyEndpoints`), or `None` if it already does.
+/// `Conflicted`, `readyEndpoints`, `warmup`), or `None` if it already does.
 ///
 /// The conditions list is kvroute's alone and is replaced whole;
 /// `lastTransitionTime` is `now` only for a condition that is new or whose
@@ -169,11 +172,65 @@ pub fn policy_status_patch(
         observed_generation: Some(generation),
         conditions,
         ready_endpoints: Some(i32::try_from(status.ready_endpoints).unwrap_or(i32::MAX)),
+        warmup: warmup_status(existing.and_then(|s| s.warmup.as_ref()), status),
     };
     if existing == Some(&updated) {
         return None;
     }
-    Some(json!({ "status": updated }))
+    let mut patch = json!({ "status": updated });
+    // A merge patch keeps what it leaves out: `null` removes.
+    if updated.warmup.is_none() {
+        patch["status"]["warmup"] = Value::Null;
+    }
+    Some(patch)
+}
+
+/// Most owners `status.warmup` lists per prefix.
+const MAX_WARMUP_OWNERS: usize = 16;
+
+/// `status.warmup`: the warm-ups routers reported, merged with those the
+/// status already lists, so a new leader (which has no reports yet) keeps
+/// them. Per prefix of the spec and owner the newer send wins, at a
+/// second's precision (a `metav1.Time`'s), the status's on a tie so an
+/// unchanged report writes nothing. `None` while no prefix was sent.
+fn warmup_status(
+    existing: Option<&WarmupStatus>,
+    status: &index::PolicyStatus,
+) -> Option<WarmupStatus> {
+    let mut prefixes = Vec::new();
+    for name in &status.warmup_prefixes {
+        let mut owners: Vec<OwnerWarmupStatus> = (existing.iter())
+            .flat_map(|w| &w.prefixes)
+            .filter(|p| &p.name == name)
+            .flat_map(|p| p.owners.iter().cloned())
+            .collect();
+        for sent in status.warmups_sent.iter().filter(|s| &s.prefix == name) {
+            let secs = i64::try_from(sent.unix_ms / 1000).unwrap_or(i64::MAX);
+            let Ok(time) = k8s_openapi::jiff::Timestamp::from_second(secs) else {
+                continue;
+            };
+            let reported = OwnerWarmupStatus {
+                endpoint: sent.endpoint.clone(),
+                last_sent_time: Time(time),
+                sent_by: sent.router.clone(),
+            };
+            match owners.iter_mut().find(|o| o.endpoint == sent.endpoint) {
+                Some(o) if o.last_sent_time.0 < time => *o = reported,
+                Some(_) => {}
+                None => owners.push(reported),
+            }
+        }
+        owners.sort_by_key(|o| std::cmp::Reverse(o.last_sent_time.0));
+        owners.truncate(MAX_WARMUP_OWNERS);
+        if let Some(newest) = owners.first() {
+            prefixes.push(PrefixWarmupStatus {
+                name: name.clone(),
+                last_sent_time: newest.last_sent_time.clone(),
+                owners,
+            });
+        }
+    }
+    (!prefixes.is_empty()).then_some(WarmupStatus { prefixes })
 }
 
 fn is_ours(parent: &ParentStatus) -> bool {

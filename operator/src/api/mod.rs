@@ -29,7 +29,8 @@ pub use self::inference_pool::{
 };
 pub use self::policy::{
     CacheRoutingPolicy, CacheRoutingPolicySpec, CacheRoutingPolicyStatus, Engine, HashAlgorithm,
-    KeyMode, PolicyName, PolicyTargetReference, RoutingKey, Tenancy,
+    KeyMode, OwnerWarmupStatus, PolicyName, PolicyTargetReference, PrefixWarmupStatus, RoutingKey,
+    Tenancy, WarmupStatus,
 };
 pub use self::validation::ValidationError;
 /// A policy's tenancy mode: the core's, spelled `Shared` and `Salted` in the

@@ -14,7 +14,7 @@
 //! target exists (the index decides both and reports them as the
 //! `TargetFound` and `Conflicted` conditions).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use kvroute_core::spec::{DisaggregationMode, RoutingSpec, TenancyMode};
 use schemars::JsonSchema;
@@ -579,6 +579,52 @@ pub struct CacheRoutingPolicyStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub ready_endpoints: Option<i32>,
+
+    /// The warm-ups the routers sent for `spec.warmup`'s prefixes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<WarmupStatus>,
+}
+
+/// The warm-ups the routers sent, as they reported them to the operator.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmupStatus {
+    /// Each prefix of `spec.warmup.prefixes` sent at least once, in its
+    /// order.
+    #[serde(default)]
+    #[schemars(length(max = 64))]
+    pub prefixes: Vec<PrefixWarmupStatus>,
+}
+
+/// One prefix's last warm-ups.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PrefixWarmupStatus {
+    /// The prefix's name.
+    #[schemars(length(max = 63))]
+    pub name: String,
+    /// When it was last sent to any owner.
+    #[schemars(schema_with = "super::schema::date_time")]
+    pub last_sent_time: Time,
+    /// Its owners' last warm-ups, newest first; at most 16.
+    #[serde(default)]
+    #[schemars(length(max = 16))]
+    pub owners: Vec<OwnerWarmupStatus>,
+}
+
+/// One owner's last warm-up of a prefix.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerWarmupStatus {
+    /// The owner endpoint (`<pod>:<port>`).
+    #[schemars(length(max = 256))]
+    pub endpoint: String,
+    /// When the warm-up was sent.
+    #[schemars(schema_with = "super::schema::date_time")]
+    pub last_sent_time: Time,
+    /// The router (pod name) that sent it.
+    #[schemars(length(max = 253))]
+    pub sent_by: String,
 }
 
 impl CacheRoutingPolicy {

@@ -28,6 +28,11 @@ pub(crate) fn match_labels(_: &mut SchemaGenerator) -> Schema {
     })
 }
 
+/// A `metav1.Time`: an RFC 3339 date-time.
+pub(crate) fn date_time(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "type": "string", "format": "date-time" })
+}
+
 /// A list of `metav1.Condition`, one per type (a list map keyed by `type`),
 /// at most [`MAX_CONDITIONS`].
 pub(crate) fn conditions(_: &mut SchemaGenerator) -> Schema {

@@ -54,7 +54,7 @@ pub use self::pool::PoolSpec;
 pub use self::services::{PickerRef, ServiceInfo};
 pub use self::state::{Clock, wall_clock_micros};
 pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
-pub use self::warmups::{ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_SELECTOR};
+pub use self::warmups::{ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_SELECTOR, WarmupSent};
 
 use self::state::Content;
 use self::store::Namespaced;
@@ -80,6 +80,11 @@ pub struct Index {
     /// Each pod's engine cache settings, as its WatchCache stream reported
     /// them (the operator's probes), by namespace and pod.
     engines: HashMap<(String, String), EngineCache>,
+    /// Where routers report warm-ups: the status writer's advertised
+    /// address.
+    status_writer: Option<String>,
+    /// Each pool's warm-ups as routers reported them, by namespace and pool.
+    warmups_sent: HashMap<(String, String), warmups::Reported>,
 }
 
 /// A pod whose engine the operator should probe: it serves in a pool whose
@@ -122,6 +127,8 @@ impl Index {
             changes: watch::Sender::new(0),
             clock,
             engines: HashMap::new(),
+            status_writer: None,
+            warmups_sent: HashMap::new(),
         }
     }
 
@@ -556,7 +563,47 @@ impl Index {
             policy: Some(policy),
             objectives: objectives::of_pool(objectives, name),
             routers: pods::routers(self.pods.iter().map(|(_, _, p)| p), namespace, name),
+            status_writer: self.status_writer.clone().unwrap_or_default(),
         }
+    }
+
+    /// Sets where routers report warm-ups, and tells every pool's routers.
+    pub fn set_status_writer(&mut self, address: Option<String>) {
+        if self.status_writer != address {
+            self.status_writer = address;
+            self.refresh_all();
+        }
+    }
+
+    /// Takes a router's report of warm-ups it sent for pool
+    /// `namespace/pool`: `(prefix, endpoint, unix_ms)`. Entries for
+    /// prefixes the pool's policy does not name, or endpoints the pool does
+    /// not have, are dropped; returns how many were taken.
+    pub fn record_warmups(
+        &mut self,
+        namespace: &str,
+        pool: &str,
+        router: &str,
+        sent: Vec<(String, String, u64)>,
+    ) -> usize {
+        let content = self.content(namespace, pool);
+        let prefixes: Vec<&str> = content
+            .policy
+            .as_ref()
+            .and_then(|p| p.warmup.as_ref())
+            .map(|w| w.prefixes.iter().map(|p| p.name.as_str()).collect())
+            .unwrap_or_default();
+        if prefixes.is_empty() {
+            return 0;
+        }
+        let endpoints: Vec<&str> = content.endpoints.iter().map(|e| e.name.as_str()).collect();
+        let key = (namespace.to_owned(), pool.to_owned());
+        let reported = self.warmups_sent.entry(key).or_default();
+        let (taken, changed) = reported.record(router, sent, &prefixes, &endpoints);
+        if changed {
+            self.changes.send_modify(|n| *n += 1);
+        }
+        taken
     }
 
     /// Why prefixes of `policy`'s warm-ups are left out (their references
@@ -577,6 +624,8 @@ impl Index {
         let pools = &self.pools;
         self.states
             .retain(|ns, name, tx| tx.receiver_count() > 0 || pools.get(ns, name).is_some());
+        self.warmups_sent
+            .retain(|(ns, name), _| pools.get(ns, name).is_some());
     }
 }
 

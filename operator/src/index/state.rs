@@ -38,6 +38,8 @@ pub(super) struct Content {
     pub(super) objectives: Vec<v1::Objective>,
     /// Its ready routers' pod names, sorted.
     pub(super) routers: Vec<String>,
+    /// Where routers report warm-ups; empty when unknown.
+    pub(super) status_writer: String,
 }
 
 /// A channel for pool `namespace/name` holding "does not exist", version 0:
@@ -53,6 +55,7 @@ pub(super) fn channel(namespace: &str, name: &str) -> watch::Sender<PoolState> {
         pool_exists: false,
         objectives: Vec::new(),
         routers: Vec::new(),
+        status_writer: String::new(),
     })
 }
 
@@ -64,7 +67,8 @@ pub(super) fn publish(tx: &watch::Sender<PoolState>, content: Content, clock: Cl
             && state.endpoints == content.endpoints
             && state.policy == content.policy
             && state.objectives == content.objectives
-            && state.routers == content.routers;
+            && state.routers == content.routers
+            && state.status_writer == content.status_writer;
         if same {
             return false;
         }
@@ -74,6 +78,7 @@ pub(super) fn publish(tx: &watch::Sender<PoolState>, content: Content, clock: Cl
         state.policy = content.policy;
         state.objectives = content.objectives;
         state.routers = content.routers;
+        state.status_writer = content.status_writer;
         true
     })
 }

@@ -7,7 +7,7 @@
 
 use kvroute_core::contract::Contract;
 
-use super::{Index, PolicySpec, PoolSpec};
+use super::{Index, PolicySpec, PoolSpec, WarmupSent};
 
 /// Why a condition has its status. The names follow Gateway API policy
 /// attachment (GEP-713) and `InferencePool` status.
@@ -134,6 +134,13 @@ pub struct PolicyStatus {
     /// when not, the message names each left out by its field. `None`
     /// while the policy has no warm-ups or is not in effect.
     pub warmup: Option<Condition>,
+    /// The last warm-up of each prefix to each owner, as routers reported
+    /// them, in the order of `spec.warmup.prefixes`; empty while the policy
+    /// has no warm-ups or is not in effect.
+    pub warmups_sent: Vec<WarmupSent>,
+    /// The names of `spec.warmup.prefixes`, in order, while the policy is in
+    /// effect.
+    pub warmup_prefixes: Vec<String>,
 }
 
 impl Index {
@@ -231,7 +238,7 @@ impl Index {
             }
             Ok(()) => Condition::new(true, Reason::Accepted, format!("applies to {target}")),
         };
-        let (ready_endpoints, engines, warmup) = if accepted.status {
+        let (ready_endpoints, engines, warmup, warmups_sent, warmup_prefixes) = if accepted.status {
             let warmup = self.unresolved_warmups(policy).map(|left_out| {
                 if left_out.is_empty() {
                     let routers = self.routers(ns, target);
@@ -244,13 +251,21 @@ impl Index {
                     Condition::new(false, Reason::WarmupRefNotFound, message)
                 }
             });
+            let prefixes: Vec<&str> = (policy.warmup.iter())
+                .flat_map(|w| w.prefixes.iter().map(|p| p.name.as_str()))
+                .collect();
+            let sent = (self.warmups_sent.get(&(ns.clone(), target.clone())))
+                .map(|r| r.of(&prefixes))
+                .unwrap_or_default();
             (
                 self.ready_endpoints(ns, target),
                 self.engines_of(policy),
                 warmup,
+                sent,
+                prefixes.into_iter().map(str::to_owned).collect(),
             )
         } else {
-            (0, None, None)
+            (0, None, None, Vec::new(), Vec::new())
         };
         PolicyStatus {
             namespace: ns.clone(),
@@ -262,6 +277,8 @@ impl Index {
             ready_endpoints,
             engines,
             warmup,
+            warmups_sent,
+            warmup_prefixes,
         }
     }
 

@@ -69,3 +69,72 @@ pub(super) fn resolve(
     };
     (resolved, unresolved)
 }
+
+/// One warm-up a router reported sending: the last to its owner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WarmupSent {
+    /// The prefix's name.
+    pub prefix: String,
+    /// The owner endpoint it went to.
+    pub endpoint: String,
+    /// When, Unix milliseconds.
+    pub unix_ms: u64,
+    /// The router that sent it.
+    pub router: String,
+}
+
+/// A pool's reported warm-ups: the last per prefix and owner, newest kept.
+#[derive(Debug, Default)]
+pub(super) struct Reported(BTreeMap<(String, String), (u64, String)>);
+
+impl Reported {
+    /// Takes `sent` from `router`, keeping only the prefixes in `prefixes`
+    /// and the endpoints in `endpoints` (what is gone is dropped too), so
+    /// the map stays within prefixes × endpoints. How many entries were
+    /// known, and whether anything changed.
+    pub(super) fn record(
+        &mut self,
+        router: &str,
+        sent: Vec<(String, String, u64)>,
+        prefixes: &[&str],
+        endpoints: &[&str],
+    ) -> (usize, bool) {
+        let known = |prefix: &str, endpoint: &str| {
+            prefixes.contains(&prefix) && endpoints.contains(&endpoint)
+        };
+        let before = self.0.len();
+        self.0.retain(|(p, e), _| known(p, e));
+        let mut changed = self.0.len() != before;
+        let mut taken = 0;
+        for (prefix, endpoint, unix_ms) in sent {
+            if !known(&prefix, &endpoint) {
+                continue;
+            }
+            taken += 1;
+            let entry = self.0.entry((prefix, endpoint)).or_default();
+            if unix_ms > entry.0 {
+                *entry = (unix_ms, router.to_owned());
+                changed = true;
+            }
+        }
+        (taken, changed)
+    }
+
+    /// The entries for `prefixes` (in their order), then by endpoint.
+    pub(super) fn of(&self, prefixes: &[&str]) -> Vec<WarmupSent> {
+        let mut out = Vec::new();
+        for &prefix in prefixes {
+            for ((p, endpoint), (unix_ms, router)) in &self.0 {
+                if p == prefix {
+                    out.push(WarmupSent {
+                        prefix: p.clone(),
+                        endpoint: endpoint.clone(),
+                        unix_ms: *unix_ms,
+                        router: router.clone(),
+                    });
+                }
+            }
+        }
+        out
+    }
+}

@@ -282,9 +282,17 @@ impl Scripted {
         let (leader_tx, leader) = watch::channel(false);
         let (stop, stopped) = oneshot::channel::<()>();
         let config = LeaseConfig::new("ns", "kvroute-operator", ME);
-        let task = tokio::spawn(run(client, config, leader_tx, Arc::default(), async {
-            let _ = stopped.await;
-        }));
+        let (writer, _) = watch::channel(None);
+        let task = tokio::spawn(run(
+            client,
+            config,
+            leader_tx,
+            writer,
+            Arc::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
         Scripted {
             api,
             leader,
@@ -573,6 +581,8 @@ const RETRY: Duration = DEFAULT_RETRY_PERIOD;
 struct Replica {
     identity: &'static str,
     leader: watch::Receiver<bool>,
+    /// The status writer's address, as this replica sees it.
+    writer: watch::Receiver<Option<String>>,
     stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
 }
@@ -583,14 +593,17 @@ impl Replica {
             lease_duration: LEASE_DURATION,
             renew_period: RENEW,
             retry_period: RETRY,
+            advertise: Some(format!("{identity}:9443")),
             ..LeaseConfig::new("default", "kvroute-operator", identity)
         };
         let (leader_tx, leader) = watch::channel(false);
+        let (writer_tx, writer) = watch::channel(None);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(run(
             client.clone(),
             config,
             leader_tx,
+            writer_tx,
             Arc::default(),
             async {
                 let _ = stopped.await;
@@ -599,6 +612,7 @@ impl Replica {
         Replica {
             identity,
             leader,
+            writer,
             stop,
             task,
         }
@@ -691,6 +705,11 @@ async fn two_replicas_elect_one_leader_and_hand_over_on_shutdown() {
     let lease = stored_lease(&server);
     assert_eq!(lease["spec"]["holderIdentity"], leader.identity);
     assert_eq!(lease["spec"]["leaseTransitions"], 0);
+    // Both know where the status writer is: the leader's advertised address.
+    let address = format!("{}:9443", leader.identity);
+    assert_eq!(lease["metadata"]["annotations"][WRITER_ANNOTATION], address);
+    assert_eq!(leader.writer.borrow().as_deref(), Some(&*address));
+    assert_eq!(follower.writer.borrow().as_deref(), Some(&*address));
 
     // Shutting the leader down releases the lease: the follower takes it at
     // its next read, within a retry period, long before the lease could
@@ -710,6 +729,9 @@ async fn two_replicas_elect_one_leader_and_hand_over_on_shutdown() {
     let lease = stored_lease(&server);
     assert_eq!(lease["spec"]["holderIdentity"], follower.identity);
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
+    let address = format!("{}:9443", follower.identity);
+    assert_eq!(lease["metadata"]["annotations"][WRITER_ANNOTATION], address);
+    assert_eq!(follower.writer.borrow().as_deref(), Some(&*address));
 
     follower.stop().await;
     let lease = stored_lease(&server);

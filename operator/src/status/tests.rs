@@ -45,6 +45,8 @@ fn policy_status() -> index::PolicyStatus {
         ready_endpoints: 2,
         engines: None,
         warmup: None,
+        warmups_sent: Vec::new(),
+        warmup_prefixes: Vec::new(),
     }
 }
 
@@ -321,4 +323,87 @@ fn a_conflicted_policy_moves_only_the_flipped_times() {
             row("Conflicted", "True", "Conflicted", T2),
         ]
     );
+}
+
+fn sent(prefix: &str, endpoint: &str, second: i64, router: &str) -> index::WarmupSent {
+    index::WarmupSent {
+        prefix: prefix.into(),
+        endpoint: endpoint.into(),
+        unix_ms: u64::try_from(second).unwrap() * 1000 + 999,
+        router: router.into(),
+    }
+}
+
+/// `(endpoint, lastSentTime second, sentBy)`.
+type Owner = (String, i64, String);
+
+/// `(prefix, lastSentTime second, owners)`.
+fn warmups(status: &CacheRoutingPolicyStatus) -> Vec<(String, i64, Vec<Owner>)> {
+    let prefixes = status.warmup.iter().flat_map(|w| &w.prefixes);
+    prefixes
+        .map(|p| {
+            let owners = (p.owners.iter())
+                .map(|o| {
+                    (
+                        o.endpoint.clone(),
+                        o.last_sent_time.0.as_second(),
+                        o.sent_by.clone(),
+                    )
+                })
+                .collect();
+            (p.name.clone(), p.last_sent_time.0.as_second(), owners)
+        })
+        .collect()
+}
+
+#[test]
+fn warmups_sent_are_merged_into_the_status_newest_first_and_kept_by_a_new_leader() {
+    let mut status = policy_status();
+    status.warmup_prefixes = vec!["support".into(), "unsent".into()];
+    status.warmups_sent = vec![
+        sent("support", "pod-a:8000", T1, "router-0"),
+        sent("support", "pod-b:8000", T2, "router-1"),
+    ];
+    let existing: CacheRoutingPolicyStatus =
+        applied(&policy_status_patch(None, &status, at(T1)).unwrap());
+    let own = |e: &str, t: i64, r: &str| (e.to_owned(), t, r.to_owned());
+    assert_eq!(
+        warmups(&existing),
+        [(
+            "support".to_owned(),
+            T2,
+            vec![
+                own("pod-b:8000", T2, "router-1"),
+                own("pod-a:8000", T1, "router-0")
+            ]
+        )]
+    );
+    // The same sends again (to the millisecond within their second): nothing.
+    assert_eq!(policy_status_patch(Some(&existing), &status, at(T2)), None);
+
+    // A new leader has no reports: the status keeps what it says.
+    let mut fresh = policy_status();
+    fresh.warmup_prefixes = status.warmup_prefixes.clone();
+    assert_eq!(policy_status_patch(Some(&existing), &fresh, at(T2)), None);
+    // Its first report updates one owner and keeps the other.
+    fresh.warmups_sent = vec![sent("support", "pod-a:8000", T2 + 5, "router-1")];
+    let updated: CacheRoutingPolicyStatus =
+        applied(&policy_status_patch(Some(&existing), &fresh, at(T2)).unwrap());
+    assert_eq!(
+        warmups(&updated),
+        [(
+            "support".to_owned(),
+            T2 + 5,
+            vec![
+                own("pod-a:8000", T2 + 5, "router-1"),
+                own("pod-b:8000", T2, "router-1")
+            ]
+        )]
+    );
+
+    // A prefix gone from the spec leaves the status.
+    fresh.warmup_prefixes = vec!["unsent".into()];
+    let updated: CacheRoutingPolicyStatus =
+        applied(&policy_status_patch(Some(&updated), &fresh, at(T2)).unwrap());
+    assert_eq!(updated.warmup, None);
 }

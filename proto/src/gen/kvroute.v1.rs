@@ -660,7 +660,46 @@ pub struct PoolState {
     /// empty: each router sends its own.
     #[prost(string, repeated, tag = "8")]
     pub routers: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// `host:port` of the operator replica that writes status (the holder of
+    /// the operator's Lease), as it advertises itself: routers send
+    /// `ReportWarmups` there, with the TLS settings of their WatchPool
+    /// connection. Empty when unknown.
+    #[prost(string, tag = "9")]
+    pub status_writer: ::prost::alloc::string::String,
 }
+/// Warm-ups one router sent to the owners of a pool's named prefixes.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct WarmupReport {
+    /// The pool's Kubernetes namespace.
+    #[prost(string, tag = "1")]
+    pub namespace: ::prost::alloc::string::String,
+    /// The InferencePool's name.
+    #[prost(string, tag = "2")]
+    pub pool: ::prost::alloc::string::String,
+    /// The sending router (its pod's name, as in `WatchPoolRequest.subscriber`).
+    #[prost(string, tag = "3")]
+    pub router: ::prost::alloc::string::String,
+    /// One entry per prefix and owner: its last warm-up sent (result `sent` or
+    /// `repaired`).
+    #[prost(message, repeated, tag = "4")]
+    pub sent: ::prost::alloc::vec::Vec<WarmupSent>,
+}
+/// One warm-up a router sent.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct WarmupSent {
+    /// The prefix's name (`warmup.prefixes\[\].name`).
+    #[prost(string, tag = "1")]
+    pub prefix: ::prost::alloc::string::String,
+    /// The owner it went to (`Endpoint.name`).
+    #[prost(string, tag = "2")]
+    pub endpoint: ::prost::alloc::string::String,
+    /// When it was sent, Unix milliseconds.
+    #[prost(uint64, tag = "3")]
+    pub unix_ms: u64,
+}
+/// Nothing: the report was taken.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct WarmupReportReply {}
 /// One `InferenceObjective` of a pool.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Objective {
@@ -1115,6 +1154,35 @@ pub mod endpoint_discovery_client {
                 .insert(GrpcMethod::new("kvroute.v1.EndpointDiscovery", "WatchPool"));
             self.inner.server_streaming(req, path, codec).await
         }
+        /// A router's warm-ups since its last report, for the CacheRoutingPolicy's
+        /// `status.warmup`. Routers send it to `PoolState.status_writer`; any
+        /// replica accepts it, and the one that writes status publishes it.
+        pub async fn report_warmups(
+            &mut self,
+            request: impl tonic::IntoRequest<super::WarmupReport>,
+        ) -> std::result::Result<
+            tonic::Response<super::WarmupReportReply>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/kvroute.v1.EndpointDiscovery/ReportWarmups",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new("kvroute.v1.EndpointDiscovery", "ReportWarmups"),
+                );
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -1142,6 +1210,16 @@ pub mod endpoint_discovery_server {
             &self,
             request: tonic::Request<super::WatchPoolRequest>,
         ) -> std::result::Result<tonic::Response<Self::WatchPoolStream>, tonic::Status>;
+        /// A router's warm-ups since its last report, for the CacheRoutingPolicy's
+        /// `status.warmup`. Routers send it to `PoolState.status_writer`; any
+        /// replica accepts it, and the one that writes status publishes it.
+        async fn report_warmups(
+            &self,
+            request: tonic::Request<super::WarmupReport>,
+        ) -> std::result::Result<
+            tonic::Response<super::WarmupReportReply>,
+            tonic::Status,
+        >;
     }
     /// Served by every operator replica: streams the state of one InferencePool.
     #[derive(Debug)]
@@ -1262,6 +1340,52 @@ pub mod endpoint_discovery_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.server_streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/kvroute.v1.EndpointDiscovery/ReportWarmups" => {
+                    #[allow(non_camel_case_types)]
+                    struct ReportWarmupsSvc<T: EndpointDiscovery>(pub Arc<T>);
+                    impl<
+                        T: EndpointDiscovery,
+                    > tonic::server::UnaryService<super::WarmupReport>
+                    for ReportWarmupsSvc<T> {
+                        type Response = super::WarmupReportReply;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::WarmupReport>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as EndpointDiscovery>::report_warmups(&inner, request)
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = ReportWarmupsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

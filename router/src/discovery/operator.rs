@@ -31,6 +31,7 @@ use tonic::transport::ClientTlsConfig;
 use crate::pool::Watchers;
 use crate::pool::{EndpointSpec, Pool, Streams};
 use crate::reconnect::{BACKOFF_RESET_AFTER, Backoff, error_chain};
+use crate::warmup::ReportTarget;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
@@ -177,6 +178,25 @@ impl Watcher {
         }
     }
 
+    /// Where to report warm-ups: the status writer the operator names
+    /// (`host:port`), with this stream's scheme and TLS.
+    fn report_to(&self, status_writer: &str) -> Option<ReportTarget> {
+        if status_writer.is_empty() {
+            return None;
+        }
+        let scheme = if self.url.starts_with("https://") {
+            "https"
+        } else {
+            "http"
+        };
+        Some(ReportTarget {
+            url: format!("{scheme}://{status_writer}"),
+            tls: self.tls.clone(),
+            namespace: self.namespace.clone(),
+            pool: self.pool_name.clone(),
+        })
+    }
+
     /// Applies one newer state.
     fn apply(&mut self, state: &PoolState) {
         self.version = Some(state.version);
@@ -219,6 +239,9 @@ impl Watcher {
         let streams = update_settings(&self.pool, &policy);
         self.watchers.apply(&self.pool, streams);
         self.pool.warmup.set_routers(&state.routers);
+        self.pool
+            .warmup
+            .set_report_to(self.report_to(&state.status_writer));
         update_warmup(&self.pool, policy.warmup.as_ref());
     }
 }

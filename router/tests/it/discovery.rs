@@ -13,7 +13,9 @@ use kvroute_core::hash::HashAlgo;
 use kvroute_core::keys::{KeyMode, RoutingKey};
 use kvroute_core::policy::{PolicyConfig, Request};
 use kvroute_proto::v1::endpoint_discovery_server::{EndpointDiscovery, EndpointDiscoveryServer};
-use kvroute_proto::v1::{self, PoolState, RoutingPolicy, WatchPoolRequest};
+use kvroute_proto::v1::{
+    self, PoolState, RoutingPolicy, WarmupReport, WarmupReportReply, WatchPoolRequest,
+};
 use kvroute_router::config::Resilience;
 use kvroute_router::discovery::{DiscoveryError, operator, static_file};
 use kvroute_router::pool::Pool;
@@ -162,6 +164,7 @@ async fn static_file_edits_apply_and_a_broken_edit_keeps_the_last_set() {
 /// subscribe and every change, until stopped.
 struct FakeOperator {
     state: watch::Sender<PoolState>,
+    reports: Arc<std::sync::Mutex<Vec<WarmupReport>>>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
 }
@@ -170,6 +173,7 @@ struct FakeOperator {
 struct Service {
     state: watch::Receiver<PoolState>,
     stop: watch::Receiver<bool>,
+    reports: Arc<std::sync::Mutex<Vec<WarmupReport>>>,
 }
 
 type States = Pin<Box<dyn Stream<Item = Result<PoolState, Status>> + Send>>;
@@ -192,6 +196,14 @@ impl EndpointDiscovery for Service {
             });
         Ok(Response::new(Box::pin(states)))
     }
+
+    async fn report_warmups(
+        &self,
+        request: tonic::Request<WarmupReport>,
+    ) -> Result<Response<WarmupReportReply>, Status> {
+        self.reports.lock().unwrap().push(request.into_inner());
+        Ok(Response::new(WarmupReportReply {}))
+    }
 }
 
 impl FakeOperator {
@@ -208,9 +220,11 @@ impl FakeOperator {
         let addr = listener.local_addr().unwrap();
         let (state, state_rx) = watch::channel(state);
         let (stop, stop_rx) = watch::channel(false);
+        let reports = Arc::default();
         let service = Service {
             state: state_rx,
             stop: stop_rx.clone(),
+            reports: Arc::clone(&reports),
         };
         let mut until_stop = stop_rx;
         let server = tokio::spawn(async move {
@@ -232,6 +246,7 @@ impl FakeOperator {
         (
             FakeOperator {
                 state,
+                reports,
                 stop,
                 server,
             },
@@ -294,6 +309,7 @@ fn state(version: u64, endpoints: Vec<v1::Endpoint>, policy: RoutingPolicy) -> P
         pool_exists: true,
         objectives: Vec::new(),
         routers: Vec::new(),
+        status_writer: String::new(),
     }
 }
 
@@ -498,6 +514,83 @@ async fn the_operators_warm_ups_replace_the_routers_own_and_name_its_routers() {
     op.stop().await;
 }
 
+/// A router reports the warm-ups it sent to the status writer the pool
+/// state names, for the policy's `status.warmup`.
+#[tokio::test]
+async fn sent_warm_ups_are_reported_to_the_status_writer() {
+    let sim = kvroute_engine_sim::start(kvroute_engine_sim::Config::test())
+        .await
+        .unwrap();
+    let prefix = v1::WarmupPrefix {
+        name: "support".into(),
+        text: Some(v1::warmup_prefix::Text::Prompt(crate::support::long_text(
+            3,
+        ))),
+        ..Default::default()
+    };
+    let warmup = v1::Warmup {
+        every_seconds: 1,
+        owners: 1,
+        max_share_of_prefill: 1.0,
+        prefixes: vec![prefix],
+    };
+    let sim_endpoint = v1::Endpoint {
+        http_port: sim.http_addr.port().into(),
+        ..endpoint("sim:8000", "127.0.0.1", false)
+    };
+    let policy = RoutingPolicy {
+        warmup: Some(warmup),
+        ..policy("kvroute")
+    };
+    let mut first = state(1, vec![sim_endpoint], policy);
+    let (op, addr) = FakeOperator::start("127.0.0.1:0".parse().unwrap(), first.clone()).await;
+    first.version = 2;
+    first.status_writer = addr.to_string();
+    op.publish(first);
+    let config = kvroute_router::config::Config {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        discovery: kvroute_router::config::Discovery::Operator(
+            kvroute_router::config::OperatorDiscovery {
+                url: format!("http://{addr}"),
+                urls: Vec::new(),
+                namespace: "ml".into(),
+                pool: "llama".into(),
+            },
+        ),
+        ..kvroute_router::config::Config::default()
+    };
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let router = kvroute_router::start(config).await.unwrap();
+    eventually("a warm-up report", || {
+        !op.reports.lock().unwrap().is_empty()
+    })
+    .await;
+    let report = op.reports.lock().unwrap()[0].clone();
+    assert_eq!((&*report.namespace, &*report.pool), ("ml", "llama"));
+    assert!(!report.router.is_empty());
+    let sent: Vec<_> = (report.sent.iter())
+        .map(|s| (s.prefix.as_str(), s.endpoint.as_str()))
+        .collect();
+    assert_eq!(sent, [("support", "sim:8000")]);
+    assert!(report.sent[0].unix_ms >= started, "{report:?}");
+    let metrics = reqwest::get(format!("http://{}/metrics", router.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_warmup_reports_total{result=\"ok\"}"),
+        "{metrics}"
+    );
+    router.shutdown().await;
+    op.stop().await;
+}
+
 #[tokio::test]
 async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
     let (logs, _guard) = Logs::capture();
@@ -544,6 +637,7 @@ async fn operator_loss_keeps_the_last_state_until_a_newer_one() {
         pool_exists: false,
         objectives: Vec::new(),
         routers: Vec::new(),
+        status_writer: String::new(),
     });
     eventually("version 8 is applied", || names(&pool).is_empty()).await;
     task.abort();

@@ -158,3 +158,76 @@ fn the_pools_serving_router_pods_are_named_sorted() {
     index.apply_pod(router("router-b").deleting());
     assert_eq!(rx.borrow().routers, ["router-e"]);
 }
+
+#[test]
+fn routers_reports_keep_the_newest_send_per_prefix_and_owner_of_the_pool() {
+    let (mut index, rx) = with_pool(PoolSpec::test("llama"));
+    let literal = |name: &str| Prefix {
+        prompt: Some("You are helpful.".into()),
+        config_map_ref: None,
+        ..prefix(name)
+    };
+    index.apply_policy(with_warmup(vec![literal("b"), literal("a")]));
+    index.apply_pod(PodInfo::test("pod-1").ip("10.0.0.1").running().ready());
+    let report = |entries: &[(&str, &str, u64)]| -> Vec<(String, String, u64)> {
+        (entries.iter())
+            .map(|(p, e, t)| (p.to_string(), e.to_string(), *t))
+            .collect()
+    };
+    // Unknown prefixes, endpoints and pools are dropped.
+    let taken = index.record_warmups(
+        NS,
+        "llama",
+        "router-0",
+        report(&[
+            ("a", "pod-1:8000", 5_000),
+            ("z", "pod-1:8000", 1),
+            ("a", "gone:8000", 1),
+        ]),
+    );
+    assert_eq!(taken, 1);
+    assert_eq!(
+        index.record_warmups(NS, "nope", "r", report(&[("a", "pod-1:8000", 1)])),
+        0
+    );
+    // An older send from another router changes nothing; a newer one wins.
+    let mut changes = index.changes();
+    changes.borrow_and_update();
+    index.record_warmups(
+        NS,
+        "llama",
+        "router-1",
+        report(&[("a", "pod-1:8000", 4_000)]),
+    );
+    assert!(!changes.has_changed().unwrap());
+    index.record_warmups(
+        NS,
+        "llama",
+        "router-1",
+        report(&[("b", "pod-1:8000", 7_000)]),
+    );
+    assert!(changes.has_changed().unwrap());
+    let status = index.policy_status(NS, "fast").unwrap();
+    let sent: Vec<(&str, &str, u64, &str)> = (status.warmups_sent.iter())
+        .map(|s| (&*s.prefix, &*s.endpoint, s.unix_ms, &*s.router))
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            ("b", "pod-1:8000", 7_000, "router-1"),
+            ("a", "pod-1:8000", 5_000, "router-0"),
+        ]
+    );
+    assert_eq!(status.warmup_prefixes, ["b", "a"]);
+
+    // Routers learn where to report.
+    assert_eq!(rx.borrow().status_writer, "");
+    index.set_status_writer(Some("10.0.0.9:9443".into()));
+    assert_eq!(rx.borrow().status_writer, "10.0.0.9:9443");
+
+    // A prefix removed from the policy leaves the report with the next one.
+    index.apply_policy(with_warmup(vec![literal("a")]));
+    index.record_warmups(NS, "llama", "router-1", Vec::new());
+    let status = index.policy_status(NS, "fast").unwrap();
+    assert_eq!(status.warmups_sent.len(), 1);
+}

@@ -18,6 +18,9 @@
 //! owner is the core's rule 4 ([`warmup::sender`]) over the pool's router
 //! pods the operator names; this router finds itself by its pod's name
 //! (`POD_NAME`, [`identity`]). Without names each router sends its own.
+//! What it sent it reports to the operator ([`report`]).
+
+mod report;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,6 +47,8 @@ use crate::request::Service;
 use crate::request::hit_rate::Usage;
 use crate::upstream::{Upstream, upstream};
 
+pub use self::report::Target as ReportTarget;
+
 /// How long a warm-up may take.
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// The most of a warm-up's answer read.
@@ -63,6 +68,7 @@ struct PrefixResult {
 pub(crate) struct WarmupMetrics {
     warmups: Family<PrefixResult, Counter>,
     prefill_tokens: Family<ModelTenant, Counter>,
+    reports: report::Results,
 }
 
 impl WarmupMetrics {
@@ -77,6 +83,11 @@ impl WarmupMetrics {
             "kvroute_warmup_prefill_tokens",
             "Prompt tokens warm-ups made the engines compute (prompt minus cached), by model and tenant: their cost",
             self.prefill_tokens.clone(),
+        );
+        r.register(
+            "kvroute_warmup_reports",
+            "Reports of sent warm-ups to the operator's status writer (for the policy's status.warmup), by result: ok, failed",
+            self.reports.clone(),
         );
     }
 }
@@ -131,6 +142,8 @@ pub struct Source {
     own: Mutex<Option<Arc<Warmup>>>,
     effective: watch::Sender<Option<Arc<Warmup>>>,
     routers: Mutex<Arc<[String]>>,
+    /// Where to report sent warm-ups; none without the operator.
+    report_to: Mutex<Option<ReportTarget>>,
     /// Each prefix's marker block and when a request with it last went to
     /// each of its owners (`skipped_resident`); empty without warm-ups.
     touches: Mutex<Vec<Touches>>,
@@ -156,6 +169,7 @@ impl Default for Source {
             own: Mutex::new(None),
             effective: watch::Sender::new(None),
             routers: Mutex::new(Arc::from([])),
+            report_to: Mutex::new(None),
             touches: Mutex::new(Vec::new()),
             watching: AtomicBool::new(false),
         }
@@ -191,6 +205,18 @@ impl Source {
         if **current != *routers {
             *current = Arc::from(routers);
         }
+    }
+
+    /// Where to report sent warm-ups: the operator's status writer.
+    pub fn set_report_to(&self, target: Option<ReportTarget>) {
+        *self.report_to.lock().unwrap_or_else(|e| e.into_inner()) = target;
+    }
+
+    fn report_to(&self) -> Option<ReportTarget> {
+        self.report_to
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// A request whose blocks hash to `chain` went to `endpoint`: it
@@ -302,6 +328,7 @@ pub(crate) struct Warmups {
     /// `sent`.
     last_owners: Vec<Vec<Arc<str>>>,
     failures: Throttle<usize>,
+    reporter: report::Reporter,
 }
 
 impl Warmups {
@@ -319,6 +346,7 @@ impl Warmups {
             service,
             prefilled: 0,
             failures: Throttle::new(LOG_EVERY),
+            reporter: report::Reporter::new(),
         }
     }
 
@@ -427,7 +455,34 @@ impl Warmups {
                 }
             }
         }
+        self.report(&status);
         self.service.warmups.set(i, status);
+    }
+
+    /// Reports the owners `status` sent a warm-up to, if any, to the
+    /// operator.
+    fn report(&mut self, status: &PrefixStatus) {
+        let sent = [Outcome::Sent.as_str(), Outcome::Repaired.as_str()];
+        let now = wall_ms();
+        let sent: Vec<_> = (status.owners.iter())
+            .filter(|o| sent.contains(&o.result))
+            .map(|o| kvroute_proto::v1::WarmupSent {
+                prefix: status.name.clone(),
+                endpoint: o.endpoint.clone(),
+                unix_ms: now,
+            })
+            .collect();
+        let Some(target) = self
+            .service
+            .pool
+            .warmup
+            .report_to()
+            .filter(|_| !sent.is_empty())
+        else {
+            return;
+        };
+        let results = &self.service.accounting.metrics.warmup.reports;
+        (self.reporter).send(target, &self.identity, sent, results);
     }
 
     /// The warm-up of the prefix at `i` (due at `now`), `read`, on `owner`:
