@@ -13,7 +13,10 @@
 //!    each router sends its own (twice the warm-ups).
 //!
 //! Goal: in windows 1–3 the warm-ups are one per prefix, owner and period,
-//! within one per prefix and owner.
+//! within one per prefix and owner. Checked too: the policy's
+//! `status.warmup` lists each prefix's owners and the routers that sent,
+//! and keeps moving after the leader change (the routers report to the new
+//! status writer).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -86,6 +89,28 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
     at(&system, start + 16.0).await;
     let steady = window.close(&system).await?;
     report(s, "steady", &steady, true);
+    let listed = status_since(&system, wall_ms() - 5_000).await;
+    let ok = (listed.as_ref()).is_ok_and(|(p, _)| p.iter().all(|p| p.owners == OWNERS as usize));
+    let text = match &listed {
+        Ok((p, _)) => (p.iter())
+            .map(|p| {
+                format!(
+                    "{}: {} owners sent by {}",
+                    p.name,
+                    p.owners,
+                    p.sent_by.join(", ")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        Err(e) => e.to_string(),
+    };
+    s.check(
+        ok,
+        format!(
+            "status.warmup lists both prefixes sent in the last 5 s, {OWNERS} owners each: {text}"
+        ),
+    );
     // Each router's share so far: both send.
     for i in 0..2 {
         let text = system.router_metrics(i).await?;
@@ -108,7 +133,21 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
 
     window = Window::open(&system, system.now()).await?;
     let leader = system.leader().unwrap_or(0);
+    let killed_ms = wall_ms();
     system.kill_operator(leader);
+    let moved = status_since(&system, killed_ms).await;
+    if let Ok((_, after)) = &moved {
+        s.figure("status_warmup_after_leader_change_s", *after);
+    }
+    s.check(
+        moved.is_ok(),
+        format!(
+            "status.warmup shows sends after the leader change: {}",
+            moved
+                .as_ref()
+                .map_or_else(|e| e.to_string(), |(_, t)| format!("{t:.1} s later"))
+        ),
+    );
     at(&system, window.t + 12.0).await;
     let leader_change = window.close(&system).await?;
     report(s, "leader_change", &leader_change, true);
@@ -125,6 +164,45 @@ pub async fn run(ctx: &Ctx, s: &mut Scenario) -> anyhow::Result<()> {
         anyhow::bail!("{why}");
     }
     Ok(())
+}
+
+/// A prefix in the policy's `status.warmup`.
+struct Listed {
+    name: String,
+    owners: usize,
+    sent_by: Vec<String>,
+}
+
+/// Waits (up to 10 s) until the policy's `status.warmup` has every prefix
+/// sent since `since_ms`: the prefixes, and how long the wait took.
+async fn status_since(system: &System, since_ms: u64) -> anyhow::Result<(Vec<Listed>, f64)> {
+    let since = jiff::Timestamp::from_millisecond(since_ms as i64)?.as_second();
+    system
+        .wait_for("status.warmup", Duration::from_secs(10), async || {
+            let policy = system.policy()?;
+            let prefixes = policy["status"]["warmup"]["prefixes"].as_array()?.clone();
+            let listed: Vec<Listed> = (prefixes.iter())
+                .filter(|p| {
+                    let time = p["lastSentTime"].as_str().and_then(|t| t.parse().ok());
+                    time.is_some_and(|t: jiff::Timestamp| t.as_second() >= since)
+                })
+                .map(|p| {
+                    let owners = p["owners"].as_array().cloned().unwrap_or_default();
+                    let mut sent_by: Vec<String> = (owners.iter())
+                        .filter_map(|o| Some(o["sentBy"].as_str()?.to_owned()))
+                        .collect();
+                    sent_by.sort();
+                    sent_by.dedup();
+                    Listed {
+                        name: p["name"].as_str().unwrap_or("").to_owned(),
+                        owners: owners.len(),
+                        sent_by,
+                    }
+                })
+                .collect();
+            (listed.len() == PREFIXES.len()).then_some(listed)
+        })
+        .await
 }
 
 /// Engine requests and periods between two moments.
