@@ -79,7 +79,9 @@ impl Reporter {
                 });
             match endpoint {
                 Ok(e) => {
-                    let client = EndpointDiscoveryClient::new(e.timeout(TIMEOUT).connect_lazy());
+                    let client = EndpointDiscoveryClient::new(
+                        e.connect_timeout(TIMEOUT).timeout(TIMEOUT).connect_lazy(),
+                    );
                     self.channel = Some((target.url.clone(), client));
                 }
                 Err(error) => {
