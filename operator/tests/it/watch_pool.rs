@@ -374,3 +374,63 @@ async fn watch_pool_serves_mutual_tls() {
     drop(states);
     operator.shut_down().await;
 }
+
+/// `ReportWarmups`: a router's sends reach the policy's status; what is
+/// too large is refused whole, what names nothing of the pool is dropped.
+#[tokio::test]
+async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
+    use kvroute_core::warmup::{Prefix, Warmup};
+    use kvroute_proto::v1::{WarmupReport, WarmupSent};
+
+    let mut index = llama();
+    index.apply_policy(PolicySpec {
+        warmup: Some(Warmup {
+            prefixes: vec![Prefix {
+                name: "support".into(),
+                model: None,
+                tenant: None,
+                messages: None,
+                prompt: Some("You are helpful.".into()),
+                config_map_ref: None,
+            }],
+            ..Warmup::default()
+        }),
+        ..policy("fast", "llama", "kvroute")
+    });
+    let op = Operator::start(index).await;
+    let mut client = op.client().await;
+    let entry = |prefix: &str, endpoint: &str| WarmupSent {
+        prefix: prefix.into(),
+        endpoint: endpoint.into(),
+        unix_ms: 1_700_000_000_000,
+    };
+    let report = |sent| WarmupReport {
+        namespace: NS.into(),
+        pool: "llama".into(),
+        router: "router-0".into(),
+        sent,
+    };
+
+    let too_many = vec![entry("support", "a:8000"); kvroute_operator::grpc::MAX_REPORTED + 1];
+    let refused = client.report_warmups(report(too_many)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let long = vec![entry(&"x".repeat(300), "a:8000")];
+    let refused = client.report_warmups(report(long)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let status = || op.index.lock().unwrap().policy_status(NS, "fast").unwrap();
+    assert!(status().warmups_sent.is_empty());
+
+    let sent = vec![
+        entry("support", "a:8000"),
+        entry("other", "a:8000"),
+        entry("support", "zz:8000"),
+    ];
+    client.report_warmups(report(sent)).await.unwrap();
+    let sent = status().warmups_sent;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        (&*sent[0].endpoint, &*sent[0].router),
+        ("a:8000", "router-0")
+    );
+    op.shut_down().await;
+}
