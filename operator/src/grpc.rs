@@ -14,8 +14,9 @@
 //!
 //! `ReportWarmups` hands a router's warm-ups to the index, for the
 //! policy's `status.warmup`; what names no prefix or endpoint of the pool
-//! is dropped there, and a report over [`MAX_REPORTED`] entries or with an
-//! over-long name is refused whole.
+//! is dropped there, a time ahead of the operator's clock is taken as now,
+//! and a report over [`MAX_REPORTED`] entries or with an over-long name is
+//! refused whole.
 //!
 //! Not here: computing states (the index), TLS, metrics beyond the
 //! subscriber gauge ([`Discovery::subscribers`]).
@@ -200,8 +201,10 @@ impl EndpointDiscovery for Discovery {
                 "warm-up report names are at most {MAX_NAME_BYTES} bytes"
             )));
         }
+        // A router's clock ahead of ours must not pin a send in the future.
+        let now_ms = crate::index::wall_clock_micros() / 1000;
         let sent = (report.sent.into_iter())
-            .map(|s| (s.prefix, s.endpoint, s.unix_ms))
+            .map(|s| (s.prefix, s.endpoint, s.unix_ms.min(now_ms)))
             .collect();
         let taken = self
             .index

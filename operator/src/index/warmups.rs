@@ -8,7 +8,7 @@
 //! Not here: the rules a warm-up spec must follow (the core's
 //! [`Warmup::validate`], through [`super::PolicySpec::validate`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use kvroute_core::warmup::{Prefix, Warmup};
 
@@ -99,8 +99,12 @@ impl Reported {
         prefixes: &[&str],
         endpoints: &[&str],
     ) -> (usize, bool) {
+        let (prefixes, endpoints): (HashSet<&str>, HashSet<&str>) = (
+            prefixes.iter().copied().collect(),
+            endpoints.iter().copied().collect(),
+        );
         let known = |prefix: &str, endpoint: &str| {
-            prefixes.contains(&prefix) && endpoints.contains(&endpoint)
+            prefixes.contains(prefix) && endpoints.contains(endpoint)
         };
         let before = self.0.len();
         self.0.retain(|(p, e), _| known(p, e));
@@ -124,16 +128,16 @@ impl Reported {
     pub(super) fn of(&self, prefixes: &[&str]) -> Vec<WarmupSent> {
         let mut out = Vec::new();
         for &prefix in prefixes {
-            for ((p, endpoint), (unix_ms, router)) in &self.0 {
-                if p == prefix {
-                    out.push(WarmupSent {
-                        prefix: p.clone(),
-                        endpoint: endpoint.clone(),
-                        unix_ms: *unix_ms,
-                        router: router.clone(),
-                    });
-                }
-            }
+            let from = (prefix.to_owned(), String::new());
+            let entries = self.0.range(from..).take_while(|((p, _), _)| p == prefix);
+            out.extend(
+                entries.map(|((p, endpoint), (unix_ms, router))| WarmupSent {
+                    prefix: p.clone(),
+                    endpoint: endpoint.clone(),
+                    unix_ms: *unix_ms,
+                    router: router.clone(),
+                }),
+            );
         }
         out
     }

@@ -420,11 +420,12 @@ async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
     let status = || op.index.lock().unwrap().policy_status(NS, "fast").unwrap();
     assert!(status().warmups_sent.is_empty());
 
-    let sent = vec![
-        entry("support", "a:8000"),
-        entry("other", "a:8000"),
-        entry("support", "zz:8000"),
-    ];
+    // A clock ahead of the operator's is taken as now.
+    let ahead = WarmupSent {
+        unix_ms: u64::MAX,
+        ..entry("support", "a:8000")
+    };
+    let sent = vec![ahead, entry("other", "a:8000"), entry("support", "zz:8000")];
     client.report_warmups(report(sent)).await.unwrap();
     let sent = status().warmups_sent;
     assert_eq!(sent.len(), 1, "{sent:?}");
@@ -432,5 +433,7 @@ async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
         (&*sent[0].endpoint, &*sent[0].router),
         ("a:8000", "router-0")
     );
+    let now_ms = kvroute_operator::index::wall_clock_micros() / 1000;
+    assert!(sent[0].unix_ms <= now_ms, "{sent:?}");
     op.shut_down().await;
 }
