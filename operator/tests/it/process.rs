@@ -24,7 +24,8 @@ async fn next(stream: &mut Streaming<PoolState>) -> PoolState {
 }
 
 /// The first state on `stream` for which `done` holds, within [`PROMPTLY`]
-/// (the states before it may be skipped or intermediate).
+/// (the states before it may be skipped or intermediate, or name a new
+/// status writer when a replica takes the lease).
 async fn until(stream: &mut Streaming<PoolState>, done: impl Fn(&PoolState) -> bool) -> PoolState {
     support::until(stream, PROMPTLY, "the expected state", done).await
 }
@@ -197,7 +198,7 @@ async fn api_changes_reach_a_watchpool_subscriber_and_status() {
 
     api.put(pod("llama-0", "10.0.0.1", false))
         .expect("make the pod unready");
-    let unready = next(&mut states).await;
+    let unready = until(&mut states, |s| s.endpoints.iter().any(|e| !e.ready)).await;
     assert_eq!(endpoints(&unready), [("llama-0:8000".to_owned(), false)]);
     assert!(unready.version > ready.version);
     // The writer may never have seen the pod ready (it coalesces changes
@@ -207,7 +208,7 @@ async fn api_changes_reach_a_watchpool_subscriber_and_status() {
 
     api.delete("v1", "Pod", "default", "llama-0")
         .expect("delete the pod");
-    let gone = next(&mut states).await;
+    let gone = until(&mut states, |s| s.endpoints.is_empty()).await;
     assert!(gone.pool_exists);
     assert_eq!(endpoints(&gone), []);
 
@@ -218,7 +219,10 @@ async fn api_changes_reach_a_watchpool_subscriber_and_status() {
     wait_for_latest_event(&api, "llama", "EndpointsReady", recreated).await;
     api.put(policy("llama-rr", "llama", "round-robin"))
         .expect("create the policy");
-    let configured = next(&mut states).await;
+    let configured = until(&mut states, |s| {
+        s.policy.as_ref().is_some_and(|p| p.policy == "round-robin")
+    })
+    .await;
     assert_eq!(configured.policy.expect("a policy").policy, "round-robin");
     let policy_status = eventually(&api, POLICY, |p| {
         (p["status"]["readyEndpoints"] == 1).then(|| conditions(&p["status"]["conditions"]))
@@ -280,9 +284,10 @@ async fn api_changes_reach_a_watchpool_subscriber_and_status() {
         "no Event repeated or counted again"
     );
 
-    // And it carries on: a pod flip still reaches the router promptly.
+    // And it carries on: a pod flip still reaches the router promptly
+    // (after, maybe, the state naming the new leader as the status writer).
     api.put(pod("llama-0", "10.0.0.1", false))
         .expect("make the pod unready");
-    let flipped = next(&mut states).await;
+    let flipped = until(&mut states, |s| s.endpoints.iter().any(|e| !e.ready)).await;
     assert_eq!(endpoints(&flipped), [("llama-0:8000".to_owned(), false)]);
 }
