@@ -586,17 +586,22 @@ impl Index {
         router: &str,
         sent: Vec<(String, String, u64)>,
     ) -> usize {
-        let content = self.content(namespace, pool);
-        let prefixes: Vec<&str> = content
-            .policy
-            .as_ref()
+        // The names the policy gives and the endpoints the pool's state
+        // already lists: nothing recomputed per report.
+        let policies = self.policies.in_namespace(namespace).map(|(_, p)| p);
+        let prefixes: Vec<&str> = policy::attached(policies, pool)
+            .filter(|_| self.pools.get(namespace, pool).is_some())
             .and_then(|p| p.warmup.as_ref())
             .map(|w| w.prefixes.iter().map(|p| p.name.as_str()).collect())
             .unwrap_or_default();
         if prefixes.is_empty() {
             return 0;
         }
-        let endpoints: Vec<&str> = content.endpoints.iter().map(|e| e.name.as_str()).collect();
+        let Some(state) = self.states.get(namespace, pool) else {
+            return 0;
+        };
+        let state = state.borrow();
+        let endpoints: Vec<&str> = state.endpoints.iter().map(|e| e.name.as_str()).collect();
         let key = (namespace.to_owned(), pool.to_owned());
         let reported = self.warmups_sent.entry(key).or_default();
         let (taken, changed) = reported.record(router, sent, &prefixes, &endpoints);

@@ -264,6 +264,24 @@ impl FakeOperator {
     }
 }
 
+/// A router on free ports whose pool `ml/llama` comes from the operator at
+/// `addr`.
+fn operator_config(addr: SocketAddr) -> kvroute_router::config::Config {
+    kvroute_router::config::Config {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        discovery: kvroute_router::config::Discovery::Operator(
+            kvroute_router::config::OperatorDiscovery {
+                url: format!("http://{addr}"),
+                urls: Vec::new(),
+                namespace: "ml".into(),
+                pool: "llama".into(),
+            },
+        ),
+        ..kvroute_router::config::Config::default()
+    }
+}
+
 fn policy(name: &str) -> RoutingPolicy {
     RoutingPolicy {
         policy: name.into(),
@@ -547,19 +565,7 @@ async fn sent_warm_ups_are_reported_to_the_status_writer() {
     first.version = 2;
     first.status_writer = addr.to_string();
     op.publish(first);
-    let config = kvroute_router::config::Config {
-        listen: Some("127.0.0.1:0".parse().unwrap()),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
-        discovery: kvroute_router::config::Discovery::Operator(
-            kvroute_router::config::OperatorDiscovery {
-                url: format!("http://{addr}"),
-                urls: Vec::new(),
-                namespace: "ml".into(),
-                pool: "llama".into(),
-            },
-        ),
-        ..kvroute_router::config::Config::default()
-    };
+    let config = operator_config(addr);
     let started = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -577,12 +583,7 @@ async fn sent_warm_ups_are_reported_to_the_status_writer() {
         .collect();
     assert_eq!(sent, [("support", "sim:8000")]);
     assert!(report.sent[0].unix_ms >= started, "{report:?}");
-    let metrics = reqwest::get(format!("http://{}/metrics", router.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = crate::support::get_text(&format!("http://{}/metrics", router.admin_addr)).await;
     assert!(
         metrics.contains("kvroute_warmup_reports_total{result=\"ok\"}"),
         "{metrics}"
@@ -746,20 +747,7 @@ async fn a_salted_policy_stops_a_router_that_cannot_salt() {
         state(1, endpoints(), salted),
     )
     .await;
-    let defaults = kvroute_router::config::Config::default();
-    let config = kvroute_router::config::Config {
-        listen: Some("127.0.0.1:0".parse().unwrap()),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
-        discovery: kvroute_router::config::Discovery::Operator(
-            kvroute_router::config::OperatorDiscovery {
-                url: format!("http://{addr}"),
-                urls: Vec::new(),
-                namespace: "ml".into(),
-                pool: "llama".into(),
-            },
-        ),
-        ..defaults
-    };
+    let config = operator_config(addr);
     let router = kvroute_router::start(config).await.unwrap();
     let client = reqwest::Client::new();
     let send = || async {
