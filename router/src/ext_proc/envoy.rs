@@ -20,6 +20,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use crate::errors::ApiError;
 use crate::request::RequestId;
 use crate::request::recent::REQUEST_ID;
+use crate::request::split::{OLD_PREFILLER_HEADER, PREFILLER_HEADER};
 
 /// The header and `envoy.lb` metadata key naming the picked endpoints,
 /// `ip:port,ip:port,…` best first (the Gateway API Inference Extension's
@@ -231,13 +232,6 @@ pub fn destination(
         ..ProcessingResponse::default()
     }
 }
-
-/// llm-d's header naming a disaggregated request's prefill endpoint,
-/// `host:port`.
-pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
-
-/// Older llm-d versions' spelling (a URL); removed from every request.
-const OLD_PREFILLER_HEADER: &str = "x-prefiller-url";
 
 /// Which direction a body or headers answer is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -14,20 +14,28 @@
 //!    report, a request's end or start, a refusal, an arrival, a timer)
 //!    starts a pass, or marks the running one to be followed by another.
 //!    A pass hands a turn to each held request in the order of rule 1, one
-//!    at a time, at most [`PASS_TURNS`]: the request ranks the endpoints
-//!    with fresh state and either is dispatched or stays, naming the
-//!    endpoint it waits for, if any (the gate names none for a request
-//!    that must leave room for others). An endpoint a request ahead in the pass waits
-//!    for, or was dispatched to, is left out of the ranking of the requests
-//!    behind it: a request is never sent ahead of an earlier one waiting
-//!    for the same endpoint, and a pass does not send two requests to one
-//!    endpoint before its load counts the first.
+//!    at a time: to the first [`PASS_TURNS`], then to the [`PASS_TURNS`]
+//!    behind them that had a turn least recently (in the order of rule 1
+//!    among themselves), so the work one event causes is bounded and every
+//!    held request has a turn within a few passes, whatever its position:
+//!    one that some endpoint can start now is not held behind the
+//!    requests ahead of it (head-of-line blocking). The request ranks the
+//!    endpoints with fresh state and either is dispatched or stays, naming
+//!    the endpoint it waits for, if any (the gate names none for a request
+//!    that must leave room for others). An endpoint a request ahead in the
+//!    pass waits for, or was dispatched to, is left out of the ranking of
+//!    the requests behind it: a request is never sent ahead of an earlier
+//!    one waiting for the same endpoint in the same pass, and a pass does
+//!    not send two requests to one endpoint before its load counts the
+//!    first.
 //! 3. **Bounds.** At most `maxQueued` requests and `maxQueuedBytes` of
 //!    their bodies are held. A request that does not fit takes the place of
 //!    the newest request of the largest flow in the lowest band below its
-//!    own (that one is shed, `flow_queue_full`), else it is refused. Each
-//!    held request waits at most its band's `maxWaitMs`
-//!    (`flow_wait_limit`).
+//!    own, else of the newest request of the largest flow in its own band
+//!    when its own flow holds fewer there (so one flow cannot fill the
+//!    queue and refuse every other at its priority); that one is shed
+//!    (`flow_queue_full`). Else it is refused. Each held request waits at
+//!    most its band's `maxWaitMs` (`flow_wait_limit`).
 //! 4. **Sheddable.** A request of negative priority is never held: when it
 //!    cannot start at once it is refused (`flow_sheddable`), as the Gateway
 //!    API Inference Extension specifies.
@@ -37,7 +45,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Turns one pass hands out at most: bounds the work one event causes.
+/// Turns one pass hands out to the head of the queue, and again to the
+/// requests behind it that waited longest for a turn (rule 2): bounds the
+/// work one event causes.
 pub const PASS_TURNS: usize = 64;
 
 /// A held request.
@@ -106,6 +116,8 @@ struct Held {
     priority: i32,
     flow: Arc<str>,
     bytes: usize,
+    /// The pass it last had a turn in (0: none yet).
+    turned: u64,
 }
 
 #[derive(Debug, Default)]
@@ -136,6 +148,8 @@ pub struct Queue {
     bytes: usize,
     next: Id,
     pass: Option<Pass>,
+    /// Passes started.
+    passes: u64,
 }
 
 impl Queue {
@@ -148,6 +162,7 @@ impl Queue {
             bytes: 0,
             next: 0,
             pass: None,
+            passes: 0,
         }
     }
 
@@ -193,19 +208,10 @@ impl Queue {
         if b.max_queued == 0 || bytes > b.max_queued_bytes {
             return Err(ShedReason::QueueFull);
         }
-        let (max, max_bytes) = (self.bounds.max_queued, self.bounds.max_queued_bytes);
-        let fits = |len: usize, held: usize| len < max && held + bytes <= max_bytes;
-        let (below, below_bytes) = (self.held.values())
-            .filter(|h| h.priority < priority)
-            .fold((0, 0), |(n, b), h| (n + 1, b + h.bytes));
-        if !fits(self.held.len() - below, self.bytes - below_bytes) {
-            return Err(ShedReason::QueueFull);
-        }
-        let (mut shed, mut turn) = (Vec::new(), None);
-        while !fits(self.held.len(), self.bytes) {
-            let victim = self.victim(priority).expect("counted above");
+        let shed = (self.displaced(priority, flow, bytes)).ok_or(ShedReason::QueueFull)?;
+        let mut turn = None;
+        for &victim in &shed {
             turn = self.leave(victim).or(turn);
-            shed.push(victim);
         }
         let id = self.next;
         self.next += 1;
@@ -223,6 +229,7 @@ impl Queue {
                 priority,
                 flow,
                 bytes,
+                turned: 0,
             },
         );
         Ok(Pushed {
@@ -233,13 +240,33 @@ impl Queue {
         })
     }
 
-    /// The newest request of the largest flow in the lowest band below
-    /// `priority` (rule 3).
-    fn victim(&self, priority: i32) -> Option<Id> {
-        let (_, band) = self.bands.range(..priority).next()?;
-        let (_, queue) = (band.flows.iter())
-            .max_by_key(|(name, q)| (q.len(), std::cmp::Reverse(Arc::clone(name))))?;
-        queue.back().copied()
+    /// The requests a request of `priority` from `flow` with a body of
+    /// `bytes` displaces to fit (rule 3), none when it fits as it is;
+    /// `None` when it cannot fit.
+    fn displaced(&self, priority: i32, flow: &str, bytes: usize) -> Option<Vec<Id>> {
+        let (max, max_bytes) = (self.bounds.max_queued, self.bounds.max_queued_bytes);
+        let (mut len, mut held) = (self.held.len(), self.bytes);
+        let own = (self.bands.get(&priority))
+            .and_then(|b| b.flows.get(flow))
+            .map_or(0, VecDeque::len);
+        // Requests already displaced, per band and flow: the newest go.
+        let mut taken: HashMap<(i32, &Arc<str>), usize> = HashMap::new();
+        let mut shed = Vec::new();
+        while len >= max || held + bytes > max_bytes {
+            let (key, victim) = self.bands.range(..=priority).find_map(|(&p, band)| {
+                let left = |name| band.flows[name].len() - taken.get(&(p, name)).unwrap_or(&0);
+                let name = (band.flows.keys())
+                    .filter(|name| left(name) > 0)
+                    .max_by_key(|name| (left(name), std::cmp::Reverse(Arc::clone(name))))?;
+                let n = left(name);
+                (p < priority || n > own).then(|| ((p, name), band.flows[name][n - 1]))
+            })?;
+            *taken.entry(key).or_default() += 1;
+            len -= 1;
+            held -= self.held[&victim].bytes;
+            shed.push(victim);
+        }
+        Some(shed)
     }
 
     /// Takes a request out of the queue (it left, was shed or gave up).
@@ -279,22 +306,37 @@ impl Queue {
     pub fn order(&self, limit: usize) -> Vec<Id> {
         let mut out = Vec::new();
         for band in self.bands.values().rev() {
-            for depth in 0.. {
-                let before = out.len();
-                for flow in &band.rotation {
-                    if let Some(&id) = band.flows[flow].get(depth) {
-                        out.push(id);
-                        if out.len() == limit {
-                            return out;
-                        }
-                    }
-                }
-                if out.len() == before {
-                    break;
-                }
+            let mut flows: Vec<_> = (band.rotation.iter())
+                .map(|f| band.flows[f].iter())
+                .collect();
+            while !flows.is_empty() && out.len() < limit {
+                flows.retain_mut(|f| f.next().map(|&id| out.push(id)).is_some());
+            }
+            if out.len() >= limit {
+                out.truncate(limit);
+                break;
             }
         }
         out
+    }
+
+    /// A pass's turns (rule 2): the first [`PASS_TURNS`] in dispatch order,
+    /// then the [`PASS_TURNS`] behind them that had a turn least recently,
+    /// in dispatch order.
+    fn turns(&self) -> VecDeque<Id> {
+        let order = self.order(usize::MAX);
+        if order.len() <= 2 * PASS_TURNS {
+            return order.into();
+        }
+        let (head, rest) = order.split_at(PASS_TURNS);
+        let mut behind: Vec<(u64, usize)> = (rest.iter().enumerate())
+            .map(|(i, id)| (self.held[id].turned, i))
+            .collect();
+        behind.select_nth_unstable(PASS_TURNS - 1);
+        behind.truncate(PASS_TURNS);
+        behind.sort_unstable_by_key(|&(_, i)| i);
+        let behind = behind.into_iter().map(|(_, i)| rest[i]);
+        head.iter().copied().chain(behind).collect()
     }
 
     /// Something changed that may let a held request start: starts a pass
@@ -308,8 +350,9 @@ impl Queue {
         if self.held.is_empty() {
             return None;
         }
+        self.passes += 1;
         self.pass = Some(Pass {
-            turns: self.order(PASS_TURNS).into(),
+            turns: self.turns(),
             ..Pass::default()
         });
         self.next_turn()
@@ -351,7 +394,8 @@ impl Queue {
     fn next_turn(&mut self) -> Option<Id> {
         let pass = self.pass.as_mut()?;
         while let Some(id) = pass.turns.pop_front() {
-            if self.held.contains_key(&id) {
+            if let Some(held) = self.held.get_mut(&id) {
+                held.turned = self.passes;
                 pass.current = Some(id);
                 return Some(id);
             }

@@ -124,7 +124,7 @@ impl Forwarder {
             id: id.clone(),
         };
         let mut decision = self.service.decide(ask).await?;
-        self.prefill(parts, &mut decision).await;
+        self.prefill(parts, &mut decision).await?;
         Ok(self.forward(parts, decision).await)
     }
 

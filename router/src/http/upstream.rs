@@ -1,6 +1,7 @@
 //! The request sent to an engine: the client's, addressed to the target,
 //! with the router's headers (request id, admission bound and room, trace context)
-//! and without the private ones or any `x-kvroute-*` the client sent.
+//! and without the private ones, any `x-kvroute-*` the client sent, or
+//! llm-d's `x-prefiller-*`.
 
 use axum::http::header::{self, HeaderName, HeaderValue};
 use axum::http::request::Parts;
@@ -13,6 +14,7 @@ use super::headers::copy_headers;
 use crate::errors::ApiError;
 use crate::pool::Fault;
 use crate::request::recent::REQUEST_ID;
+use crate::request::split::{OLD_PREFILLER_HEADER, PREFILLER_HEADER};
 use crate::request::{RequestId, routers_own};
 
 /// The request to send to `target`.
@@ -39,6 +41,10 @@ pub(super) fn request(
     for name in own {
         headers.remove(name);
     }
+    // llm-d's routing sidecar would run the prefill where a client's
+    // header names.
+    headers.remove(PREFILLER_HEADER);
+    headers.remove(OLD_PREFILLER_HEADER);
     headers.remove(header::HOST);
     headers.insert(REQUEST_ID, id.header().clone());
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));

@@ -47,26 +47,49 @@ pub(crate) fn members<'b>(
 /// replaced by `value`, a JSON text, written last; the other members
 /// are copied as they are. No tree is built: the copy is the body's size.
 pub(crate) fn replaced(body: &[u8], key: &str, value: &[u8]) -> Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(body.len() + key.len() + value.len() + 8);
-    out.push(b'{');
-    let member = |out: &mut Vec<u8>, k: &str, v: &[u8]| {
-        if out.len() > 1 {
-            out.push(b',');
+    let mut out = Object::with_capacity(body.len() + key.len() + value.len() + 8);
+    out.keep(body, |k| k != key)?;
+    out.member(key, value)?;
+    Ok(out.end())
+}
+
+/// A JSON object written member by member: a body edited as bytes, never
+/// as a tree of its values.
+pub(crate) struct Object(Vec<u8>);
+
+impl Object {
+    /// An empty object with room for `bytes`.
+    pub(crate) fn with_capacity(bytes: usize) -> Self {
+        let mut out = Vec::with_capacity(bytes);
+        out.push(b'{');
+        Object(out)
+    }
+
+    /// Adds the member `key` with `value`, a JSON text.
+    pub(crate) fn member(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        if self.0.len() > 1 {
+            self.0.push(b',');
         }
-        serde_json::to_writer(&mut *out, k).map_err(|_| Rejected)?;
-        out.push(b':');
-        out.extend_from_slice(v);
+        serde_json::to_writer(&mut self.0, key).map_err(|_| Rejected)?;
+        self.0.push(b':');
+        self.0.extend_from_slice(value);
         Ok(())
-    };
-    walk::<true>(body, |k, v| {
-        if k == key {
-            return Ok(());
-        }
-        member(&mut out, &k, v)
-    })?;
-    member(&mut out, key, value)?;
-    out.push(b'}');
-    Ok(out)
+    }
+
+    /// Copies the members of the JSON object `body` whose key (decoded)
+    /// `keep` accepts, as they are.
+    pub(crate) fn keep(&mut self, body: &[u8], mut keep: impl FnMut(&str) -> bool) -> Result<()> {
+        walk::<true>(
+            body,
+            |k, v| if keep(&k) { self.member(&k, v) } else { Ok(()) },
+        )
+    }
+
+    /// The object's text.
+    pub(crate) fn end(mut self) -> Vec<u8> {
+        self.0.push(b'}');
+        self.0
+    }
 }
 
 /// The texts of the elements of `array`, a value [`members`] checked;

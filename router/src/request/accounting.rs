@@ -80,6 +80,12 @@ impl Accounting {
         self.hang.cap()
     }
 
+    /// When a prefill leg predicted to answer after `ttft` counts as hung:
+    /// as a request for one token, not streamed.
+    pub(crate) fn prefill_leg_deadline(&self, ttft: Duration) -> Duration {
+        (self.hang.of(false, Some(1), ttft)).unwrap_or(self.hang.cap())
+    }
+
     /// `tenant` as a metric label: a tenant of the API-key map or of
     /// `telemetry.tenantLabels`, `none` without one, else `other`.
     pub(crate) fn tenant_label(&self, tenant: Option<&str>) -> String {

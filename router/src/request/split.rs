@@ -14,9 +14,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use std::net::SocketAddr;
+
 use kvroute_core::spec::DisaggregationMode;
 
 use super::{Decision, Service};
+use crate::errors::ApiError;
 use crate::pool::{Leg, Plan};
 use crate::prompt::body::Api;
 
@@ -49,9 +52,64 @@ impl Outcome {
     }
 }
 
+/// Why a request eligible for disaggregation was prefilled by its decode
+/// endpoint (`fallback_local`), as
+/// `kvroute_disaggregated_fallbacks_total`'s `reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fallback {
+    /// No prefill-capable endpoint is routable.
+    NoPrefillEndpoint,
+    /// Its prefill leg was shed while held (flow control).
+    Shed,
+    /// Every prefill leg failed (connection, 5xx, no answer in time).
+    PrefillFailed,
+    /// Its body could not be edited into the legs' bodies.
+    BodyUnreadable,
+    /// The prefill answer was longer than its bound.
+    AnswerTooLarge,
+    /// Its `kv_transfer_params` named more block ids than the prompt has
+    /// blocks.
+    TooManyBlocks,
+    /// Its `kv_transfer_params` besides the block ids were over their
+    /// bound.
+    ParamsTooLarge,
+    /// Its `kv_transfer_params` were not what vLLM sends.
+    BadParams,
+    /// Its `remote_host` is not the prefill endpoint's own.
+    ForeignHost,
+}
+
+impl Fallback {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Fallback::NoPrefillEndpoint => "no_prefill_endpoint",
+            Fallback::Shed => "shed",
+            Fallback::PrefillFailed => "prefill_failed",
+            Fallback::BodyUnreadable => "body_unreadable",
+            Fallback::AnswerTooLarge => "answer_too_large",
+            Fallback::TooManyBlocks => "too_many_block_ids",
+            Fallback::ParamsTooLarge => "params_too_large",
+            Fallback::BadParams => "bad_params",
+            Fallback::ForeignHost => "foreign_remote_host",
+        }
+    }
+}
+
+/// llm-d's header naming a disaggregated request's prefill endpoint,
+/// `host:port`: the picker's to set, never a client's to pass on.
+pub(crate) const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
+/// Older llm-d versions' spelling (a URL); removed from every request.
+pub(crate) const OLD_PREFILLER_HEADER: &str = "x-prefiller-url";
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Result {
     result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: &'static str,
 }
 
 /// Prefill leg buckets, seconds.
@@ -66,6 +124,7 @@ const SHARES: [f64; 10] = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9];
 #[derive(Debug)]
 pub struct SplitMetrics {
     requests: Family<Result, Counter>,
+    fallbacks: Family<Reason, Counter>,
     /// `kvroute_prefill_leg_seconds`: from sending a prefill leg to its
     /// whole answer.
     pub(crate) prefill_seconds: Histogram,
@@ -82,6 +141,7 @@ impl Default for SplitMetrics {
     fn default() -> Self {
         SplitMetrics {
             requests: Family::default(),
+            fallbacks: Family::default(),
             prefill_seconds: Histogram::new(BUCKETS),
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
@@ -97,12 +157,24 @@ impl SplitMetrics {
         self.requests.get_or_create(&Result { result }).inc();
     }
 
+    /// Counts a request prefilled by its decode endpoint for `why`.
+    pub(crate) fn fallback(&self, why: Fallback) {
+        self.count(Outcome::FallbackLocal);
+        let reason = why.as_str();
+        self.fallbacks.get_or_create(&Reason { reason }).inc();
+    }
+
     /// Registers the families in `r`.
     pub fn register(&self, r: &mut Registry) {
         r.register(
             "kvroute_disaggregated_requests",
             "Requests eligible for disaggregation (routing.disaggregation auto), by how they were served: disaggregated, local_below_threshold, local_same_endpoint, fallback_local, no_connector",
             self.requests.clone(),
+        );
+        r.register(
+            "kvroute_disaggregated_fallbacks",
+            "Of those served fallback_local, why: no_prefill_endpoint, shed, prefill_failed, body_unreadable, answer_too_large, too_many_block_ids, params_too_large, bad_params, foreign_remote_host",
+            self.fallbacks.clone(),
         );
         r.register(
             "kvroute_prefill_leg_seconds",
@@ -173,18 +245,50 @@ impl Service {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "the prefill leg was not held to the end");
-                    Some(Outcome::FallbackLocal)
+                    metrics.fallback(Fallback::Shed);
+                    return None;
                 }
             };
         }
-        if let Some(outcome) = local {
-            metrics.count(outcome);
+        match local {
+            Some(Outcome::FallbackLocal) => metrics.fallback(Fallback::NoPrefillEndpoint),
+            Some(outcome) => metrics.count(outcome),
+            None => {}
+        }
+        if local.is_some() {
             return None;
         }
         Some(Prefill {
             cached: a.expected_cached(plan.cached_blocks),
             plan,
         })
+    }
+
+    /// Plans `decision`'s decode leg again once its prefill leg is done,
+    /// so its endpoint's seat is taken when it starts, never while its
+    /// prefill runs: through flow control, as on arrival (it waits here
+    /// until a decode-capable endpoint can start it; an error, shed or
+    /// shutting down, is the request's answer). A decode leg prefilled on
+    /// `prefilled_on` goes to another endpoint. Without flow control, a
+    /// fresh plan, kept only when it has a target.
+    pub(crate) async fn plan_decode(
+        &self,
+        decision: &mut Decision,
+        prefilled_on: Option<SocketAddr>,
+    ) -> std::result::Result<(), ApiError> {
+        let among = |a: &SocketAddr| Some(*a) != prefilled_on;
+        let a = &decision.analysis;
+        let (plan, held) = if self.flow.enabled() {
+            let request = (&a.request(), a.readable, Leg::Decode);
+            (self
+                .flow
+                .plan(&self.pool, request, &among, &decision.who, true))
+            .await?
+        } else {
+            (self.pool.plan_among(&a.request(), a.readable, &among), None)
+        };
+        decision.planned(plan, held);
+        Ok(())
     }
 
     /// Why `decision` runs whole with the prefill ranking `plan`: no

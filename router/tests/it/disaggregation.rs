@@ -288,13 +288,10 @@ async fn with_flow_control_a_prefill_leg_waits_for_its_prefill_endpoint() {
     let metrics = stack.metrics().await;
     assert_eq!(disaggregated(&metrics, "disaggregated"), 2.0, "{metrics}");
     assert_eq!(requests_seen(&stack.sims[0]).await, 2.0);
-    assert_eq!(
-        sum_of(
-            &metrics,
-            "kvroute_flow_dispatched_total{reason=\"after_wait\"}"
-        ),
-        1.0
-    );
+    // The second's prefill leg, and maybe the first's decode leg, planned
+    // again behind it.
+    let after_wait = "kvroute_flow_dispatched_total{reason=\"after_wait\"}";
+    assert!(sum_of(&metrics, after_wait) >= 1.0, "{metrics}");
     stack.stop().await;
 }
 
@@ -302,12 +299,20 @@ async fn with_flow_control_a_prefill_leg_waits_for_its_prefill_endpoint() {
 type Legs = Arc<Mutex<Vec<(String, HeaderMap, Value)>>>;
 
 /// A fake engine that records what it receives and answers as vLLM with
-/// NixlConnector would: a prefill leg with `kv_transfer_params`, a decode
-/// leg with a completion.
+/// NixlConnector would: a prefill leg with `kv_transfer_params` naming
+/// itself (127.0.0.1), a decode leg with a completion.
 async fn recording_engine(legs: Legs) -> std::net::SocketAddr {
+    let params = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [1, 2],
+                        "remote_engine_id": "e1", "remote_request_id": "r1", "remote_host": "127.0.0.1",
+                        "remote_port": 5600, "tp_size": 1});
+    answering_engine(legs, params).await
+}
+
+/// [`recording_engine`] answering prefill legs with `params`.
+async fn answering_engine(legs: Legs, params: Value) -> std::net::SocketAddr {
     use axum::extract::{Json, Request};
     let app = axum::Router::new().fallback(move |request: Request| {
-        let legs = legs.clone();
+        let (legs, params) = (legs.clone(), params.clone());
         async move {
             let (parts, body) = request.into_parts();
             let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap();
@@ -316,13 +321,7 @@ async fn recording_engine(legs: Legs) -> std::net::SocketAddr {
             legs.lock()
                 .unwrap()
                 .push((parts.uri.path().to_owned(), parts.headers, body));
-            let params = if prefill {
-                json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [1, 2],
-                       "remote_engine_id": "e1", "remote_request_id": "r1", "remote_host": "10.0.0.9",
-                       "remote_port": 5600, "tp_size": 1})
-            } else {
-                Value::Null
-            };
+            let params = if prefill { params } else { Value::Null };
             Json(json!({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": " a"}],
                         "usage": {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301},
                         "kv_transfer_params": params}))
@@ -334,12 +333,14 @@ async fn recording_engine(legs: Legs) -> std::net::SocketAddr {
     addr
 }
 
-#[tokio::test]
-async fn the_legs_are_vllms_proxys_legs() {
-    let legs: Legs = Arc::default();
-    let prefill = recording_engine(legs.clone()).await;
-    let decode = recording_engine(legs.clone()).await;
-    let dir = temp_dir("split-legs");
+/// A router disaggregating every prompt (approximate mode: every prompt
+/// uncached) from prefill endpoint `prefill` to decode endpoint `decode`.
+async fn legs_router(
+    name: &str,
+    (prefill, decode): (std::net::SocketAddr, std::net::SocketAddr),
+    tune: impl FnOnce(&mut Config),
+) -> (kvroute_router::Running, std::path::PathBuf) {
+    let dir = temp_dir(name);
     std::fs::write(
         dir.join("endpoints.yaml"),
         format!(
@@ -348,18 +349,27 @@ async fn the_legs_are_vllms_proxys_legs() {
     )
     .unwrap();
     let mut config: Config = router_config(&dir);
-    // Approximate mode (no WatchCache): every prompt is uncached.
     config.routing.disaggregation = Disaggregation {
         mode: DisaggregationMode::Auto,
         min_uncached_tokens: 1,
     };
+    tune(&mut config);
     let router = kvroute_router::start(config).await.unwrap();
-    let client = reqwest::Client::new();
-    let url = format!("http://{}/v1/completions", router.addr());
     eventually("the endpoints are loaded", || {
         router.pool.status().len() == 2
     })
     .await;
+    (router, dir)
+}
+
+#[tokio::test]
+async fn the_legs_are_vllms_proxys_legs() {
+    let legs: Legs = Arc::default();
+    let prefill = recording_engine(legs.clone()).await;
+    let decode = recording_engine(legs.clone()).await;
+    let (router, dir) = legs_router("split-legs", (prefill, decode), |_| {}).await;
+    let client = reqwest::Client::new();
+    let url = format!("http://{}/v1/completions", router.addr());
 
     // The client's request, with every field the proxy changes.
     let request = json!({
@@ -370,6 +380,9 @@ async fn the_legs_are_vllms_proxys_legs() {
     let r = client
         .post(&url)
         .header("x-request-id", "req-42")
+        // llm-d's headers naming where to prefill are the picker's.
+        .header("x-prefiller-host-port", "10.9.9.9:8000")
+        .header("x-prefiller-url", "http://10.9.9.9:8000")
         .json(&request)
         .send()
         .await
@@ -400,13 +413,18 @@ async fn the_legs_are_vllms_proxys_legs() {
     let mut want_decode = request.clone();
     want_decode["kv_transfer_params"] = json!({"do_remote_prefill": true, "do_remote_decode": false,
         "remote_block_ids": [1, 2], "remote_engine_id": "e1", "remote_request_id": "r1",
-        "remote_host": "10.0.0.9", "remote_port": 5600, "tp_size": 1});
+        "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1});
     assert_eq!(legs[0].0, "/v1/completions");
     assert_eq!(legs[0].2, want_prefill);
     assert_eq!(legs[1].0, "/v1/completions");
     assert_eq!(legs[1].2, want_decode);
     for (_, headers, _) in &legs {
         assert_eq!(headers["x-request-id"], "req-42");
+        assert!(
+            !headers.contains_key("x-prefiller-host-port"),
+            "{headers:?}"
+        );
+        assert!(!headers.contains_key("x-prefiller-url"), "{headers:?}");
     }
     router.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
@@ -434,5 +452,201 @@ async fn without_a_decode_capable_endpoint_a_request_is_503_with_retry_after() {
     assert!(r.headers().contains_key("retry-after"));
     router.shutdown().await;
     sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_short_chat_an_idle_endpoint_can_start_is_not_held_behind_many_prefill_legs() {
+    // The prefill endpoint's one seat taken by a prefill that lasts; the
+    // decode endpoint idle.
+    const HELD: usize = 300;
+    let stack = split_stack_with(
+        "split-head-of-line",
+        Some(64),
+        |c| c.prefill_overhead_ms = 120_000.0,
+        |c| {
+            c.flow_control.enabled = true;
+            c.flow_control.max_wait_ms = 120_000;
+            c.limits.endpoint_concurrency = 1;
+        },
+    )
+    .await;
+    let send = |body: Value| {
+        let (client, url) = (stack.client.clone(), stack.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .map(|r| r.status())
+        })
+    };
+    let mut long = vec![send(chat(&long_text(0), "hi", 1))];
+    eventually("the first prefill leg runs", || {
+        stack.router.pool.status().iter().any(|e| e.in_flight == 1)
+    })
+    .await;
+    long.extend((1..=HELD).map(|i| send(chat(&long_text(i), "hi", 1))));
+    kvroute_testkit::eventually("all are held", Duration::from_secs(60), || async {
+        let metrics = stack.metrics().await;
+        (sum_of(&metrics, "kvroute_flow_queued") == HELD as f64).then_some(())
+    })
+    .await;
+    // Too short to split: only the decode endpoint, idle, is needed; it is
+    // answered while every prefill leg is still held.
+    let short = send(chat("short", "hi", 1)).await.unwrap().unwrap();
+    assert_eq!(short, 200);
+    let metrics = stack.metrics().await;
+    assert_eq!(sum_of(&metrics, "kvroute_flow_queued"), HELD as f64);
+    assert_eq!(sum_of(&metrics, "kvroute_flow_shed_total"), 0.0);
+    for l in long {
+        l.abort();
+    }
+    stack.stop().await;
+}
+
+/// A fake prefill engine that answers `/health` and never answers a
+/// completion.
+async fn hung_engine() -> std::net::SocketAddr {
+    let app = axum::Router::new()
+        .route("/health", axum::routing::get(|| async { "" }))
+        .fallback(|| std::future::pending::<()>());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// What a fake engine received at `/v1/completions`.
+fn completions(legs: &Legs) -> Vec<(String, HeaderMap, Value)> {
+    (legs.lock().unwrap().iter())
+        .filter(|(path, ..)| path == "/v1/completions")
+        .cloned()
+        .collect()
+}
+
+fn fallbacks(metrics: &str, reason: &str) -> f64 {
+    sum_of(
+        metrics,
+        &format!("kvroute_disaggregated_fallbacks_total{{reason=\"{reason}\"}}"),
+    )
+}
+
+#[tokio::test]
+async fn a_prefill_answer_naming_another_host_is_not_relayed() {
+    let legs: Legs = Arc::default();
+    // The prefill engine names a host that is not its own.
+    let params = json!({"do_remote_prefill": true, "remote_block_ids": [1], "remote_engine_id": "e1",
+                        "remote_host": "127.0.0.2", "remote_port": 5600});
+    let prefill = answering_engine(legs.clone(), params).await;
+    let decode = recording_engine(legs.clone()).await;
+    let (router, dir) = legs_router("split-foreign-host", (prefill, decode), |_| {}).await;
+    let url = format!("http://{}/v1/completions", router.addr());
+    let request = json!({"model": "m", "prompt": "a long prompt ".repeat(40), "max_tokens": 5});
+    let r = reqwest::Client::new()
+        .post(&url)
+        .json(&request)
+        .send()
+        .await;
+    assert_eq!(r.unwrap().status(), 200);
+    let legs = completions(&legs);
+    assert_eq!(legs.len(), 2, "{legs:?}");
+    // The decode engine prefilled the client's request itself.
+    assert_eq!(legs[1].2, request);
+    let metrics = get_text(&format!("http://{}/metrics", router.admin_addr)).await;
+    assert_eq!(fallbacks(&metrics, "foreign_remote_host"), 1.0, "{metrics}");
+    assert_eq!(disaggregated(&metrics, "fallback_local"), 1.0, "{metrics}");
+    router.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn hung_prefill_legs_are_cut_at_a_one_token_deadline_and_the_decode_endpoint_prefills() {
+    let legs: Legs = Arc::default();
+    let (hung_a, hung_b) = (hung_engine().await, hung_engine().await);
+    let decode = recording_engine(legs.clone()).await;
+    let dir = temp_dir("split-hung");
+    std::fs::write(
+        dir.join("endpoints.yaml"),
+        format!(
+            "endpoints:\n  - {{name: p0, address: '{hung_a}', role: prefill}}\n  - {{name: p1, address: '{hung_b}', role: prefill}}\n  - {{name: d, address: '{decode}', role: decode}}\n"
+        ),
+    )
+    .unwrap();
+    let mut config: Config = router_config(&dir);
+    config.routing.disaggregation = Disaggregation {
+        mode: DisaggregationMode::Auto,
+        min_uncached_tokens: 1,
+    };
+    config.resilience.hung_after_ms = 1_000;
+    config.limits.first_byte_timeout_ms = 120_000;
+    let router = kvroute_router::start(config).await.unwrap();
+    eventually("the endpoints are loaded", || {
+        router.pool.status().len() == 3
+    })
+    .await;
+    let url = format!("http://{}/v1/completions", router.addr());
+    let request = json!({"model": "m", "prompt": "a long prompt ".repeat(40), "max_tokens": 5});
+    // Well before firstByteTimeoutMs: each leg is cut at its own deadline.
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let r = client.post(&url).json(&request).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(completions(&legs)[0].2, request);
+    let metrics = get_text(&format!("http://{}/metrics", router.admin_addr)).await;
+    assert_eq!(fallbacks(&metrics, "prefill_failed"), 1.0, "{metrics}");
+    router.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn a_decode_legs_seat_is_taken_when_it_starts() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let legs: Legs = Arc::default();
+    let prefill = recording_engine(legs.clone()).await;
+    // A decode engine that answers in 100 ms and counts the most it held.
+    let (now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let app = {
+        let (now, most) = (now.clone(), most.clone());
+        let completions = move || {
+            let (now, most) = (now.clone(), most.clone());
+            async move {
+                most.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                now.fetch_sub(1, Ordering::SeqCst);
+                axum::Json(json!({"id": "x", "object": "text_completion",
+                    "choices": [{"index": 0, "text": " a"}],
+                    "usage": {"prompt_tokens": 300, "completion_tokens": 1, "total_tokens": 301}}))
+            }
+        };
+        axum::Router::new().route("/v1/completions", axum::routing::post(completions))
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let decode = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (router, dir) = legs_router("split-seats", (prefill, decode), |c| {
+        c.limits.endpoint_concurrency = 2;
+        c.flow_control.enabled = true;
+    })
+    .await;
+    let url = format!("http://{}/v1/completions", router.addr());
+    let sent: Vec<_> = (0..12)
+        .map(|i| {
+            let body =
+                json!({"model": "m", "prompt": format!("prompt {i} ").repeat(60), "max_tokens": 5});
+            let r = reqwest::Client::new().post(&url).json(&body);
+            tokio::spawn(async move { r.send().await.unwrap().status() })
+        })
+        .collect();
+    for s in sent {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    assert!(most.load(Ordering::SeqCst) <= 2, "{most:?} at once");
+    let metrics = get_text(&format!("http://{}/metrics", router.admin_addr)).await;
+    assert_eq!(disaggregated(&metrics, "disaggregated"), 12.0, "{metrics}");
+    router.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -582,3 +582,44 @@ async fn a_tenant_over_its_share_waiting_for_memory_does_not_hold_back_the_other
     assert_eq!(noisy.await.unwrap(), 200);
     stack.stop().await;
 }
+
+#[tokio::test]
+async fn a_tenant_that_fills_the_queue_makes_room_for_another_of_its_priority() {
+    let stack = Stack::start(
+        "flow-displace",
+        1,
+        false,
+        |c| c.itl_ms = 20.0,
+        |c| {
+            c.limits.endpoint_concurrency = 1;
+            c.flow_control.max_queued = 20;
+            c.tenancy.tenant_header = Some(kvroute_router::config::Header::from_static("x-tenant"));
+        },
+    )
+    .await;
+    let holding = hold_a_seat(&stack).await;
+    let noisy: Vec<_> = (0..20)
+        .map(|_| send_as(&stack, "", Some("noisy")))
+        .collect();
+    metric_reaches(&stack, "kvroute_flow_queued", 20.0).await;
+    // Each of quiet's takes the place of noisy's newest.
+    let quiet: Vec<_> = (0..5).map(|_| send_as(&stack, "", Some("quiet"))).collect();
+    metric_reaches(
+        &stack,
+        "kvroute_flow_shed_total{priority=\"0\",reason=\"flow_queue_full\"}",
+        5.0,
+    )
+    .await;
+    assert_eq!(gauge(&stack, "kvroute_flow_queued").await, 20.0);
+    drop(holding);
+    for q in quiet {
+        assert_eq!(q.await.unwrap().0, 200);
+    }
+    let mut statuses = Vec::new();
+    for n in noisy {
+        statuses.push(n.await.unwrap().0);
+    }
+    statuses.sort();
+    assert_eq!(statuses, [[200; 15].as_slice(), &[429; 5]].concat());
+    stack.stop().await;
+}

@@ -113,7 +113,8 @@ fn a_full_queue_sheds_the_lowest_band_newest_of_its_largest_flow_else_refuses() 
     let _low_b1 = push(&mut q, 0, "b", now);
     let low_b2 = push(&mut q, 0, "b", now);
     let mid = push(&mut q, 5, "a", now);
-    assert_eq!(q.push(0, "c", 100, now), Err(ShedReason::QueueFull));
+    // b is band 0's largest flow: another of its requests is refused.
+    assert_eq!(q.push(0, "b", 100, now), Err(ShedReason::QueueFull));
     let hi = q.push(10, "a", 100, now).unwrap();
     assert_eq!(hi.shed, [low_b2]);
     let hi2 = q.push(10, "a", 100, now).unwrap();
@@ -129,7 +130,8 @@ fn bytes_are_bounded_too_and_a_displaced_turn_is_handed_on() {
     let mut q = Queue::new(bounds(100, 250));
     let a = q.push(0, "a", 100, now).unwrap().id;
     let b = q.push(0, "b", 100, now).unwrap().id;
-    assert_eq!(q.push(0, "c", 100, now), Err(ShedReason::QueueFull));
+    // a holds as many as the largest flow of its band.
+    assert_eq!(q.push(0, "a", 100, now), Err(ShedReason::QueueFull));
     assert_eq!(q.push(10, "c", 300, now), Err(ShedReason::QueueFull));
     assert_eq!(q.kick(), Some(a));
     let hi = q.push(10, "c", 150, now).unwrap();
@@ -157,4 +159,67 @@ fn negative_priorities_are_never_held_and_bands_have_their_own_wait() {
     );
     let mut none = Queue::new(bounds(0, 1 << 20));
     assert_eq!(none.push(10, "a", 1, now), Err(ShedReason::QueueFull));
+}
+
+/// Runs a pass to its end, every turn held waiting for `addr(1)`; returns
+/// the requests that had a turn.
+fn pass(q: &mut Queue) -> Vec<Id> {
+    let mut turned = Vec::new();
+    let mut turn = q.kick();
+    while let Some(id) = turn {
+        turned.push(id);
+        turn = q.turn_done(id, Turn::Held(Some(addr(1))));
+    }
+    turned
+}
+
+#[test]
+fn every_held_request_has_a_turn_within_a_few_passes_whatever_its_position() {
+    let now = Instant::now();
+    let mut q = Queue::new(bounds(2000, 1 << 30));
+    let ids: Vec<Id> = (0..1000).map(|_| push(&mut q, 0, "a", now)).collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut passes = 0;
+    while seen.len() < ids.len() {
+        let turned = pass(&mut q);
+        // The head every time, then the longest without a turn, in order.
+        assert_eq!(turned.len(), 2 * PASS_TURNS);
+        assert_eq!(turned[..PASS_TURNS], ids[..PASS_TURNS]);
+        assert!(turned.is_sorted());
+        seen.extend(turned);
+        passes += 1;
+    }
+    assert_eq!(passes, (1000 - PASS_TURNS).div_ceil(PASS_TURNS));
+    // The last request, newly arrived, has its turn in the next pass.
+    let last = push(&mut q, 0, "b", now);
+    assert!(pass(&mut q).contains(&last));
+}
+
+#[test]
+fn a_flow_holding_fewer_displaces_the_newest_of_the_largest_flow_in_its_band() {
+    let now = Instant::now();
+    let mut q = Queue::new(bounds(4, 1 << 20));
+    let a: Vec<Id> = (0..3).map(|_| push(&mut q, 0, "a", now)).collect();
+    let b1 = push(&mut q, 0, "b", now);
+    // b holds 1, a 3: b's second takes a's newest place.
+    let b2 = q.push(0, "b", 100, now).unwrap();
+    assert_eq!(b2.shed, [a[2]]);
+    // Now a and b hold 2 each: neither displaces the other.
+    assert_eq!(q.push(0, "b", 100, now), Err(ShedReason::QueueFull));
+    assert_eq!(q.push(0, "a", 100, now), Err(ShedReason::QueueFull));
+    let c = q.push(0, "c", 100, now).unwrap();
+    // The tie goes to the flow named first.
+    assert_eq!(c.shed, [a[1]]);
+    assert_eq!(q.order(10), [a[0], b1, c.id, b2.id]);
+    // Bytes too: a large request from a new flow displaces as many as it
+    // needs, largest flow first.
+    let mut q = Queue::new(bounds(100, 400));
+    let a: Vec<Id> = (0..3).map(|_| push(&mut q, 0, "a", now)).collect();
+    let b = push(&mut q, 0, "b", now);
+    let c = q.push(0, "c", 250, now).unwrap();
+    assert_eq!(c.shed, [a[2], a[1], a[0]]);
+    assert_eq!(q.order(10), [b, c.id]);
+    // A flow as large as the largest displaces none of its band.
+    assert_eq!(q.push(0, "b", 100, now), Err(ShedReason::QueueFull));
+    assert_eq!(q.len(), 2);
 }
