@@ -466,7 +466,7 @@ async fn a_short_chat_an_idle_endpoint_can_start_is_not_held_behind_many_prefill
         |c| c.prefill_overhead_ms = 120_000.0,
         |c| {
             c.flow_control.enabled = true;
-            c.flow_control.max_wait_ms = 120_000;
+            c.flow_control.max_wait_ms = 60_000;
             c.limits.endpoint_concurrency = 1;
         },
     )
@@ -488,15 +488,21 @@ async fn a_short_chat_an_idle_endpoint_can_start_is_not_held_behind_many_prefill
     })
     .await;
     long.extend((1..=HELD).map(|i| send(chat(&long_text(i), "hi", 1))));
+    // Each past its decode endpoint's gate (the first's prefill leg too),
+    // and held for its prefill leg.
     kvroute_testkit::eventually("all are held", Duration::from_secs(60), || async {
         let metrics = stack.metrics().await;
-        (sum_of(&metrics, "kvroute_flow_queued") == HELD as f64).then_some(())
+        let dispatched = sum_of(&metrics, "kvroute_flow_dispatched_total");
+        let queued = sum_of(&metrics, "kvroute_flow_queued");
+        (dispatched == (HELD + 2) as f64 && queued == HELD as f64).then_some(())
     })
     .await;
     // Too short to split: only the decode endpoint, idle, is needed; it is
     // answered while every prefill leg is still held.
+    let sent = std::time::Instant::now();
     let short = send(chat("short", "hi", 1)).await.unwrap().unwrap();
     assert_eq!(short, 200);
+    eprintln!("the short chat behind {HELD} held: {:?}", sent.elapsed());
     let metrics = stack.metrics().await;
     assert_eq!(sum_of(&metrics, "kvroute_flow_queued"), HELD as f64);
     assert_eq!(sum_of(&metrics, "kvroute_flow_shed_total"), 0.0);
