@@ -41,6 +41,7 @@ use bytes::Bytes;
 use kvroute_core::hash::BlockExtras;
 use kvroute_core::keys::{KeyInput, RoutingKey};
 use kvroute_core::policy::Request as RouteRequest;
+use kvroute_core::spec::DisaggregationMode;
 
 use self::body::{Api, Scanned};
 use self::chunks::Chunker;
@@ -485,6 +486,10 @@ fn read(
         held,
     } = input;
     let salted = tenancy.salted();
+    // With disaggregation on, engines run a KV connector: a body the
+    // router cannot read could carry `kv_transfer_params` they read.
+    let disaggregated = settings.disaggregation.mode != DisaggregationMode::Disabled;
+    let strict = salted || disaggregated;
     // A chat's messages are read from their raw JSON; the body is parsed
     // whole only where the reader needs it (bounded by maxTokenizeBytes).
     let by_message = api == Api::Chat && reader.reads_messages();
@@ -496,14 +501,15 @@ fn read(
             s.fields
         })
     } else if tree {
-        body::parse(api, &bytes, salted)?
+        body::parse(api, &bytes, strict)?
     } else {
         body::scan(api, &bytes, false)?.map(|s| s.fields)
     };
-    if salted && obj.is_none() {
-        // A body the router cannot read could carry a salt the engine reads.
+    if strict && obj.is_none() {
+        // A body the router cannot read could carry a salt, or KV transfer
+        // parameters, the engine reads.
         return Err(ApiError::BadRequest(
-            "the request body must be a JSON object".into(),
+            "the request body must be a JSON object the router can read".into(),
         ));
     }
     let feats = obj

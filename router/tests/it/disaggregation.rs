@@ -656,3 +656,29 @@ async fn a_decode_legs_seat_is_taken_when_it_starts() {
     router.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn a_body_the_router_cannot_read_is_refused_while_disaggregation_is_on() {
+    let legs: Legs = Arc::default();
+    let prefill = recording_engine(legs.clone()).await;
+    let decode = recording_engine(legs.clone()).await;
+    let (router, dir) = legs_router("split-unreadable", (prefill, decode), |_| {}).await;
+    // Python's JSON reads NaN; the router's does not.
+    let body = r#"{"model": "m", "input": "hi", "temperature": NaN,
+                   "kv_transfer_p\u0061rams": {"do_remote_prefill": true, "remote_host": "10.9.9.9"}}"#;
+    let r = reqwest::Client::new()
+        .post(format!("http://{}/v1/responses", router.addr()))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let sent = legs.lock().unwrap().clone();
+    assert!(
+        sent.iter().all(|(path, ..)| path != "/v1/responses"),
+        "{sent:?}"
+    );
+    router.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
