@@ -355,7 +355,9 @@ async fn watch_pool_serves_mutual_tls() {
         Some(&tls_fixture("ca.crt")),
     )
     .unwrap();
-    let operator = Operator::start_with(llama(), Some(tls)).await;
+    let mut index = llama();
+    index.apply_pod(router_pod("router-0", "127.0.0.1"));
+    let operator = Operator::start_with(index, Some(tls)).await;
     let (cert, key) = (tls_fixture("client.crt"), tls_fixture("client.key"));
     let channel = |with_cert: bool| {
         let identity = with_cert.then_some((cert.as_path(), key.as_path()));
@@ -374,6 +376,12 @@ async fn watch_pool_serves_mutual_tls() {
         .unwrap()
         .into_inner();
     assert_eq!(endpoints(&next(&mut states).await), [("a:8000", true)]);
+    // The caller's address is known over TLS too: a router's report is
+    // believed from its pod's IP.
+    with_cert
+        .report_warmups(report("router-0", Vec::new()))
+        .await
+        .unwrap();
     // Without a client certificate the handshake or the call fails.
     let refused = match channel(false).connect().await {
         Err(_) => true,
