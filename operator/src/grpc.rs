@@ -13,13 +13,20 @@
 //! are empty.
 //!
 //! `ReportWarmups` hands a router's warm-ups to the index, for the
-//! policy's `status.warmup`; what names no prefix or endpoint of the pool
-//! is dropped there, a time ahead of the operator's clock is taken as now,
-//! and a report over [`MAX_REPORTED`] entries or with an over-long name is
-//! refused whole.
+//! policy's `status.warmup`, with the address the call came from: a report
+//! over [`MAX_REPORTED`] entries or with an over-long name is refused whole
+//! (`INVALID_ARGUMENT`), and so is one that is not from a router the
+//! pool's state names, at its pod's IP (`PERMISSION_DENIED`; the rule is
+//! the index's), each counted in
+//! `kvroute_operator_warmup_reports_refused_total{reason}`. What names no
+//! prefix or endpoint of the pool is dropped, a time ahead of the
+//! operator's clock is taken as now.
 //!
-//! Not here: computing states (the index), TLS, metrics beyond the
-//! subscriber gauge ([`Discovery::subscribers`]).
+//! Not here: computing states (the index), TLS (with a client CA the
+//! handshake already demands a certificate it signed; routers share one,
+//! so it says which clients may call, not which router calls), metrics
+//! beyond the refused reports and the subscriber gauge
+//! ([`Discovery::subscribers`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -36,6 +43,7 @@ use tonic::transport::ServerTlsConfig;
 use tonic::{Request, Response, Status};
 
 use crate::index::Index;
+use crate::metrics::Metrics;
 
 /// Most entries one `ReportWarmups` may carry: every prefix a policy may
 /// name (64) to 64 owners.
@@ -68,6 +76,8 @@ pub struct Discovery {
     stop: Arc<watch::Sender<bool>>,
     /// True once the index has its initial lists.
     ready: watch::Receiver<bool>,
+    /// Where refused warm-up reports are counted.
+    metrics: Arc<Metrics>,
 }
 
 impl Discovery {
@@ -78,7 +88,14 @@ impl Discovery {
             subscribers: Arc::default(),
             stop: Arc::new(watch::Sender::new(false)),
             ready: watch::channel(true).1,
+            metrics: Arc::default(),
         }
+    }
+
+    /// Counts refused warm-up reports in `metrics` (the operator's own).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Makes calls wait until `ready` is true before their first state.
@@ -186,20 +203,25 @@ impl EndpointDiscovery for Discovery {
         &self,
         request: Request<WarmupReport>,
     ) -> Result<Response<WarmupReportReply>, Status> {
+        let peer = request.remote_addr().map(|a| a.ip());
         let report = request.into_inner();
+        let too_large = |message: String| {
+            self.metrics.warmup_report_refused("too_large");
+            Err(Status::invalid_argument(message))
+        };
         if report.sent.len() > MAX_REPORTED {
-            return Err(Status::invalid_argument(format!(
+            return too_large(format!(
                 "a warm-up report holds at most {MAX_REPORTED} entries, not {}",
                 report.sent.len()
-            )));
+            ));
         }
         let long = |s: &str| s.len() > MAX_NAME_BYTES;
         if long(&report.router)
             || (report.sent.iter()).any(|s| long(&s.prefix) || long(&s.endpoint))
         {
-            return Err(Status::invalid_argument(format!(
+            return too_large(format!(
                 "warm-up report names are at most {MAX_NAME_BYTES} bytes"
-            )));
+            ));
         }
         // A router's clock ahead of ours must not pin a send in the future.
         let now_ms = crate::index::wall_clock_micros() / 1000;
@@ -210,10 +232,24 @@ impl EndpointDiscovery for Discovery {
             .index
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .record_warmups(&report.namespace, &report.pool, &report.router, sent);
-        tracing::debug!(namespace = %report.namespace, pool = %report.pool,
-            router = %report.router, taken, "warm-up report");
-        Ok(Response::new(WarmupReportReply {}))
+            .record_warmups(&report.namespace, &report.pool, &report.router, peer, sent);
+        match taken {
+            Ok(taken) => {
+                tracing::debug!(namespace = %report.namespace, pool = %report.pool,
+                    router = %report.router, taken, "warm-up report");
+                Ok(Response::new(WarmupReportReply {}))
+            }
+            Err(refused) => {
+                // Counted, not logged at info: a flood must not flood the log.
+                self.metrics.warmup_report_refused(refused.reason());
+                tracing::debug!(namespace = %report.namespace, pool = %report.pool,
+                    router = %report.router, ?peer, %refused, "warm-up report refused");
+                Err(Status::permission_denied(format!(
+                    "warm-up report from {:?} for {}/{}: {refused}",
+                    report.router, report.namespace, report.pool
+                )))
+            }
+        }
     }
 }
 

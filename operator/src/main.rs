@@ -297,7 +297,9 @@ async fn run(config: RunConfig) -> anyhow::Result<()> {
     let writer = StatusWriter::new(client, index.clone(), metrics.clone(), identity);
     let writer = tokio::spawn(writer.run(leader.clone(), ready.clone()));
 
-    let discovery = Discovery::new(index.clone()).with_ready(ready.clone());
+    let discovery = Discovery::new(index.clone())
+        .with_ready(ready.clone())
+        .with_metrics(metrics.clone());
     let gauges = {
         let (discovery, ready, leader) = (discovery.clone(), ready.clone(), leader.clone());
         move || Gauges {

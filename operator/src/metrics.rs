@@ -30,6 +30,11 @@ struct Reason {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Refused {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PoolLabels {
     namespace: String,
     pool: String,
@@ -44,6 +49,7 @@ pub struct Metrics {
     status_patches: Family<Kind, Counter>,
     watch_restarts: Family<Kind, Counter>,
     events: Family<Reason, Counter>,
+    warmup_reports_refused: Family<Refused, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -61,6 +67,7 @@ impl Default for Metrics {
             status_patches: Family::default(),
             watch_restarts: Family::default(),
             events: Family::default(),
+            warmup_reports_refused: Family::default(),
         };
         let mut registry = Registry::default();
         // Counters are registered without `_total`, which the encoder adds.
@@ -88,6 +95,11 @@ impl Default for Metrics {
             "kvroute_operator_events",
             "Kubernetes Events published, by reason",
             m.events.clone(),
+        );
+        registry.register(
+            "kvroute_operator_warmup_reports_refused",
+            "ReportWarmups calls refused, status unchanged, by reason: unknown_router (the pool's state names no ready router by the report's name), wrong_address (not from that router pod's IP), too_large (over 4,096 entries or a name over 256 bytes)",
+            m.warmup_reports_refused.clone(),
         );
         Metrics { registry, ..m }
     }
@@ -147,6 +159,13 @@ impl Metrics {
     pub fn event(&self, reason: &str) {
         let reason = reason.to_owned();
         self.events.get_or_create(&Reason { reason }).inc();
+    }
+
+    /// A `ReportWarmups` call refused; `reason` is one of "unknown_router",
+    /// "wrong_address", "too_large".
+    pub fn warmup_report_refused(&self, reason: &'static str) {
+        let refused = Refused { reason };
+        self.warmup_reports_refused.get_or_create(&refused).inc();
     }
 
     /// The exposition text. Gauges are passed in at scrape time.

@@ -40,7 +40,7 @@ mod tests;
 mod warmups;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use kvroute_core::contract::EngineCache;
 use kvroute_proto::v1::PoolState;
@@ -54,7 +54,9 @@ pub use self::pool::PoolSpec;
 pub use self::services::{PickerRef, ServiceInfo};
 pub use self::state::{Clock, wall_clock_micros};
 pub use self::status::{Condition, PolicyStatus, PoolStatus, Reason};
-pub use self::warmups::{ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_SELECTOR, WarmupSent};
+pub use self::warmups::{
+    ConfigMapInfo, MAX_CONFIG_MAP_BYTES, WARMUP_SELECTOR, WarmupRefused, WarmupSent,
+};
 
 use self::state::Content;
 use self::store::Namespaced;
@@ -575,17 +577,26 @@ impl Index {
         }
     }
 
-    /// Takes a router's report of warm-ups it sent for pool
-    /// `namespace/pool`: `(prefix, endpoint, unix_ms)`. Entries for
-    /// prefixes the pool's policy does not name, or endpoints the pool does
-    /// not have, are dropped; returns how many were taken.
+    /// Takes a report of warm-ups sent for pool `namespace/pool`, `(prefix,
+    /// endpoint, unix_ms)`, from `router` at `peer`: refused whole unless
+    /// the pool's state names that router and the report comes from its
+    /// pod's address ([`warmups::reporter`]). Entries for prefixes the
+    /// pool's policy does not name, or endpoints the pool does not have,
+    /// are dropped; returns how many were taken.
     pub fn record_warmups(
         &mut self,
         namespace: &str,
         pool: &str,
         router: &str,
+        peer: Option<IpAddr>,
         sent: Vec<(String, String, u64)>,
-    ) -> usize {
+    ) -> Result<usize, WarmupRefused> {
+        let Some(state) = self.states.get(namespace, pool) else {
+            return Err(WarmupRefused::UnknownRouter);
+        };
+        let state = state.borrow();
+        let pods = self.pods.iter().map(|(_, _, p)| p);
+        warmups::reporter(&state.routers, pods, (namespace, pool), router, peer)?;
         // The names the policy gives and the endpoints the pool's state
         // already lists: nothing recomputed per report.
         let policies = self.policies.in_namespace(namespace).map(|(_, p)| p);
@@ -595,12 +606,8 @@ impl Index {
             .map(|w| w.prefixes.iter().map(|p| p.name.as_str()).collect())
             .unwrap_or_default();
         if prefixes.is_empty() {
-            return 0;
+            return Ok(0);
         }
-        let Some(state) = self.states.get(namespace, pool) else {
-            return 0;
-        };
-        let state = state.borrow();
         let endpoints: Vec<&str> = state.endpoints.iter().map(|e| e.name.as_str()).collect();
         let key = (namespace.to_owned(), pool.to_owned());
         let reported = self.warmups_sent.entry(key).or_default();
@@ -608,7 +615,7 @@ impl Index {
         if changed {
             self.changes.send_modify(|n| *n += 1);
         }
-        taken
+        Ok(taken)
     }
 
     /// Why prefixes of `policy`'s warm-ups are left out (their references

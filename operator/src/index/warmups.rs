@@ -5,13 +5,18 @@
 //! (the others are still warmed) and named in the policy's `WarmupReady`
 //! condition.
 //!
+//! Also who may report warm-ups sent ([`reporter`]): only the pool's own
+//! routers, each from its pod's address.
+//!
 //! Not here: the rules a warm-up spec must follow (the core's
 //! [`Warmup::validate`], through [`super::PolicySpec::validate`]).
 
 use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
 
 use kvroute_core::warmup::{Prefix, Warmup};
 
+use super::pods::PodInfo;
 use super::store::Namespaced;
 
 /// The label selector a ConfigMap must match for the operator to watch it.
@@ -140,5 +145,64 @@ impl Reported {
             );
         }
         out
+    }
+}
+
+/// Why a warm-up report was refused; [`Self::reason`] is its label in
+/// `kvroute_operator_warmup_reports_refused_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WarmupRefused {
+    /// The pool's state names no router by the report's name.
+    #[error("the pool's state names no ready router by that name")]
+    UnknownRouter,
+    /// The named router's pod is not at the address the report came from.
+    #[error("the report does not come from the named router pod's address")]
+    WrongAddress,
+}
+
+impl WarmupRefused {
+    /// The metric's `reason` label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            WarmupRefused::UnknownRouter => "unknown_router",
+            WarmupRefused::WrongAddress => "wrong_address",
+        }
+    }
+}
+
+/// Whether a report naming `router`, from `peer`, is believed for pool
+/// `namespace/pool`. Status is what users and tools read as what the
+/// routers did, so a report is believed only when:
+///
+/// 1. the pool's state names `router` (`named`, the sorted names of its
+///    ready router pods): anyone else's is refused, `UnknownRouter`;
+/// 2. it comes from the IP of that router pod (`status.podIP`; pods
+///    connect from it): a caller that only knows a router's name, or a
+///    report whose address is unknown, is refused, `WrongAddress`.
+///
+/// The cheap check on names comes first, so a flood of made-up names
+/// costs no scan of the pods.
+pub(super) fn reporter<'a>(
+    named: &[String],
+    mut pods: impl Iterator<Item = &'a PodInfo>,
+    (namespace, pool): (&str, &str),
+    router: &str,
+    peer: Option<IpAddr>,
+) -> Result<(), WarmupRefused> {
+    if named.binary_search_by(|n| n.as_str().cmp(router)).is_err() {
+        return Err(WarmupRefused::UnknownRouter);
+    }
+    // An IPv4 client of a dual-stack listener shows as `::ffff:a.b.c.d`.
+    let peer = peer.map(|ip| ip.to_canonical());
+    let at_peer = |p: &PodInfo| {
+        p.name == router
+            && p.serves()
+            && p.router_for() == Some((namespace, pool))
+            && p.ip.map(|ip| ip.to_canonical()) == peer
+    };
+    if peer.is_some() && pods.any(at_peer) {
+        Ok(())
+    } else {
+        Err(WarmupRefused::WrongAddress)
     }
 }

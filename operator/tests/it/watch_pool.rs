@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use kvroute_operator::grpc::{Discovery, ServeError};
 use kvroute_operator::index::{Index, PodInfo, PolicySpec, PoolSpec};
+use kvroute_operator::metrics::{Gauges, Metrics};
 use kvroute_proto::v1::endpoint_discovery_client::EndpointDiscoveryClient;
-use kvroute_proto::v1::{PoolState, WatchPoolRequest};
+use kvroute_proto::v1::{PoolState, WarmupReport, WarmupSent, WatchPoolRequest};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -23,6 +24,7 @@ const PROMPTLY: Duration = Duration::from_secs(1);
 struct Operator {
     index: Arc<Mutex<Index>>,
     discovery: Discovery,
+    metrics: Arc<Metrics>,
     addr: SocketAddr,
     stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), ServeError>>,
@@ -37,7 +39,8 @@ impl Operator {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let index = Arc::new(Mutex::new(index));
-        let discovery = Discovery::new(index.clone());
+        let metrics = Arc::new(Metrics::default());
+        let discovery = Discovery::new(index.clone()).with_metrics(metrics.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(discovery.clone().serve(listener, tls, async {
             let _ = stopped.await;
@@ -45,6 +48,7 @@ impl Operator {
         Operator {
             index,
             discovery,
+            metrics,
             addr,
             stop,
             server,
@@ -69,6 +73,14 @@ impl Operator {
             .await
             .unwrap()
             .into_inner()
+    }
+
+    /// The value of `kvroute_operator_warmup_reports_refused_total` for
+    /// `reason`; 0 when absent.
+    fn refused(&self, reason: &str) -> f64 {
+        let text = self.metrics.render(&Gauges::default());
+        let line = format!("kvroute_operator_warmup_reports_refused_total{{reason=\"{reason}\"}} ");
+        (text.lines().find_map(|l| l.strip_prefix(&line))).map_or(0.0, |v| v.parse().unwrap())
     }
 
     async fn shut_down(self) {
@@ -343,7 +355,9 @@ async fn watch_pool_serves_mutual_tls() {
         Some(&tls_fixture("ca.crt")),
     )
     .unwrap();
-    let operator = Operator::start_with(llama(), Some(tls)).await;
+    let mut index = llama();
+    index.apply_pod(router_pod("router-0", "127.0.0.1"));
+    let operator = Operator::start_with(index, Some(tls)).await;
     let (cert, key) = (tls_fixture("client.crt"), tls_fixture("client.key"));
     let channel = |with_cert: bool| {
         let identity = with_cert.then_some((cert.as_path(), key.as_path()));
@@ -362,6 +376,12 @@ async fn watch_pool_serves_mutual_tls() {
         .unwrap()
         .into_inner();
     assert_eq!(endpoints(&next(&mut states).await), [("a:8000", true)]);
+    // The caller's address is known over TLS too: a router's report is
+    // believed from its pod's IP.
+    with_cert
+        .report_warmups(report("router-0", Vec::new()))
+        .await
+        .unwrap();
     // Without a client certificate the handshake or the call fails.
     let refused = match channel(false).connect().await {
         Err(_) => true,
@@ -375,13 +395,18 @@ async fn watch_pool_serves_mutual_tls() {
     operator.shut_down().await;
 }
 
-/// `ReportWarmups`: a router's sends reach the policy's status; what is
-/// too large is refused whole, what names nothing of the pool is dropped.
-#[tokio::test]
-async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
-    use kvroute_core::warmup::{Prefix, Warmup};
-    use kvroute_proto::v1::{WarmupReport, WarmupSent};
+/// A ready router pod of pool `llama`, at `ip`.
+fn router_pod(name: &str, ip: &str) -> PodInfo {
+    PodInfo {
+        labels: [("kvroute.dev/router-for".to_owned(), "llama".to_owned())].into(),
+        ..pod(name, ip, true)
+    }
+}
 
+/// [`llama`] with policy `fast` warming prefix `support`, and its router
+/// `router-0` at `router_ip` (the test's client connects from 127.0.0.1).
+fn llama_warmed(router_ip: &str) -> Index {
+    use kvroute_core::warmup::{Prefix, Warmup};
     let mut index = llama();
     index.apply_policy(PolicySpec {
         warmup: Some(Warmup {
@@ -397,19 +422,34 @@ async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
         }),
         ..policy("fast", "llama", "kvroute")
     });
-    let op = Operator::start(index).await;
-    let mut client = op.client().await;
-    let entry = |prefix: &str, endpoint: &str| WarmupSent {
+    index.apply_pod(router_pod("router-0", router_ip));
+    index
+}
+
+fn entry(prefix: &str, endpoint: &str) -> WarmupSent {
+    WarmupSent {
         prefix: prefix.into(),
         endpoint: endpoint.into(),
         unix_ms: 1_700_000_000_000,
-    };
-    let report = |sent| WarmupReport {
+    }
+}
+
+fn report(router: &str, sent: Vec<WarmupSent>) -> WarmupReport {
+    WarmupReport {
         namespace: NS.into(),
         pool: "llama".into(),
-        router: "router-0".into(),
+        router: router.into(),
         sent,
-    };
+    }
+}
+
+/// `ReportWarmups`: a router's sends reach the policy's status; what is
+/// too large is refused whole, what names nothing of the pool is dropped.
+#[tokio::test]
+async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
+    let op = Operator::start(llama_warmed("127.0.0.1")).await;
+    let mut client = op.client().await;
+    let report = |sent| report("router-0", sent);
 
     let too_many = vec![entry("support", "a:8000"); kvroute_operator::grpc::MAX_REPORTED + 1];
     let refused = client.report_warmups(report(too_many)).await.unwrap_err();
@@ -419,6 +459,7 @@ async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
     assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
     let status = || op.index.lock().unwrap().policy_status(NS, "fast").unwrap();
     assert!(status().warmups_sent.is_empty());
+    assert_eq!(op.refused("too_large"), 2.0);
 
     // A clock ahead of the operator's is taken as now.
     let ahead = WarmupSent {
@@ -435,5 +476,51 @@ async fn warm_up_reports_reach_the_status_and_oversized_ones_are_refused() {
     );
     let now_ms = kvroute_operator::index::wall_clock_micros() / 1000;
     assert!(sent[0].unix_ms <= now_ms, "{sent:?}");
+    op.shut_down().await;
+}
+
+/// `ReportWarmups` is believed only from a router the pool's state names,
+/// connecting from its own pod's address; others are refused and change
+/// nothing.
+#[tokio::test]
+async fn warm_up_reports_only_from_the_pools_routers_at_their_own_address() {
+    // router-0's pod is at 10.0.0.7; the test's client is at 127.0.0.1.
+    let op = Operator::start(llama_warmed("10.0.0.7")).await;
+    let mut client = op.client().await;
+    let sent = || vec![entry("support", "a:8000")];
+    let status = || op.index.lock().unwrap().policy_status(NS, "fast").unwrap();
+    let mut refuse = async |router: &str| {
+        let refused = client.report_warmups(report(router, sent())).await;
+        let refused = refused.expect_err("the report is refused");
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    };
+
+    // A router the pool does not name.
+    refuse("evil-router").await;
+    // A named router, from another address than its pod's.
+    refuse("router-0").await;
+    // A router pod that is not ready is not named.
+    op.edit(|i| {
+        i.apply_pod(PodInfo {
+            ready: false,
+            ..router_pod("router-0", "127.0.0.1")
+        })
+    });
+    refuse("router-0").await;
+    assert!(status().warmups_sent.is_empty());
+    assert_eq!(
+        (op.refused("unknown_router"), op.refused("wrong_address")),
+        (2.0, 1.0)
+    );
+
+    // Ready, at the address it connects from: believed.
+    op.edit(|i| i.apply_pod(router_pod("router-0", "127.0.0.1")));
+    client
+        .report_warmups(report("router-0", sent()))
+        .await
+        .unwrap();
+    let sent = status().warmups_sent;
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].router, "router-0");
     op.shut_down().await;
 }

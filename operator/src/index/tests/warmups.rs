@@ -159,6 +159,19 @@ fn the_pools_serving_router_pods_are_named_sorted() {
     assert_eq!(rx.borrow().routers, ["router-e"]);
 }
 
+/// A ready router pod of pool `llama`, at `ip`.
+fn router_at(name: &str, ip: &str) -> PodInfo {
+    PodInfo::test(name)
+        .ip(ip)
+        .running()
+        .ready()
+        .label("kvroute.dev/router-for", "llama")
+}
+
+fn ip(s: &str) -> Option<std::net::IpAddr> {
+    Some(s.parse().unwrap())
+}
+
 #[test]
 fn routers_reports_keep_the_newest_send_per_prefix_and_owner_of_the_pool() {
     let (mut index, rx) = with_pool(PoolSpec::test("llama"));
@@ -169,6 +182,8 @@ fn routers_reports_keep_the_newest_send_per_prefix_and_owner_of_the_pool() {
     };
     index.apply_policy(with_warmup(vec![literal("b"), literal("a")]));
     index.apply_pod(PodInfo::test("pod-1").ip("10.0.0.1").running().ready());
+    index.apply_pod(router_at("router-0", "10.0.9.0"));
+    index.apply_pod(router_at("router-1", "10.0.9.1"));
     let report = |entries: &[(&str, &str, u64)]| -> Vec<(String, String, u64)> {
         (entries.iter())
             .map(|(p, e, t)| (p.to_string(), e.to_string(), *t))
@@ -179,33 +194,33 @@ fn routers_reports_keep_the_newest_send_per_prefix_and_owner_of_the_pool() {
         NS,
         "llama",
         "router-0",
+        ip("10.0.9.0"),
         report(&[
             ("a", "pod-1:8000", 5_000),
             ("z", "pod-1:8000", 1),
             ("a", "gone:8000", 1),
         ]),
     );
-    assert_eq!(taken, 1);
+    assert_eq!(taken, Ok(1));
     assert_eq!(
-        index.record_warmups(NS, "nope", "r", report(&[("a", "pod-1:8000", 1)])),
-        0
+        index.record_warmups(
+            NS,
+            "nope",
+            "r",
+            ip("10.0.9.0"),
+            report(&[("a", "pod-1:8000", 1)])
+        ),
+        Err(WarmupRefused::UnknownRouter)
     );
     // An older send from another router changes nothing; a newer one wins.
     let mut changes = index.changes();
     changes.borrow_and_update();
-    index.record_warmups(
-        NS,
-        "llama",
-        "router-1",
-        report(&[("a", "pod-1:8000", 4_000)]),
-    );
+    let router_1 = |index: &mut Index, sent| {
+        index.record_warmups(NS, "llama", "router-1", ip("10.0.9.1"), sent)
+    };
+    router_1(&mut index, report(&[("a", "pod-1:8000", 4_000)])).unwrap();
     assert!(!changes.has_changed().unwrap());
-    index.record_warmups(
-        NS,
-        "llama",
-        "router-1",
-        report(&[("b", "pod-1:8000", 7_000)]),
-    );
+    router_1(&mut index, report(&[("b", "pod-1:8000", 7_000)])).unwrap();
     assert!(changes.has_changed().unwrap());
     let status = index.policy_status(NS, "fast").unwrap();
     let sent: Vec<(&str, &str, u64, &str)> = (status.warmups_sent.iter())
@@ -227,7 +242,44 @@ fn routers_reports_keep_the_newest_send_per_prefix_and_owner_of_the_pool() {
 
     // A prefix removed from the policy leaves the report with the next one.
     index.apply_policy(with_warmup(vec![literal("a")]));
-    index.record_warmups(NS, "llama", "router-1", Vec::new());
+    router_1(&mut index, Vec::new()).unwrap();
     let status = index.policy_status(NS, "fast").unwrap();
     assert_eq!(status.warmups_sent.len(), 1);
+}
+
+#[test]
+fn only_the_pools_named_routers_report_and_each_from_its_pods_ip() {
+    let (mut index, _rx) = with_pool(PoolSpec::test("llama"));
+    index.apply_policy(with_warmup(vec![Prefix {
+        prompt: Some("You are helpful.".into()),
+        config_map_ref: None,
+        ..prefix("a")
+    }]));
+    index.apply_pod(PodInfo::test("pod-1").ip("10.0.0.1").running().ready());
+    index.apply_pod(router_at("router-0", "10.0.9.0"));
+    index.apply_pod(router_at("router-1", "10.0.9.1"));
+    // Of another pool, and not ready.
+    index.apply_pod(router_at("other", "10.0.9.2").label("kvroute.dev/router-for", "mistral"));
+    index.apply_pod(router_at("unready", "10.0.9.3").unready());
+    let mut from = |router: &str, peer: &str| {
+        let sent = vec![("a".to_owned(), "pod-1:8000".to_owned(), 1_000)];
+        index.record_warmups(NS, "llama", router, ip(peer), sent)
+    };
+    use WarmupRefused::{UnknownRouter, WrongAddress};
+    assert_eq!(from("evil-router", "10.0.9.0"), Err(UnknownRouter));
+    assert_eq!(from("other", "10.0.9.2"), Err(UnknownRouter));
+    assert_eq!(from("unready", "10.0.9.3"), Err(UnknownRouter));
+    // A router's name from another router's address, or another host's.
+    assert_eq!(from("router-0", "10.0.9.1"), Err(WrongAddress));
+    assert_eq!(from("router-0", "10.6.6.6"), Err(WrongAddress));
+    // An IPv4 client seen by a dual-stack listener is still itself.
+    assert_eq!(from("router-0", "::ffff:10.0.9.0"), Ok(1));
+    assert_eq!(
+        index.record_warmups(NS, "llama", "router-1", None, Vec::new()),
+        Err(WrongAddress)
+    );
+    // Refused reports changed nothing.
+    let status = index.policy_status(NS, "fast").unwrap();
+    let by: Vec<&str> = status.warmups_sent.iter().map(|s| &*s.router).collect();
+    assert_eq!(by, ["router-0"]);
 }
