@@ -19,16 +19,21 @@
 //! pods the operator names; this router finds itself by its pod's name
 //! (`POD_NAME`, [`identity`]). Without names each router sends its own.
 //! What it sent it reports to the operator ([`report`]).
+//!
+//! Each warm-up is sent by its own task, bounded and with a deadline
+//! scaled to its predicted prefill ([`send`]): an owner that never
+//! answers fails its own warm-ups and delays no other owner's. A prefix's
+//! period ends, and is reported, when its last warm-up answers.
 
 mod report;
+mod send;
+mod source;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
-use hyper::Request;
 use kvroute_core::warmup::{self, Outcome, Schedule};
 use kvroute_telemetry::throttle::Throttle;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -36,8 +41,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use serde::Serialize;
-use serde_json::Value;
-use tokio::sync::watch;
+use tokio::task::{JoinError, JoinSet};
 
 use crate::config::{Config, Prefix, Warmup};
 use crate::metrics::ModelTenant;
@@ -47,12 +51,18 @@ use crate::request::Service;
 use crate::request::hit_rate::Usage;
 use crate::upstream::{Upstream, upstream};
 
-pub use self::report::Target as ReportTarget;
+use self::send::Seats;
 
-/// How long a warm-up may take.
-const TIMEOUT: Duration = Duration::from_secs(30);
-/// The most of a warm-up's answer read.
-const MAX_ANSWER_BYTES: usize = 1 << 20;
+pub use self::report::Target as ReportTarget;
+pub use self::source::Source;
+
+/// An owner's result while its warm-up has not answered
+/// ([`OwnerStatus::result`]).
+const IN_FLIGHT: &str = "in_flight";
+/// `kvroute_warmups_total`'s result for a warm-up not sent because
+/// [`send::PER_OWNER`] were in flight to its owner or [`send::IN_ALL`] in
+/// all.
+const SKIPPED_IN_FLIGHT: &str = "skipped_in_flight";
 /// A prefix's failures are logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(60);
 
@@ -76,7 +86,7 @@ impl WarmupMetrics {
     pub(crate) fn register(&self, r: &mut Registry) {
         r.register(
             "kvroute_warmups",
-            "Warm-ups of routing.warmup's named prefixes per owner, by result: sent (the prefix was resident), repaired (it was not: everySeconds is too long for the traffic), skipped_busy, skipped_resident, skipped_budget, failed",
+            "Warm-ups of routing.warmup's named prefixes per owner, by result: sent (the prefix was resident), repaired (it was not: everySeconds is too long for the traffic), skipped_busy, skipped_resident, skipped_budget, skipped_in_flight (4 in flight to the owner or 32 in all), failed",
             self.warmups.clone(),
         );
         r.register(
@@ -118,8 +128,9 @@ pub struct OwnerStatus {
     pub endpoint: String,
     /// Whether its engine reported the prefix's blocks before the warm-up.
     pub resident: bool,
-    /// `kvroute_warmups_total`'s result, or `another_router` when another
-    /// router of the pool sends this owner's warm-ups.
+    /// `kvroute_warmups_total`'s result, `another_router` when another
+    /// router of the pool sends this owner's warm-ups, or `in_flight`
+    /// while its warm-up has not answered.
     pub result: &'static str,
     /// The router that sends them, when the operator names the pool's
     /// routers.
@@ -133,154 +144,6 @@ pub fn identity() -> String {
         .ok()
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| "kvroute-router".to_owned())
-}
-
-/// The warm-ups asked for and the pool's routers: the router's own
-/// `routing.warmup`, replaced by the operator's when its policy sets one.
-#[derive(Debug)]
-pub struct Source {
-    own: Mutex<Option<Arc<Warmup>>>,
-    effective: watch::Sender<Option<Arc<Warmup>>>,
-    routers: Mutex<Arc<[String]>>,
-    /// Where to report sent warm-ups; none without the operator.
-    report_to: Mutex<Option<ReportTarget>>,
-    /// Each prefix's marker block and when a request with it last went to
-    /// each of its owners (`skipped_resident`); empty without warm-ups.
-    touches: Mutex<Vec<Touches>>,
-    /// Whether `touches` has any prefix: requests skip its lock otherwise.
-    watching: AtomicBool,
-}
-
-/// A prefix's requests at its owners.
-#[derive(Debug, Default)]
-struct Touches {
-    /// A request whose chain has `hash` at `block` starts with the prefix
-    /// (all but its last block or two, which the template's end may
-    /// change).
-    block: usize,
-    hash: u64,
-    /// Its owners, and when each last got such a request, Unix ms.
-    owners: Vec<(Arc<str>, Option<u64>)>,
-}
-
-impl Default for Source {
-    fn default() -> Self {
-        Source {
-            own: Mutex::new(None),
-            effective: watch::Sender::new(None),
-            routers: Mutex::new(Arc::from([])),
-            report_to: Mutex::new(None),
-            touches: Mutex::new(Vec::new()),
-            watching: AtomicBool::new(false),
-        }
-    }
-}
-
-impl Source {
-    /// The router's own `routing.warmup`, in effect until the operator
-    /// sets one.
-    pub fn set_own(&self, warmup: Option<Warmup>) {
-        let warmup = warmup.map(Arc::new);
-        *self.own.lock().unwrap_or_else(|e| e.into_inner()) = warmup.clone();
-        self.effective.send_replace(warmup);
-    }
-
-    /// The operator's warm-ups: `None` or no prefixes, the router's own.
-    /// Returns whether the effective ones changed.
-    pub fn set_operator(&self, warmup: Option<Warmup>) -> bool {
-        let warmup = match warmup.filter(|w| !w.prefixes.is_empty()) {
-            Some(w) => Some(Arc::new(w)),
-            None => self.own.lock().unwrap_or_else(|e| e.into_inner()).clone(),
-        };
-        self.effective.send_if_modified(|current| {
-            let changed = *current != warmup;
-            *current = warmup;
-            changed
-        })
-    }
-
-    /// The pool's router pods, as the operator names them.
-    pub fn set_routers(&self, routers: &[String]) {
-        let mut current = self.routers.lock().unwrap_or_else(|e| e.into_inner());
-        if **current != *routers {
-            *current = Arc::from(routers);
-        }
-    }
-
-    /// Where to report sent warm-ups: the operator's status writer.
-    pub fn set_report_to(&self, target: Option<ReportTarget>) {
-        *self.report_to.lock().unwrap_or_else(|e| e.into_inner()) = target;
-    }
-
-    fn report_to(&self) -> Option<ReportTarget> {
-        self.report_to
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// A request whose blocks hash to `chain` went to `endpoint`: it
-    /// touched the prefixes it starts with there. Without warm-ups it takes no lock.
-    pub(crate) fn touched(&self, chain: &[u64], endpoint: &Arc<str>) {
-        if !self.watching.load(Ordering::Relaxed) {
-            return;
-        }
-        let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
-        for t in touches.iter_mut() {
-            if chain.get(t.block) != Some(&t.hash) {
-                continue;
-            }
-            if let Some(owner) = t.owners.iter_mut().find(|o| o.0 == *endpoint) {
-                owner.1 = Some(wall_ms());
-            }
-        }
-    }
-
-    /// Forgets every touch; `prefixes` prefixes are watched from now.
-    fn reset_touches(&self, prefixes: usize) {
-        let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
-        *touches = (0..prefixes).map(|_| Touches::default()).collect();
-        self.watching.store(prefixes > 0, Ordering::Relaxed);
-    }
-
-    /// Watches the prefix at `i` for requests to `owners`, by its block at
-    /// `block` hashing to `hash`; keeps what its owners already had.
-    fn watch(&self, i: usize, (block, hash): (usize, u64), owners: &[Arc<str>]) {
-        let mut touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(t) = touches.get_mut(i) else {
-            return;
-        };
-        let same = t.block == block && t.hash == hash;
-        let owners = owners.iter().map(|o| {
-            let last = t.owners.iter().find(|(name, _)| name == o);
-            (o.clone(), last.and_then(|l| l.1).filter(|_| same))
-        });
-        *t = Touches {
-            block,
-            hash,
-            owners: owners.collect(),
-        };
-    }
-
-    /// When a request with the prefix at `i` last went to `owner`.
-    fn last_touch(&self, i: usize, owner: &Arc<str>) -> Option<u64> {
-        let touches = self.touches.lock().unwrap_or_else(|e| e.into_inner());
-        let t = touches.get(i)?;
-        t.owners.iter().find(|o| o.0 == *owner)?.1
-    }
-
-    /// The warm-ups in effect.
-    pub fn current(&self) -> Option<Arc<Warmup>> {
-        self.effective.borrow().clone()
-    }
-
-    /// The pool's router pods, as the operator names them.
-    pub fn routers(&self) -> Arc<[String]> {
-        self.routers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
 }
 
 impl Statuses {
@@ -302,9 +165,12 @@ impl Statuses {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn set(&self, i: usize, status: PrefixStatus) {
-        if let Some(s) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get_mut(i) {
-            *s = status;
+    /// Sets the prefix at `i`'s status, unless it shows a later period.
+    fn set(&self, i: usize, status: &PrefixStatus) {
+        if let Some(s) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get_mut(i)
+            && s.last_due_unix_ms <= status.last_due_unix_ms
+        {
+            *s = status.clone();
         }
     }
 }
@@ -329,6 +195,37 @@ pub(crate) struct Warmups {
     last_owners: Vec<Vec<Arc<str>>>,
     failures: Throttle<usize>,
     reporter: report::Reporter,
+    /// The warm-ups in flight, and their bounds.
+    sending: JoinSet<Answered>,
+    seats: Seats,
+    /// The periods with warm-ups in flight.
+    rounds: Vec<Round>,
+    /// Counts the warm-ups set: an answer to older ones counts nothing.
+    generation: u64,
+}
+
+/// A prefix's period whose warm-ups have not all answered.
+struct Round {
+    i: usize,
+    status: PrefixStatus,
+    /// Its warm-ups in flight.
+    pending: usize,
+}
+
+/// A warm-up's answer, as its task returns it.
+struct Answered {
+    generation: u64,
+    /// The prefix, its period (when it fell due) and the owner's place
+    /// among its owners.
+    i: usize,
+    due: u64,
+    k: usize,
+    endpoint: Arc<str>,
+    model: String,
+    /// The owner was one in the prefix's last period too.
+    again: bool,
+    block_tokens: u64,
+    usage: Result<Usage, String>,
 }
 
 impl Warmups {
@@ -347,6 +244,10 @@ impl Warmups {
             prefilled: 0,
             failures: Throttle::new(LOG_EVERY),
             reporter: report::Reporter::new(),
+            sending: JoinSet::new(),
+            seats: Seats::default(),
+            rounds: Vec::new(),
+            generation: 0,
         }
     }
 
@@ -368,6 +269,7 @@ impl Warmups {
             let wait = next.saturating_sub(wall_ms());
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(wait.min(3_600_000))) => {}
+                Some(answered) = self.sending.join_next() => self.answered(answered),
                 changed = source.changed() => {
                     if changed.is_err() {
                         return;
@@ -396,9 +298,14 @@ impl Warmups {
             .reset_touches(warmup.prefixes.len());
         self.service.warmups.reset(&warmup);
         self.config = warmup;
+        // Warm-ups in flight finish on their own, their seats with them;
+        // their answers are of prefixes no longer set, and not counted.
+        self.generation += 1;
+        self.rounds.clear();
     }
 
-    /// The warm-ups of the prefix at `i`, due at `now`.
+    /// The warm-ups of the prefix at `i`, due at `now`: those sent run
+    /// on their own ([`Self::answered`]).
     async fn warm(&mut self, i: usize, now: u64) {
         let prefix = self.config.prefixes[i].clone();
         let all = self.service.accounting.prefilled.load(Ordering::Relaxed);
@@ -413,6 +320,7 @@ impl Warmups {
             owners: Vec::new(),
             error: None,
         };
+        let mut pending = 0;
         match self.read(&prefix).await {
             Err(e) => {
                 self.failed(i, &prefix, None, &e);
@@ -435,17 +343,18 @@ impl Warmups {
                     source.watch(i, (b, hash), &names);
                 }
                 let routers = source.routers();
-                for owner in owners {
+                for (k, owner) in owners.into_iter().enumerate() {
                     let holds = u64::from(owner.held_blocks) >= full && full > 0;
                     let again = last.contains(&owner.target.name);
                     let sender = warmup::sender(&routers, &prefix.name, &owner.target.name);
                     let result = match sender {
                         Some(other) if other != self.identity => "another_router",
                         _ => {
-                            let warm = (i, &prefix, now);
-                            self.warm_owner(warm, &read, &owner, (holds, again)).await
+                            let warm = (i, k, &prefix, now);
+                            self.warm_owner(warm, &read, &owner, (holds, again))
                         }
                     };
+                    pending += usize::from(result == IN_FLIGHT);
                     status.owners.push(OwnerStatus {
                         endpoint: owner.target.name.to_string(),
                         resident: holds,
@@ -455,8 +364,69 @@ impl Warmups {
                 }
             }
         }
-        self.report(&status);
-        self.service.warmups.set(i, status);
+        self.service.warmups.set(i, &status);
+        if pending == 0 {
+            self.report(&status);
+        } else {
+            // A period outlives its warm-ups' deadlines only when a task
+            // ended without an answer: forgotten, not kept forever.
+            let stale = now.saturating_sub(2 * send::CAP.as_millis() as u64);
+            self.rounds
+                .retain(|r| r.status.last_due_unix_ms >= Some(stale));
+            self.rounds.push(Round { i, status, pending });
+        }
+    }
+
+    /// A warm-up answered, or failed to: counts it, and ends its period
+    /// when it was the last of it in flight.
+    fn answered(&mut self, answered: Result<Answered, JoinError>) {
+        let a = match answered {
+            Ok(a) => a,
+            Err(e) => {
+                // Its seat came back as the task ended; its period shows
+                // it in flight until the next.
+                tracing::error!(error = %e, "a warm-up's task ended without an answer");
+                return;
+            }
+        };
+        if a.generation != self.generation {
+            return;
+        }
+        let prefix = self.config.prefixes[a.i].clone();
+        let result = match a.usage {
+            Err(e) => self.failed(a.i, &prefix, Some(&a.endpoint), &e),
+            Ok(usage) => {
+                let (prompt, cached) = (usage.prompt_tokens, usage.cached_tokens);
+                self.schedule
+                    .warmed(a.i, a.due, prompt.saturating_sub(cached));
+                self.count_tokens(&prefix, &a.model, prompt.saturating_sub(cached));
+                // A new owner's first warm-up found nothing to keep.
+                let result = if a.again {
+                    warmup::outcome(prompt, cached, a.block_tokens)
+                } else {
+                    Outcome::Sent
+                };
+                self.count(&prefix, result.as_str());
+                result.as_str()
+            }
+        };
+        let round = self
+            .rounds
+            .iter()
+            .position(|r| r.i == a.i && r.status.last_due_unix_ms == Some(a.due));
+        let Some(r) = round else {
+            return;
+        };
+        let round = &mut self.rounds[r];
+        if let Some(owner) = round.status.owners.get_mut(a.k) {
+            owner.result = result;
+        }
+        round.pending -= 1;
+        self.service.warmups.set(a.i, &round.status);
+        if round.pending == 0 {
+            let round = self.rounds.swap_remove(r);
+            self.report(&round.status);
+        }
     }
 
     /// Reports the owners `status` sent a warm-up to, if any, to the
@@ -485,12 +455,13 @@ impl Warmups {
         (self.reporter).send(target, &self.identity, sent, results);
     }
 
-    /// The warm-up of the prefix at `i` (due at `now`), `read`, on `owner`:
-    /// its result. `holds`: the owner's engine reports the prefix;
-    /// `again`: it was an owner in the last period too.
-    async fn warm_owner(
+    /// The warm-up of the prefix at `i` (due at `now`), `read`, on `owner`,
+    /// the `k`th of its owners: skipped (the result), or sent in its own
+    /// task ([`IN_FLIGHT`]). `holds`: the owner's engine reports the
+    /// prefix; `again`: it was an owner in the last period too.
+    fn warm_owner(
         &mut self,
-        (i, prefix, now): (usize, &Prefix, u64),
+        (i, k, prefix, now): (usize, usize, &Prefix, u64),
         (path, model, analysis): &(&'static str, String, Analysis),
         owner: &PrefixOwner,
         (holds, again): (bool, bool),
@@ -508,25 +479,33 @@ impl Warmups {
             self.count(prefix, skipped);
             return skipped;
         }
+        let Some(seat) = self.seats.take(&owner.target.name) else {
+            self.count(prefix, SKIPPED_IN_FLIGHT);
+            return SKIPPED_IN_FLIGHT;
+        };
         let pool = self.service.pool.clone();
+        let ttft = pool.predicted_ttft(&analysis.request(), &owner.target, uncached);
+        let deadline = send::deadline(ttft);
         let load = pool.hold(&owner.target, analysis.prompt_tokens, uncached);
-        let sent = self.send(path, &analysis.bytes, owner, prefix).await;
-        drop(load);
-        let usage = match sent {
-            Ok(usage) => usage,
-            Err(e) => return self.failed(i, prefix, Some(owner), &e),
+        let (client, body) = (self.client.clone(), analysis.bytes.clone());
+        let (http, path, name) = (owner.target.http, *path, prefix.name.clone());
+        let mut answered = Answered {
+            generation: self.generation,
+            i,
+            due: now,
+            k,
+            endpoint: owner.target.name.clone(),
+            model: model.clone(),
+            again,
+            block_tokens,
+            usage: Err(String::new()),
         };
-        let (prompt, cached) = (usage.prompt_tokens, usage.cached_tokens);
-        self.schedule.warmed(i, now, prompt.saturating_sub(cached));
-        self.count_tokens(prefix, model, prompt.saturating_sub(cached));
-        // A new owner's first warm-up found nothing to keep.
-        let result = if again {
-            warmup::outcome(prompt, cached, block_tokens)
-        } else {
-            Outcome::Sent
-        };
-        self.count(prefix, result.as_str());
-        result.as_str()
+        self.sending.spawn(async move {
+            answered.usage = send::send(client, (http, path), body, &name, deadline).await;
+            drop((load, seat));
+            answered
+        });
+        IN_FLIGHT
     }
 
     /// The path, the model and the reading of the prefix's warm-up.
@@ -552,62 +531,20 @@ impl Warmups {
         Ok((path, model, analysis))
     }
 
-    /// Sends a warm-up `body` to `path` at `owner`: the engine's usage.
-    async fn send(
-        &self,
-        path: &str,
-        body: &Bytes,
-        owner: &PrefixOwner,
-        prefix: &Prefix,
-    ) -> Result<Usage, String> {
-        let request = Request::post(format!("http://{}{path}", owner.target.http))
-            .header("content-type", "application/json")
-            .header("x-request-id", format!("warmup-{}", prefix.name))
-            .body(Full::new(body.clone()))
-            .map_err(|e| e.to_string())?;
-        let answer = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| e.to_string())?;
-            let status = response.status();
-            let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
-                .collect()
-                .await;
-            let body = body.map_err(|e| e.to_string())?.to_bytes();
-            if !status.is_success() {
-                let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-                return Err(format!("answered {status}: {text}"));
-            }
-            let answer: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-            let usage = &answer["usage"];
-            Ok(Usage {
-                prompt_tokens: (usage["prompt_tokens"].as_u64())
-                    .ok_or("its answer has no usage")?,
-                cached_tokens: (usage["prompt_tokens_details"]["cached_tokens"].as_u64())
-                    .unwrap_or(0),
-            })
-        };
-        tokio::time::timeout(TIMEOUT, answer)
-            .await
-            .unwrap_or_else(|_| Err("no answer in time".into()))
-    }
-
     /// Counts a failed warm-up of the prefix at `i` and logs it, at most
     /// once a minute per prefix: `failed`.
     fn failed(
         &mut self,
         i: usize,
         prefix: &Prefix,
-        owner: Option<&PrefixOwner>,
+        endpoint: Option<&str>,
         error: &str,
     ) -> &'static str {
         let failed = Outcome::Failed.as_str();
         self.count(prefix, failed);
         let now = tokio::time::Instant::now().into_std();
         if let Some(times) = self.failures.admit(i, now) {
-            let endpoint = owner.map(|o| o.target.name.to_string()).unwrap_or_default();
+            let endpoint = endpoint.unwrap_or_default();
             tracing::warn!(prefix = %prefix.name, endpoint, error, times, "warm-up failed");
         }
         failed

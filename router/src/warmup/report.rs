@@ -1,5 +1,5 @@
 //! Reports of the warm-ups this router sent, for the CacheRoutingPolicy's
-//! `status.warmup`: after each prefix's period, what it sent (results
+//! `status.warmup`: when a prefix's period ends, what it sent (results
 //! `sent` and `repaired`) goes to the operator replica that writes status,
 //! whose address the operator's pool state names (`status_writer`), with
 //! the TLS settings of the WatchPool connection.

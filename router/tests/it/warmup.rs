@@ -7,6 +7,8 @@
 
 use std::time::Duration;
 
+use kvroute_core::warmup;
+use kvroute_router::Config;
 use kvroute_router::config::{Header, Prefix, TenancyMode, Warmup};
 use serde_json::{Value, json};
 
@@ -144,4 +146,105 @@ async fn past_the_budget_warm_ups_are_skipped_but_the_first() {
         .await;
     assert_eq!(warmups(&metrics, "sent"), 1.0, "{metrics}");
     stack.stop().await;
+}
+
+/// Two prefixes warmed every second on both of two sims, the first of
+/// which (`sim-0`) never answers a completion while its `/health` does;
+/// the router configured by `router` besides.
+async fn beside_a_hung_owner(name: &str, router: impl FnOnce(&mut Config)) -> Stack {
+    let first = std::cell::Cell::new(true);
+    let prefix = |name: &str, seed| Prefix {
+        name: name.into(),
+        model: Some("kvroute-sim".into()),
+        tenant: None,
+        messages: Some(vec![json!({"role": "system", "content": long_text(seed)})]),
+        prompt: None,
+        config_map_ref: None,
+    };
+    Stack::start(
+        name,
+        2,
+        false,
+        |c| {
+            if first.replace(false) {
+                c.stop_after = Some(0);
+            }
+        },
+        |c| {
+            c.routing.warmup = Some(Warmup {
+                every_seconds: 1,
+                owners: 2,
+                max_share_of_prefill: 1.0,
+                prefixes: vec![prefix("support-v3", 7), prefix("top-docs", 8)],
+            });
+            router(c);
+        },
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_hung_owner_does_not_delay_another_owners_warm_ups() {
+    let start = wall_ms();
+    let stack = beside_a_hung_owner("warmup-hung", |_| {}).await;
+    // A rate over a dozen periods of each prefix: the window is the
+    // measurement (nothing to wait for), polled until it has passed.
+    kvroute_testkit::eventually("a dozen periods", Duration::from_secs(20), || async {
+        (wall_ms() >= start + 12_000).then_some(())
+    })
+    .await;
+    let end = wall_ms();
+    let got = served(&stack).await[1];
+    // Each prefix falls due at once when the router starts, then once a
+    // period.
+    let periods: u64 = ["support-v3", "top-docs"]
+        .iter()
+        .map(|p| 1 + warmup::period(p, 1000, end) - warmup::period(p, 1000, start))
+        .sum();
+    println!("the healthy owner got {got} warm-ups in {periods} periods");
+    // One may still be on its way at the window's end.
+    assert!(
+        got + 1.0 >= 0.9 * periods as f64,
+        "the healthy owner got {got} warm-ups in {periods} periods"
+    );
+    // The hung owner was an owner: its warm-ups failed.
+    let metrics = stack.metrics().await;
+    let failed = sum_of(
+        &metrics,
+        "kvroute_warmups_total{prefix=\"support-v3\",result=\"failed\"}",
+    ) + sum_of(
+        &metrics,
+        "kvroute_warmups_total{prefix=\"top-docs\",result=\"failed\"}",
+    );
+    assert!(failed >= 1.0, "{metrics}");
+    stack.stop().await;
+}
+
+#[tokio::test]
+async fn a_hung_owner_holds_at_most_four_warm_ups() {
+    // A queue never makes the hung owner busy: its warm-ups pile up to
+    // the bound, and those beyond it are skipped.
+    let stack = beside_a_hung_owner("warmup-bound", |c| {
+        c.flow_control.hold_above_ms = Some(3_600_000.0);
+    })
+    .await;
+    let mut most = 0;
+    let skipped = "kvroute_warmups_total{prefix=\"support-v3\",result=\"skipped_in_flight\"}";
+    kvroute_testkit::eventually("a warm-up skipped", Duration::from_secs(20), || {
+        let status = stack.router.pool.status();
+        let hung = status
+            .iter()
+            .find(|e| e.name == "sim-0")
+            .map_or(0, |e| e.in_flight);
+        most = most.max(hung);
+        async { (sum_of(&stack.metrics().await, skipped) >= 1.0).then_some(()) }
+    })
+    .await;
+    assert_eq!(most, 4, "warm-ups in flight to the hung owner at most");
+    stack.stop().await;
+}
+
+fn wall_ms() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.unwrap().as_millis() as u64
 }
