@@ -156,6 +156,12 @@ pub struct Config {
     #[arg(long, env = "SIM_KV_TRANSFER_HOST")]
     pub kv_transfer_host: Option<String>,
 
+    /// Connections the KV transfer server holds open at most, 1 to
+    /// 65,536; one past it is closed at once, counted
+    /// `kvroute_sim_kv_transfers_total{result="refused"}`.
+    #[arg(long, env = "SIM_KV_TRANSFER_MAX_CONNECTIONS", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub kv_transfer_max_connections: u32,
+
     /// Time to read one block from a producer, milliseconds.
     #[arg(long, env = "SIM_KV_TRANSFER_MS_PER_BLOCK", default_value_t = 0.05)]
     pub kv_transfer_ms_per_block: f64,
@@ -282,6 +288,7 @@ impl Config {
             kv_role: crate::transfer::Role::Both,
             kv_transfer_listen: None,
             kv_transfer_host: None,
+            kv_transfer_max_connections: 512,
             kv_transfer_ms_per_block: 0.0,
             kv_transfer_timeout_s: 30.0,
             tls: TlsArgs::default(),

@@ -61,7 +61,12 @@ impl App {
     ) -> Arc<Self> {
         Arc::new(App {
             transfer_at,
-            client: reqwest::Client::new(),
+            // Idle connections are dropped before a producer closes them
+            // (its header-read timeout), so none is reused as it closes.
+            client: reqwest::Client::builder()
+                .pool_idle_timeout(transfer::HEADER_READ_TIMEOUT / 2)
+                .build()
+                .unwrap_or_default(),
             engine,
             tokenizer,
             template,

@@ -176,16 +176,7 @@ pub async fn start(config: Config) -> Result<Sim, StartError> {
         }
     });
 
-    let mut until_stop = stopped.clone();
-    let transfer_app = transfer::router(engine.clone());
-    let transfer_task = tokio::spawn(async move {
-        let server = axum::serve(transfer, transfer_app).with_graceful_shutdown(async move {
-            let _ = until_stop.wait_for(|s| *s).await;
-        });
-        if let Err(e) = server.await {
-            tracing::error!(error = %e, "KV transfer server failed");
-        }
-    });
+    let transfer_task = tokio::spawn(transfer::serve(transfer, engine.clone(), stopped.clone()));
 
     let reporter = CacheReporterServer::new(Reporter::new(engine.clone()))
         .max_encoding_message_size(usize::MAX);

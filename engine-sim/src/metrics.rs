@@ -50,6 +50,9 @@ pub enum TransferResult {
     Failed,
     /// A producer freed held blocks no consumer read in time.
     Expired,
+    /// A producer closed a connection to its transfer port at once: it
+    /// held `--kv-transfer-max-connections` already.
+    Refused,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -63,6 +66,7 @@ impl From<TransferResult> for Transfer {
             TransferResult::Ok => "ok",
             TransferResult::Failed => "failed",
             TransferResult::Expired => "expired",
+            TransferResult::Refused => "refused",
         };
         Transfer { result }
     }
@@ -319,12 +323,13 @@ impl Metrics {
             TransferResult::Ok,
             TransferResult::Failed,
             TransferResult::Expired,
+            TransferResult::Refused,
         ] {
             drop(self.transfers.get_or_create(&result.into()));
         }
         r.register(
             "kvroute_sim_kv_transfers",
-            "KV transfers for disaggregated prefill, by result: ok and failed counted by the consumer, expired by the producer",
+            "KV transfers for disaggregated prefill, by result: ok and failed counted by the consumer, expired and refused (a connection past the transfer port's cap) by the producer",
             self.transfers.clone(),
         );
         let info = Family::<CacheConfigInfo, Gauge<f64, AtomicU64>>::default();

@@ -22,18 +22,28 @@
 //! `--kv-transfer-ms-per-block` per block; the consumer checks them
 //! against its own hashes of the prompt. Unlike vLLM, a consumer holds no
 //! blocks while it reads.
+//!
+//! The transfer port is open to whoever reaches the pod, so it is served
+//! with bounds ([`serve`]): a request's headers within
+//! [`HEADER_READ_TIMEOUT`], at most `--kv-transfer-max-connections`
+//! connections.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use kvroute_core::engine::RequestId;
 use kvroute_core::hash::{BlockDigest, BlockExtras};
 use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tower::ServiceExt as _;
 
 use crate::engine::Engine;
 use crate::metrics::TransferResult;
@@ -152,6 +162,68 @@ pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/v1/kv/{engine_id}/{request_id}", get(read))
         .with_state(engine)
+}
+
+/// How long a connection to the transfer port may take to send a
+/// request's headers, and stay idle between requests: a consumer's
+/// request is one short line and a few headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves [`router`] over HTTP/1 on `listener` until `stopped` turns
+/// true, then lets open connections finish their requests. A connection
+/// has [`HEADER_READ_TIMEOUT`] for each request's headers; one past
+/// `--kv-transfer-max-connections` open is closed at once, counted.
+pub async fn serve(listener: TcpListener, engine: Arc<Engine>, mut stopped: watch::Receiver<bool>) {
+    let max = engine.config().kv_transfer_max_connections as usize;
+    let app = router(engine.clone());
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    // Without a timer hyper has no header-read timeout at all.
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    let mut open = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stopped.wait_for(|s| *s) => break,
+        };
+        while open.try_join_next().is_some() {}
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(error) => {
+                // Out of descriptors, most likely: back off, not spin.
+                tracing::warn!(%error, "KV transfer port: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if open.len() >= max {
+            // Dropped: closed at once.
+            engine.count_transfer(TransferResult::Refused);
+            continue;
+        }
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+            app.clone().oneshot(request.map(Body::new))
+        });
+        let conn = http1.serve_connection(TokioIo::new(tcp), service);
+        let mut stopped = stopped.clone();
+        open.spawn(async move {
+            tokio::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(error) = r {
+                        tracing::debug!(%error, "KV transfer connection ended with an error");
+                    }
+                    return;
+                }
+                _ = stopped.wait_for(|s| *s) => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        });
+    }
+    while open.join_next().await.is_some() {}
 }
 
 /// Frees a hold's blocks however the read ends (a consumer that leaves

@@ -46,7 +46,7 @@ pub struct ReplayArgs {
     engine: String,
 
     /// `--engine vllm`: KV blocks per replica (default: from --cache-frac).
-    #[arg(long, value_name = "B", value_parser = clap::value_parser!(u64).range(1..=(1 << 26)))]
+    #[arg(long, value_name = "B", value_parser = clap::value_parser!(u64).range(1..=MAX_GPU_BLOCKS))]
     num_gpu_blocks: Option<u64>,
 
     /// `--engine vllm`: tokens per engine block (vLLM --block-size).
@@ -54,17 +54,19 @@ pub struct ReplayArgs {
     block_size: u64,
 
     /// `--engine vllm`: requests running at once per replica (vLLM
-    /// --max-num-seqs).
-    #[arg(long, value_name = "S", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    /// --max-num-seqs), 1 to 4,294,967,295 as engine-sim takes it.
+    #[arg(long, value_name = "S", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=u64::from(u32::MAX)))]
     max_num_seqs: u64,
 
     /// `--engine vllm`: tokens scheduled per step (vLLM
-    /// --max-num-batched-tokens).
-    #[arg(long, value_name = "T", default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..))]
+    /// --max-num-batched-tokens), 1 to 4,294,967,295 as engine-sim takes
+    /// it.
+    #[arg(long, value_name = "T", default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..=u64::from(u32::MAX)))]
     max_num_batched_tokens: u64,
 
-    /// Tokens per trace block id.
-    #[arg(long, value_name = "T", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Tokens per trace block id, 1 to 4,096 (as the router's
+    /// `routing.blockSize`).
+    #[arg(long, value_name = "T", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=MAX_BLOCK_TOKENS))]
     block_tokens: u64,
 
     /// Routing key: pK (hash of the first K block ids) or session.
@@ -127,6 +129,15 @@ fn parse_slack(s: &str) -> Result<f64, String> {
         _ => Err("expected a number ≥ 0 (inf for no limit)".to_owned()),
     }
 }
+
+/// An engine's blocks at most, as engine-sim's `--num-gpu-blocks` takes
+/// them.
+const MAX_GPU_BLOCKS: u64 = 1 << 26;
+
+/// Tokens per trace block at most: the router's bound on an engine block
+/// (`routing.blockSize`), so a block's tokens times any block count here
+/// fits a `u64` with room to spare.
+const MAX_BLOCK_TOKENS: u64 = kvroute_core::hash::MAX_BLOCK_SIZE as u64;
 
 /// At most this many shared blocks: 1,024 blocks of 512 tokens are half a
 /// million tokens, past any template.
@@ -276,7 +287,27 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
     trace.share_prefix(args.shared_prefix_blocks, args.block_tokens)?;
     let distinct = trace.distinct_blocks();
     let pooled = (args.cache_frac * distinct as f64).floor() as usize;
-    let vllm = (args.engine == "vllm").then(|| {
+    let is_vllm = args.engine == "vllm";
+    // Blocks per replica, in the engine's blocks.
+    let per_replica = |n: u32| match (is_vllm, args.num_gpu_blocks) {
+        (false, _) => pooled / n as usize,
+        (true, Some(b)) => b as usize,
+        (true, None) => {
+            let tokens = pooled as f64 * args.block_tokens as f64;
+            (tokens / args.block_size as f64).floor() as usize / n as usize
+        }
+    };
+    // The fewest replicas get the most blocks each; past what
+    // --num-gpu-blocks takes, the engines' pools would not fit memory.
+    let most = args.replicas.iter().min().map_or(0, |&n| per_replica(n));
+    anyhow::ensure!(
+        !is_vllm || most <= MAX_GPU_BLOCKS as usize,
+        "--engine vllm: --cache-frac {} of {distinct} blocks of {} tokens is {most} engine blocks \
+         per replica, over {MAX_GPU_BLOCKS}; pass --num-gpu-blocks or a smaller --cache-frac",
+        args.cache_frac,
+        args.block_tokens
+    );
+    let vllm = is_vllm.then(|| {
         let config = kvroute_core::engine::Config {
             block_size: args.block_size as usize,
             max_num_seqs: args.max_num_seqs as usize,
@@ -285,15 +316,6 @@ pub fn run(args: &ReplayArgs, out: &mut impl Write) -> anyhow::Result<()> {
         };
         Vllm::new(&trace, config, args.block_tokens)
     });
-    // Blocks per replica, in the engine's blocks.
-    let per_replica = |n: u32| match (&vllm, args.num_gpu_blocks) {
-        (None, _) => pooled / n as usize,
-        (Some(_), Some(b)) => b as usize,
-        (Some(_), None) => {
-            let tokens = pooled as f64 * args.block_tokens as f64;
-            (tokens / args.block_size as f64).floor() as usize / n as usize
-        }
-    };
     let first = trace.requests.first().map_or(0.0, |r| r.arrival_s);
     let last = trace.requests.last().map_or(0.0, |r| r.arrival_s);
     let meta = Meta {

@@ -23,6 +23,10 @@ pub enum KeySource {
     Session,
 }
 
+/// A prefix key's blocks at most: more than any template and first
+/// message, and K plus the shared blocks stays far from overflowing.
+const MAX_KEY_BLOCKS: usize = 1024;
+
 impl std::str::FromStr for KeySource {
     type Err = String;
 
@@ -32,10 +36,12 @@ impl std::str::FromStr for KeySource {
         }
         s.strip_prefix('p')
             .and_then(|k| k.parse::<usize>().ok())
-            .filter(|&k| k > 0)
+            .filter(|k| (1..=MAX_KEY_BLOCKS).contains(k))
             .map(KeySource::Prefix)
             .ok_or_else(|| {
-                format!("expected pK (K ≥ 1 leading block ids, e.g. p2) or session, got {s:?}")
+                format!(
+                    "expected pK (K from 1 to {MAX_KEY_BLOCKS} leading block ids, e.g. p2) or session, got {s:?}"
+                )
             })
     }
 }

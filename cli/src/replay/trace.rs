@@ -41,6 +41,11 @@ pub(super) fn req(t: f64, input: u64, output: u64, ids: &[u64]) -> TraceRequest 
     }
 }
 
+/// A request's prompt or output tokens at most: past any model's context,
+/// and small enough that the engine model's hashes of a prompt fit memory
+/// and no sum of them overflows.
+const MAX_TOKENS: u64 = 1 << 24;
+
 #[derive(Deserialize)]
 struct Line {
     timestamp: f64,
@@ -85,6 +90,14 @@ impl Trace {
             let l: Line = serde_json::from_str(&line).with_context(|| format!("line {}", n + 1))?;
             if !l.timestamp.is_finite() || l.timestamp < 0.0 {
                 bail!("line {}: timestamp {} is not a time", n + 1, l.timestamp);
+            }
+            if l.input_length.max(l.output_length) > MAX_TOKENS {
+                bail!(
+                    "line {}: input_length {} or output_length {} is over {MAX_TOKENS} tokens",
+                    n + 1,
+                    l.input_length,
+                    l.output_length
+                );
             }
             let session_id = match l.session_id {
                 None | Some(serde_json::Value::Null) => None,
@@ -144,7 +157,15 @@ impl Trace {
             .with_context(|| {
                 format!("the trace's block id {largest} leaves no room for {k} shared ids")
             })?;
-        let extra = k as u64 * block_tokens;
+        let longest = self.requests.iter().map(|r| r.input_length).max();
+        let extra = (k as u64)
+            .checked_mul(block_tokens)
+            .filter(|&e| e.checked_add(longest.unwrap_or(0)).is_some())
+            .with_context(|| {
+                format!(
+                    "{k} shared blocks of {block_tokens} tokens overflow a prompt's token count"
+                )
+            })?;
         for r in &mut self.requests {
             r.hash_ids.splice(0..0, template.iter().copied());
             r.input_length += extra;
@@ -271,6 +292,11 @@ mod tests {
         let err = full.share_prefix(2, 512).unwrap_err().to_string();
         assert!(err.contains("no room for 2 shared ids"), "{err}");
         assert_eq!(full.requests[0].hash_ids, vec![u64::MAX - 1]);
+        // Tokens that overflow are refused, the trace unchanged.
+        let mut huge = before.clone();
+        let err = huge.share_prefix(2, u64::MAX / 2).unwrap_err().to_string();
+        assert!(err.contains("overflow"), "{err}");
+        assert_eq!(huge.requests, before.requests);
     }
 
     #[test]
@@ -279,6 +305,12 @@ mod tests {
         let err = format!("{:#}", Trace::parse(text.as_bytes()).unwrap_err());
         assert!(err.starts_with("line 2"), "{err}");
         assert!(Trace::parse("".as_bytes()).is_err());
+        let text = format!(
+            "{{\"timestamp\": 1, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": []}}",
+            u64::MAX
+        );
+        let err = format!("{:#}", Trace::parse(text.as_bytes()).unwrap_err());
+        assert!(err.starts_with("line 1: input_length"), "{err}");
     }
 
     #[test]

@@ -288,3 +288,136 @@ fn routers_and_plots() {
     assert_eq!((width, height), (1120, 560));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Flags past their bounds are usage errors naming the flag (exit 2),
+/// never a panic or a wrapped figure; sizes past what memory holds are
+/// clear errors too.
+#[test]
+fn huge_numbers_are_refused_naming_the_flag() {
+    let dir = temp_dir("huge");
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(&trace, TRACE).unwrap();
+    let trace = trace.to_str().unwrap();
+    let max = u64::MAX.to_string();
+    let usage: [(&str, &[&str]); 8] = [
+        // The issue's: a wrapped figure with the simple engine, a
+        // "capacity overflow" panic with vLLM's.
+        (
+            "--block-tokens",
+            &["--shared-prefix-blocks", "1024", "--block-tokens", &max],
+        ),
+        (
+            "--block-tokens",
+            &[
+                "--shared-prefix-blocks",
+                "1024",
+                "--block-tokens",
+                &max,
+                "--engine",
+                "vllm",
+            ],
+        ),
+        ("--block-tokens", &["--block-tokens", "4097"]),
+        ("--block-tokens", &["--block-tokens", "0"]),
+        ("--key", &["--key", "p18446744073709551615"]),
+        ("--key", &["--key", "p1025"]),
+        (
+            "--max-num-seqs",
+            &["--engine", "vllm", "--max-num-seqs", &max],
+        ),
+        (
+            "--max-num-batched-tokens",
+            &["--engine", "vllm", "--max-num-batched-tokens", &max],
+        ),
+    ];
+    for (flag, flags) in usage {
+        let out = kvroute(&[&["replay", "--trace", trace][..], flags].concat());
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(flag), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{flags:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{flags:?}");
+    }
+
+    // The largest bounds together run, with the prompts' figures exact.
+    let out = kvroute(&[
+        "replay",
+        "--trace",
+        trace,
+        "--shared-prefix-blocks",
+        "1024",
+        "--block-tokens",
+        "4096",
+        "--replicas",
+        "2",
+        "--policies",
+        "round-robin",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("(a template's 4194304 tokens)"), "{stdout}");
+
+    // A trace's own lengths are bounded: a file, not a flag (exit 1).
+    let long = dir.join("long.jsonl");
+    std::fs::write(
+        &long,
+        format!("{{\"timestamp\": 0, \"input_length\": {max}, \"output_length\": 1, \"hash_ids\": [1]}}\n"),
+    )
+    .unwrap();
+    for engine in ["simple", "vllm"] {
+        let out = kvroute(&[
+            "replay",
+            "--trace",
+            long.to_str().unwrap(),
+            "--engine",
+            engine,
+        ]);
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("line 1: input_length"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+
+    // Engine blocks from --cache-frac past what --num-gpu-blocks takes:
+    // 17,500 distinct blocks of 4,096 tokens are 71,680,000 blocks of one
+    // token, refused before any hashing.
+    let wide = dir.join("wide.jsonl");
+    let lines: Vec<String> = (0..5u64)
+        .map(|r| {
+            let ids: Vec<String> = (r * 3500..(r + 1) * 3500).map(|i| i.to_string()).collect();
+            format!(
+                "{{\"timestamp\": {r}, \"input_length\": {}, \"output_length\": 1, \"hash_ids\": [{}]}}",
+                3500 * 4096,
+                ids.join(",")
+            )
+        })
+        .collect();
+    std::fs::write(&wide, lines.join("\n")).unwrap();
+    let out = kvroute(&[
+        "replay",
+        "--trace",
+        wide.to_str().unwrap(),
+        "--engine",
+        "vllm",
+        "--block-tokens",
+        "4096",
+        "--block-size",
+        "1",
+        "--cache-frac",
+        "1",
+        "--replicas",
+        "1",
+    ]);
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("71680000 engine blocks per replica, over 67108864")
+            && stderr.contains("--num-gpu-blocks"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -63,20 +63,23 @@ pub struct Args {
     /// Pods (engine sims) behind every system.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=200))]
     pub pods: u32,
-    /// Each engine's KV cache, blocks of 16 tokens.
-    #[arg(long, default_value_t = NUM_GPU_BLOCKS)]
+    /// Each engine's KV cache, blocks of 16 tokens, 1 to 67,108,864 (as
+    /// engine-sim's `--num-gpu-blocks`).
+    #[arg(long, default_value_t = NUM_GPU_BLOCKS, value_parser = clap::value_parser!(u32).range(1..=(1 << 26)))]
     pub blocks: u32,
     /// kvroute's routers (and a baseline policy's).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
     pub routers: u32,
-    /// Runs of every system; each run starts fresh pods.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Runs of every system, 1 to 100; each run starts fresh pods.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub repeat: u32,
-    /// Tokens of a preamble every assistant's system prompt starts with.
-    #[arg(long, default_value_t = 0)]
-    pub preamble_tokens: usize,
-    /// Seconds sessions keep arriving in each run.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Tokens of a preamble every assistant's system prompt starts with,
+    /// 0 to 16,384 (a session's turns must still fit the engines'
+    /// 32,768-token context).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16_384))]
+    pub preamble_tokens: u32,
+    /// Seconds sessions keep arriving in each run, 1 to 86,400 (a day).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub duration: u64,
     /// Where kvroute's binaries are (as for `report`).
     #[arg(long)]
@@ -299,7 +302,7 @@ async fn one_run(
     };
     let before = engine_requests(&sys).await?;
     let shape = Shape {
-        preamble_tokens: args.preamble_tokens,
+        preamble_tokens: args.preamble_tokens as usize,
         ..Shape::standard(pods, Duration::from_secs(args.duration))
     };
     let samples = load::run(shape, Rotation::new(addrs), Instant::now()).await;

@@ -81,8 +81,9 @@ pub struct Args {
         default_value = "kvroute,min-ttft,round-robin"
     )]
     policies: Vec<String>,
-    /// Tokens per trace block id: a multiple of the engines' block size, 16.
-    #[arg(long, value_name = "T", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Tokens per trace block id: a multiple of the engines' block size, 16,
+    /// up to 4,096 (as `kvroute replay --block-tokens`, which models it).
+    #[arg(long, value_name = "T", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=4096))]
     block_tokens: u64,
     /// Share of the slice's distinct blocks the pool caches, as `kvroute
     /// replay --cache-frac` sizes replicas (each engine is raised to hold

@@ -3,11 +3,15 @@
 //! reads them over a real connection, and falls back to its own prefill
 //! when it cannot.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvroute_engine_sim::Sim;
 use kvroute_engine_sim::transfer::Role;
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use crate::http::{metric, post, sim};
 
@@ -194,6 +198,109 @@ async fn other_blocks_an_unreachable_producer_and_roles_are_respected() {
             .contains("remote_port"),
         "{bad}"
     );
+    producer.shutdown().await;
+    consumer.shutdown().await;
+}
+
+/// A connection to `addr` that sent a request's first header lines and
+/// never the blank line that ends them.
+async fn half_sent(addr: SocketAddr) -> TcpStream {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"GET /v1/kv/e/1 HTTP/1.1\r\nhost: producer\r\n")
+        .await
+        .unwrap();
+    tcp
+}
+
+/// Whether the server closed `tcp` (an end of stream or a reset) by
+/// `deadline`.
+async fn closed_by(mut tcp: TcpStream, deadline: Instant) -> bool {
+    let mut buf = [0u8; 256];
+    loop {
+        match tokio::time::timeout_at(deadline, tcp.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// The prefill leg of a prompt of its own on `producer`, then its decode
+/// leg on `consumer`: whether the consumer loaded the prompt from the
+/// producer.
+async fn transfer(producer: &Sim, consumer: &Sim, n: usize) -> bool {
+    let text = format!("{n} {}", prompt());
+    let mut leg = prefill_leg();
+    leg["prompt"] = json!(text);
+    let (status, answer) = post(producer, "/v1/completions", leg).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut decode = request();
+    decode["prompt"] = json!(text);
+    decode["kv_transfer_params"] = answer["kv_transfer_params"].clone();
+    let (status, done) = post(consumer, "/v1/completions", decode).await;
+    assert_eq!(status, 200, "{done}");
+    done["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == answer["usage"]["prompt_tokens"].as_u64().unwrap() - 1
+}
+
+#[tokio::test]
+async fn half_sent_requests_are_closed_within_10_s_and_transfers_go_on() {
+    let producer = sim(|c| c.kv_role = Role::Producer).await;
+    let consumer = sim(|c| c.kv_role = Role::Consumer).await;
+    // The probe: 300 requests that never finish their headers.
+    let sent = Instant::now();
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        held.push(half_sent(producer.transfer_addr).await);
+    }
+    assert!(
+        transfer(&producer, &consumer, 1).await,
+        "a transfer beside them"
+    );
+
+    // The header-read timeout is 5 s; the bound is 10 s.
+    let deadline = sent + Duration::from_secs(10);
+    let closed = futures_util::future::join_all(held.into_iter().map(|t| closed_by(t, deadline)));
+    let open = closed.await.iter().filter(|c| !**c).count();
+    eprintln!("{open} of 300 half-sent connections open 10 s after they were sent");
+    assert_eq!(open, 0);
+
+    // The consumer's connection idled out meanwhile; transfers go on.
+    assert!(transfer(&producer, &consumer, 2).await);
+    assert_eq!(transfers(&consumer, "ok").await, 2.0);
+    assert_eq!(transfers(&producer, "refused").await, 0.0);
+    producer.shutdown().await;
+    consumer.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_connection_past_the_cap_is_closed_at_once_and_counted() {
+    let producer = sim(|c| {
+        c.kv_role = Role::Producer;
+        c.kv_transfer_max_connections = 4;
+    })
+    .await;
+    let consumer = sim(|c| c.kv_role = Role::Consumer).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(half_sent(producer.transfer_addr).await);
+    }
+    // The fifth is closed long before the 5 s header-read timeout could.
+    let fifth = half_sent(producer.transfer_addr).await;
+    until(|| async { transfers(&producer, "refused").await == 1.0 }).await;
+    assert!(closed_by(fifth, Instant::now() + Duration::from_secs(1)).await);
+    // The transfer that finds the port full reads nothing: its consumer
+    // prefills itself.
+    assert!(!transfer(&producer, &consumer, 1).await);
+    assert_eq!(transfers(&consumer, "failed").await, 1.0);
+
+    // Once the held ones are closed (the header-read timeout), a transfer
+    // gets a place.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for tcp in held {
+        assert!(closed_by(tcp, deadline).await);
+    }
+    assert!(transfer(&producer, &consumer, 2).await);
     producer.shutdown().await;
     consumer.shutdown().await;
 }
