@@ -31,7 +31,8 @@
 //!    in the pass (rule 2 of [`queue`]): a noisy tenant's large request
 //!    waiting for memory does not hold back a quiet tenant's that fits.
 //! 4. **Bounds.** Past `maxQueued` or `maxQueuedBytes`, the lowest band
-//!    sheds first; past its wait limit a request is answered; a request
+//!    sheds first, then, within a band, the largest flow when the
+//!    newcomer's holds fewer; past its wait limit a request is answered; a request
 //!    of negative priority is never held. All get 429 with `Retry-After`
 //!    and the reason as the error's code. A client that goes away while
 //!    held leaves nothing behind: dropping its wait takes it out.

@@ -8,13 +8,13 @@
 //! forwarder itself, the picker by naming the prefill endpoint to llm-d's
 //! routing sidecar.
 
+use std::net::SocketAddr;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-use std::net::SocketAddr;
 
 use kvroute_core::spec::DisaggregationMode;
 
@@ -253,15 +253,14 @@ impl Service {
         match local {
             Some(Outcome::FallbackLocal) => metrics.fallback(Fallback::NoPrefillEndpoint),
             Some(outcome) => metrics.count(outcome),
-            None => {}
+            None => {
+                return Some(Prefill {
+                    cached: a.expected_cached(plan.cached_blocks),
+                    plan,
+                });
+            }
         }
-        if local.is_some() {
-            return None;
-        }
-        Some(Prefill {
-            cached: a.expected_cached(plan.cached_blocks),
-            plan,
-        })
+        None
     }
 
     /// Plans `decision`'s decode leg again once its prefill leg is done,
