@@ -517,7 +517,7 @@ async fn a_short_chat_an_idle_endpoint_can_start_is_not_held_behind_many_prefill
 async fn hung_engine() -> std::net::SocketAddr {
     let app = axum::Router::new()
         .route("/health", axum::routing::get(|| async { "" }))
-        .fallback(|| std::future::pending::<()>());
+        .fallback(std::future::pending::<()>);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
