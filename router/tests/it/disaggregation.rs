@@ -333,21 +333,23 @@ async fn answering_engine(legs: Legs, params: Value) -> std::net::SocketAddr {
     addr
 }
 
+/// A prefill endpoint `p` and a decode endpoint `d`.
+fn pd(
+    prefill: std::net::SocketAddr,
+    decode: std::net::SocketAddr,
+) -> [(&'static str, std::net::SocketAddr, &'static str); 2] {
+    [("p", prefill, "prefill"), ("d", decode, "decode")]
+}
+
 /// A router disaggregating every prompt (approximate mode: every prompt
-/// uncached) from prefill endpoint `prefill` to decode endpoint `decode`.
+/// uncached) among `endpoints` (name, address, role).
 async fn legs_router(
     name: &str,
-    (prefill, decode): (std::net::SocketAddr, std::net::SocketAddr),
+    endpoints: &[(&str, std::net::SocketAddr, &str)],
     tune: impl FnOnce(&mut Config),
 ) -> (kvroute_router::Running, std::path::PathBuf) {
     let dir = temp_dir(name);
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!(
-            "endpoints:\n  - {{name: p, address: '{prefill}', role: prefill}}\n  - {{name: d, address: '{decode}', role: decode}}\n"
-        ),
-    )
-    .unwrap();
+    write_roled_endpoints(&dir, endpoints);
     let mut config: Config = router_config(&dir);
     config.routing.disaggregation = Disaggregation {
         mode: DisaggregationMode::Auto,
@@ -356,7 +358,7 @@ async fn legs_router(
     tune(&mut config);
     let router = kvroute_router::start(config).await.unwrap();
     eventually("the endpoints are loaded", || {
-        router.pool.status().len() == 2
+        router.pool.status().len() == endpoints.len()
     })
     .await;
     (router, dir)
@@ -367,7 +369,7 @@ async fn the_legs_are_vllms_proxys_legs() {
     let legs: Legs = Arc::default();
     let prefill = recording_engine(legs.clone()).await;
     let decode = recording_engine(legs.clone()).await;
-    let (router, dir) = legs_router("split-legs", (prefill, decode), |_| {}).await;
+    let (router, dir) = legs_router("split-legs", &pd(prefill, decode), |_| {}).await;
     let client = reqwest::Client::new();
     let url = format!("http://{}/v1/completions", router.addr());
 
@@ -547,7 +549,7 @@ async fn a_prefill_answer_naming_another_host_is_not_relayed() {
                         "remote_host": "127.0.0.2", "remote_port": 5600});
     let prefill = answering_engine(legs.clone(), params).await;
     let decode = recording_engine(legs.clone()).await;
-    let (router, dir) = legs_router("split-foreign-host", (prefill, decode), |_| {}).await;
+    let (router, dir) = legs_router("split-foreign-host", &pd(prefill, decode), |_| {}).await;
     let url = format!("http://{}/v1/completions", router.addr());
     let request = json!({"model": "m", "prompt": "a long prompt ".repeat(40), "max_tokens": 5});
     let r = reqwest::Client::new()
@@ -572,24 +574,14 @@ async fn hung_prefill_legs_are_cut_at_a_one_token_deadline_and_the_decode_endpoi
     let legs: Legs = Arc::default();
     let (hung_a, hung_b) = (hung_engine().await, hung_engine().await);
     let decode = recording_engine(legs.clone()).await;
-    let dir = temp_dir("split-hung");
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!(
-            "endpoints:\n  - {{name: p0, address: '{hung_a}', role: prefill}}\n  - {{name: p1, address: '{hung_b}', role: prefill}}\n  - {{name: d, address: '{decode}', role: decode}}\n"
-        ),
-    )
-    .unwrap();
-    let mut config: Config = router_config(&dir);
-    config.routing.disaggregation = Disaggregation {
-        mode: DisaggregationMode::Auto,
-        min_uncached_tokens: 1,
-    };
-    config.resilience.hung_after_ms = 1_000;
-    config.limits.first_byte_timeout_ms = 120_000;
-    let router = kvroute_router::start(config).await.unwrap();
-    eventually("the endpoints are loaded", || {
-        router.pool.status().len() == 3
+    let endpoints = [
+        ("p0", hung_a, "prefill"),
+        ("p1", hung_b, "prefill"),
+        ("d", decode, "decode"),
+    ];
+    let (router, dir) = legs_router("split-hung", &endpoints, |c| {
+        c.resilience.hung_after_ms = 1_000;
+        c.limits.first_byte_timeout_ms = 120_000;
     })
     .await;
     let url = format!("http://{}/v1/completions", router.addr());
@@ -638,7 +630,7 @@ async fn a_decode_legs_seat_is_taken_when_it_starts() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let decode = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let (router, dir) = legs_router("split-seats", (prefill, decode), |c| {
+    let (router, dir) = legs_router("split-seats", &pd(prefill, decode), |c| {
         c.limits.endpoint_concurrency = 2;
         c.flow_control.enabled = true;
     })
@@ -669,7 +661,7 @@ async fn a_body_the_router_cannot_read_is_refused_while_disaggregation_is_on() {
     let legs: Legs = Arc::default();
     let prefill = recording_engine(legs.clone()).await;
     let decode = recording_engine(legs.clone()).await;
-    let (router, dir) = legs_router("split-unreadable", (prefill, decode), |_| {}).await;
+    let (router, dir) = legs_router("split-unreadable", &pd(prefill, decode), |_| {}).await;
     // Python's JSON reads NaN; the router's does not.
     let body = r#"{"model": "m", "input": "hi", "temperature": NaN,
                    "kv_transfer_p\u0061rams": {"do_remote_prefill": true, "remote_host": "10.9.9.9"}}"#;

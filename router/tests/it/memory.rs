@@ -8,7 +8,7 @@ use crate::support::child;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::support::{chat, spawn_router, temp_dir, write_endpoints};
+use crate::support::{chat, spawn_router, temp_dir, write_endpoints, write_roled_endpoints};
 use child::memory_kb;
 use serde_json::json;
 
@@ -156,13 +156,7 @@ async fn split_router(
     (prefill, decode): (std::net::SocketAddr, std::net::SocketAddr),
 ) -> (child::Router, std::net::SocketAddr, u64, std::path::PathBuf) {
     let dir = temp_dir(name);
-    std::fs::write(
-        dir.join("endpoints.yaml"),
-        format!(
-            "endpoints:\n  - {{name: p, address: '{prefill}', role: prefill}}\n  - {{name: d, address: '{decode}', role: decode}}\n"
-        ),
-    )
-    .unwrap();
+    write_roled_endpoints(&dir, &[("p", prefill, "prefill"), ("d", decode, "decode")]);
     let yaml = format!(
         "discovery:\n  static:\n    file: {}\n\
          routing:\n  disaggregation:\n    mode: auto\n    minUncachedTokens: 1\n\

@@ -66,6 +66,19 @@ pub fn spawn_router(
     child::spawn(program, &config, &dir.join("router.log"))
 }
 
+/// The static endpoints file in `dir`: each endpoint's name, address and
+/// disaggregation role.
+pub fn write_roled_endpoints(
+    dir: &std::path::Path,
+    endpoints: &[(&str, std::net::SocketAddr, &str)],
+) {
+    let mut yaml = String::from("endpoints:\n");
+    for (name, address, role) in endpoints {
+        yaml += &format!("  - {{name: {name}, address: '{address}', role: {role}}}\n");
+    }
+    std::fs::write(dir.join("endpoints.yaml"), yaml).unwrap();
+}
+
 /// Polls `check` until it holds; fails the test after 10 s.
 pub async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     kvroute_testkit::eventually(what, std::time::Duration::from_secs(10), || {
