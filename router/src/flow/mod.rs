@@ -8,7 +8,9 @@
 //!    (the wait the policy predicts there: queued prefill, KV memory) and
 //!    is under `limits.endpointConcurrency`. Otherwise it waits here. So
 //!    does any request arriving while requests of its priority or higher
-//!    wait: it does not overtake them.
+//!    wait: it does not overtake them. A request under way (its decode
+//!    leg after its prefill, or one an engine refused) is not new: it
+//!    waits only while no endpoint can start it.
 //! 2. **Dispatch.** When an endpoint's load changes (a request starts or
 //!    ends, its engine reports or refuses) and on a timer (predictions
 //!    age), the held requests get turns in the queue's order
@@ -367,7 +369,9 @@ impl Gate {
     /// (rules 1 to 4); 503 when no endpoint is routable, 429 when shed.
     /// `again`: the request was planned before (an engine refused it,
     /// [`kvroute_core::admission`], or this is its prefill leg after its
-    /// decode leg); it is not counted as arriving again.
+    /// decode leg, or its decode leg after its prefill); it is not counted
+    /// as arriving again, and its decode leg is not held behind others
+    /// (rule 1).
     pub(crate) async fn plan(
         &self,
         pool: &Pool,
@@ -389,7 +393,7 @@ impl Gate {
                 state.reserve.saw(priority, blocks, now);
                 state.shares.saw(flow, now);
             }
-            state.queue.ahead(priority)
+            !(again && leg == Leg::Decode) && state.queue.ahead(priority)
         };
         let because = if ahead {
             "requests_ahead"
